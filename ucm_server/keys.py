@@ -1,0 +1,63 @@
+"""Block keys and namespaces: the fixed-size identities every tier stores blocks under.
+
+A key is the 32-byte digest of a block's token prefix (vLLM's ``request.block_hashes`` or a digest of
+them); a namespace is the 16-byte digest of everything that makes KV bytes incompatible (model, dtype,
+layout, block size, TP rank...). Both are fixed-size so a tier can lay them out without parsing and a
+wrong size is caught at the edge, with the offending index named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+from ucm_server.api.errors import InvalidArgument
+
+KEY_BYTES = 32
+NAMESPACE_BYTES = 16
+
+Namespace = NewType("Namespace", bytes)
+Digest = NewType("Digest", bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """One block's identity: ``namespace`` (16 bytes) + ``digest`` (32 bytes)."""
+
+    namespace: Namespace
+    digest: Digest
+
+    def hex(self) -> str:
+        """``<namespace hex>/<digest hex>``, the form ``ucm-admin`` prints and accepts."""
+        return f"{self.namespace.hex()}/{self.digest.hex()}"
+
+    @classmethod
+    def from_hex(cls, text: str) -> BlockKey:
+        """Parse the ``<namespace hex>/<digest hex>`` form; errors name what is wrong."""
+        ns_hex, sep, key_hex = text.partition("/")
+        if not sep:
+            raise InvalidArgument(f"block key {text!r}: expected '<namespace hex>/<key hex>'")
+        try:
+            ns, digest = bytes.fromhex(ns_hex), bytes.fromhex(key_hex)
+        except ValueError as exc:
+            raise InvalidArgument(f"block key {text!r}: not hexadecimal ({exc})") from exc
+        return cls(check_namespace(ns), check_digest(digest))
+
+
+def check_namespace(value: bytes) -> Namespace:
+    if len(value) != NAMESPACE_BYTES:
+        raise InvalidArgument(f"namespace must be {NAMESPACE_BYTES} bytes, got {len(value)}")
+    return Namespace(bytes(value))
+
+
+def check_digest(value: bytes, index: int | None = None) -> Digest:
+    if len(value) != KEY_BYTES:
+        where = f"keys[{index}]" if index is not None else "key"
+        raise InvalidArgument(f"{where} must be {KEY_BYTES} bytes, got {len(value)}")
+    return Digest(bytes(value))
+
+
+def make_keys(namespace: bytes, digests: list[bytes]) -> list[BlockKey]:
+    """Validate a batch of digests under one namespace, naming the first bad index."""
+    ns = check_namespace(namespace)
+    return [BlockKey(ns, check_digest(d, i)) for i, d in enumerate(digests)]

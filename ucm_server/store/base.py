@@ -1,0 +1,198 @@
+"""The one small interface every storage tier implements.
+
+A tier stores opaque blocks under :class:`~ucm_server.keys.BlockKey`. It offers eight async
+primitives — ``open``, ``close``, ``lookup``, ``read_into``, ``write_from``, ``delete``,
+``list_blocks``, ``stats`` — and everything else (batches, verification) is derived here in the base
+class, where a backend overrides it only to go faster. Capabilities are class flags, never optional
+methods that raise at run time.
+
+Bytes move through *iovecs*: a sequence of writable (or readable) memoryviews whose concatenation is
+the block. A block whose layers sit apart in the client's memory is thus copied straight to and from
+those places, with no staging buffer, and POSIX tiers hand the iovec to ``preadv``/``pwritev``.
+
+Missing is a value and failures are data: reads and writes return a :class:`BlockResult`, they do not
+raise for a missing or corrupt block. Exceptions are for programming errors and for a tier that cannot
+start at all.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from ucm_server.keys import BlockKey, Namespace
+
+T = TypeVar("T")
+
+IoVec = Sequence[memoryview]
+"""A block's bytes as an ordered list of memory segments (scatter/gather)."""
+
+
+def iov_len(iov: IoVec) -> int:
+    return sum(m.nbytes for m in iov)
+
+
+def copy_iov(dst: IoVec, src: IoVec) -> None:
+    """Copy ``src`` into ``dst`` (equal total length) segment by segment, splitting where they differ."""
+    di = si = doff = soff = 0
+    while di < len(dst) and si < len(src):
+        d, s = dst[di], src[si]
+        n = min(d.nbytes - doff, s.nbytes - soff)
+        d[doff : doff + n] = s[soff : soff + n]
+        doff += n
+        soff += n
+        if doff == d.nbytes:
+            di, doff = di + 1, 0
+        if soff == s.nbytes:
+            si, soff = si + 1, 0
+
+
+class BlockState(enum.IntEnum):
+    """Outcome of one block in a read, write or task; values match ``ucm.v1.BlockStatus``."""
+
+    PENDING = 1
+    OK = 2
+    MISSING = 3
+    FAILED = 4
+    CANCELLED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResult:
+    state: BlockState
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state is BlockState.OK
+
+
+OK = BlockResult(BlockState.OK)
+MISSING = BlockResult(BlockState.MISSING)
+
+
+def failed(reason: str) -> BlockResult:
+    return BlockResult(BlockState.FAILED, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What a tier knows about one stored block, without reading its payload."""
+
+    key: BlockKey
+    size: int
+    tier: str
+    stored_at: float = 0.0
+    checksum: int | None = None
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters a tier keeps; ``ucm-admin stats`` and the Prometheus exporter read these."""
+
+    name: str
+    kind: str
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    errors: int = 0
+    corrupt: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class Tier(abc.ABC):
+    """A storage tier. Subclasses implement the eight primitives; batches come from here."""
+
+    kind: ClassVar[str]
+    """Name used in ``store_pipeline`` (``"Cache"``, ``"Posix"``...)."""
+    persistent: ClassVar[bool] = False
+    """Blocks survive a daemon restart."""
+    shared: ClassVar[bool] = False
+    """Other nodes' daemons write to it too: a local index cannot answer lookups alone."""
+    max_concurrency: ClassVar[int] = 16
+    """How many single-block operations the default batch helpers run at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    # -- the primitives -------------------------------------------------------------------------------
+    async def open(self) -> None:  # noqa: B027 - optional hook with a sensible default
+        """Prepare the tier (rebuild indexes, connect). Raise only if it cannot serve at all."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Flush and release resources; the tier is not used afterwards."""
+
+    @abc.abstractmethod
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Size of each stored block, ``None`` where absent. Local tiers answer from memory."""
+
+    @abc.abstractmethod
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        """Copy the block into ``dest`` (whose total length must equal the block's size)."""
+
+    @abc.abstractmethod
+    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
+        """Store ``src`` as the block; visible to readers only once completely written."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove blocks; returns how many existed."""
+
+    @abc.abstractmethod
+    def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
+        """Every block (of ``namespace`` if given), in no promised order."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's counters."""
+
+    # -- derived helpers (override only to go faster) ---------------------------------------------------
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Read a batch. Default: ``read_into`` per block, ``max_concurrency`` at a time."""
+        return await _bounded_gather(self.max_concurrency, [self.read_into(k, d) for k, d in items])
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Write a batch. Default: ``write_from`` per block, ``max_concurrency`` at a time."""
+        return await _bounded_gather(self.max_concurrency, [self.write_from(k, s) for k, s in items])
+
+    async def info(self, key: BlockKey) -> BlockInfo | None:
+        """Metadata of one block. Default: a lookup (no checksum known)."""
+        (size,) = await self.lookup([key])
+        return None if size is None else BlockInfo(key=key, size=size, tier=self.name)
+
+    async def verify(self, key: BlockKey) -> BlockResult:
+        """Re-check a block's integrity. Default: read it into scratch memory (tiers that
+        checksum on read report corruption there)."""
+        (size,) = await self.lookup([key])
+        if size is None:
+            return MISSING
+        return await self.read_into(key, [memoryview(bytearray(size))])
+
+    async def evict(self, nbytes: int) -> int:
+        """Free at least ``nbytes`` by the tier's eviction policy; returns bytes freed.
+        Default: tiers without a policy free nothing."""
+        return 0
+
+
+async def _bounded_gather(limit: int, coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    sem = asyncio.Semaphore(limit)
+
+    async def run(c: Coroutine[Any, Any, T]) -> T:
+        async with sem:
+            return await c
+
+    return list(await asyncio.gather(*(run(c) for c in coros)))
