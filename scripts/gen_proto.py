@@ -37,7 +37,7 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    written = sorted(p for p in out_root.rglob("*") if p.suffix in {".py", ".pyi"})
+    written = sorted(p for p in (out_root / "ucm").rglob("*") if p.suffix in {".py", ".pyi"})
     for path in written:
         text = path.read_text()
         text = text.replace("from ucm.v1 import", f"from {PACKAGE}.ucm.v1 import")
