@@ -1,0 +1,326 @@
+"""``AsyncUcmClient``: the asyncio client of the daemon; ``UcmClient`` (in ``sync.py``) wraps it.
+
+The client holds one gRPC channel and one session (the ``Attach`` stream). Regions are registered
+through it and remembered, so when the daemon restarts the client attaches again and re-registers every
+region on the next call — callers keep using the same region handles. Errors arrive as the domain
+exceptions of :mod:`ucm_client.errors`, carrying the daemon's reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from ucm_client.buffers import SharedBuffer
+from ucm_client.types import BlockIO, LookupResult, TaskResult, as_batch
+from ucm_server.api.errors import FailedPrecondition, InvalidArgument, UcmError, Unavailable, error_for_status
+from ucm_server.api.paths import target_for
+from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SESSION_METADATA = "ucm-session"
+MAX_MESSAGE_BYTES = 512 << 20
+
+
+@dataclass(slots=True)
+class _RegionRecord:
+    shm_name: str
+    size: int
+    label: str
+    server_id: int
+
+
+class AsyncUcmClient:
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | None = None,
+        *,
+        client_name: str = "ucm-client",
+        connect_timeout_s: float = 5.0,
+        rpc_timeout_s: float = 60.0,
+    ) -> None:
+        self.target = target_for(target)
+        self.client_name = client_name
+        self.connect_timeout_s = connect_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._channel: aio.Channel | None = None
+        self._kv: rpc.KVStoreStub | None = None
+        self._admin: rpc.AdminStub | None = None
+        self._session_id: str | None = None
+        self._session_task: asyncio.Task[None] | None = None
+        self._regions: dict[int, _RegionRecord] = {}
+        self._next_handle = 1
+        self._lock: asyncio.Lock | None = None
+        self.server_version = ""
+
+    # -- connection -----------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._session_id is not None
+
+    async def connect(self) -> None:
+        """Open the channel and the session; raises :class:`Unavailable` if no daemon answers."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._session_id is not None:
+                return
+            await self._close_channel()
+            channel = aio.insecure_channel(
+                self.target,
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
+            except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
+                await channel.close()
+                raise Unavailable(f"no ucm-server answering at {self.target} (is it running? try `ucm-server`)") from None
+            self._channel = channel
+            self._kv = rpc.KVStoreStub(channel)
+            self._admin = rpc.AdminStub(channel)
+            stream = self._kv.Attach(pb.AttachRequest(client_name=self.client_name, pid=os.getpid()))
+            try:
+                first = await asyncio.wait_for(stream.read(), self.connect_timeout_s)
+            except (TimeoutError, grpc.RpcError) as exc:
+                await self._close_channel()
+                raise Unavailable(f"ucm-server at {self.target} did not open a session: {exc}") from None
+            if first is aio.EOF:
+                await self._close_channel()
+                raise Unavailable(f"ucm-server at {self.target} closed the session at once")
+            self._session_id = first.session_id
+            self.server_version = first.server_version
+            self._session_task = asyncio.create_task(self._watch(stream))
+            for record in self._regions.values():  # after a daemon restart: register again
+                resp = await self._kv.RegisterRegion(
+                    pb.RegisterRegionRequest(shm_name=record.shm_name, size=record.size, label=record.label),
+                    metadata=self._metadata(),
+                    timeout=self.rpc_timeout_s,
+                )
+                record.server_id = resp.region_id
+
+    async def _watch(self, stream: Any) -> None:
+        try:
+            while await stream.read() is not aio.EOF:
+                pass  # heartbeats
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            self._session_id = None  # the next call reconnects
+
+    async def _close_channel(self) -> None:
+        if self._session_task is not None:
+            self._session_task.cancel()
+            await asyncio.gather(self._session_task, return_exceptions=True)
+            self._session_task = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        self._session_id = None
+
+    async def close(self) -> None:
+        await self._close_channel()
+
+    async def __aenter__(self) -> AsyncUcmClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SESSION_METADATA, self._session_id or ""),)
+
+    async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
+        """Run one RPC; map errors; on a lost daemon or session reconnect once and retry."""
+        if self._session_id is None:
+            await self.connect()
+        try:
+            return await fn()
+        except grpc.RpcError as exc:
+            err = _domain_error(exc)
+        if retry and isinstance(err, Unavailable | FailedPrecondition) and _session_lost(err):
+            self._session_id = None
+            await self.connect()
+            try:
+                return await fn()
+            except grpc.RpcError as exc:
+                raise _domain_error(exc) from None
+        raise err
+
+    @property
+    def kv(self) -> rpc.KVStoreStub:
+        assert self._kv is not None
+        return self._kv
+
+    @property
+    def admin(self) -> rpc.AdminStub:
+        if self._admin is None:
+            raise Unavailable("not connected")
+        return self._admin
+
+    # -- regions --------------------------------------------------------------------------------------
+    async def register(self, buffer: SharedBuffer | str, size: int | None = None, *, label: str = "") -> int:
+        """Register shared memory; returns a handle for :class:`~ucm_client.types.Segment` ``region``."""
+        if isinstance(buffer, SharedBuffer):
+            shm_name, size, label = buffer.name, buffer.size, label or buffer.label
+        else:
+            shm_name = buffer
+            if size is None:
+                raise InvalidArgument("register(name) needs the region size")
+        resp = await self._call(
+            lambda: self.kv.RegisterRegion(
+                pb.RegisterRegionRequest(shm_name=shm_name, size=size, label=label),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
+            )
+        )
+        handle = self._next_handle
+        self._next_handle += 1
+        self._regions[handle] = _RegionRecord(shm_name, size, label, resp.region_id)
+        return handle
+
+    async def unregister(self, handle: int) -> None:
+        record = self._regions.pop(handle, None)
+        if record is None:
+            raise InvalidArgument(f"region handle {handle} is not registered")
+        if self._session_id is not None:
+            await self._call(
+                lambda: self.kv.UnregisterRegion(
+                    pb.UnregisterRegionRequest(region_id=record.server_id),
+                    metadata=self._metadata(),
+                    timeout=self.rpc_timeout_s,
+                ),
+                retry=False,
+            )
+
+    def _server_ids(self) -> dict[int, int]:
+        return {h: r.server_id for h, r in self._regions.items()}
+
+    # -- the store ------------------------------------------------------------------------------------
+    async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
+        resp = await self._call(
+            lambda: self.kv.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s)
+        )
+        return LookupResult(present=list(resp.present), hit_prefix=resp.hit_prefix)
+
+    async def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
+        """Start copying blocks from the store into registered memory; returns the task id."""
+        resp = await self._call(
+            lambda: self.kv.Load(
+                pb.LoadRequest(blocks=as_batch(namespace, blocks, self._server_ids())),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
+            )
+        )
+        return int(resp.task_id)
+
+    async def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
+        """Start storing blocks from registered memory; returns the task id."""
+        resp = await self._call(
+            lambda: self.kv.Dump(
+                pb.DumpRequest(blocks=as_batch(namespace, blocks, self._server_ids()), wait_durable=wait_durable),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
+            )
+        )
+        return int(resp.task_id)
+
+    async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        resp = await self._call(
+            lambda: self.kv.Prefetch(
+                pb.PrefetchRequest(namespace=namespace, keys=keys), metadata=self._metadata(), timeout=self.rpc_timeout_s
+            )
+        )
+        return int(resp.task_id)
+
+    async def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
+        """Wait up to ``timeout_s`` (may be called again); ``done`` is False if it timed out."""
+        resp = await self._call(
+            lambda: self.kv.Wait(
+                pb.WaitRequest(task_id=task_id, timeout_s=timeout_s, cancel_on_timeout=cancel_on_timeout),
+                metadata=self._metadata(),
+                timeout=timeout_s + self.rpc_timeout_s,
+            ),
+            retry=False,
+        )
+        return TaskResult.from_pb(resp)
+
+    async def check(self, task_id: int) -> TaskResult:
+        resp = await self._call(
+            lambda: self.kv.Check(pb.TaskHandle(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s),
+            retry=False,
+        )
+        return TaskResult.from_pb(resp)
+
+    async def cancel(self, task_id: int) -> TaskResult:
+        """Stop a task; when this returns the daemon no longer touches the task's memory."""
+        resp = await self._call(
+            lambda: self.kv.Cancel(pb.CancelRequest(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s),
+            retry=False,
+        )
+        return TaskResult.from_pb(resp)
+
+    async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        resp = await self._call(
+            lambda: self.kv.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s)
+        )
+        return int(resp.deleted)
+
+    # -- the slow path (bytes in messages) ----------------------------------------------------------------
+    async def put_blocks(self, namespace: bytes, items: Sequence[tuple[bytes, bytes]]) -> TaskResult:
+        """Store ``(key, data)`` pairs by sending the bytes over gRPC (slow: for remote clients)."""
+
+        async def call() -> pb.PutBlocksReply:
+            reqs = [pb.BlockBytes(namespace=namespace, key=k, data=d) for k, d in items]
+            return await self.kv.PutBlocks(iter(reqs), timeout=self.rpc_timeout_s)
+
+        reply = await self._call(call)
+        states = [pb.BlockStatus.Name(s) for s in reply.block_status]
+        from ucm_server.store.base import BlockState
+
+        return TaskResult(
+            task_id=0,
+            done=True,
+            cancelled=False,
+            states=[BlockState[s.removeprefix("BLOCK_")] for s in states],
+            reasons=dict(reply.reasons),
+        )
+
+    async def get_blocks(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Fetch blocks' bytes over gRPC (slow path); ``None`` where missing or failed."""
+
+        async def call() -> list[bytes | None]:
+            out: list[bytes | None] = [None] * len(keys)
+            async for reply in self.kv.GetBlocks(pb.GetBlocksRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s):
+                if reply.status == pb.BLOCK_OK:
+                    out[reply.index] = reply.data
+            return out
+
+        return await self._call(call)
+
+    # -- admin ----------------------------------------------------------------------------------------
+    async def stats(self) -> pb.StatsResponse:
+        return await self._call(lambda: self.admin.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s))
+
+
+def _domain_error(exc: grpc.RpcError) -> UcmError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_for_status(code, detail or "")
+
+
+def _session_lost(err: UcmError) -> bool:
+    return isinstance(err, Unavailable) or "not attached" in err.message

@@ -1,0 +1,119 @@
+"""``UcmClient``: the blocking client, for code that is not async (vLLM's connector, scripts).
+
+It runs an :class:`AsyncUcmClient` on a private event loop in a daemon thread and forwards each call,
+so both APIs share one implementation (and one session). Thread-safe: calls from several threads are
+serialised by the loop, not by a lock held across the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from ucm_client.buffers import SharedBuffer
+from ucm_client.client import AsyncUcmClient
+from ucm_client.types import BlockIO, LookupResult, TaskResult
+from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+
+T = TypeVar("T")
+
+
+class UcmClient:
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | None = None,
+        *,
+        client_name: str = "ucm-client",
+        connect_timeout_s: float = 5.0,
+        rpc_timeout_s: float = 60.0,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
+        self._thread.start()
+        self._async = self._run(
+            _make(target, client_name=client_name, connect_timeout_s=connect_timeout_s, rpc_timeout_s=rpc_timeout_s)
+        )
+        self._closed = False
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return self._async.target
+
+    @property
+    def connected(self) -> bool:
+        return self._async.connected
+
+    @property
+    def aio(self) -> AsyncUcmClient:
+        """The async client underneath (its coroutines must run on this client's loop)."""
+        return self._async
+
+    def connect(self) -> UcmClient:
+        self._run(self._async.connect())
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._async.close(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> UcmClient:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def register(self, buffer: SharedBuffer | str, size: int | None = None, *, label: str = "") -> int:
+        return self._run(self._async.register(buffer, size, label=label))
+
+    def unregister(self, handle: int) -> None:
+        self._run(self._async.unregister(handle))
+
+    def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
+        return self._run(self._async.lookup(namespace, keys))
+
+    def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
+        return self._run(self._async.load(namespace, blocks))
+
+    def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
+        return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+
+    def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return self._run(self._async.prefetch(namespace, keys))
+
+    def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
+        return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
+
+    def check(self, task_id: int) -> TaskResult:
+        return self._run(self._async.check(task_id))
+
+    def cancel(self, task_id: int) -> TaskResult:
+        return self._run(self._async.cancel(task_id))
+
+    def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return self._run(self._async.delete(namespace, keys))
+
+    def put_blocks(self, namespace: bytes, items: Sequence[tuple[bytes, bytes]]) -> TaskResult:
+        return self._run(self._async.put_blocks(namespace, items))
+
+    def get_blocks(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self._run(self._async.get_blocks(namespace, keys))
+
+    def stats(self) -> pb.StatsResponse:
+        return self._run(self._async.stats())
+
+
+async def _make(target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
+    return AsyncUcmClient(target, **kwargs)  # built on the loop it will run on

@@ -1,0 +1,135 @@
+"""Typed values of the client API: block descriptions in, task results and lookups out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ucm_server.api.errors import InvalidArgument
+from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES
+from ucm_server.store.base import BlockState
+
+__all__ = [
+    "KEY_BYTES",
+    "NAMESPACE_BYTES",
+    "BlockIO",
+    "BlockState",
+    "LookupResult",
+    "Segment",
+    "TaskResult",
+    "key_digest",
+    "namespace_id",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``length`` bytes at ``offset`` of the registered region ``region`` (a client-side handle)."""
+
+    region: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockIO:
+    """One block: its 32-byte key and where its bytes are, in order (one segment per layer, say)."""
+
+    key: bytes
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    present: list[bool]
+    hit_prefix: int
+
+    @property
+    def hits(self) -> int:
+        return sum(self.present)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """Where a task stands; per-block states are data, not exceptions."""
+
+    task_id: int
+    done: bool
+    cancelled: bool
+    states: list[BlockState]
+    reasons: dict[int, str] = field(default_factory=dict)
+    bytes_done: int = 0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Finished with every block OK."""
+        return self.done and all(s is BlockState.OK for s in self.states)
+
+    def indices(self, state: BlockState) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s is state]
+
+    @classmethod
+    def from_pb(cls, msg: pb.TaskStatus) -> TaskResult:
+        return cls(
+            task_id=msg.task_id,
+            done=msg.state != pb.TASK_RUNNING,
+            cancelled=msg.state == pb.TASK_CANCELLED,
+            states=[BlockState(s) for s in msg.block_status],
+            reasons=dict(msg.reasons),
+            bytes_done=msg.bytes_done,
+            elapsed_s=msg.elapsed_s,
+        )
+
+
+def namespace_id(**fields: str | int | float | bool) -> bytes:
+    """The 16-byte namespace of everything that makes KV bytes incompatible (model, dtype, layout...).
+
+    Fields are sorted, so argument order does not matter; any change of any value gives another namespace.
+    """
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=NAMESPACE_BYTES).digest()
+
+
+def key_digest(*parts: bytes | str | int) -> bytes:
+    """A 32-byte key from arbitrary parts (for callers whose own hashes are not 32 bytes)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    for p in parts:
+        data = p if isinstance(p, bytes) else str(p).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: dict[int, int]) -> pb.BlockBatch:
+    """Column-wise protobuf batch, translating client region handles to the daemon's ids."""
+    counts: list[int] = []
+    regions: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    single = all(len(b.segments) == 1 for b in blocks)
+    for b in blocks:
+        if not single:
+            counts.append(len(b.segments))
+        for s in b.segments:
+            try:
+                regions.append(server_ids[s.region])
+            except KeyError:
+                raise InvalidArgument(f"block {b.key.hex()[:16]}: region handle {s.region} is not registered") from None
+            offsets.append(s.offset)
+            lengths.append(s.length)
+    return pb.BlockBatch(
+        namespace=namespace,
+        keys=[b.key for b in blocks],
+        segment_counts=counts,
+        region_ids=regions,
+        offsets=offsets,
+        lengths=lengths,
+    )

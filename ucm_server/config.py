@@ -1,0 +1,299 @@
+"""The daemon's configuration: one typed dataclass, loaded from defaults < YAML < ``UCM_*`` env < flags.
+
+Every field documents itself (``help`` metadata), which is what ``ucm-server --help``, ``--print-config``
+and the README's configuration reference are generated from. Unknown keys and bad values stop
+start-up with a :class:`ConfigError` that names the key and where it came from; nothing is silently
+ignored.
+
+YAML may use the flat form (``store_pipeline: "Cache|Posix"``) or the seed ``001`` form
+(``ucm_connectors: [{ucm_connector_name: ..., ucm_connector_config: {...}}]``), whose first connector
+config is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from ucm_server.api.errors import ConfigError
+from ucm_server.api.paths import default_data_dir, default_socket_path
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+KNOWN_TIERS = ("Cache", "Posix", "DS3FS", "Mooncake", "S3")
+# UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
+_CLIENT_ENV = {"UCM_CONFIG_FILE", "UCM_LOG_LEVEL", "UCM_TOKEN", "UCM_TARGET", "UCM_CONNECTOR_STRICT"}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: object, key: str = "size") -> int:
+    """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5 GB"`` (1024-based either way)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '4GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must not be negative, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * 1024 ** " kmgtp".index(unit or " "))
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Every setting of ``ucm-server``; see each field's help."""
+
+    socket: Path = field(
+        default_factory=default_socket_path,
+        metadata=_help("Unix socket the daemon listens on (mode 0600, parent directory 0700)."),
+    )
+    listen: str = field(
+        default="",
+        metadata=_help("Also listen on TCP host:port. Needs tls_cert/tls_key, or insecure: true."),
+    )
+    insecure: bool = field(
+        default=False, metadata=_help("Allow a TCP listener without TLS (logs a warning).")
+    )
+    tls_cert: str = field(default="", metadata=_help("PEM server certificate for the TCP listener."))
+    tls_key: str = field(default="", metadata=_help("PEM private key for tls_cert."))
+    tls_client_ca: str = field(
+        default="", metadata=_help("PEM CA bundle; when set, TCP clients must present a certificate.")
+    )
+    data_dir: Path = field(
+        default_factory=default_data_dir,
+        metadata=_help("State directory; the Posix tier defaults to <data_dir>/blocks."),
+    )
+    store_pipeline: str = field(
+        default="Cache|Posix",
+        metadata=_help(f"Tiers from fastest to slowest, '|'-separated; known: {', '.join(KNOWN_TIERS)}."),
+    )
+    storage_backends: str = field(
+        default="",
+        metadata=_help("Posix tier root directories, ':'-separated, blocks striped by key. "
+                       "Empty = <data_dir>/blocks."),
+    )
+    cache_capacity: int = field(
+        default=1 << 30, metadata=_help("Bytes of host memory for the Cache tier (e.g. '8GiB').", size=True)
+    )
+    cache_page_size: int = field(
+        default=64 << 10,
+        metadata=_help("Allocation unit of the Cache arena; a block uses whole pages.", size=True),
+    )
+    posix_capacity: int = field(
+        default=0, metadata=_help("Bytes the Posix tier may hold before it evicts (0 = no limit).", size=True)
+    )
+    write_mode: Literal["write-back", "write-through"] = field(
+        default="write-back",
+        metadata=_help("write-back: a dump completes in the top tier and flows down in the background; "
+                       "write-through: it completes only once in every tier."),
+    )
+    durable: bool = field(
+        default=True, metadata=_help("fsync block files and their directories before they become visible.")
+    )
+    io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
+    max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
+    max_block_bytes: int = field(
+        default=256 << 20, metadata=_help("Largest block accepted.", size=True)
+    )
+    task_retention_s: float = field(
+        default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
+    )
+    heartbeat_interval_s: float = field(
+        default=5.0, metadata=_help("Interval of session heartbeats sent to clients.")
+    )
+    metrics_address: str = field(
+        default="127.0.0.1:9464",
+        metadata=_help("host:port of the Prometheus endpoint; 'off' disables it, port 0 picks a free one."),
+    )
+    log_level: str = field(
+        default="INFO",
+        metadata=_help("DEBUG, INFO, WARNING or ERROR (env UNIFIED_CACHE_LOG_LEVEL or UCM_LOG_LEVEL)."),
+    )
+    log_format: Literal["text", "json"] = field(default="text", metadata=_help("Log line format."))
+    tier_settings: dict[str, dict[str, Any]] = field(
+        default_factory=dict,
+        metadata=_help("Per-tier settings for shared tiers, keyed by tier name (e.g. {S3: {bucket: ...}})."),
+    )
+
+    # -- derived ----------------------------------------------------------------------------------------
+    @property
+    def tiers(self) -> list[str]:
+        return [t.strip() for t in self.store_pipeline.split("|")]
+
+    @property
+    def posix_roots(self) -> list[Path]:
+        if not self.storage_backends:
+            return [self.data_dir / "blocks"]
+        return [Path(p) for p in self.storage_backends.split(":") if p]
+
+    def validate(self) -> ServerConfig:
+        tiers = self.tiers
+        for t in tiers:
+            if t not in KNOWN_TIERS:
+                raise ConfigError(
+                    f"store_pipeline: unknown tier {t!r} in {self.store_pipeline!r}; known: {', '.join(KNOWN_TIERS)}"
+                )
+        if len(set(tiers)) != len(tiers):
+            raise ConfigError(f"store_pipeline: a tier appears twice in {self.store_pipeline!r}")
+        if "Cache" in tiers and tiers[0] != "Cache":
+            raise ConfigError(f"store_pipeline: Cache must be the first tier, got {self.store_pipeline!r}")
+        if self.cache_page_size < 4096 or self.cache_page_size & (self.cache_page_size - 1):
+            raise ConfigError(f"cache_page_size: must be a power of two >= 4096, got {self.cache_page_size}")
+        if "Cache" in tiers and self.cache_capacity < self.cache_page_size:
+            raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
+        for name in ("io_threads", "max_batch_blocks", "max_block_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("task_retention_s", "heartbeat_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.listen:
+            _check_host_port("listen", self.listen)
+            if not self.insecure and not (self.tls_cert and self.tls_key):
+                raise ConfigError(
+                    "listen: a TCP listener needs tls_cert and tls_key, or insecure: true to run without TLS"
+                )
+        if self.metrics_address not in ("", "off"):
+            _check_host_port("metrics_address", self.metrics_address)
+        unknown = set(self.tier_settings) - set(KNOWN_TIERS)
+        if unknown:
+            raise ConfigError(f"tier_settings: unknown tier(s) {sorted(unknown)}; known: {', '.join(KNOWN_TIERS)}")
+        return self
+
+
+def _check_host_port(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{key}: expected host:port, got {value!r}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+_HINTS = get_type_hints(ServerConfig)
+
+
+def _coerce(key: str, raw: object, source: str) -> Any:
+    """Turn a YAML/env/flag value into the field's type, naming key and source on failure."""
+    f, hint = FIELDS[key], _HINTS[key]
+    where = f"{key} (from {source})"
+    if f.metadata.get("size"):
+        return parse_size(raw, where)
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
+    if hint in (int, float):
+        try:
+            return hint(raw)  # type: ignore[operator]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
+    if hint is Path:
+        return Path(os.path.expanduser(str(raw)))
+    if get_origin(hint) is Literal:
+        choices = get_args(hint)
+        if raw not in choices:
+            raise ConfigError(f"{where}: {raw!r} is not one of {', '.join(map(str, choices))}")
+        return raw
+    if get_origin(hint) is dict:
+        if isinstance(raw, str):
+            raw = yaml.safe_load(raw)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+        return raw
+    if not isinstance(raw, str | int | float):
+        raise ConfigError(f"{where}: expected a string, got {raw!r}")
+    return str(raw)
+
+
+def _from_mapping(values: Mapping[str, object], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in FIELDS:
+            raise ConfigError(f"unknown key {key!r} in {source}; known keys: {', '.join(FIELDS)}")
+        out[key] = _coerce(key, raw, source)
+    return out
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}")
+    if "ucm_connectors" in doc:  # seed 001 format: take the first connector's config
+        connectors = doc["ucm_connectors"]
+        if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):
+            raise ConfigError(f"config file {path}: ucm_connectors must be a non-empty list of mappings")
+        inner = connectors[0].get("ucm_connector_config", {})
+        if not isinstance(inner, dict):
+            raise ConfigError(f"config file {path}: ucm_connector_config must be a mapping")
+        return _from_mapping(inner, f"{path} (ucm_connectors[0].ucm_connector_config)")
+    return _from_mapping(doc, str(path))
+
+
+def read_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """Known ``UCM_*`` settings, and the names of unknown ``UCM_*`` variables (to warn about)."""
+    out: dict[str, Any] = {}
+    unknown: list[str] = []
+    for name, raw in environ.items():
+        if not name.startswith("UCM_") or name in _CLIENT_ENV:
+            continue
+        key = name[4:].lower()
+        if key in FIELDS:
+            out[key] = _coerce(key, raw, f"environment {name}")
+        else:
+            unknown.append(name)
+    level = environ.get("UNIFIED_CACHE_LOG_LEVEL") or environ.get("UCM_LOG_LEVEL")
+    if level:
+        out["log_level"] = level
+    return out, unknown
+
+
+def load_config(
+    config_file: Path | None = None,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[ServerConfig, list[str]]:
+    """Defaults < YAML < env < ``overrides`` (command-line flags). Returns the config and warnings."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        values.update(read_yaml(config_file))
+    env_values, unknown_env = read_env(os.environ if environ is None else environ)
+    values.update(env_values)
+    if overrides:
+        values.update(_from_mapping({k: v for k, v in overrides.items() if v is not None}, "command line"))
+    warnings = [f"ignoring unknown environment variable {n} (not a ucm-server setting)" for n in unknown_env]
+    return ServerConfig(**values).validate(), warnings
+
+
+def describe(config: ServerConfig) -> dict[str, Any]:
+    """The effective configuration as plain data (``--print-config``)."""
+    out: dict[str, Any] = {}
+    for name in FIELDS:
+        value = getattr(config, name)
+        out[name] = str(value) if isinstance(value, Path) else value
+    return out

@@ -1,0 +1,342 @@
+"""The daemon's domain core: sessions, regions, tasks and the tier pipeline, behind plain methods.
+
+The gRPC servicers only translate protobuf to these calls and back; everything that decides something
+(validation, ownership, chunking, metrics) lives here, where tests and the admin service share it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ucm_server import __version__
+from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ucm_server.config import ServerConfig
+from ucm_server.keys import BlockKey, Namespace, check_namespace, make_keys
+from ucm_server.metrics import Metrics
+from ucm_server.regions import Region, RegionTable
+from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
+from ucm_server.store.pipeline import Pipeline
+from ucm_server.store.registry import build_pipeline
+from ucm_server.tasks import Task, TaskKind, TaskManager
+
+log = logging.getLogger(__name__)
+
+CHUNK_BLOCKS = 256
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    client_name: str
+    pid: int
+    attached_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswer:
+    present: list[bool]
+    hit_prefix: int
+
+
+class Engine:
+    def __init__(self, config: ServerConfig, pipeline: Pipeline | None = None) -> None:
+        self.config = config
+        self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
+        self.pipeline = pipeline or build_pipeline(config, self.executor)
+        self.regions = RegionTable()
+        self.tasks = TaskManager(retention_s=config.task_retention_s)
+        self.sessions: dict[str, Session] = {}
+        self.metrics = Metrics()
+        self.metrics.attach_engine(self)
+        self.tasks.on_finish.append(self._observe)
+        self.started = time.monotonic()
+        self.lookups = self.lookup_keys = self.lookup_hits = 0
+        self.closing = False
+
+    async def open(self) -> None:
+        await self.pipeline.open()
+
+    async def close(self, grace_s: float = 10.0) -> None:
+        await self.tasks.shutdown(grace_s)
+        await self.pipeline.close()
+        self.executor.shutdown(wait=True)
+        self.metrics.close()
+
+    # -- sessions -------------------------------------------------------------------------------------
+    def attach(self, client_name: str, pid: int) -> Session:
+        s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time())
+        self.sessions[s.session_id] = s
+        log.info("session %s attached (%s, pid %d)", s.session_id[:8], s.client_name, pid)
+        return s
+
+    async def detach(self, session_id: str) -> None:
+        if self.sessions.pop(session_id, None) is None:
+            return
+        ntasks = await self.tasks.release_session(session_id)
+        nregions = self.regions.release_session(session_id)
+        log.info("session %s detached: released %d regions, %d tasks", session_id[:8], nregions, ntasks)
+
+    def session(self, session_id: str | None) -> Session:
+        if self.closing:
+            raise Unavailable("the daemon is shutting down")
+        if not session_id:
+            raise FailedPrecondition("this call needs a session: call Attach first and pass ucm-session metadata")
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise FailedPrecondition(f"session {session_id[:8]} is not attached (daemon restarted?); attach again")
+        return s
+
+    # -- regions --------------------------------------------------------------------------------------
+    def register_region(self, session_id: str | None, shm_name: str, size: int, label: str) -> Region:
+        s = self.session(session_id)
+        return self.regions.register(s.session_id, shm_name, size, label)
+
+    def unregister_region(self, session_id: str | None, region_id: int) -> None:
+        s = self.session(session_id)
+        self.regions.unregister(s.session_id, region_id)
+
+    # -- lookups and deletes --------------------------------------------------------------------------
+    def _keys(self, namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
+        if len(digests) > self.config.max_batch_blocks:
+            raise InvalidArgument(f"{len(digests)} keys in one request; the limit is {self.config.max_batch_blocks}")
+        return make_keys(namespace, list(digests))
+
+    async def lookup(self, namespace: bytes, digests: Sequence[bytes]) -> LookupAnswer:
+        keys = self._keys(namespace, digests)
+        sizes = await self.pipeline.lookup(keys)
+        present = [s is not None for s in sizes]
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        hits = sum(present)
+        self.lookups += 1
+        self.lookup_keys += len(keys)
+        self.lookup_hits += hits
+        self.metrics.observe_lookup(len(keys), hits)
+        return LookupAnswer(present, prefix)
+
+    async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
+        return await self.pipeline.delete(self._keys(namespace, digests))
+
+    # -- tasks ----------------------------------------------------------------------------------------
+    def _resolve(
+        self,
+        session: Session,
+        keys: list[BlockKey],
+        counts: list[int],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+    ) -> tuple[list[IoVec], set[Region]]:
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+        return self.regions.resolve(
+            session.session_id, counts, region_ids, offsets, lengths, len(keys), self.config.max_block_bytes
+        )
+
+    def submit_io(
+        self,
+        kind: TaskKind,
+        session_id: str | None,
+        namespace: bytes,
+        digests: Sequence[bytes],
+        counts: list[int],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        *,
+        durable: bool = False,
+    ) -> Task:
+        """Validate everything up front (nothing is copied for a bad request), then run as a task."""
+        session = self.session(session_id)
+        keys = self._keys(namespace, digests)
+        iovs, used = self._resolve(session, keys, counts, region_ids, offsets, lengths)
+        self.regions.pin(used)
+
+        async def body(task: Task) -> None:
+            try:
+                await self._run_chunks(task, keys, iovs, durable)
+            finally:
+                self.regions.unpin(used)
+
+        return self.tasks.submit(kind, session.session_id, len(keys), body)
+
+    async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
+        for start, stop in _chunks(iovs):
+            if task.cancel_requested:
+                return
+            items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
+            if task.kind is TaskKind.LOAD:
+                results = await self.pipeline.read_many(items)
+            else:
+                results = await self.pipeline.write_many(items, durable=durable)
+            for offset, r in enumerate(results):
+                task.record(start + offset, r, iov_len(iovs[start + offset]))
+
+    def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
+        session = self.session(session_id)
+        keys = self._keys(namespace, digests)
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+
+        async def body(task: Task) -> None:
+            for start in range(0, len(keys), CHUNK_BLOCKS):
+                if task.cancel_requested:
+                    return
+                for offset, r in enumerate(await self.pipeline.prefetch(keys[start : start + CHUNK_BLOCKS])):
+                    task.record(start + offset, r)
+
+        return self.tasks.submit(TaskKind.PREFETCH, session.session_id, len(keys), body)
+
+    def task(self, session_id: str | None, task_id: int) -> Task:
+        return self.tasks.get(task_id, self.session(session_id).session_id)
+
+    def _observe(self, task: Task) -> None:
+        self.metrics.observe_task(task.kind.name, task.elapsed_s, task.bytes_done)
+        for state in set(task.states):
+            self.metrics.blocks.labels(task.kind.name, _STATE_NAMES.get(state, str(state))).inc(task.states.count(state))
+
+    # -- slow path ------------------------------------------------------------------------------------
+    async def get_bytes(self, namespace: bytes, digests: Sequence[bytes]) -> AsyncIterator[tuple[int, BlockResult, bytes]]:
+        keys = self._keys(namespace, digests)
+        sizes = await self.pipeline.lookup(keys)
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            if size is None:
+                yield i, BlockResult(BlockState.MISSING), b""
+                continue
+            buf = bytearray(size)
+            (r,) = await self.pipeline.read_many([(key, [memoryview(buf)])])
+            yield i, r, bytes(buf) if r.ok else b""
+
+    async def put_bytes(self, namespace: bytes, digest: bytes, data: bytes) -> BlockResult:
+        (key,) = self._keys(namespace, [digest])
+        if not data:
+            raise InvalidArgument("block data is empty")
+        if len(data) > self.config.max_block_bytes:
+            raise InvalidArgument(f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}")
+        (r,) = await self.pipeline.write_many([(key, [memoryview(data)])])
+        return r
+
+    # -- admin ----------------------------------------------------------------------------------------
+    def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:
+        return [(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers]
+
+    async def inspect(self, namespace: bytes, digest: bytes) -> tuple[BlockInfo, list[str]]:
+        key = BlockKey(check_namespace(namespace), make_keys(namespace, [digest])[0].digest)
+        best: BlockInfo | None = None
+        where: list[str] = []
+        for tier in self.pipeline.tiers:
+            info = await tier.info(key)
+            if info is not None:
+                where.append(tier.name)
+                if best is None or (best.checksum is None and info.checksum is not None):
+                    best = info
+        if best is None:
+            raise NotFound(f"block {key.hex()} is in no tier")
+        return best, where
+
+    async def list_blocks(
+        self, namespace: bytes, tier: str, page_size: int, page_token: str
+    ) -> tuple[list[tuple[BlockInfo, list[str]]], str, int]:
+        ns = Namespace(check_namespace(namespace)) if namespace else None
+        if tier:
+            self._tier_named(tier)
+        if page_size > 10000:
+            raise InvalidArgument(f"page_size {page_size} is above the limit 10000")
+        page_size = page_size or 100
+        try:
+            start = int(page_token or 0)
+        except ValueError:
+            raise InvalidArgument(f"bad page_token {page_token!r}") from None
+        merged: dict[BlockKey, tuple[BlockInfo, list[str]]] = {}
+        async for info in self.pipeline.list_blocks(ns, tier):
+            if info.key in merged:
+                merged[info.key][1].append(info.tier)
+            else:
+                merged[info.key] = (info, [info.tier])
+        ordered = sorted(merged.values(), key=lambda item: (item[0].key.namespace, item[0].key.digest))
+        page = ordered[start : start + page_size]
+        next_token = str(start + page_size) if start + page_size < len(ordered) else ""
+        return page, next_token, len(ordered)
+
+    def _tier_named(self, name: str):  # type: ignore[no-untyped-def]
+        try:
+            return self.pipeline.tier(name)
+        except KeyError:
+            known = ", ".join(t.name for t in self.pipeline.tiers)
+            raise InvalidArgument(f"unknown tier {name!r}; this daemon has: {known}") from None
+
+    async def evict(
+        self, tier_name: str, nbytes: int, namespace: bytes, digests: Sequence[bytes], everything: bool
+    ) -> tuple[int, int]:
+        if not tier_name:
+            raise InvalidArgument("evict needs a tier name")
+        tier = self._tier_named(tier_name)
+        if digests:
+            keys = self._keys(namespace, digests)
+            sizes = await tier.lookup(keys)
+            n = await tier.delete(keys)
+            return n, sum(s or 0 for s in sizes)
+        if everything:
+            keys = [info.key async for info in tier.list_blocks(Namespace(namespace) if namespace else None)]
+            sizes = await tier.lookup(keys)
+            n = await tier.delete(keys)
+            return n, sum(s or 0 for s in sizes)
+        if nbytes <= 0:
+            raise InvalidArgument("evict needs bytes > 0, keys, or all")
+        before = tier.stats().blocks
+        freed = await tier.evict(nbytes)
+        return before - tier.stats().blocks, freed
+
+    async def verify(self, tier_name: str, namespace: bytes) -> AsyncIterator[tuple[int, int, list[str]]]:
+        """Re-check every block of the persistent tiers; yields (checked, total, new corrupt) now and then."""
+        tiers = [self._tier_named(tier_name)] if tier_name else [t for t in self.pipeline.tiers if t.persistent]
+        ns = Namespace(check_namespace(namespace)) if namespace else None
+        work = [(t, info.key) for t in tiers async for info in t.list_blocks(ns)]
+        total = len(work)
+        checked = 0
+        bad: list[str] = []
+        last = time.monotonic()
+        yield 0, total, []
+        for tier, key in work:
+            r = await tier.verify(key)
+            checked += 1
+            if not r.ok and r.reason:
+                bad.append(f"{tier.name}:{key.hex()}: {r.reason}")
+            if bad or time.monotonic() - last > 0.2 or checked == total:
+                yield checked, total, bad
+                bad, last = [], time.monotonic()
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def version(self) -> str:
+        return __version__
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:
+    """Split a batch into runs of at most CHUNK_BLOCKS blocks / CHUNK_BYTES bytes (cancel points)."""
+    out: list[tuple[int, int]] = []
+    start = total = 0
+    for i, iov in enumerate(iovs):
+        total += iov_len(iov)
+        if i + 1 - start >= CHUNK_BLOCKS or total >= CHUNK_BYTES:
+            out.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(iovs):
+        out.append((start, len(iovs)))
+    return out
+
+
+_STATE_NAMES = {int(s): s.name.lower() for s in BlockState}

@@ -1,0 +1,118 @@
+"""Prometheus metrics: the seed 001 set plus per-tier and task-queue figures.
+
+Task metrics are observed as tasks finish; tier and queue figures are read from the live objects at
+scrape time by a collector, so they cost nothing between scrapes. Each daemon has its own registry
+(several daemons may share a test process' imports).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ucm_server.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lookup_hit_rate = Gauge("ucm_lookup_hit_rate", "Fraction of looked-up keys found (last lookup)", registry=r)
+        self.lookup_keys = Counter("ucm_lookup_keys", "Keys looked up", registry=r)
+        self.lookup_hits = Counter("ucm_lookup_hits", "Keys found by lookups", registry=r)
+        self.load_duration = Histogram("ucm_load_duration_ms", "Load task duration", buckets=_MS_BUCKETS, registry=r)
+        self.load_speed = Gauge("ucm_load_speed_gbps", "Throughput of the last load task (GB/s)", registry=r)
+        self.save_duration = Histogram("ucm_save_duration_ms", "Dump task duration", buckets=_MS_BUCKETS, registry=r)
+        self.save_speed = Gauge("ucm_save_speed_gbps", "Throughput of the last dump task (GB/s)", registry=r)
+        self.blocks = Counter("ucm_task_blocks", "Blocks handled by tasks", ["kind", "status"], registry=r)
+        self.rpc_errors = Counter("ucm_rpc_errors", "RPCs answered with an error", ["method", "code"], registry=r)
+        self._server: object | None = None
+
+    def observe_task(self, kind: str, elapsed_s: float, nbytes: int) -> None:
+        ms = elapsed_s * 1000
+        gbps = nbytes / elapsed_s / 1e9 if elapsed_s > 0 else 0.0
+        if kind == "LOAD":
+            self.load_duration.observe(ms)
+            self.load_speed.set(gbps)
+        elif kind == "DUMP":
+            self.save_duration.observe(ms)
+            self.save_speed.set(gbps)
+
+    def observe_lookup(self, keys: int, hits: int) -> None:
+        self.lookup_keys.inc(keys)
+        self.lookup_hits.inc(hits)
+        if keys:
+            self.lookup_hit_rate.set(hits / keys)
+
+    def attach_engine(self, engine: Engine) -> None:
+        self.registry.register(_EngineCollector(lambda: engine))
+
+    def serve(self, address: str) -> int:
+        """Start the HTTP endpoint; returns the bound port (address port 0 = any free port)."""
+        host, _, port = address.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        self._server = server
+        bound: int = server.server_address[1]
+        log.info("metrics at http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # type: ignore[attr-defined]
+            self._server = None
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Callable[[], Engine]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        labels = ["tier", "kind"]
+        gauges = {
+            name: GaugeMetricFamily(f"ucm_tier_{name}", help_, labels=labels)
+            for name, help_ in (
+                ("blocks", "Blocks stored in the tier"),
+                ("bytes", "Bytes stored in the tier"),
+                ("capacity_bytes", "Tier capacity in bytes (0 = unlimited)"),
+                ("hit_rate", "Reads served / reads asked of the tier"),
+            )
+        }
+        counters = {
+            name: CounterMetricFamily(f"ucm_tier_{name}", help_, labels=labels)
+            for name, help_ in (
+                ("evictions", "Blocks evicted"),
+                ("read_bytes", "Bytes read"),
+                ("write_bytes", "Bytes written"),
+                ("errors", "I/O errors"),
+                ("corrupt", "Corrupt blocks detected and quarantined"),
+            )
+        }
+        for tier in engine.pipeline.tiers:
+            s = tier.stats()
+            lv = [s.name, s.kind]
+            gauges["blocks"].add_metric(lv, s.blocks)
+            gauges["bytes"].add_metric(lv, s.bytes)
+            gauges["capacity_bytes"].add_metric(lv, s.capacity_bytes)
+            gauges["hit_rate"].add_metric(lv, s.hit_rate)
+            for name, fam in counters.items():
+                fam.add_metric(lv, getattr(s, name))
+        yield from gauges.values()
+        yield from counters.values()
+        q = GaugeMetricFamily("ucm_task_queue_depth", "Tasks by state", labels=["state"])
+        q.add_metric(["running"], engine.tasks.running - engine.tasks.queued)
+        q.add_metric(["queued"], engine.tasks.queued)
+        yield q
+        yield GaugeMetricFamily("ucm_writeback_pending", "Blocks waiting to be written down", value=engine.pipeline.pending_writeback)
+        yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=len(engine.sessions))
+        yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=len(engine.regions))

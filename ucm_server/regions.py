@@ -1,0 +1,207 @@
+"""Client memory the daemon copies into and out of: POSIX shared-memory regions.
+
+A client creates a shared-memory object (mode 0600), registers it once, and from then on names
+``(region, offset, length)`` segments in Load/Dump. The daemon maps the object and copies between
+its tiers and that mapping directly — bulk bytes never cross the socket.
+
+Every segment is checked against its region before anything is copied; a bad one fails the whole
+request with ``INVALID_ARGUMENT`` naming the block and the bounds. A region belongs to the session that
+registered it and is unmapped when that session ends; while a task is copying into it the mapping is
+pinned, so unregistering waits for the copy instead of pulling memory from under it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ucm_server.api.errors import InvalidArgument, NotFound, PermissionDenied
+from ucm_server.store.base import IoVec
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(slots=True, eq=False)  # identity: regions are pinned in sets
+class Region:
+    region_id: int
+    session_id: str
+    name: str
+    size: int
+    label: str
+    _map: mmap.mmap
+    view: memoryview
+    users: int = 0
+    closing: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a finished task's views are still referenced; the mapping goes with them
+
+
+def _shm_path(name: str) -> Path:
+    if name.startswith(str(SHM_DIR) + "/"):
+        path = Path(name)
+    else:
+        stripped = name.removeprefix("/")
+        if not stripped or "/" in stripped or stripped in (".", ".."):
+            raise InvalidArgument(f"shm_name {name!r}: expected a shm_open name like '/ucm-1234' or a /dev/shm path")
+        path = SHM_DIR / stripped
+    if path.resolve().parent != SHM_DIR.resolve():
+        raise InvalidArgument(f"shm_name {name!r}: must name an object directly under {SHM_DIR}")
+    return path
+
+
+class RegionTable:
+    """All registered regions, by id, with per-session ownership."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, Region] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.size for r in self._regions.values())
+
+    def register(self, session_id: str, shm_name: str, size: int, label: str = "") -> Region:
+        path = _shm_path(shm_name)
+        if size <= 0:
+            raise InvalidArgument(f"region size must be positive, got {size}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise NotFound(f"shared memory {shm_name!r} does not exist") from None
+        except PermissionError:
+            raise PermissionDenied(f"shared memory {shm_name!r}: permission denied") from None
+        except OSError as exc:
+            raise InvalidArgument(f"shared memory {shm_name!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(f"shared memory {shm_name!r} is not a regular object")
+            if st.st_mode & 0o077:
+                raise PermissionDenied(
+                    f"shared memory {shm_name!r} has mode {stat.S_IMODE(st.st_mode):o}; it must be owner-only (0600)"
+                )
+            if st.st_uid != os.geteuid():
+                raise PermissionDenied(f"shared memory {shm_name!r} belongs to uid {st.st_uid}, not the daemon's")
+            if st.st_size < size:
+                raise InvalidArgument(
+                    f"region size {size} is larger than shared memory {shm_name!r} ({st.st_size} bytes)"
+                )
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        region = Region(
+            region_id=next(self._ids),
+            session_id=session_id,
+            name=shm_name,
+            size=size,
+            label=label,
+            _map=m,
+            view=memoryview(m),
+        )
+        self._regions[region.region_id] = region
+        log.debug("registered region %d (%s, %d bytes) for session %s", region.region_id, shm_name, size, session_id)
+        return region
+
+    def get(self, session_id: str, region_id: int) -> Region:
+        region = self._regions.get(region_id)
+        if region is None or region.closing:
+            raise InvalidArgument(f"unknown region {region_id}")
+        if region.session_id != session_id:
+            raise PermissionDenied(f"region {region_id} belongs to another session")
+        return region
+
+    def unregister(self, session_id: str, region_id: int) -> None:
+        region = self.get(session_id, region_id)
+        self._drop(region)
+
+    def release_session(self, session_id: str) -> int:
+        mine = [r for r in self._regions.values() if r.session_id == session_id]
+        for r in mine:
+            self._drop(r)
+        return len(mine)
+
+    def _drop(self, region: Region) -> None:
+        region.closing = True
+        self._regions.pop(region.region_id, None)
+        if region.users == 0:
+            region.close()
+
+    def pin(self, regions: set[Region]) -> None:
+        for r in regions:
+            r.users += 1
+
+    def unpin(self, regions: set[Region]) -> None:
+        for r in regions:
+            r.users -= 1
+            if r.users == 0 and r.closing:
+                r.close()
+
+    def resolve(
+        self,
+        session_id: str,
+        counts: list[int],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        nblocks: int,
+        max_block_bytes: int,
+    ) -> tuple[list[IoVec], set[Region]]:
+        """Turn a column-wise batch into one iovec per block, checking every segment first."""
+        nseg = len(region_ids)
+        if not (len(offsets) == len(lengths) == nseg):
+            raise InvalidArgument(
+                f"region_ids, offsets and lengths must have equal lengths, got {nseg}, {len(offsets)}, {len(lengths)}"
+            )
+        if not counts:
+            counts = [1] * nblocks
+        if len(counts) != nblocks:
+            raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
+        if sum(counts) != nseg:
+            raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
+        cache: dict[int, Region] = {}
+        iovs: list[IoVec] = []
+        used: set[Region] = set()
+        s = 0
+        for b, count in enumerate(counts):
+            if count == 0:
+                raise InvalidArgument(f"block {b} has no segments")
+            iov: list[memoryview] = []
+            total = 0
+            for _ in range(count):
+                rid, off, length = region_ids[s], offsets[s], lengths[s]
+                region = cache.get(rid)
+                if region is None:
+                    try:
+                        region = cache[rid] = self.get(session_id, rid)
+                    except InvalidArgument:
+                        raise InvalidArgument(f"block {b}: unknown region {rid}") from None
+                if length == 0:
+                    raise InvalidArgument(f"block {b}: segment of length 0")
+                if off + length > region.size:
+                    raise InvalidArgument(
+                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} of {region.size} bytes"
+                    )
+                iov.append(region.view[off : off + length])
+                total += length
+                used.add(region)
+                s += 1
+            if total > max_block_bytes:
+                raise InvalidArgument(f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}")
+            iovs.append(iov)
+        return iovs, used

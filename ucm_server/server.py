@@ -1,0 +1,138 @@
+"""Run the daemon: the gRPC server on uvloop, health and reflection, signals and a clean shutdown.
+
+Shutdown order (SIGTERM or SIGINT): health goes NOT_SERVING and new tasks are refused; running tasks
+get ``grace_s`` to finish (the rest are cancelled between chunks, so no block is left half-written);
+the gRPC server stops; write-back drains into the lower tiers; the tiers close. A block is visible in a
+persistent tier only once complete (temp file, fsync, rename), so even ``kill -9`` at any point leaves
+nothing torn behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ucm_server.api.errors import ConfigError
+from ucm_server.api.ucm.v1 import ucm_pb2, ucm_pb2_grpc
+from ucm_server.config import ServerConfig
+from ucm_server.engine import Engine
+from ucm_server.service.admin import AdminServicer
+from ucm_server.service.interceptors import ErrorMappingInterceptor
+from ucm_server.service.kvstore import KVStoreServicer
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 512 << 20
+SERVICES = ("ucm.v1.KVStore", "ucm.v1.Admin")
+
+
+def _prepare_socket(path: Path) -> None:
+    """Create the socket's directory (0700) and clear a stale socket, refusing a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nobody listens: left over from a crash
+        else:
+            raise ConfigError(f"socket {path}: another ucm-server is already listening there")
+        finally:
+            probe.close()
+
+
+def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    try:
+        key = Path(config.tls_key).read_bytes()
+        cert = Path(config.tls_cert).read_bytes()
+        ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    except OSError as exc:
+        raise ConfigError(f"TLS file {exc.filename}: {exc.strerror}") from exc
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class Daemon:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.server = aio.server(
+            interceptors=[ErrorMappingInterceptor(self.engine.metrics)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        self._stop = asyncio.Event()
+        self.metrics_port: int | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        await self.engine.open()
+        ucm_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.engine), self.server)
+        ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [ucm_pb2.DESCRIPTOR.services_by_name[s.split(".")[-1]].full_name for s in SERVICES]
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+
+        _prepare_socket(cfg.socket)
+        old_umask = os.umask(0o177)  # the socket is created 0600
+        try:
+            self.server.add_insecure_port(f"unix://{cfg.socket}")
+        finally:
+            os.umask(old_umask)
+        if cfg.listen:
+            if cfg.tls_cert:
+                self.server.add_secure_port(cfg.listen, _tls_credentials(cfg))
+            else:
+                log.warning("TCP listener %s has no TLS (insecure: true): anyone who can reach it can read the cache", cfg.listen)
+                self.server.add_insecure_port(cfg.listen)
+        await self.server.start()
+        os.chmod(cfg.socket, 0o600)
+        if cfg.metrics_address not in ("", "off"):
+            self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
+        for name in ("", *SERVICES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "ucm-server %s ready on unix://%s%s, pipeline %s (pid %d)",
+            self.engine.version, cfg.socket, f" and {cfg.listen}" if cfg.listen else "",
+            self.engine.pipeline.spec, os.getpid(),
+        )
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve_until_stopped(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        log.info("shutting down: finishing running tasks (up to %.0fs)", grace_s)
+        await self.health.enter_graceful_shutdown()
+        self.engine.closing = True
+        await self.engine.tasks.shutdown(grace_s)
+        await self.server.stop(1.0)
+        await self.engine.close(grace_s)
+        with contextlib.suppress(FileNotFoundError):
+            self.config.socket.unlink()
+        log.info("stopped")
+
+
+async def run(config: ServerConfig) -> None:
+    daemon = Daemon(config)
+    await daemon.start()
+    await daemon.serve_until_stopped()

@@ -1,0 +1,126 @@
+"""The KVStore servicer: protobuf in, :class:`~ucm_server.engine.Engine` calls, protobuf out.
+
+Nothing here decides anything; validation and errors come from the engine, and the interceptor maps
+them to status codes. Calls that touch client memory or tasks name their session in the
+``ucm-session`` metadata entry; the session itself lives exactly as long as the client's ``Attach``
+stream, which is how a client that dies releases its regions without any cooperation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from grpc import aio
+
+from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_server.engine import Engine
+from ucm_server.tasks import Task, TaskKind
+
+SESSION_METADATA = "ucm-session"
+
+
+def session_of(context: aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == SESSION_METADATA:
+            return str(value)
+    return None
+
+
+def task_status(task: Task) -> pb.TaskStatus:
+    return pb.TaskStatus(
+        task_id=task.task_id,
+        kind=int(task.kind),
+        state=int(task.state),
+        block_status=list(task.states),
+        reasons=task.reasons,
+        bytes_done=task.bytes_done,
+        elapsed_s=task.elapsed_s,
+    )
+
+
+class KVStoreServicer(rpc.KVStoreServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Attach(self, request: pb.AttachRequest, context: aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+        session = self.engine.attach(request.client_name, request.pid)
+        interval = self.engine.config.heartbeat_interval_s
+        try:
+            yield pb.SessionEvent(
+                session_id=session.session_id, heartbeat_interval_s=interval, server_version=self.engine.version
+            )
+            while True:
+                await asyncio.sleep(interval)
+                yield pb.SessionEvent(session_id=session.session_id, heartbeat_interval_s=interval)
+        finally:
+            # Runs when the client closes the stream, dies (socket closed) or the server stops.
+            await asyncio.shield(self.engine.detach(session.session_id))
+
+    async def RegisterRegion(self, request: pb.RegisterRegionRequest, context: aio.ServicerContext) -> pb.RegisterRegionResponse:
+        region = self.engine.register_region(session_of(context), request.shm_name, request.size, request.label)
+        return pb.RegisterRegionResponse(region_id=region.region_id)
+
+    async def UnregisterRegion(self, request: pb.UnregisterRegionRequest, context: aio.ServicerContext) -> pb.UnregisterRegionResponse:
+        self.engine.unregister_region(session_of(context), request.region_id)
+        return pb.UnregisterRegionResponse()
+
+    async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
+        answer = await self.engine.lookup(request.namespace, request.keys)
+        return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
+
+    def _submit(self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False) -> pb.TaskHandle:
+        task = self.engine.submit_io(
+            kind,
+            session_of(context),
+            batch.namespace,
+            batch.keys,
+            list(batch.segment_counts),
+            list(batch.region_ids),
+            list(batch.offsets),
+            list(batch.lengths),
+            durable=durable,
+        )
+        return pb.TaskHandle(task_id=task.task_id)
+
+    async def Load(self, request: pb.LoadRequest, context: aio.ServicerContext) -> pb.TaskHandle:
+        return self._submit(TaskKind.LOAD, request.blocks, context)
+
+    async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
+        return self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: aio.ServicerContext) -> pb.TaskHandle:
+        task = self.engine.submit_prefetch(session_of(context), request.namespace, request.keys)
+        return pb.TaskHandle(task_id=task.task_id)
+
+    async def Wait(self, request: pb.WaitRequest, context: aio.ServicerContext) -> pb.TaskStatus:
+        task = self.engine.task(session_of(context), request.task_id)
+        timeout = max(0.0, min(request.timeout_s, 3600.0))
+        return task_status(await self.engine.tasks.wait(task, timeout, request.cancel_on_timeout))
+
+    async def Check(self, request: pb.TaskHandle, context: aio.ServicerContext) -> pb.TaskStatus:
+        return task_status(self.engine.task(session_of(context), request.task_id))
+
+    async def Cancel(self, request: pb.CancelRequest, context: aio.ServicerContext) -> pb.TaskStatus:
+        task = self.engine.task(session_of(context), request.task_id)
+        return task_status(await self.engine.tasks.cancel(task))
+
+    async def Delete(self, request: pb.DeleteRequest, context: aio.ServicerContext) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=await self.engine.delete(request.namespace, request.keys))
+
+    async def GetBlocks(self, request: pb.GetBlocksRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GetBlockReply]:
+        async for index, result, data in self.engine.get_bytes(request.namespace, request.keys):
+            yield pb.GetBlockReply(index=index, status=int(result.state), reason=result.reason, data=data)
+
+    async def PutBlocks(self, request_iterator: AsyncIterator[pb.BlockBytes], context: aio.ServicerContext) -> pb.PutBlocksReply:
+        reply = pb.PutBlocksReply()
+        index = 0
+        async for item in request_iterator:
+            r = await self.engine.put_bytes(item.namespace, item.key, item.data)
+            reply.block_status.append(int(r.state))
+            if r.reason:
+                reply.reasons[index] = r.reason
+            index += 1
+        return reply
+

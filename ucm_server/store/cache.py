@@ -1,0 +1,237 @@
+"""The Cache tier: blocks in a fixed host-memory arena, least-recently-used eviction, read leases.
+
+Bookkeeping (index, LRU order, leases, page allocation) happens on the event loop thread, so it
+needs no lock; only byte copies run in the executor. A block is published in the index only after
+its bytes are fully copied in, and a block with a live lease (a reader copying out, or write-back
+flushing it to a slower tier) is never evicted and its pages never reused: replacing or deleting it
+unlinks it at once and frees its pages when the last lease goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from ucm_server.keys import BlockKey, Namespace
+from ucm_server.store.arena import Arena, Extent
+from ucm_server.store.base import (
+    MISSING,
+    OK,
+    BlockInfo,
+    BlockResult,
+    IoVec,
+    Tier,
+    TierStats,
+    copy_iov,
+    failed,
+    iov_len,
+)
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: BlockKey
+    size: int
+    extents: list[Extent]
+    stored_at: float
+    leases: int = 0
+    unlinked: bool = False  # replaced or deleted while leased: free pages when leases reach 0
+    flags: set[str] = field(default_factory=set)
+
+
+class Lease:
+    """A hold on one cached block: its bytes stay put until :meth:`release`."""
+
+    __slots__ = ("_entry", "_tier", "iov", "size")
+
+    def __init__(self, tier: CacheTier, entry: _Entry, iov: list[memoryview]) -> None:
+        self._tier, self.iov, self.size = tier, iov, entry.size
+        self._entry: _Entry | None = entry
+
+    def release(self) -> None:
+        if self._entry is not None:
+            self._tier._unlease(self._entry)
+            self._entry = None
+
+
+class CacheTier(Tier):
+    kind = "Cache"
+    persistent = False
+    shared = False
+
+    def __init__(
+        self,
+        name: str = "Cache",
+        *,
+        capacity: int,
+        page_size: int = 64 << 10,
+        executor: Executor | None = None,
+        prefault: bool = False,
+    ) -> None:
+        super().__init__(name)
+        self.arena = Arena(capacity, page_size, prefault=prefault)
+        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._executor = executor
+        self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
+
+    # -- primitives -----------------------------------------------------------------------------------
+    async def close(self) -> None:
+        self._index.clear()
+        self.arena.close()
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        index = self._index
+        return [e.size if (e := index.get(k)) is not None else None for k in keys]
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        return (await self.read_many([(key, dest)]))[0]
+
+    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
+        return (await self.write_many([(key, src)]))[0]
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """All copies of the batch in one executor hop (a hop costs more than a small copy)."""
+        results: list[BlockResult] = [MISSING] * len(items)
+        plan: list[tuple[int, Lease, IoVec]] = []
+        for i, (key, dest) in enumerate(items):
+            lease = self.lease(key)
+            if lease is None:
+                self._stats.misses += 1
+                continue
+            want = iov_len(dest)
+            if want != lease.size:
+                lease.release()
+                results[i] = failed(f"length mismatch: block is {lease.size} bytes, destination {want}")
+                continue
+            plan.append((i, lease, dest))
+        try:
+            if plan:
+                await self._run(_copy_all, [(dest, lease.iov) for _, lease, dest in plan])
+        finally:
+            for _, lease, _ in plan:
+                lease.release()
+        for i, lease, _ in plan:
+            results[i] = OK
+            self._stats.hits += 1
+            self._stats.read_bytes += lease.size
+        return results
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        results: list[BlockResult] = [OK] * len(items)
+        staged: list[tuple[int, _Entry, IoVec]] = []
+        for i, (key, src) in enumerate(items):
+            size = iov_len(src)
+            extents = self._allocate(size)
+            if extents is None:
+                results[i] = failed(
+                    f"cache full: {size} bytes needed, {self.arena.free_pages * self.arena.page_size} free "
+                    f"and every cached block is in use"
+                )
+                self._stats.errors += 1
+                continue
+            entry = _Entry(key=key, size=size, extents=extents, stored_at=time.time())
+            entry.leases = 1  # not evictable while being filled
+            staged.append((i, entry, src))
+        try:
+            if staged:
+                await self._run(
+                    _copy_all, [(self.arena.views(e.extents, e.size), src) for _, e, src in staged]
+                )
+        except BaseException:
+            for _, entry, _ in staged:
+                self.arena.free(entry.extents)
+            raise
+        for _, entry, _ in staged:
+            entry.leases = 0
+            self._publish(entry)
+            self._stats.write_bytes += entry.size
+        return results
+
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        return sum(1 for k in keys if self._unlink(k))
+
+    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
+        for entry in list(self._index.values()):
+            if namespace is None or entry.key.namespace == namespace:
+                yield BlockInfo(key=entry.key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.blocks = len(self._index)
+        s.bytes = sum(e.size for e in self._index.values())
+        s.extra = {
+            "leased_blocks": float(sum(1 for e in self._index.values() if e.leases)),
+            "free_bytes": float(self.arena.free_pages * self.arena.page_size),
+        }
+        return TierStats(**{f: getattr(s, f) for f in s.__slots__})  # type: ignore[attr-defined]
+
+    async def evict(self, nbytes: int) -> int:
+        freed = 0
+        for entry in list(self._index.values()):
+            if freed >= nbytes:
+                break
+            if entry.leases == 0:
+                freed += entry.size
+                self._unlink(entry.key)
+                self._stats.evictions += 1
+        return freed
+
+    # -- leases ---------------------------------------------------------------------------------------
+    def lease(self, key: BlockKey) -> Lease | None:
+        """Hold a cached block so it can be read (or flushed) in place; marks it recently used."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        self._index.move_to_end(key)
+        entry.leases += 1
+        return Lease(self, entry, self.arena.views(entry.extents, entry.size))
+
+    def _unlease(self, entry: _Entry) -> None:
+        entry.leases -= 1
+        if entry.leases == 0 and entry.unlinked:
+            self.arena.free(entry.extents)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _publish(self, entry: _Entry) -> None:
+        self._unlink(entry.key)
+        self._index[entry.key] = entry
+
+    def _unlink(self, key: BlockKey) -> bool:
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        if entry.leases:
+            entry.unlinked = True
+        else:
+            self.arena.free(entry.extents)
+        return True
+
+    def _allocate(self, size: int) -> list[Extent] | None:
+        """Pages for a new block, evicting least-recently-used unleased blocks as needed."""
+        need = self.arena.pages_for(size)
+        if need > self.arena.npages:
+            return None
+        if self.arena.free_pages < need:
+            for entry in list(self._index.values()):  # oldest first
+                if entry.leases == 0:
+                    self._unlink(entry.key)
+                    self._stats.evictions += 1
+                    if self.arena.free_pages >= need:
+                        break
+        return self.arena.allocate(size)
+
+    async def _run(self, fn: object, arg: object) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, fn, arg)  # type: ignore[arg-type]
+
+
+def _copy_all(pairs: list[tuple[IoVec, IoVec]]) -> None:
+    for dst, src in pairs:
+        copy_iov(dst, src)

@@ -1,0 +1,238 @@
+"""A pipeline of tiers (``"Cache|Posix"``, ``"Cache|Posix|DS3FS"``...): one store made of several.
+
+Reads go top-down; a block found lower is promoted into the top tier from the bytes just read (the
+caller's destination), so the next read is served from memory. Writes land in the top tier and reach
+the lower tiers either in the background (write-back, the default: the Cache keeps a lease on the
+block until every lower tier has it, so it cannot be evicted before it is safe) or before the write
+completes (write-through). A write the top tier cannot take (Cache full of in-use blocks) goes
+straight down instead of failing. ``durable=True`` on a write waits until the block is in the last
+persistent tier.
+
+Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
+tiers (whose contents other nodes change), in one batch per tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from ucm_server.keys import BlockKey, Namespace
+from ucm_server.store.base import (
+    MISSING,
+    OK,
+    BlockInfo,
+    BlockResult,
+    BlockState,
+    IoVec,
+    Tier,
+    failed,
+)
+from ucm_server.store.cache import CacheTier, Lease
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Flush:
+    key: BlockKey
+    lease: Lease
+    done: asyncio.Future[BlockResult]
+
+
+class Pipeline:
+    def __init__(self, tiers: Sequence[Tier], *, write_back: bool = True, flushers: int = 4) -> None:
+        if not tiers:
+            raise ValueError("a pipeline needs at least one tier")
+        self.tiers = list(tiers)
+        self.top = self.tiers[0]
+        self.write_back = write_back and isinstance(self.top, CacheTier) and len(self.tiers) > 1
+        self._nflushers = flushers
+        self._queue: asyncio.Queue[_Flush | None] = asyncio.Queue()
+        self._flushers: list[asyncio.Task[None]] = []
+        self._pending = 0
+
+    @property
+    def spec(self) -> str:
+        return "|".join(t.kind for t in self.tiers)
+
+    @property
+    def pending_writeback(self) -> int:
+        return self._pending
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name or t.kind == name:
+                return t
+        raise KeyError(name)
+
+    async def open(self) -> None:
+        for t in self.tiers:
+            await t.open()
+        if self.write_back:
+            self._flushers = [asyncio.create_task(self._flusher()) for _ in range(self._nflushers)]
+
+    async def close(self) -> None:
+        """Finish every pending write-back, then close the tiers (bottom first)."""
+        await self.drain()
+        for _ in self._flushers:
+            self._queue.put_nowait(None)
+        await asyncio.gather(*self._flushers, return_exceptions=True)
+        for t in reversed(self.tiers):
+            await t.close()
+
+    async def drain(self) -> None:
+        await self._queue.join()
+
+    # -- lookups --------------------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        sizes: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in sorted(self.tiers, key=lambda t: t.shared):  # local indexes first
+            if not todo:
+                break
+            found = await tier.lookup([keys[i] for i in todo])
+            todo_next = []
+            for i, size in zip(todo, found, strict=True):
+                if size is None:
+                    todo_next.append(i)
+                else:
+                    sizes[i] = size
+            todo = todo_next
+        return sizes
+
+    # -- reads ----------------------------------------------------------------------------------------
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        results: list[BlockResult] = [MISSING] * len(items)
+        todo = list(range(len(items)))
+        failures: dict[int, BlockResult] = {}
+        for depth, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            got = await tier.read_many([items[i] for i in todo])
+            todo_next: list[int] = []
+            promote: list[int] = []
+            for i, r in zip(todo, got, strict=True):
+                if r.ok:
+                    results[i] = r
+                    failures.pop(i, None)
+                    if depth > 0:
+                        promote.append(i)
+                else:
+                    if r.state is BlockState.FAILED:
+                        failures[i] = r  # e.g. corrupt here: a lower tier may still hold a good copy
+                    todo_next.append(i)
+            if promote:
+                await self._promote(depth, [items[i] for i in promote])
+            todo = todo_next
+        for i, r in failures.items():
+            results[i] = r
+        return results
+
+    async def _promote(self, depth: int, items: list[tuple[BlockKey, IoVec]]) -> None:
+        """Copy blocks read at ``depth`` into the tiers above (the memory ones; a failure is harmless)."""
+        for tier in self.tiers[:depth]:
+            if not tier.persistent:
+                await tier.write_many(items)
+
+    # -- writes ---------------------------------------------------------------------------------------
+    async def write_many(
+        self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False
+    ) -> list[BlockResult]:
+        top_results = await self.top.write_many(items)
+        if len(self.tiers) == 1:
+            return top_results
+        results = list(top_results)
+        direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
+        waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
+        if self.write_back:
+            assert isinstance(self.top, CacheTier)
+            loop = asyncio.get_running_loop()
+            for i, r in enumerate(top_results):
+                if not r.ok:
+                    continue
+                lease = self.top.lease(items[i][0])
+                if lease is None:  # evicted already by a concurrent writer; write it down directly
+                    direct.append(i)
+                    continue
+                fut: asyncio.Future[BlockResult] = loop.create_future()
+                self._pending += 1
+                self._queue.put_nowait(_Flush(items[i][0], lease, fut))
+                if durable:
+                    waits.append((i, fut))
+        else:
+            direct = list(range(len(items)))
+        if direct:
+            lower = await self._write_down([items[i] for i in direct])
+            # What the lower tiers say decides: stored there is stored (even if the top refused it),
+            # and a write-through that fails below has failed.
+            for i, r in zip(direct, lower, strict=True):
+                results[i] = r
+        for i, fut in waits:
+            r = await asyncio.shield(fut)
+            if not r.ok:
+                results[i] = r
+        return results
+
+    async def _write_down(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Write to every tier below the top; a block fails if any of them fails it."""
+        results: list[BlockResult] = [OK] * len(items)
+        for tier in self.tiers[1:]:
+            for i, r in enumerate(await tier.write_many(items)):
+                if not r.ok and results[i].ok:
+                    results[i] = failed(f"{tier.name}: {r.reason}")
+        return results
+
+    async def _flusher(self) -> None:
+        while True:
+            job = await self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            try:
+                (r,) = await self._write_down([(job.key, job.lease.iov)])
+                if not r.ok:
+                    log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
+            except Exception as exc:  # a tier bug must not kill the flusher
+                log.exception("write-back of %s crashed", job.key.hex())
+                r = failed(f"write-back error: {exc}")
+            finally:
+                job.lease.release()
+                self._pending -= 1
+                self._queue.task_done()
+            if not job.done.done():
+                job.done.set_result(r)
+
+    # -- other operations -------------------------------------------------------------------------------
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        counts = [await t.delete(keys) for t in self.tiers]
+        return max(counts) if counts else 0
+
+    async def prefetch(self, keys: Sequence[BlockKey]) -> list[BlockResult]:
+        """Bring blocks from lower tiers into the top tier (a no-op for those already there)."""
+        sizes = await self.top.lookup(keys)
+        results: list[BlockResult] = [OK] * len(keys)
+        need = [i for i, s in enumerate(sizes) if s is None]
+        if not need or len(self.tiers) == 1:
+            return [MISSING if s is None else OK for s in sizes]
+        lower_sizes = await self.lookup([keys[i] for i in need])
+        for i, size in zip(need, lower_sizes, strict=True):
+            if size is None:
+                results[i] = MISSING
+                continue
+            scratch = [memoryview(bytearray(size))]
+            for tier in self.tiers[1:]:
+                r = await tier.read_into(keys[i], scratch)
+                if r.ok:
+                    results[i] = (await self.top.write_many([(keys[i], scratch)]))[0]
+                    break
+                results[i] = r
+        return results
+
+    async def list_blocks(self, namespace: Namespace | None = None, tier: str = "") -> AsyncIterator[BlockInfo]:
+        tiers = [self.tier(tier)] if tier else self.tiers
+        for t in tiers:
+            async for info in t.list_blocks(namespace):
+                yield info

@@ -1,0 +1,358 @@
+"""The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
+
+Layout: ``<root>/<namespace hex>/<k[0:2]>/<k[2:4]>/<key hex>.blk`` where the root is chosen from
+several ``storage_backends`` by key, so blocks stripe across disks. Each file is the 128-byte header
+of :mod:`ucm_server.store.format` followed by the payload.
+
+Durability: a block is written to a temporary file in its final directory, fsynced, renamed over the
+final name and the directory fsynced, so after any crash a ``.blk`` file is either absent or complete;
+leftover temporary files are removed at start-up. ``durable=False`` skips the fsyncs (faster, and a
+power loss may then lose recent blocks, but still never exposes a torn one: the header's length and
+checksum are verified on every read).
+
+The index of what is stored lives in memory and is rebuilt at :meth:`open` by reading every header
+(not every payload), so a lookup never touches the disk. A file whose header or size is wrong is moved
+to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ucm_server.keys import BlockKey, Namespace
+from ucm_server.store.base import (
+    MISSING,
+    OK,
+    BlockInfo,
+    BlockResult,
+    IoVec,
+    Tier,
+    TierStats,
+    failed,
+    iov_len,
+)
+from ucm_server.store.format import (
+    HEADER_SIZE,
+    CorruptBlock,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".blk"
+TMP_MARK = ".tmp."
+QUARANTINE = ".quarantine"
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int
+    stored_at: float
+
+
+class PosixTier(Tier):
+    kind = "Posix"
+    persistent = True
+    shared = False
+    max_concurrency = 16
+
+    def __init__(
+        self,
+        name: str = "Posix",
+        *,
+        roots: Sequence[Path],
+        capacity: int = 0,
+        durable: bool = True,
+        executor: Executor | None = None,
+    ) -> None:
+        super().__init__(name)
+        if not roots:
+            raise ValueError("PosixTier needs at least one root directory")
+        self.roots = [Path(r) for r in roots]
+        self.capacity = capacity
+        self.durable = durable
+        self._executor = executor
+        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
+
+    # -- layout ---------------------------------------------------------------------------------------
+    def path_of(self, key: BlockKey) -> Path:
+        h = key.digest.hex()
+        root = self.roots[int.from_bytes(key.digest[:4], "little") % len(self.roots)]
+        return root / key.namespace.hex() / h[:2] / h[2:4] / f"{h}{SUFFIX}"
+
+    # -- primitives -----------------------------------------------------------------------------------
+    async def open(self) -> None:
+        started = time.monotonic()
+        found = await self._run(self._scan)
+        found.sort(key=lambda item: item[1].stored_at)  # least recently stored first = LRU order
+        for key, entry in found:
+            self._index[key] = entry
+            self._bytes += entry.size
+        log.info(
+            "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs",
+            self.name, len(found), self._bytes, ", ".join(map(str, self.roots)), time.monotonic() - started,
+        )
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        index = self._index
+        return [e.size if (e := index.get(k)) is not None else None for k in keys]
+
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        entry = self._index.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return MISSING
+        want = iov_len(dest)
+        if want != entry.size:
+            return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        try:
+            await self._run(self._read_file, self.path_of(key), key, dest)
+        except FileNotFoundError:
+            self._forget(key)  # evicted or deleted under us
+            self._stats.misses += 1
+            return MISSING
+        except CorruptBlock as exc:
+            await self._quarantine(key, str(exc))
+            return failed(f"corrupt block in {self.name}: {exc}")
+        except OSError as exc:
+            self._stats.errors += 1
+            return failed(f"{self.name} read error: {exc.strerror or exc}")
+        self._index.move_to_end(key)
+        self._stats.hits += 1
+        self._stats.read_bytes += entry.size
+        return OK
+
+    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
+        size = iov_len(src)
+        if self.capacity and size > self.capacity:
+            return failed(f"block of {size} bytes exceeds {self.name} capacity {self.capacity}")
+        if self.capacity:
+            await self._make_room(size)
+        try:
+            await self._run(self._write_file, self.path_of(key), key, src)
+        except OSError as exc:
+            self._stats.errors += 1
+            return failed(f"{self.name} write error: {exc.strerror or exc}")
+        self._forget(key)
+        self._index[key] = _Entry(size=size, stored_at=time.time())
+        self._bytes += size
+        self._stats.write_bytes += size
+        return OK
+
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        present = [k for k in keys if k in self._index]
+        for k in present:
+            self._forget(k)
+        await self._run(_unlink_all, [self.path_of(k) for k in present])
+        return len(present)
+
+    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
+        for key, entry in list(self._index.items()):
+            if namespace is None or key.namespace == namespace:
+                yield BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.blocks, s.bytes = len(self._index), self._bytes
+        return TierStats(**{f: getattr(s, f) for f in s.__slots__})  # type: ignore[attr-defined]
+
+    async def evict(self, nbytes: int) -> int:
+        victims: list[BlockKey] = []
+        freed = 0
+        for key, entry in self._index.items():
+            if freed >= nbytes:
+                break
+            victims.append(key)
+            freed += entry.size
+        self._stats.evictions += len(victims)
+        await self.delete(victims)
+        return freed
+
+    async def info(self, key: BlockKey) -> BlockInfo | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        try:
+            header = await self._run(self._read_header, self.path_of(key), key)
+        except (OSError, CorruptBlock):
+            return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
+        return BlockInfo(
+            key=key, size=entry.size, tier=self.name, stored_at=header.created_ns / 1e9, checksum=header.checksum
+        )
+
+    async def verify(self, key: BlockKey) -> BlockResult:
+        entry = self._index.get(key)
+        if entry is None:
+            return MISSING
+        scratch = [memoryview(bytearray(entry.size))]
+        try:
+            await self._run(self._read_file, self.path_of(key), key, scratch)
+        except FileNotFoundError:
+            self._forget(key)
+            return MISSING
+        except CorruptBlock as exc:
+            await self._quarantine(key, str(exc))
+            return failed(f"corrupt block in {self.name}: {exc}")
+        except OSError as exc:
+            return failed(f"{self.name} read error: {exc.strerror or exc}")
+        return OK
+
+    # -- blocking file I/O (runs in the executor) -----------------------------------------------------
+    def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> None:
+        header = encode_header(key, iov_len(src), payload_checksum(src))
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _pwritev_all(fd, [memoryview(header), *src], 0)
+            if self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.durable:
+            _fsync_dir(path.parent)
+
+    def _read_file(self, path: Path, key: BlockKey, dest: IoVec) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            raw = os.pread(fd, HEADER_SIZE, 0)
+            header = decode_header(raw, expect=key)
+            file_size = os.fstat(fd).st_size
+            if file_size != HEADER_SIZE + header.payload_len:
+                raise CorruptBlock(f"file is {file_size} bytes, header promises {HEADER_SIZE + header.payload_len}")
+            _preadv_all(fd, dest, HEADER_SIZE)
+        finally:
+            os.close(fd)
+        verify_payload(header, dest)
+
+    def _read_header(self, path: Path, key: BlockKey):  # type: ignore[no-untyped-def]
+        with path.open("rb") as f:
+            return decode_header(f.read(HEADER_SIZE), expect=key)
+
+    def _scan(self) -> list[tuple[BlockKey, _Entry]]:
+        found: list[tuple[BlockKey, _Entry]] = []
+        for root in self.roots:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for dirpath, dirnames, filenames in os.walk(root):
+                if Path(dirpath) == root and QUARANTINE in dirnames:
+                    dirnames.remove(QUARANTINE)
+                for fname in filenames:
+                    path = Path(dirpath) / fname
+                    if TMP_MARK in fname:
+                        path.unlink(missing_ok=True)  # an interrupted write: never visible, now gone
+                        continue
+                    if not fname.endswith(SUFFIX):
+                        continue
+                    item = self._check_file(path)
+                    if item is not None:
+                        found.append(item)
+        return found
+
+    def _check_file(self, path: Path) -> tuple[BlockKey, _Entry] | None:
+        try:
+            with path.open("rb") as f:
+                header = decode_header(f.read(HEADER_SIZE))
+                size = os.fstat(f.fileno()).st_size
+            if size != HEADER_SIZE + header.payload_len:
+                raise CorruptBlock(f"file is {size} bytes, header promises {HEADER_SIZE + header.payload_len}")
+            if self.path_of(header.key) != path:
+                raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
+        except CorruptBlock as exc:
+            self._move_to_quarantine(path, str(exc))
+            return None
+        except OSError as exc:
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return None
+        return header.key, _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
+
+    def _move_to_quarantine(self, path: Path, reason: str) -> None:
+        root = next((r for r in self.roots if path.is_relative_to(r)), self.roots[0])
+        qdir = root / QUARANTINE
+        qdir.mkdir(exist_ok=True, mode=0o700)
+        target = qdir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        try:
+            os.replace(path, target)
+        except FileNotFoundError:
+            return
+        self._stats.corrupt += 1
+        log.error("posix tier %s: quarantined %s -> %s: %s", self.name, path, target, reason)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    async def _quarantine(self, key: BlockKey, reason: str) -> None:
+        self._forget(key)
+        await self._run(self._move_to_quarantine, self.path_of(key), reason)
+
+    def _forget(self, key: BlockKey) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.size
+
+    async def _make_room(self, size: int) -> None:
+        over = self._bytes + size - self.capacity
+        if over > 0:
+            await self.evict(over)
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    """``pwritev`` until every byte is written (it may write less than asked)."""
+    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
+    while views:
+        n = os.pwritev(fd, views[:1024], offset)
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _preadv_all(fd: int, iov: IoVec, offset: int) -> None:
+    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
+    while views:
+        n = os.preadv(fd, views[:1024], offset)
+        if n == 0:
+            raise CorruptBlock("file ended before the payload did")
+        offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)

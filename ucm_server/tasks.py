@@ -1,0 +1,171 @@
+"""Asynchronous tasks (seed 001's task model): submit returns an id at once, results are data.
+
+A task is a batch of blocks to load, dump or prefetch. It runs on the event loop, handing copies and
+disk work to the tiers' executors a chunk at a time. ``wait`` may be called any number of times and
+never blocks past its timeout; ``cancel`` stops the task between chunks and returns only once the task
+has stopped touching client memory, so the caller may reuse its buffers immediately. Finished tasks are
+kept for ``retention_s`` so a late ``Check`` still answers; a session's tasks are cancelled and dropped
+when the session ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ucm_server.api.errors import NotFound, PermissionDenied
+from ucm_server.store.base import BlockResult, BlockState
+
+log = logging.getLogger(__name__)
+
+
+class TaskKind(enum.IntEnum):  # values match ucm.v1.TaskKind
+    LOAD = 1
+    DUMP = 2
+    PREFETCH = 3
+
+
+class TaskState(enum.IntEnum):  # values match ucm.v1.TaskState
+    RUNNING = 1
+    DONE = 2
+    CANCELLED = 3
+
+
+@dataclass(slots=True)
+class Task:
+    task_id: int
+    kind: TaskKind
+    session_id: str
+    nblocks: int
+    states: bytearray = field(init=False)
+    reasons: dict[int, str] = field(default_factory=dict)
+    bytes_done: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    cancel_requested: bool = False
+    state: TaskState = TaskState.RUNNING
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.states = bytearray([BlockState.PENDING]) * self.nblocks
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def record(self, index: int, result: BlockResult, nbytes: int = 0) -> None:
+        self.states[index] = result.state
+        if result.reason:
+            self.reasons[index] = result.reason
+        if result.ok:
+            self.bytes_done += nbytes
+
+    def finish(self) -> None:
+        for i, s in enumerate(self.states):
+            if s == BlockState.PENDING:
+                self.states[i] = BlockState.CANCELLED
+        self.state = TaskState.CANCELLED if self.cancel_requested else TaskState.DONE
+        self.finished = time.monotonic()
+        self.done.set()
+
+
+TaskBody = Callable[[Task], Awaitable[None]]
+
+
+class TaskManager:
+    def __init__(self, *, retention_s: float, max_running: int = 64) -> None:
+        self.retention_s = retention_s
+        self._tasks: dict[int, Task] = {}
+        self._runners: dict[int, asyncio.Task[None]] = {}
+        self._ids = itertools.count(1)
+        self._slots = asyncio.Semaphore(max_running)
+        self._queued = 0
+        self.on_finish: list[Callable[[Task], None]] = []
+
+    @property
+    def running(self) -> int:
+        return len(self._runners)
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def submit(self, kind: TaskKind, session_id: str, nblocks: int, body: TaskBody) -> Task:
+        self._reap()
+        task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
+        self._tasks[task.task_id] = task
+        self._runners[task.task_id] = asyncio.create_task(self._run(task, body), name=f"ucm-task-{task.task_id}")
+        return task
+
+    async def _run(self, task: Task, body: TaskBody) -> None:
+        self._queued += 1
+        try:
+            async with self._slots:
+                self._queued -= 1
+                if not task.cancel_requested:
+                    await body(task)
+        except Exception as exc:  # a failure is data: every unfinished block fails with the reason
+            log.exception("task %d failed", task.task_id)
+            for i, s in enumerate(task.states):
+                if s == BlockState.PENDING:
+                    task.states[i] = BlockState.FAILED
+                    task.reasons[i] = f"internal error: {exc}"
+        finally:
+            self._runners.pop(task.task_id, None)
+            task.finish()
+            for hook in self.on_finish:
+                hook(task)
+
+    def get(self, task_id: int, session_id: str | None = None) -> Task:
+        task = self._tasks.get(task_id)
+        if task is None:
+            raise NotFound(f"unknown task {task_id} (finished tasks are kept {self.retention_s:g}s)")
+        if session_id is not None and task.session_id != session_id:
+            raise PermissionDenied(f"task {task_id} belongs to another session")
+        return task
+
+    async def wait(self, task: Task, timeout_s: float, cancel_on_timeout: bool = False) -> Task:
+        if timeout_s > 0 and not task.done.is_set():
+            try:
+                await asyncio.wait_for(asyncio.shield(task.done.wait()), timeout_s)
+            except TimeoutError:
+                if cancel_on_timeout:
+                    await self.cancel(task)
+        return task
+
+    async def cancel(self, task: Task) -> Task:
+        """Ask the task to stop and wait until it has (it checks between chunks)."""
+        if not task.done.is_set():
+            task.cancel_requested = True
+            await task.done.wait()
+        return task
+
+    async def release_session(self, session_id: str) -> int:
+        mine = [t for t in self._tasks.values() if t.session_id == session_id]
+        for t in mine:
+            t.cancel_requested = True
+        await asyncio.gather(*(t.done.wait() for t in mine))
+        for t in mine:
+            self._tasks.pop(t.task_id, None)
+        return len(mine)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Let running tasks finish for ``grace_s``, then cancel what is left."""
+        pending = [t for t in self._tasks.values() if not t.done.is_set()]
+        if not pending:
+            return
+        _, late = await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
+        for t in pending:
+            t.cancel_requested = True
+        await asyncio.gather(*(t.done.wait() for t in pending))
+
+    def _reap(self) -> None:
+        cutoff = time.monotonic() - self.retention_s
+        old = [tid for tid, t in self._tasks.items() if t.finished is not None and t.finished < cutoff]
+        for tid in old:
+            del self._tasks[tid]
