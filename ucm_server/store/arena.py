@@ -76,4 +76,7 @@ class Arena:
 
     def close(self) -> None:
         self.memory.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # views handed out earlier are still referenced; the mapping goes with the last one

@@ -1,0 +1,65 @@
+"""The Cache tier passes the shared conformance suite, plus its own eviction and lease rules."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from ucm_server.store.base import BlockState, Tier
+from ucm_server.store.cache import CacheTier
+from ucm_server.testing.tier_suite import TierSuite, key, payload
+
+
+class TestCacheConformance(TierSuite):
+    async def make_tier(self, path: Path) -> Tier:
+        return CacheTier(capacity=16 << 20, page_size=4096)
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    async def main() -> None:
+        t = CacheTier(capacity=4 * 4096, page_size=4096)
+        for i in range(4):
+            assert (await t.write_from(key(i), [memoryview(payload(i, 4096))])).ok
+        assert (await t.read_into(key(0), [memoryview(bytearray(4096))])).ok  # 0 is now recent
+        assert (await t.write_from(key(4), [memoryview(payload(4, 4096))])).ok
+        assert await t.lookup([key(0), key(1), key(4)]) == [4096, None, 4096]
+        assert t.stats().evictions == 1
+        await t.close()
+
+    asyncio.run(main())
+
+
+def test_leased_block_is_never_evicted_or_overwritten() -> None:
+    async def main() -> None:
+        t = CacheTier(capacity=2 * 4096, page_size=4096)
+        data = payload(1, 4096)
+        await t.write_from(key(1), [memoryview(data)])
+        lease = t.lease(key(1))
+        assert lease is not None
+        await t.write_from(key(2), [memoryview(payload(2, 4096))])
+        r = await t.write_from(key(3), [memoryview(payload(3, 4096))])  # evicts 2, not the leased 1
+        assert r.ok and await t.lookup([key(1), key(2)]) == [4096, None]
+        # Replacing the leased block unlinks it but keeps its pages until the lease ends.
+        await t.delete([key(3)])
+        await t.write_from(key(1), [memoryview(payload(9, 4096))])
+        assert bytes(lease.iov[0]) == data
+        lease2 = t.lease(key(1))  # the new version, now also in use: every page is held
+        assert lease2 is not None
+        full = await t.write_from(key(5), [memoryview(payload(5, 4096))])
+        assert full.state is BlockState.FAILED and "cache full" in full.reason
+        lease.release()
+        lease2.release()
+        assert (await t.write_from(key(5), [memoryview(payload(5, 4096))])).ok
+        await t.close()
+
+    asyncio.run(main())
+
+
+def test_block_larger_than_cache_fails_cleanly() -> None:
+    async def main() -> None:
+        t = CacheTier(capacity=4096, page_size=4096)
+        r = await t.write_from(key(1), [memoryview(bytearray(8192))])
+        assert r.state is BlockState.FAILED
+        await t.close()
+
+    asyncio.run(main())
