@@ -1,0 +1,293 @@
+"""The machinery ESA, GSA and KVStarMultiStep share: per-block features, budgeted top-k, paged rewrite.
+
+A block-sparse method differs from the others only in how it summarises a full KV block (its
+*features*, computed once per block and cached, since a full block never changes) and how it scores
+those features against the query. Everything else lives here once: the budget and windows, the
+retrieval stride (between retrievals the previous selection is reused, extended by the moving local
+window), the tensor-level decode used by tests and benchmarks, and the worker hook that turns a
+selection into a shorter block table for vLLM's paged kernel.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ucm_client.sparse.base import (
+    AttentionInputs,
+    LayerSpec,
+    PagedAttentionMeta,
+    RequestSparseMeta,
+    SparseMeta,
+    SparseRequest,
+    UcmSparseBase,
+    UcmSparseRole,
+)
+from ucm_client.sparse.config import BlockBudget
+from ucm_client.sparse.kernels import (
+    aggregate_heads,
+    blocks_to_tokens,
+    select_blocks,
+    sparse_decode_attention,
+)
+from ucm_client.sparse.paged import read_request_kv
+
+__all__ = ["BlockSparseMethod", "BlockSparseSpec", "DecodeResult", "DecodeState"]
+
+
+class BlockSparseSpec(Protocol):
+    """The settings every block-sparse spec carries (each method's frozen dataclass has them)."""
+
+    @property
+    def retrieval_stride(self) -> int: ...
+
+    def budget(self) -> BlockBudget: ...
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """Per (request, layer) memory of a block-sparse method between decode steps."""
+
+    step: int = 0
+    selection: torch.Tensor | None = None
+    """Logical block ids chosen at the last retrieval."""
+    features: torch.Tensor | None = None
+    """Cached features of the first ``features_blocks`` full blocks."""
+    features_blocks: int = 0
+    queries: list[torch.Tensor] = field(default_factory=list)
+    """Recent decode queries, newest last (methods that group queries over steps read these)."""
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Method-specific tensors fixed at the first retrieval (e.g. kept dimensions)."""
+    retrievals: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """One decode step of the tensor-level API."""
+
+    output: torch.Tensor
+    block_ids: torch.Tensor
+    token_idx: torch.Tensor
+    retrieved: bool
+
+
+class BlockSparseMethod(UcmSparseBase):
+    """Base of block-sparse methods; subclasses define ``_features`` and ``_score``."""
+
+    spec: BlockSparseSpec
+
+    def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
+        super().__init__(role, config, min_seq_len=min_seq_len)
+        self.spec = self._parse_spec(config)
+        self._budget = self.spec.budget()
+        self._sched_tokens: dict[str, int] = {}
+        self._sched_steps: dict[str, int] = {}
+        self._states: dict[tuple[str, int], DecodeState] = {}
+        self._step_meta: SparseMeta | None = None
+        self._rows_seen: set[str] = set()
+        self.stats = {"sparse_rows": 0, "dense_rows": 0, "retrievals": 0}
+
+    # ------------------------------------------------------------ algorithm
+    @abstractmethod
+    def _parse_spec(self, config: Mapping[str, Any]) -> BlockSparseSpec: ...
+
+    @abstractmethod
+    def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
+        """Features of whole blocks; ``keys`` is ``[m * block_size, kv_heads, D]``, result ``[m, ...]``."""
+
+    @abstractmethod
+    def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Scores ``[kv_heads, m]`` of ``m`` featured blocks for ``queries`` ``[G, num_heads, D]``."""
+
+    def _queries_for_retrieval(self, state: DecodeState) -> torch.Tensor:
+        """The queries retrieval scores against: by default only the newest."""
+        return state.queries[-1][None]
+
+    def _history_len(self) -> int:
+        return 1
+
+    # ------------------------------------------------------------ tensor API
+    def select(
+        self,
+        query: torch.Tensor,
+        num_tokens: int,
+        state: DecodeState,
+        block_size: int,
+        read_keys: Callable[[int, int], torch.Tensor],
+    ) -> tuple[torch.Tensor, bool]:
+        """Block ids for this decode step, and whether retrieval ran (else the last selection was reused).
+
+        ``read_keys(start, end)`` returns keys of tokens ``[start, end)``; it is called only for blocks
+        that filled up since the last retrieval, so callers whose keys live elsewhere (paged cache,
+        daemon) read each block once.
+        """
+        device = query.device
+        num_blocks = -(-num_tokens // block_size)
+        state.queries.append(query)
+        del state.queries[: -self._history_len()]
+        state.step += 1
+        keep = self._budget.num_kept(num_blocks)
+        if keep >= num_blocks:
+            state.selection = None
+            return torch.arange(num_blocks, device=device), False
+        stride = self.spec.retrieval_stride
+        if state.selection is not None and (state.step - 1) % stride != 0:
+            forced = torch.cat(
+                [
+                    torch.arange(min(self._budget.init_window_sz, num_blocks), device=device),
+                    torch.arange(
+                        max(0, num_blocks - self._budget.local_window_sz), num_blocks, device=device
+                    ),
+                ]
+            )
+            return torch.unique(torch.cat([state.selection, forced])), False
+        full = num_tokens // block_size
+        if full > state.features_blocks:
+            start = state.features_blocks * block_size
+            new = self._features(read_keys(start, full * block_size), block_size, state)
+            state.features = new if state.features is None else torch.cat([state.features, new])
+            state.features_blocks = full
+        scores = torch.full((num_blocks,), float("-inf"), dtype=torch.float32, device=device)
+        if full:
+            assert state.features is not None
+            scores[:full] = aggregate_heads(
+                self._score(self._queries_for_retrieval(state), state.features, state)
+            )
+        state.selection = select_blocks(
+            scores, keep, self._budget.init_window_sz, self._budget.local_window_sz
+        )
+        state.retrievals += 1
+        self.stats["retrievals"] += 1
+        return state.selection, True
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        *,
+        state: DecodeState,
+        block_size: int,
+        scale: float,
+    ) -> DecodeResult:
+        """One decode step over token-major KV: select blocks, then exact attention over them."""
+        block_ids, retrieved = self.select(
+            query, keys.shape[0], state, block_size, lambda start, end: keys[start:end]
+        )
+        tokens = blocks_to_tokens(block_ids, block_size, keys.shape[0])
+        out = sparse_decode_attention(query, keys, values, tokens, scale)
+        return DecodeResult(output=out, block_ids=block_ids, token_idx=tokens, retrieved=retrieved)
+
+    # ------------------------------------------------------------ scheduler
+    def _on_request_begin(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self._sched_tokens[request_id] = len(prompt_token_ids)
+        self._sched_steps[request_id] = 0
+
+    def _on_estimate_num_slots_sparsed(self, request: SparseRequest) -> int:
+        block = self._scheduler_block_size()
+        blocks = -(-request.num_tokens // block)
+        if request.num_tokens < self.min_seq_len:
+            return blocks * block
+        return self._budget.num_kept(blocks) * block
+
+    def _scheduler_block_size(self) -> int:
+        size = self.config.get("block_size", 128)
+        return int(size) if isinstance(size, int) else 128
+
+    def _on_build_sparse_meta(
+        self,
+        scheduler_output: Any,
+        seq_group_metadata_list: Sequence[SparseRequest],
+        request_metas: Mapping[str, Any],
+    ) -> SparseMeta:
+        out: dict[str, RequestSparseMeta] = {}
+        for req in seq_group_metadata_list:
+            step = self._sched_steps.get(req.request_id, 0)
+            out[req.request_id] = RequestSparseMeta(
+                request_id=req.request_id,
+                num_tokens=req.num_tokens,
+                retrieve=step % self.spec.retrieval_stride == 0,
+            )
+            self._sched_steps[req.request_id] = step + 1
+        return SparseMeta(requests=out)
+
+    def _on_request_finished_in_scheduler(self, request_id: str) -> None:
+        self._sched_tokens.pop(request_id, None)
+        self._sched_steps.pop(request_id, None)
+
+    # ------------------------------------------------------------ worker
+    def _on_execute_begin(self, scheduler_output: SparseMeta | None) -> None:
+        self._step_meta = scheduler_output
+        self._rows_seen.clear()
+
+    def _on_attention_begin(
+        self,
+        spec: LayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        meta: PagedAttentionMeta,
+        output: torch.Tensor,
+    ) -> AttentionInputs:
+        cache = self._kv_caches[spec.layer_idx]
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        new_table: torch.Tensor | None = None
+        new_lens: torch.Tensor | None = None
+        for row, row_key in enumerate(meta.row_keys):
+            self._rows_seen.add(row_key)
+            n = int(seq_lens[row])
+            if qsl[row + 1] - qsl[row] != 1 or n < max(self.min_seq_len, 1):
+                self.stats["dense_rows"] += 1
+                continue  # prefill or short: dense
+            num_blocks = -(-n // spec.block_size)
+            state = self._states.setdefault((row_key, spec.layer_idx), DecodeState())
+            row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
+            if row_meta is not None and row_meta.retrieve:
+                state.step = 0  # the scheduler decides the stride; step 0 forces retrieval below
+            if self._budget.num_kept(num_blocks) >= num_blocks:
+                self.stats["dense_rows"] += 1
+                continue
+            blocks = meta.block_table[row, :num_blocks]
+            known = state.aux.get("block_ids")
+            if known is not None and not torch.equal(known, blocks[: known.numel()]):
+                # The row key now names another request (a surrogate key was reused): start afresh.
+                state = self._states[(row_key, spec.layer_idx)] = DecodeState()
+            state.aux["block_ids"] = blocks.clone()
+
+            def read_keys(start: int, end: int, blocks: torch.Tensor = blocks) -> torch.Tensor:
+                first = start // spec.block_size
+                keys, _ = read_request_kv(
+                    cache,
+                    blocks[first : -(-end // spec.block_size)],
+                    end - first * spec.block_size,
+                    spec.layout,
+                )
+                return keys[start - first * spec.block_size :]
+
+            sel, _ = self.select(query[qsl[row]], n, state, spec.block_size, read_keys)
+            if new_table is None:
+                new_table = meta.block_table.clone()
+                new_lens = meta.seq_lens.clone()
+            assert new_lens is not None
+            new_table[row, : sel.numel()] = blocks[sel]
+            new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
+            self.stats["sparse_rows"] += 1
+        return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
+
+    def _on_execute_finished(self, logits_indices: torch.Tensor) -> torch.Tensor:
+        if self._step_meta is None:
+            # Without the scheduler's channel no request_finished reaches the worker: drop the state
+            # of rows that did not run this step, so finished requests do not accumulate.
+            for key in [k for k in self._states if k[0] not in self._rows_seen]:
+                del self._states[key]
+        return logits_indices
+
+    def _on_request_finished_in_worker(self, request_id: str) -> None:
+        for key in [k for k in self._states if k[0] == request_id]:
+            del self._states[key]

@@ -1,0 +1,92 @@
+"""The attention arithmetic every sparse method shares, on one request's token-major KV.
+
+Shapes: one decode query ``[num_heads, head_dim]``; keys and values ``[num_tokens, num_kv_heads,
+head_dim]``; grouped-query attention maps query head ``h`` to KV head ``h // (num_heads //
+num_kv_heads)``. Sparse attention here is *exact attention over a subset of tokens*: with every token
+selected it is the dense computation, operation for operation, which is what the full-budget tests
+rely on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "aggregate_heads",
+    "block_means",
+    "blocks_to_tokens",
+    "dense_decode_attention",
+    "group_query",
+    "select_blocks",
+    "sparse_decode_attention",
+]
+
+
+def group_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[num_heads, D]`` → ``[num_kv_heads, group, D]`` (the query heads sharing each KV head)."""
+    heads, dim = query.shape
+    return query.reshape(num_kv_heads, heads // num_kv_heads, dim)
+
+
+def dense_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of one query over all tokens: ``[num_heads, D]``."""
+    q = group_query(query, keys.shape[1])  # [H, G, D]
+    logits = torch.einsum("hgd,nhd->hgn", q, keys) * scale
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("hgn,nhd->hgd", probs, values)
+    return out.reshape(query.shape)
+
+
+def sparse_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, token_idx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact attention restricted to ``token_idx`` (sorted, unique)."""
+    return dense_decode_attention(query, keys[token_idx], values[token_idx], scale)
+
+
+def block_means(keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean key per block and KV head, ``[num_blocks, num_kv_heads, D]``; the last block may be partial."""
+    n, heads, dim = keys.shape
+    num_blocks = -(-n // block_size)
+    pad = num_blocks * block_size - n
+    if pad:
+        keys = torch.cat([keys, keys.new_zeros(pad, heads, dim)])
+    sums = keys.reshape(num_blocks, block_size, heads, dim).sum(dim=1)
+    counts = torch.full((num_blocks,), float(block_size), dtype=keys.dtype, device=keys.device)
+    counts[-1] = block_size - pad
+    return sums / counts[:, None, None]
+
+
+def aggregate_heads(scores: torch.Tensor) -> torch.Tensor:
+    """Per-head block scores ``[num_kv_heads, num_blocks]`` → one score per block.
+
+    vLLM's kernels take one block table per request, so the heads must agree on a selection. Each
+    head's scores become a softmax distribution (comparable across heads whatever their scale) and a
+    block scores its best head: a needle that only one head looks at still wins its block.
+    """
+    return torch.softmax(scores, dim=-1).amax(dim=0)
+
+
+def select_blocks(scores: torch.Tensor, keep: int, init_window: int, local_window: int) -> torch.Tensor:
+    """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``."""
+    num_blocks = int(scores.shape[0])
+    if keep >= num_blocks:
+        return torch.arange(num_blocks, device=scores.device)
+    forced = torch.zeros(num_blocks, dtype=torch.bool, device=scores.device)
+    forced[: min(init_window, num_blocks)] = True
+    forced[max(0, num_blocks - local_window) :] = True
+    remaining = keep - int(forced.sum())
+    chosen = forced.clone()
+    if remaining > 0:
+        masked = scores.masked_fill(forced, float("-inf"))
+        chosen[torch.topk(masked, remaining).indices] = True
+    return torch.nonzero(chosen).flatten()
+
+
+def blocks_to_tokens(block_ids: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
+    """Token indices covered by ``block_ids`` (sorted), clipped at ``num_tokens``."""
+    offsets = torch.arange(block_size, device=block_ids.device)
+    tokens = (block_ids[:, None] * block_size + offsets[None, :]).flatten()
+    return tokens[tokens < num_tokens]
