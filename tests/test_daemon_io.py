@@ -1,0 +1,118 @@
+"""Block I/O through a real daemon process: round trips, lookups, tasks, the slow path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import NS, blocks_in
+from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
+
+
+def test_round_trip_bytes_identical(client: UcmClient) -> None:
+    n, size = 32, 256 << 10
+    with SharedBuffer(n * size) as src, SharedBuffer(n * size) as dst:
+        rs, rd = client.register(src), client.register(dst)
+        src.buf[:] = os.urandom(n * size)
+        result = client.wait(client.dump(NS, blocks_in(rs, n, size)), 30)
+        assert result.ok, result.reasons
+        assert result.bytes_done == n * size
+        result = client.wait(client.load(NS, blocks_in(rd, n, size)), 30)
+        assert result.ok, result.reasons
+        assert bytes(dst.buf) == bytes(src.buf)
+
+
+def test_multi_segment_blocks_scatter_and_gather(client: UcmClient) -> None:
+    """A block made of 3 separate pieces (like one block across 3 layers) comes back piece by piece."""
+    with SharedBuffer(1 << 20) as src, SharedBuffer(1 << 20) as dst:
+        rs, rd = client.register(src), client.register(dst)
+        src.buf[:] = os.urandom(1 << 20)
+        pieces = [(0, 1000), (300_000, 70_000), (900_000, 5)]
+        key = key_digest("multi")
+        assert client.wait(client.dump(NS, [BlockIO(key, tuple(Segment(rs, o, n) for o, n in pieces))]), 10).ok
+        # Read it back into a different layout of the same total size.
+        total = sum(n for _, n in pieces)
+        assert client.wait(client.load(NS, [BlockIO(key, (Segment(rd, 10, total),))]), 10).ok
+        expected = b"".join(bytes(src.buf[o : o + n]) for o, n in pieces)
+        assert bytes(dst.buf[10 : 10 + total]) == expected
+
+
+def test_lookup_reports_presence_and_hit_prefix(client: UcmClient, shm: SharedBuffer) -> None:
+    region = client.register(shm)
+    blocks = blocks_in(region, 8, 4096)
+    assert client.wait(client.dump(NS, blocks[:5]), 10).ok
+    keys = [b.key for b in blocks]
+    # key 6 stored too, after a gap: present but outside the prefix
+    assert client.wait(client.dump(NS, [blocks[6]]), 10).ok
+    result = client.lookup(NS, keys)
+    assert result.present == [True] * 5 + [False, True, False]
+    assert result.hit_prefix == 5
+    other_ns = client.lookup(b"\x01" * 16, keys)
+    assert other_ns.hit_prefix == 0 and not any(other_ns.present)
+
+
+def test_thousands_of_blocks_in_one_call(client: UcmClient) -> None:
+    n, size = 4096, 1024
+    with SharedBuffer(n * size) as buf:
+        region = client.register(buf)
+        buf.buf[:] = os.urandom(n * size)
+        blocks = blocks_in(region, n, size)
+        assert client.wait(client.dump(NS, blocks), 60).ok
+        assert client.lookup(NS, [b.key for b in blocks]).hit_prefix == n
+
+
+def test_missing_blocks_are_reported_per_block(client: UcmClient, shm: SharedBuffer) -> None:
+    region = client.register(shm)
+    blocks = blocks_in(region, 4, 4096)
+    assert client.wait(client.dump(NS, blocks[:2]), 10).ok
+    result = client.wait(client.load(NS, blocks), 10)
+    assert result.done and not result.ok
+    assert result.states == [BlockState.OK, BlockState.OK, BlockState.MISSING, BlockState.MISSING]
+
+
+def test_wait_can_be_called_repeatedly_and_check_agrees(client: UcmClient, shm: SharedBuffer) -> None:
+    region = client.register(shm)
+    task = client.dump(NS, blocks_in(region, 4, 4096))
+    first = client.wait(task, 10)
+    again = client.wait(task, 10)
+    checked = client.check(task)
+    assert first.ok and again.ok and checked.ok
+    assert first.states == again.states == checked.states
+
+
+def test_delete_removes_from_every_tier(client: UcmClient, shm: SharedBuffer) -> None:
+    region = client.register(shm)
+    blocks = blocks_in(region, 3, 4096)
+    assert client.wait(client.dump(NS, blocks, wait_durable=True), 10).ok
+    assert client.delete(NS, [b.key for b in blocks[:2]]) == 2
+    assert client.lookup(NS, [b.key for b in blocks]).present == [False, False, True]
+
+
+def test_slow_path_put_and_get_bytes(client: UcmClient) -> None:
+    items = [(key_digest("slow", i), os.urandom(10_000 + i)) for i in range(5)]
+    result = client.put_blocks(NS, items)
+    assert result.ok
+    got = client.get_blocks(NS, [k for k, _ in items] + [key_digest("absent")])
+    assert got[:5] == [d for _, d in items]
+    assert got[5] is None
+
+
+def test_prefetch_brings_blocks_back_into_cache(client: UcmClient, shm: SharedBuffer) -> None:
+    region = client.register(shm)
+    blocks = blocks_in(region, 4, 64 << 10)
+    assert client.wait(client.dump(NS, blocks, wait_durable=True), 10).ok
+    client.aio  # noqa: B018 - the admin stub lives on the async client
+    stats = client.stats()
+    assert {t.name: t.blocks for t in stats.tiers}["Posix"] == 4
+    result = client.wait(client.prefetch(NS, [b.key for b in blocks] + [key_digest("nope")]), 10)
+    assert result.states == [BlockState.OK] * 4 + [BlockState.MISSING]
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_dump_reaches_the_disk(client: UcmClient, shm: SharedBuffer, daemon: object, durable: bool) -> None:
+    region = client.register(shm)
+    blocks = blocks_in(region, 4, 4096)
+    assert client.wait(client.dump(NS, blocks, wait_durable=durable), 10).ok
+    if durable:  # completed only once fsynced in Posix
+        assert {t.name: t.blocks for t in client.stats().tiers}["Posix"] == 4
