@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import socket
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -197,8 +198,15 @@ class MooncakeTier(Tier):
         if self.protocol == "tcp":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
         self._pool = ThreadPoolExecutor(self.staging_buffers + 2, thread_name_prefix=f"ucm-{self.name}")
-        store = MooncakeDistributedStore()
         where = f"tier {self.name!r}: Mooncake master {self.master_address}"
+        try:
+            # The engine's setup retries an absent master for ~90 s without letting go of the GIL;
+            # a plain connect answers in milliseconds.
+            await self._call(lambda: _probe(self.master_address, self.timeout_s))
+        except (OSError, TimeoutError, ValueError) as exc:
+            self._pool.shutdown(wait=False)
+            raise Unavailable(f"{where} is not reachable: {exc}") from exc
+        store = MooncakeDistributedStore()
         try:
             rc = await self._call(
                 lambda: store.setup(
@@ -501,6 +509,13 @@ class MooncakeTier(Tier):
         if len(ns) != NAMESPACE_BYTES or len(digest) != KEY_BYTES:
             return None
         return BlockKey(Namespace(ns), Digest(digest))
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """Open and close one TCP connection to ``host:port`` (raises ``OSError`` if nothing listens)."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        pass
 
 
 def _replica_sizes(store: Any, names: list[str]) -> dict[str, int]:
