@@ -77,6 +77,7 @@ class CacheTier(Tier):
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
+        self._rejected = 0
 
     # -- primitives -----------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -134,7 +135,7 @@ class CacheTier(Tier):
                     f"cache full: {size} bytes needed, {self.arena.free_pages * self.arena.page_size} free "
                     f"and every cached block is in use"
                 )
-                self._stats.errors += 1
+                self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
                 continue
             entry = _Entry(key=key, size=size, extents=extents, stored_at=time.time())
             entry.leases = 1  # not evictable while being filled
@@ -169,6 +170,7 @@ class CacheTier(Tier):
         s.extra = {
             "leased_blocks": float(sum(1 for e in self._index.values() if e.leases)),
             "free_bytes": float(self.arena.free_pages * self.arena.page_size),
+            "rejected_writes": float(self._rejected),
         }
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})  # type: ignore[attr-defined]
 
