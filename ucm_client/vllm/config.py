@@ -1,0 +1,245 @@
+"""The connector's settings: one typed dataclass, merged from four sources in the seed's order.
+
+Priority, highest first (seed ``001``, "配置优先级"): environment (``UCM_<FIELD>``) >
+``kv_connector_extra_config`` > the YAML file named by ``UCM_CONFIG_FILE`` > built-in defaults. The
+defaults alone work: no extra config at all means "talk to the daemon at its default socket".
+
+Unknown keys and bad values are errors that name the key and where it came from; nothing is silently
+ignored. The seed's YAML also carries daemon-side settings (``ucm_connectors`` with
+``store_pipeline``...): those configure ``ucm-server``, so the connector accepts them and says once, in
+a warning, that they have no effect here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+
+__all__ = ["ConfigError", "ConnectorConfig", "load_config"]
+
+CONFIG_FILE_ENV = "UCM_CONFIG_FILE"
+_CONFIG_FILE_KEYS = ("UCM_CONFIG_FILE", "config_file")
+
+WeightFingerprint = Literal["sampled", "full", "off"]
+LoadFailurePolicy = Literal["recompute", "vllm"]
+
+
+class ConfigError(ValueError):
+    """A connector setting is unknown or invalid; the message names the key and its source."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Everything the connector can be told. Each field's docstring says why it exists."""
+
+    target: str | None = None
+    """Daemon address: a socket path, ``unix:///path`` or ``host:port``. None = the daemon's default
+    socket (``$UCM_SOCKET``, else the per-user runtime path), so a plain ``ucm-server`` just works."""
+
+    model_id: str | None = None
+    """Replaces (model path or name + weight fingerprint) in the namespace. For deployments that
+    know their model identity better than a file fingerprint does (e.g. a registry digest)."""
+
+    weight_fingerprint: WeightFingerprint = "sampled"
+    """How weights are fingerprinted for the namespace: ``sampled`` hashes each weight file's size,
+    head and tail (milliseconds, catches any re-trained or re-quantized checkpoint), ``full`` hashes
+    every byte (slow on big models), ``off`` trusts the path or name plus revision alone."""
+
+    enable_load: bool = True
+    """Serve prefix hits from the daemon. Off = a write-only cache (e.g. a warm-up job)."""
+
+    enable_save: bool = True
+    """Store newly computed full blocks in the daemon. Off = a read-only consumer."""
+
+    load_async: bool = False
+    """Load hits between scheduler steps (vLLM's async-load path) instead of before this step's
+    forward. Keeps a long load from stalling a batch of running requests, at the cost of one extra
+    step of latency for the loading request."""
+
+    load_timeout_s: float = 30.0
+    """A load not done in this time is cancelled and its blocks recomputed."""
+
+    save_timeout_s: float = 60.0
+    """Longest a finished request's blocks are held back from vLLM's free list waiting for a save."""
+
+    connect_timeout_s: float = 2.0
+    """How long one connection attempt to the daemon may take."""
+
+    rpc_timeout_s: float = 10.0
+    """Longest one control call (lookup, submit, check) may take before the daemon counts as down;
+    bounds how long a hung daemon can stall vLLM's scheduler loop."""
+
+    reconnect_interval_s: float = 5.0
+    """After the daemon was found down, wait this long before trying again (not every step)."""
+
+    load_failure_policy: LoadFailurePolicy = "recompute"
+    """``recompute``: a failed block load is recomputed by vLLM (the connector sets vLLM's
+    ``kv_load_failure_policy`` accordingly, since a cache miss must never fail a request).
+    ``vllm``: leave vLLM's own ``kv_load_failure_policy`` untouched."""
+
+    allow_unsupported_vllm: bool = False
+    """Run on a vLLM version this connector was not checked against (0.32, 0.33)."""
+
+    allow_unstable_hashes: bool = False
+    """Accept a block-hash setting that differs between processes (xxhash without
+    ``PYTHONHASHSEED``): stored blocks will then never be hit by another process."""
+
+    use_layerwise: bool = False
+    """Seed option for per-layer keys. Only ``false`` is supported: blocks are stored whole."""
+
+    load_only_first_rank: bool = False
+    """Seed option where rank 0 loads for everyone. Only ``false`` is supported: each TP rank loads
+    its own shard, and lookups check every rank's shard."""
+
+    ucm_connectors: tuple[Mapping[str, Any], ...] = ()
+    """Seed store list (``store_pipeline``, ``storage_backends``...): daemon settings, not ours."""
+
+    ucm_sparse_config: Mapping[str, Any] = field(default_factory=dict)
+    """Sparse-attention algorithms and their settings, read by ``ucm_client.sparse``."""
+
+    metrics_config_path: str | None = None
+    """Seed option; connector metrics go through vLLM's connector stats instead."""
+
+    def daemon_side_keys(self) -> list[str]:
+        """Settings present in this config that only ``ucm-server`` acts on (for one warning)."""
+        keys: list[str] = []
+        for entry in self.ucm_connectors:
+            name = entry.get("ucm_connector_name", "?")
+            sub = entry.get("ucm_connector_config", {})
+            keys.extend(f"ucm_connectors[{name}].{k}" for k in sub)
+        if self.metrics_config_path is not None:
+            keys.append("metrics_config_path")
+        return keys
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
+_ENV_ALIASES = {"UCM_SOCKET": "target", "UCM_TARGET": "target"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` to the type of field ``name``; strings (from env) are parsed."""
+    ftype = _FIELDS[name].type
+    where = f"{source}: {name}"
+    if ftype == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+    if ftype == "float":
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from exc
+        if isinstance(value, bool) or number <= 0:
+            raise ConfigError(f"{where}: expected a positive number, got {value!r}")
+        return number
+    if ftype == "str | None":
+        if value is None or isinstance(value, str):
+            return value or None
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if ftype in ("WeightFingerprint", "LoadFailurePolicy"):
+        choices = get_args(WeightFingerprint if ftype == "WeightFingerprint" else LoadFailurePolicy)
+        if value not in choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+        return value
+    if name == "ucm_connectors":
+        if isinstance(value, Mapping):
+            value = [value]
+        if not isinstance(value, list | tuple) or not all(isinstance(v, Mapping) for v in value):
+            raise ConfigError(f"{where}: expected a list of mappings, got {value!r}")
+        return tuple(value)
+    if name == "ucm_sparse_config":
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    raise AssertionError(f"no coercion for field {name} of type {ftype}")  # pragma: no cover
+
+
+def _layer(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Validate one source's keys and values."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _CONFIG_FILE_KEYS:
+            continue
+        if key not in _FIELDS:
+            known = ", ".join(sorted(_FIELDS))
+            raise ConfigError(f"{source}: unknown key {key!r} (known: {known})")
+        out[key] = _coerce(key, value, source)
+    return out
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for var, value in environ.items():
+        if var in _ENV_ALIASES:
+            name = _ENV_ALIASES[var]
+        elif var.startswith("UCM_") and var[4:].lower() in _FIELDS:
+            name = var[4:].lower()
+        else:
+            continue
+        if name in ("ucm_connectors", "ucm_sparse_config"):
+            raise ConfigError(f"environment: {var}: structured settings belong in {CONFIG_FILE_ENV}")
+        out[name] = _coerce(name, value, f"environment {var}")
+    if "UCM_TARGET" in environ and "UCM_SOCKET" in environ:
+        out["target"] = _coerce("target", environ["UCM_TARGET"], "environment UCM_TARGET")
+    return out
+
+
+def _yaml_layer(path: Path) -> dict[str, Any]:
+    source = f"config file {path}"
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    return _layer(loaded, source)
+
+
+def _check(config: ConnectorConfig) -> ConnectorConfig:
+    if config.use_layerwise:
+        raise ConfigError(
+            "use_layerwise: true is not supported by UCMConnector: each stored block holds all "
+            "layers under one key (set it to false)"
+        )
+    if config.load_only_first_rank:
+        raise ConfigError(
+            "load_only_first_rank: true is not supported by UCMConnector: every TP rank loads its "
+            "own shard (set it to false)"
+        )
+    return config
+
+
+def load_config(
+    extra_config: Mapping[str, Any] | None,
+    environ: Mapping[str, str] | None = None,
+) -> ConnectorConfig:
+    """Merge defaults < YAML < ``extra_config`` < environment into a validated config.
+
+    The YAML path comes from ``$UCM_CONFIG_FILE``, else from ``UCM_CONFIG_FILE`` (or
+    ``config_file``) inside ``extra_config``, as in the seed's deployment examples.
+    """
+    env = os.environ if environ is None else environ
+    extra = dict(extra_config or {})
+    yaml_path = env.get(CONFIG_FILE_ENV) or next((extra[k] for k in _CONFIG_FILE_KEYS if extra.get(k)), None)
+    merged: dict[str, Any] = {}
+    if yaml_path:
+        merged.update(_yaml_layer(Path(str(yaml_path)).expanduser()))
+    merged.update(_layer(extra, "kv_connector_extra_config"))
+    merged.update(_env_layer(env))
+    return _check(ConnectorConfig(**merged))

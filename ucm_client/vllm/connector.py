@@ -1,0 +1,200 @@
+"""``UCMConnector``: vLLM's KV connector for the UCM daemon, a thin shell over two halves.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "UCMConnector",
+                           "kv_connector_module_path": "ucm_client.vllm.connector",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {}}'
+
+vLLM builds one instance per process and role: the SCHEDULER one delegates to ``UcmScheduler``
+(lookups, load grants, save plans), each WORKER one to ``UcmWorker`` (byte movement on its TP
+rank's shard). ``UcmConnectorMetadata`` is the only thing passed between them, as vLLM intends.
+Methods of the other role are harmless no-ops, so vLLM's call order never trips an assertion.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ucm_client.vllm.config import ConfigError, ConnectorConfig, load_config
+from ucm_client.vllm.identity import KeySpace, check_hash_stability
+from ucm_client.vllm.metadata import UcmConnectorMetadata
+from ucm_client.vllm.scheduler import UcmScheduler
+from ucm_client.vllm.stats import UcmConnectorStats, UcmPromMetrics
+from ucm_client.vllm.worker import UcmWorker
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
+
+logger = logging.getLogger("ucm_client.vllm")
+
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+
+def check_vllm_version(version: str, config: ConnectorConfig) -> None:
+    """Refuse vLLM releases this connector was not checked against: its API changes every release."""
+    major_minor = ".".join(version.split(".")[:2])
+    if major_minor in SUPPORTED_VLLM:
+        return
+    message = (
+        f"UCMConnector supports vLLM {' and '.join(SUPPORTED_VLLM)}, this is vLLM {version}. "
+        "Set allow_unsupported_vllm: true (or UCM_ALLOW_UNSUPPORTED_VLLM=1) to try anyway."
+    )
+    if not config.allow_unsupported_vllm:
+        raise ConfigError(message)
+    logger.warning("%s Continuing because allow_unsupported_vllm is set.", message.split(" Set ", 1)[0])
+
+
+class UCMConnector(KVConnectorBase_V1):
+    """Prefix KV cache in ``ucm-server``: hits are loaded instead of recomputed, new blocks saved."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.ucm_config = load_config(transfer.kv_connector_extra_config)
+        check_vllm_version(vllm.__version__, self.ucm_config)
+        check_hash_stability(str(vllm_config.cache_config.prefix_caching_hash_algo), self.ucm_config)
+        if daemon_keys := self.ucm_config.daemon_side_keys():
+            logger.warning(
+                "UCMConnector: %s configure ucm-server, not the connector; they have no effect here",
+                ", ".join(daemon_keys),
+            )
+        keyspace = KeySpace.from_vllm(vllm_config, kv_cache_config, self.ucm_config)
+        self._scheduler: UcmScheduler | None = None
+        self._worker: UcmWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._set_failure_policy(transfer)
+            self._scheduler = UcmScheduler(vllm_config, keyspace, self.ucm_config)
+        else:
+            self._worker = UcmWorker(vllm_config, keyspace, self.ucm_config, _tp_rank())
+
+    def _set_failure_policy(self, transfer: Any) -> None:
+        wanted = self.ucm_config.load_failure_policy
+        if wanted == "recompute" and transfer.kv_load_failure_policy != "recompute":
+            logger.info(
+                "UCMConnector: setting kv_load_failure_policy=recompute (a block that fails to load "
+                "from the cache is recomputed, not an error; set load_failure_policy: vllm to keep %r)",
+                transfer.kv_load_failure_policy,
+            )
+            transfer.kv_load_failure_policy = "recompute"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save lost to preemption is a future miss, not lost output."""
+        return False
+
+    @property
+    def worker(self) -> UcmWorker | None:
+        return self._worker
+
+    # ------------------------------------------------------------------ worker role
+
+    def get_mem_pool_context(self) -> Any:
+        return self._worker.mem_pool_context() if self._worker is not None else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    def _meta(self) -> UcmConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, UcmConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None:
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing per layer: a block is stored whole (all layers) once the forward has written it."""
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if self._worker is not None and meta is not None:
+            self._worker.save(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, UcmConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ scheduler role
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return UcmConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request)
+
+    # ------------------------------------------------------------------ both roles
+
+    def get_kv_connector_stats(self) -> UcmConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UcmConnectorStats:
+        return UcmConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UcmPromMetrics:
+        return UcmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 before vLLM's process groups exist)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0

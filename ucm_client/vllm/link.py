@@ -1,0 +1,119 @@
+"""The connector's hold on the daemon: connect lazily, survive its absence, say so once.
+
+vLLM must keep serving when ``ucm-server`` is down, at start or mid-run: every call site asks
+``DaemonLink.client()`` and gets None while the daemon is known to be down, so the connector
+degrades to "no hits, no saves" (vLLM recomputes) instead of paying a connection timeout per step.
+The first failure logs one warning; later attempts happen at most every ``reconnect_interval_s``;
+recovery logs one line. The ``UcmClient`` itself re-registers memory regions after a reconnect, so
+region handles taken once stay valid across daemon restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ucm_client import UcmClient
+from ucm_client.errors import UcmError, Unavailable
+
+__all__ = ["DaemonLink"]
+
+logger = logging.getLogger("ucm_client.vllm")
+
+
+class DaemonLink:
+    """A ``UcmClient`` that is either usable or known to be down (with a retry time)."""
+
+    def __init__(
+        self,
+        target: str | None,
+        *,
+        reconnect_interval_s: float,
+        connect_timeout_s: float = 2.0,
+        rpc_timeout_s: float = 10.0,
+        on_connect: Callable[[UcmClient], None] | None = None,
+        role: str = "connector",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._target = target
+        self._interval = reconnect_interval_s
+        self._timeouts = (connect_timeout_s, rpc_timeout_s)
+        self._on_connect = on_connect
+        self._role = role
+        self._clock = clock
+        self._client: UcmClient | None = None
+        self._retry_at = 0.0
+        self._down = False
+        self._lock = threading.Lock()
+
+    @property
+    def is_down(self) -> bool:
+        return self._down
+
+    def client(self) -> UcmClient | None:
+        """The connected client, or None while the daemon is down and the retry time not reached."""
+        with self._lock:
+            if self._down and self._clock() < self._retry_at:
+                return None
+            if self._client is None:
+                client = UcmClient(
+                    target=self._target,
+                    client_name=f"vllm-{self._role}",
+                    connect_timeout_s=self._timeouts[0],
+                    rpc_timeout_s=self._timeouts[1],
+                )
+                try:
+                    client.connect()
+                    if self._on_connect is not None:
+                        self._on_connect(client)
+                except UcmError as exc:
+                    client.close()
+                    self._mark_down_locked(exc)
+                    return None
+                self._client = client
+            if self._down:
+                # A retry is due: hand the client out; the next call tells whether it is back.
+                self._retry_at = self._clock() + self._interval
+            return self._client
+
+    def succeeded(self) -> None:
+        """A call went through: if the daemon had been down, say it is back."""
+        if self._down:
+            with self._lock:
+                if self._down:
+                    self._down = False
+                    logger.warning("UCM %s: daemon at %s is reachable again", self._role, self._where())
+
+    def failed(self, exc: BaseException) -> bool:
+        """Record a failed call; True if it means the daemon is down (vs. a per-call error)."""
+        if not isinstance(exc, Unavailable):
+            return False
+        with self._lock:
+            self._mark_down_locked(exc)
+        return True
+
+    def _mark_down_locked(self, exc: BaseException) -> None:
+        self._retry_at = self._clock() + self._interval
+        if not self._down:
+            self._down = True
+            logger.warning(
+                "UCM %s: daemon at %s is unavailable (%s); vLLM keeps serving without the external "
+                "KV cache (prefixes are recomputed) and retries every %.0f s",
+                self._role,
+                self._where(),
+                exc,
+                self._interval,
+            )
+
+    def _where(self) -> str:
+        return self._target or "the default socket"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                with contextlib.suppress(UcmError):
+                    self._client.close()
+                self._client = None

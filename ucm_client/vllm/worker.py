@@ -1,0 +1,325 @@
+"""Worker half of the connector: move block bytes between the daemon and vLLM's KV cache.
+
+Runs in every worker process, on its own TP rank's shard. Per step it is told (metadata) which
+blocks to load and which to save; it never decides. Loads that feed this step's forward are waited
+for at the first attention layer; async loads and all saves are polled each step and never block
+decode. Failures are data: a block that did not load is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it; a save that failed is a future miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ucm_client import BlockIO, BlockState, UcmClient
+from ucm_client.errors import UcmError
+from ucm_client.vllm.config import ConnectorConfig
+from ucm_client.vllm.identity import KeySpace
+from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
+from ucm_client.vllm.link import DaemonLink
+from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+from ucm_client.vllm.stats import UcmConnectorStats
+
+__all__ = ["UcmWorker"]
+
+logger = logging.getLogger("ucm_client.vllm")
+
+
+@dataclass(slots=True)
+class _Task:
+    """A submitted load or dump and what it covers."""
+
+    task_id: int | None
+    transfer: BlockTransfer
+    started: float
+    deadline: float
+    block_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_bytes * len(self.transfer.block_ids)
+
+
+@dataclass(slots=True)
+class _SaveState:
+    pending: list[_Task] = field(default_factory=list)
+    finished: bool = False
+
+
+class UcmWorker:
+    """Loads and saves one rank's blocks; owns the shared-memory KV cache registration."""
+
+    def __init__(self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int):
+        self._vllm_config = vllm_config
+        self._config = config
+        self._namespace = keyspace.namespace(tp_rank)
+        self._link = DaemonLink(
+            config.target,
+            reconnect_interval_s=config.reconnect_interval_s,
+            connect_timeout_s=config.connect_timeout_s,
+            rpc_timeout_s=config.rpc_timeout_s,
+            on_connect=self._on_connect,
+            role=f"worker rank {tp_rank}",
+        )
+        self._alloc: ShmAllocation | None = None
+        self._memory: KVMemory | None = None
+        self._region: int | None = None
+        self._cuda = vllm_config.device_config.device_type == "cuda"
+        self._sync_loads: list[_Task] = []
+        self._async_loads: dict[str, _Task] = {}
+        self._saves: dict[str, _SaveState] = {}
+        self._load_errors: set[int] = set()
+        self._stats = UcmConnectorStats()
+
+    # ------------------------------------------------------------------ registration
+
+    def mem_pool_context(self) -> ShmAllocation | None:
+        """Have vLLM allocate its CPU KV cache in shared memory (see ``kv_memory``)."""
+        if self._vllm_config.device_config.device_type != "cpu":
+            return None
+        self._alloc = ShmAllocation()
+        return self._alloc
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Make sure the KV cache lives in shared memory, then register it with the daemon once."""
+        if not kv_caches:
+            return
+        first = next(iter(kv_caches.values()))
+        if first.device.type != "cpu":
+            raise RuntimeError(
+                "UCMConnector registers host memory only; GPU KV caches need CUDA IPC regions, "
+                "which ucm_client does not offer yet"
+            )
+        alloc = self._alloc
+        if (
+            alloc is not None
+            and alloc.tensor is not None
+            and alloc.buffer is not None
+            and (first.untyped_storage().data_ptr() == alloc.tensor.data_ptr())
+        ):
+            buffer, raw = alloc.buffer, alloc.tensor
+            how = "allocated in shared memory"
+        else:
+            layers = self._vllm_config.compilation_config.static_forward_context.values()
+            buffer, raw = adopt(kv_caches, layers)
+            how = "moved into shared memory"
+        self._memory = KVMemory(buffer, raw, kv_caches)
+        logger.info(
+            "UCM worker: KV cache (%d blocks x %d bytes) %s (%s); the daemon copies into it directly",
+            self._memory.num_blocks,
+            self._memory.block_bytes,
+            how,
+            buffer.name,
+        )
+        self._link.client()  # registers now if the daemon is up; otherwise on reconnect
+
+    def _on_connect(self, client: UcmClient) -> None:
+        if self._memory is not None and self._region is None:
+            self._region = client.register(self._memory.buffer)
+
+    @property
+    def memory(self) -> KVMemory | None:
+        return self._memory
+
+    # ------------------------------------------------------------------ per step
+
+    def _client(self) -> UcmClient | None:
+        if self._memory is None:
+            return None
+        client = self._link.client()
+        if client is not None and self._region is None:
+            try:
+                self._on_connect(client)
+            except UcmError as exc:
+                self._link.failed(exc)
+                return None
+        return client
+
+    def _blocks(self, transfer: BlockTransfer) -> list[BlockIO]:
+        assert self._memory is not None and self._region is not None
+        return [
+            BlockIO(key=key, segments=self._memory.segments(self._region, block_id))
+            for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True)
+        ]
+
+    def start_load(self, meta: UcmConnectorMetadata) -> None:
+        for transfer in meta.loads:
+            task = self._submit(transfer, load=True)
+            if task is None:
+                self._fail_load(transfer.block_ids)
+                if transfer.is_async:
+                    # Still report it as received, so vLLM moves on and recomputes.
+                    self._async_loads[transfer.req_id] = _Task(None, transfer, 0.0, 0.0, 0)
+            elif transfer.is_async:
+                self._async_loads[transfer.req_id] = task
+            else:
+                self._sync_loads.append(task)
+
+    def _submit(self, transfer: BlockTransfer, *, load: bool) -> _Task | None:
+        client = self._client()
+        if client is None or self._memory is None:
+            self._stats.add(daemon_unavailable=1)
+            return None
+        now = time.monotonic()
+        timeout = self._config.load_timeout_s if load else self._config.save_timeout_s
+        try:
+            blocks = self._blocks(transfer)
+            task_id = client.load(self._namespace, blocks) if load else client.dump(self._namespace, blocks)
+        except UcmError as exc:
+            if self._link.failed(exc):
+                self._stats.add(daemon_unavailable=1)
+            else:
+                op = "load" if load else "save"
+                logger.warning("UCM worker: %s of %s refused: %s", op, transfer.req_id, exc)
+            return None
+        self._link.succeeded()
+        return _Task(task_id, transfer, now, now + timeout, self._memory.block_bytes)
+
+    def wait_for_layer_load(self) -> None:
+        """Finish this step's sync loads before the first attention layer reads the cache."""
+        while self._sync_loads:
+            task = self._sync_loads.pop()
+            remaining = max(task.deadline - time.monotonic(), 0.001)
+            self._finish_load(task, self._wait(task, remaining))
+
+    def _wait(self, task: _Task, timeout_s: float) -> list[bool] | None:
+        """Per-block success once the task is done; None if it failed as a whole or timed out."""
+        client = self._link.client()
+        if client is None or task.task_id is None:
+            return None
+        try:
+            result = client.wait(task.task_id, timeout_s, cancel_on_timeout=True)
+        except UcmError as exc:
+            self._link.failed(exc)
+            return None
+        if not result.done:
+            return None
+        return [state == BlockState.OK for state in result.states]
+
+    def _poll(self, task: _Task) -> list[bool] | bool | None:
+        """Like ``_wait`` without blocking: False while still running (and before its deadline)."""
+        if task.task_id is None:
+            return None
+        if time.monotonic() >= task.deadline:
+            return self._wait(task, 0.001)
+        client = self._link.client()
+        if client is None:
+            return None
+        try:
+            result = client.check(task.task_id)
+        except UcmError as exc:
+            self._link.failed(exc)
+            return None
+        if not result.done:
+            return False
+        return [state == BlockState.OK for state in result.states]
+
+    def _finish_load(self, task: _Task, ok: list[bool] | None) -> None:
+        block_ids = task.transfer.block_ids
+        if ok is None:
+            ok = [False] * len(block_ids)
+        failed = [b for b, good in zip(block_ids, ok, strict=True) if not good]
+        loaded = len(block_ids) - len(failed)
+        self._stats.add(
+            load_blocks=loaded,
+            load_bytes=loaded * task.block_bytes,
+            load_seconds=time.monotonic() - task.started,
+        )
+        if failed:
+            self._fail_load(failed)
+
+    def _fail_load(self, block_ids: Iterable[int]) -> None:
+        failed = set(block_ids)
+        self._load_errors |= failed
+        self._stats.add(load_failed_blocks=len(failed))
+
+    def save(self, meta: UcmConnectorMetadata) -> None:
+        """Dump this step's completed blocks; returns at once (the daemon copies in the background)."""
+        self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
+        if not meta.saves:
+            return
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()  # the daemon reads what the kernels wrote
+        for transfer in meta.saves:
+            state = self._saves.setdefault(transfer.req_id, _SaveState())
+            task = self._submit(transfer, load=False)
+            if task is None:
+                self._stats.add(save_failed_blocks=len(transfer.block_ids))
+            else:
+                state.pending.append(task)
+
+    def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
+        """Blocks of preempted requests are about to be reused: their saves must finish first."""
+        for req_id in meta.preempted_req_ids:
+            state = self._saves.get(req_id)
+            if state is None:
+                continue
+            while state.pending:
+                task = state.pending.pop()
+                remaining = max(task.deadline - time.monotonic(), 0.001)
+                self._finish_save(task, self._wait(task, remaining))
+
+    def _finish_save(self, task: _Task, ok: list[bool] | None) -> None:
+        n = len(task.transfer.block_ids)
+        done = sum(ok) if ok else 0
+        self._stats.add(
+            save_blocks=done,
+            save_bytes=done * task.block_bytes,
+            save_seconds=time.monotonic() - task.started,
+            save_failed_blocks=n - done,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose delayed free may happen now (saves done) and whose async loads are done."""
+        recving: set[str] = set()
+        for req_id, task in list(self._async_loads.items()):
+            if task.task_id is None:  # never submitted: its blocks are already reported failed
+                del self._async_loads[req_id]
+                recving.add(req_id)
+                continue
+            outcome: list[bool] | bool | None = self._poll(task)
+            if outcome is False:
+                continue
+            del self._async_loads[req_id]
+            self._finish_load(task, outcome if isinstance(outcome, list) else None)
+            recving.add(req_id)
+
+        for req_id in finished_req_ids:
+            if req_id in self._saves:
+                self._saves[req_id].finished = True
+        sending: set[str] = set()
+        for req_id, state in list(self._saves.items()):
+            still: list[_Task] = []
+            for task in state.pending:
+                polled = self._poll(task)
+                if polled is False:
+                    still.append(task)
+                else:
+                    self._finish_save(task, polled if isinstance(polled, list) else None)
+            state.pending = still
+            if state.finished and not still:
+                del self._saves[req_id]
+                sending.add(req_id)
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> UcmConnectorStats | None:
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        """Give in-flight saves a short grace period, then let go of the daemon."""
+        deadline = time.monotonic() + min(self._config.save_timeout_s, 5.0)
+        for state in self._saves.values():
+            for task in state.pending:
+                self._wait(task, max(deadline - time.monotonic(), 0.001))
+        self._saves.clear()
+        self._link.close()
