@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 import sys
@@ -19,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support.services import MooncakeMaster, ServiceUnavailable, free_port, start_mooncake_master
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, IoVec
+from ucm_server.store.base import BlockState, IoVec, Tier
 from ucm_server.store.format import HEADER_SIZE, encode_header, payload_checksum
 from ucm_server.store.mooncake import MooncakeTier
+from ucm_server.testing.tier_suite import TierSuite
 
 pytestmark = pytest.mark.services
 
@@ -36,6 +38,31 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]
         pytest.skip(f"Mooncake master unavailable: {exc}")
     yield m
     m.stop()
+
+
+@pytest.fixture(scope="module")
+def storage_node(master: MooncakeMaster) -> Iterator[object]:
+    """A Mooncake client that only contributes memory, like a dedicated store node: blocks written by
+    tiers that contribute none live here and outlive those tiers (what the reopen test needs)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    node = MooncakeDistributedStore()
+    rc = node.setup("127.0.0.1", "P2PHANDSHAKE", 256 << 20, 16 << 20, "tcp", "", master.address)
+    assert rc == 0, f"storage node setup failed: {rc}"
+    yield node
+    node.close()
+
+
+class TestMooncakeConformance(TierSuite):
+    @pytest.fixture(autouse=True)
+    def _cluster(self, master: MooncakeMaster, storage_node: object) -> None:
+        self.master = master
+
+    async def make_tier(self, path: Path) -> Tier:
+        # One prefix per test directory: tests sharing the master do not see each other's blocks,
+        # and the reopen test finds its own.
+        prefix = "suite-" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        return tier(self.master, "Suite", key_prefix=prefix, global_segment_size=0)
 
 
 def tier(master: MooncakeMaster, name: str, **kw: Any) -> MooncakeTier:

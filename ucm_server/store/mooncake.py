@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
+from ucm_server.config import parse_size
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
     MISSING,
@@ -72,6 +73,7 @@ T = TypeVar("T")
 
 # Mooncake error codes we meet (mooncake-store/include/types.h); others are reported by number.
 OBJECT_NOT_FOUND = -704
+BUFFER_OVERFLOW = -600
 _ERROR_NAMES = {
     -200: "NO_AVAILABLE_HANDLE (store full)",
     -600: "BUFFER_OVERFLOW (stored object is larger than expected)",
@@ -162,6 +164,9 @@ class MooncakeTier(Tier):
         self._free: asyncio.Queue[_Staging] | None = None
         self._staging: list[_Staging] = []
         self._stats = TierStats(name=name, kind=self.kind)
+        self._known: dict[BlockKey, int] = {}
+        """Blocks this daemon wrote, read or found, and their sizes: the cluster's totals are not
+        queryable cheaply, so ``stats().blocks``/``bytes`` report this local view."""
 
     # -- configuration -----------------------------------------------------------------------------------
     _SETTINGS: ClassVar[dict[str, type]] = {
@@ -284,9 +289,13 @@ class MooncakeTier(Tier):
         if any(e < 0 for e in exist):
             self._stats.errors += 1
         out: list[int | None] = []
-        for n in names:
+        for key, n, e in zip(keys, names, exist, strict=True):
             size = sizes.get(n)
             out.append(size - HEADER_SIZE if size is not None and size >= HEADER_SIZE else None)
+            if out[-1] is not None:
+                self._known[key] = out[-1]
+            elif e == 0:
+                self._known.pop(key, None)
         hits = sum(1 for s in out if s is not None)
         self._stats.hits += hits
         self._stats.misses += len(out) - hits
@@ -323,6 +332,9 @@ class MooncakeTier(Tier):
             log.debug("%s: %d blocks are being read elsewhere; left in place", self.name, leased)
         if any(c < 0 and c not in (-704, -706) for c in codes):
             self._stats.errors += 1
+        for key, c in zip(keys, codes, strict=True):
+            if c in (0, OBJECT_NOT_FOUND):
+                self._known.pop(key, None)
         return sum(1 for c in codes if c == 0)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
@@ -349,7 +361,10 @@ class MooncakeTier(Tier):
                     yield BlockInfo(key=key, size=size, tier=self.name)
 
     def stats(self) -> TierStats:
-        return dataclasses.replace(self._stats, extra=dict(self._stats.extra))
+        known = self._known
+        return dataclasses.replace(
+            self._stats, blocks=len(known), bytes=sum(known.values()), extra=dict(self._stats.extra)
+        )
 
     # -- batching -----------------------------------------------------------------------------------------
     async def _batched(
@@ -427,18 +442,22 @@ class MooncakeTier(Tier):
             sizes.append(HEADER_SIZE + n)
             off += HEADER_SIZE + n
         codes: list[int] = self._store.batch_upsert_from(names, ptrs, sizes)
-        return [self._write_result(c, s - HEADER_SIZE) for c, s in zip(codes, sizes, strict=True)]
+        return [
+            self._write_result(k, c, s - HEADER_SIZE)
+            for (_, k, _), c, s in zip(chunk, codes, sizes, strict=True)
+        ]
 
     def _write_big(self, key: BlockKey, iov: IoVec) -> BlockResult:
         n = iov_len(iov)
         obj = bytearray(HEADER_SIZE + n)
         obj[:HEADER_SIZE] = encode_header(key, n, payload_checksum(iov))
         copy_iov([memoryview(obj)[HEADER_SIZE:]], iov)
-        return self._write_result(int(self._store.upsert(self.object_name(key), obj)), n)
+        return self._write_result(key, int(self._store.upsert(self.object_name(key), obj)), n)
 
-    def _write_result(self, code: int, n: int) -> BlockResult:
+    def _write_result(self, key: BlockKey, code: int, n: int) -> BlockResult:
         if code == 0:
             self._stats.write_bytes += n
+            self._known[key] = n
             return OK
         self._stats.errors += 1
         return failed(f"Mooncake upsert: {_code_name(code)}")
@@ -466,8 +485,12 @@ class MooncakeTier(Tier):
     def _check_and_copy(self, key: BlockKey, dest: IoVec, code: int, obj: memoryview) -> BlockResult:
         """Verify a fetched object (``code`` = bytes fetched or a Mooncake error) and copy it out."""
         if code in (OBJECT_NOT_FOUND, 0):
+            self._known.pop(key, None)
             self._stats.misses += 1
             return MISSING
+        if code == BUFFER_OVERFLOW:
+            self._stats.errors += 1
+            return failed(f"length mismatch: stored block is larger than the reader's {iov_len(dest)} bytes")
         if code < 0:
             self._stats.errors += 1
             return failed(f"Mooncake get: {_code_name(code)}")
@@ -481,8 +504,9 @@ class MooncakeTier(Tier):
             return failed(f"corrupt object {self.object_name(key)}: {exc}")
         if header.payload_len != iov_len(dest):
             self._stats.errors += 1
-            return failed(f"block is {header.payload_len} bytes, reader expects {iov_len(dest)}")
+            return failed(f"length mismatch: block is {header.payload_len} bytes, reader has {iov_len(dest)}")
         copy_iov(dest, [payload])
+        self._known[key] = header.payload_len
         self._stats.hits += 1
         self._stats.read_bytes += header.payload_len
         return OK
@@ -541,7 +565,7 @@ def _check_settings(
             raise ConfigError(f"tier {name!r} ({kind}): unknown setting {key!r}; known: {known}")
         try:
             out[key] = _coerce(value, want)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:  # ConfigError from parse_size is a ValueError too
             raise ConfigError(
                 f"tier {name!r} ({kind}): setting {key!r} must be {want.__name__}, got {value!r}"
             ) from exc
@@ -558,7 +582,7 @@ def _coerce(value: object, want: type) -> object:
     if want is int:
         if isinstance(value, bool) or not isinstance(value, int | str):
             raise TypeError(value)
-        return int(value)
+        return parse_size(value)
     if want is float:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             raise TypeError(value)
