@@ -28,9 +28,9 @@ JSON printed on stdout (one object; every value is a number):
   server_chunk_tokens                               tokens per LMCache chunk (from the server)
   server_start_s                                    server launch until its ZMQ endpoint answered
   store_per_chunk_gbps    N chunks stored, one STORE request per chunk, sent and awaited in turn
-  store_batched_gbps      N chunks stored in one STORE request
+  store_batch_gbps        N chunks stored in one STORE request
   retrieve_per_chunk_gbps N chunks retrieved, one RETRIEVE request per chunk, in turn
-  retrieve_batched_gbps   N chunks retrieved in one RETRIEVE request
+  retrieve_batch_gbps     N chunks retrieved in one RETRIEVE request
   store_visible_after_s   worst time, after a STORE returned, until a LOOKUP saw every chunk of it
   lookup_one_p50_ms       p50 of a one-chunk LOOKUP that hits: LOOKUP + QUERY_PREFETCH_STATUS polls
                           until the hit count arrives (what the connector's scheduler side waits for)
@@ -38,7 +38,7 @@ JSON printed on stdout (one object; every value is a number):
   lookup_prefix_hit_chunks hit count that prefix lookup returned (should equal lookup_keys)
   memcpy_gbps             numpy copy of the same N x S bytes into touched memory, same process
                           (median of samples taken before and after the transfers)
-  store_batched_vs_memcpy, retrieve_batched_vs_memcpy   the batched figures over memcpy_gbps
+  store_batch_vs_memcpy, retrieve_batch_vs_memcpy   the batched figures over memcpy_gbps
 GB/s figures are 1e9 bytes per second, medians over ``--repeat`` rounds. Diagnostics go to stderr.
 The prefix-lookup set uses a tiny second KV layout (16 KiB chunks, its own model name) so that
 2,048 fully-hitting chunks fit in the 2 GB L1 next to the transfer sets; a lookup's work in LMCache
@@ -569,16 +569,16 @@ class Bench:
             "repeat": float(args.repeat),
             "server_chunk_tokens": float(self.chunk_tokens),
             "store_per_chunk_gbps": round(med["store_per_chunk"], 4),
-            "store_batched_gbps": round(med["store_batched"], 4),
+            "store_batch_gbps": round(med["store_batched"], 4),
             "retrieve_per_chunk_gbps": round(med["retrieve_per_chunk"], 4),
-            "retrieve_batched_gbps": round(med["retrieve_batched"], 4),
+            "retrieve_batch_gbps": round(med["retrieve_batched"], 4),
             "store_visible_after_s": round(visible_after, 3),
             "lookup_one_p50_ms": round(p50_ms(one), 3),
             "lookup_prefix_p50_ms": round(p50_ms(prefix), 3),
             "lookup_prefix_hit_chunks": float(prefix_hits),
             "memcpy_gbps": round(memcpy, 3),
-            "store_batched_vs_memcpy": round(med["store_batched"] / memcpy, 4),
-            "retrieve_batched_vs_memcpy": round(med["retrieve_batched"] / memcpy, 4),
+            "store_batch_vs_memcpy": round(med["store_batched"] / memcpy, 4),
+            "retrieve_batch_vs_memcpy": round(med["retrieve_batched"] / memcpy, 4),
         }
 
     def store(self, target: KVTarget, mode: str, tokens: list[int]) -> float:
