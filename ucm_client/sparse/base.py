@@ -253,8 +253,8 @@ class UcmSparseBase(ABC):
         check_tensor("key", key, shape=(tokens, spec.num_kv_heads, spec.head_dim), **kw)  # type: ignore[arg-type]
         check_tensor("value", value, shape=(tokens, spec.num_kv_heads, spec.head_dim), **kw)  # type: ignore[arg-type]
         if output is None:
-            output = torch.empty(tokens, spec.num_heads * spec.head_dim, dtype=spec.dtype, device=spec.device)
-        check_tensor("output", output, shape=(tokens, spec.num_heads * spec.head_dim), **kw)  # type: ignore[arg-type]
+            output = torch.empty(tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=spec.device)
+        check_tensor("output", output, shape=(tokens, spec.num_heads, spec.head_dim), **kw)  # type: ignore[arg-type]
         meta = attn_metadata
         rows = len(meta.row_keys)
         check_tensor("seq_lens", meta.seq_lens, shape=(rows,), dtype=_INDEX_DTYPES)
@@ -276,7 +276,7 @@ class UcmSparseBase(ABC):
         check_tensor(
             "output",
             output,
-            shape=(None, spec.num_heads * spec.head_dim),
+            shape=(None, spec.num_heads, spec.head_dim),
             dtype=spec.dtype,
             device=spec.device,
         )

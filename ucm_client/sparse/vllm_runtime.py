@@ -1,0 +1,157 @@
+"""The per-process bridge between vLLM's attention backend and one sparse method instance.
+
+vLLM calls the backend once per layer and knows nothing of sessions, so this runtime derives them:
+the first layer call of a step opens the session (``execute_begin``), the last layer's call closes it
+(``execute_finished``). KV caches are registered lazily at the first real forward, when every layer's
+cache is bound and the page layout can be detected from a key that was just written. It also keeps a
+trace of which hook ran on which layer, which is what ``verify_patches`` and the tests read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ucm_client.sparse.base import AttentionInputs, PagedAttentionMeta, UcmSparseBase, UcmSparseRole
+from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
+from ucm_client.sparse.errors import SparseInputError
+from ucm_client.sparse.factory import UcmSparseFactory
+from ucm_client.sparse.paged import detect_page_layout
+
+__all__ = ["SparseWorkerRuntime", "install_runtime", "layer_index", "worker_runtime"]
+
+_RUNTIME: SparseWorkerRuntime | None = None
+_CONFIG_LOADED = False
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` → 7 (the first integer path component)."""
+    match = re.search(r"\.(\d+)\.", f".{layer_name}.")
+    if match is None:
+        raise SparseInputError(f"cannot find a layer index in layer name {layer_name!r}")
+    return int(match.group(1))
+
+
+class SparseWorkerRuntime:
+    """One per worker process: the method, the layer map and the hook trace."""
+
+    def __init__(
+        self, method: UcmSparseBase, config: UcmSparseConfig | None = None, *, vllm_config: Any = None
+    ) -> None:
+        self.method = method
+        self.config = config
+        self.trace: Counter[tuple[str, int]] = Counter()
+        self._registered = False
+        self._last_layer = -1
+        self._vllm_config: Any = vllm_config
+
+    def bind_vllm_config(self, vllm_config: Any) -> None:
+        """Remember the engine's config (captured while vLLM builds the layers, when it is current)."""
+        if self._vllm_config is None:
+            self._vllm_config = vllm_config
+
+    def _register(
+        self, layer_name: str, kv_cache: torch.Tensor, key: torch.Tensor, slot: int, num_heads: int
+    ) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layout = detect_page_layout(kv_cache, slot, key)
+        caches: dict[int, torch.Tensor] = {}
+        if self._vllm_config is not None:
+            layers = get_layers_from_vllm_config(self._vllm_config, Attention)
+            caches = {layer_index(name): layer.kv_cache for name, layer in layers.items()}
+        if not caches:  # not inside vLLM's config context: register the one layer we know
+            caches = {layer_index(layer_name): kv_cache}
+        self.method.register_kv_caches(caches, num_heads=num_heads, layout=layout)
+        self._last_layer = max(caches)
+        self._registered = True
+        self.trace[("register_kv_caches", -1)] += 1
+
+    def begin_layer(
+        self,
+        layer_name: str,
+        *,
+        num_heads: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_actual_tokens: int,
+    ) -> AttentionInputs:
+        idx = layer_index(layer_name)
+        if not self._registered:
+            self._register(layer_name, kv_cache, key[0], int(slot_mapping[0]), num_heads)
+        if not self.method.session.is_open:
+            self.method.execute_begin(None)
+            self.trace[("execute_begin", -1)] += 1
+        # Without the scheduler's metadata channel a row is known by its first physical block,
+        # which is stable for the life of a request (the method re-checks the block list).
+        row_keys = [f"blk{int(b)}" for b in block_table[: seq_lens.numel(), 0].tolist()]
+        meta = PagedAttentionMeta(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table[: seq_lens.numel()],
+            num_actual_tokens=num_actual_tokens,
+            row_keys=row_keys,
+        )
+        inputs = self.method.attention_begin(idx, query, key, value, meta, output=output)
+        self.trace[("attention_begin", idx)] += 1
+        if inputs.block_table is not None:
+            self.trace[("sparse_rewrite", idx)] += 1
+        return inputs
+
+    def finish_layer(
+        self, layer_name: str, output: torch.Tensor, *, query_start_loc: torch.Tensor
+    ) -> torch.Tensor:
+        idx = layer_index(layer_name)
+        out = self.method.attention_finished(idx, output)
+        self.trace[("attention_finished", idx)] += 1
+        if idx == self._last_layer:
+            self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
+            self.trace[("execute_finished", -1)] += 1
+        return out
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._vllm_config
+
+    def layers_seen(self, hook: str) -> set[int]:
+        return {layer for (name, layer), count in self.trace.items() if name == hook and count}
+
+
+def install_runtime(runtime: SparseWorkerRuntime | None) -> None:
+    """Set (or clear) this process's runtime explicitly; tests and embedders use it."""
+    global _RUNTIME, _CONFIG_LOADED
+    _RUNTIME = runtime
+    _CONFIG_LOADED = True
+
+
+def worker_runtime() -> SparseWorkerRuntime | None:
+    """This process's runtime, built on first use from the effective ``ucm_sparse_config``."""
+    global _RUNTIME, _CONFIG_LOADED
+    if not _CONFIG_LOADED:
+        _CONFIG_LOADED = True
+        config = load_sparse_config(_extra_config())
+        if config is not None and config.enabled:
+            method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
+            _RUNTIME = SparseWorkerRuntime(method, config)
+    return _RUNTIME
+
+
+def _extra_config() -> dict[str, Any] | None:
+    try:
+        from vllm.config import get_current_vllm_config
+    except ImportError:
+        return None
+    kv_transfer = getattr(get_current_vllm_config(), "kv_transfer_config", None)
+    extra = getattr(kv_transfer, "kv_connector_extra_config", None)
+    return dict(extra) if extra else None
