@@ -67,7 +67,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.UnregisterRegionResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
-        answer = await self.engine.lookup(request.namespace, request.keys)
+        answer = await self.engine.lookup(request.namespace, list(request.keys))
         return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
 
     def _submit(self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False) -> pb.TaskHandle:

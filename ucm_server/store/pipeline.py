@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from ucm_server.keys import BlockKey, Namespace
+from ucm_server.keys import BlockKey, Namespace, promote
 from ucm_server.store.base import (
     MISSING,
     OK,
@@ -88,19 +88,19 @@ class Pipeline:
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        sizes: list[int | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        for tier in sorted(self.tiers, key=lambda t: t.shared):  # local indexes first
+        ordered = sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
+        sizes = await ordered[0].lookup(keys)
+        if None not in sizes:  # the common all-hit case stays in C end to end
+            return sizes
+        for tier in ordered[1:]:
+            todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            found = await tier.lookup([keys[i] for i in todo])
-            todo_next = []
-            for i, size in zip(todo, found, strict=True):
-                if size is None:
-                    todo_next.append(i)
-                else:
-                    sizes[i] = size
-            todo = todo_next
+            asked = [keys[i] for i in todo]
+            if tier.shared:  # remote tiers need real keys (namespace, digest); local ones take raw bytes
+                asked = promote(asked)
+            for i, size in zip(todo, await tier.lookup(asked), strict=True):
+                sizes[i] = size
         return sizes
 
     # -- reads ----------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class PosixTier(Tier):
         self.durable = durable
         self._executor = executor
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._sizes: dict[BlockKey, int] = {}  # mirrors _index so lookups run in C
         self._bytes = 0
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
 
@@ -100,16 +101,14 @@ class PosixTier(Tier):
         found = await self._run(self._scan)
         found.sort(key=lambda item: item[1].stored_at)  # least recently stored first = LRU order
         for key, entry in found:
-            self._index[key] = entry
-            self._bytes += entry.size
+            self._remember(key, entry)
         log.info(
             "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs",
             self.name, len(found), self._bytes, ", ".join(map(str, self.roots)), time.monotonic() - started,
         )
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        index = self._index
-        return [e.size if (e := index.get(k)) is not None else None for k in keys]
+        return list(map(self._sizes.get, keys))
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         entry = self._index.get(key)
@@ -148,8 +147,7 @@ class PosixTier(Tier):
             self._stats.errors += 1
             return failed(f"{self.name} write error: {exc.strerror or exc}")
         self._forget(key)
-        self._index[key] = _Entry(size=size, stored_at=time.time())
-        self._bytes += size
+        self._remember(key, _Entry(size=size, stored_at=time.time()))
         self._stats.write_bytes += size
         return OK
 
@@ -304,9 +302,15 @@ class PosixTier(Tier):
         self._forget(key)
         await self._run(self._move_to_quarantine, self.path_of(key), reason)
 
+    def _remember(self, key: BlockKey, entry: _Entry) -> None:
+        self._index[key] = entry
+        self._sizes[key] = entry.size
+        self._bytes += entry.size
+
     def _forget(self, key: BlockKey) -> None:
         entry = self._index.pop(key, None)
         if entry is not None:
+            del self._sizes[key]
             self._bytes -= entry.size
 
     async def _make_room(self, size: int) -> None:

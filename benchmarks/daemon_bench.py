@@ -1,0 +1,216 @@
+"""The daemon's core benchmark: throughput and lookup latency as ratios of baselines from the same run.
+
+Measured (defaults: 256 blocks of 1 MiB, 7 repeats, medians):
+- memcpy of the same bytes between two warm buffers (numpy ``copyto``): the physical baseline;
+- Dump and Load through the daemon, Cache tier <-> the client's registered shared memory, one task of
+  all blocks, from the Dump/Load call until Wait returns: ratio to memcpy (target >= 0.5);
+- Lookup of 2,048 keys, p50, as a ratio of a bare gRPC round trip (the health ``Check``) on the same
+  socket (target <= 2), both through the raw stub, and also through the client library;
+- Posix-tier Load (a daemon with ``store_pipeline: Posix``) as a ratio of reading the same block files
+  straight from disk with ``preadv`` (both from the page cache, which these machines cannot drop).
+Run: ``python -m benchmarks.daemon_bench`` (or ``make bench``). Prints a markdown table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_server.testing.daemon import DaemonProcess
+
+NS = namespace_id(bench="daemon")
+
+
+def _median_time(fn: Any, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the destination first: the daemon's arena is warm too
+    return nbytes / _median_time(lambda: np.copyto(dst, src), repeat) / 1e9
+
+
+def _blocks(region: int, n: int, size: int, tag: str) -> list[BlockIO]:
+    return [BlockIO(key_digest(tag, i), (Segment(region, i * size, size),)) for i in range(n)]
+
+
+def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str, float]:
+    cache = max(2 * n * size + (64 << 20), 256 << 20)
+    args = ["--cache-capacity", str(cache), "--store-pipeline", "Cache"]
+    with DaemonProcess(workdir / "cache", args=args) as d, UcmClient(d.target) as c:
+        with SharedBuffer(n * size) as src, SharedBuffer(n * size) as dst:
+            src.array()[:] = np.random.default_rng(1).integers(0, 255, n * size, dtype=np.uint8)
+            dst.array()[:] = 0
+            rs, rd = c.register(src), c.register(dst)
+            blocks_src, blocks_dst = _blocks(rs, n, size, "b"), _blocks(rd, n, size, "b")
+
+            def dump() -> None:
+                assert c.wait(c.dump(NS, blocks_src), 120).ok
+
+            def load() -> None:
+                assert c.wait(c.load(NS, blocks_dst), 120).ok
+
+            dump()
+            dump()  # warm: arena pages faulted in, then reused as blocks are replaced
+            load()
+            dump_s = _median_time(dump, repeat)
+            load_s = _median_time(load, repeat)
+            assert bytes(dst.buf[: 1 << 20]) == bytes(src.buf[: 1 << 20])
+    return {"dump_gbps": n * size / dump_s / 1e9, "load_gbps": n * size / load_s / 1e9}
+
+
+def lookup_latency(workdir: Path, nkeys: int, samples: int) -> dict[str, float]:
+    with DaemonProcess(workdir / "lookup") as d, UcmClient(d.target) as c, SharedBuffer(nkeys * 4096) as buf:
+        region = c.register(buf)
+        blocks = _blocks(region, nkeys, 4096, "l")
+        assert c.wait(c.dump(NS, blocks), 120).ok
+        keys = [b.key for b in blocks]
+        with grpc.insecure_channel(d.target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            kv = rpc.KVStoreStub(ch)
+            req = pb.LookupRequest(namespace=NS, keys=keys)
+            echo_req = health_pb2.HealthCheckRequest()
+
+            def p50(fn: Any) -> float:
+                for _ in range(20):
+                    fn()
+                ts = []
+                for _ in range(samples):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                return statistics.median(ts) * 1e3
+
+            echo_ms = p50(lambda: health.Check(echo_req))
+            raw_ms = p50(lambda: kv.Lookup(req))
+            lib_ms = p50(lambda: c.lookup(NS, keys))
+            assert c.lookup(NS, keys).hit_prefix == nkeys
+    return {"echo_p50_ms": echo_ms, "lookup_raw_p50_ms": raw_ms, "lookup_client_p50_ms": lib_ms}
+
+
+def posix_read(workdir: Path, n: int, size: int, repeat: int) -> dict[str, float]:
+    args = ["--store-pipeline", "Posix", "--no-durable"]
+    with DaemonProcess(workdir / "posix", args=args) as d, UcmClient(d.target) as c, SharedBuffer(n * size) as buf:
+        region = c.register(buf)
+        buf.array()[:] = np.random.default_rng(2).integers(0, 255, n * size, dtype=np.uint8)
+        blocks = _blocks(region, n, size, "p")
+        assert c.wait(c.dump(NS, blocks), 300).ok
+
+        def load() -> None:
+            assert c.wait(c.load(NS, blocks), 300).ok
+
+        load()
+        daemon_s = _median_time(load, repeat)
+        files = sorted((d.data_dir / "blocks").rglob("*.blk"))
+        assert len(files) == n
+        scratch = bytearray(n * size)
+        view = memoryview(scratch)
+
+        def raw() -> None:
+            for i, f in enumerate(files):
+                fd = os.open(f, os.O_RDONLY)
+                os.preadv(fd, [view[i * size : (i + 1) * size]], 128)
+                os.close(fd)
+
+        raw()
+        raw_s = _median_time(raw, repeat)
+    return {"posix_load_gbps": n * size / daemon_s / 1e9, "raw_file_read_gbps": n * size / raw_s / 1e9}
+
+
+def run(n: int, size: int, repeat: int, nkeys: int, samples: int, with_peer: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"blocks": n, "block_bytes": size}
+    with tempfile.TemporaryDirectory(prefix="ucm-bench-") as tmp:
+        work = Path(tmp)
+        out["memcpy_gbps"] = memcpy_gbps(n * size, repeat)
+        out.update(daemon_throughput(work, n, size, repeat))
+        out.update(lookup_latency(work, nkeys, samples))
+        out.update(posix_read(work, n, size, max(3, repeat // 2)))
+    out["dump_vs_memcpy"] = out["dump_gbps"] / out["memcpy_gbps"]
+    out["load_vs_memcpy"] = out["load_gbps"] / out["memcpy_gbps"]
+    out["lookup_vs_echo"] = out["lookup_raw_p50_ms"] / out["echo_p50_ms"]
+    out["lookup_client_vs_echo"] = out["lookup_client_p50_ms"] / out["echo_p50_ms"]
+    out["posix_vs_raw_read"] = out["posix_load_gbps"] / out["raw_file_read_gbps"]
+    if with_peer:
+        try:
+            from benchmarks.peers.lmcache import run_lmcache_peer
+
+            out["lmcache"] = run_lmcache_peer(chunks=n, chunk_bytes=size, lookup_keys=nkeys)
+        except Exception as exc:  # the peer is optional; say why it is absent
+            out["lmcache"] = None
+            out["lmcache_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    mb = r["block_bytes"] >> 20
+    peer = r.get("lmcache") or {}
+    memcpy = r["memcpy_gbps"]
+
+    def peer_cell(key: str, fmt: str = "{:.2f} GB/s ({:.2f}× memcpy)") -> str:
+        v = peer.get(key)
+        if v is None:
+            return "n/a"
+        base = peer.get("memcpy_gbps") or memcpy
+        return fmt.format(v, v / base)
+
+    rows = [
+        ("memcpy (same bytes, same run)", f"{memcpy:.2f} GB/s", "", "baseline"),
+        (f"Dump {r['blocks']}×{mb} MiB → Cache", f"{r['dump_gbps']:.2f} GB/s ({r['dump_vs_memcpy']:.2f}× memcpy)",
+         peer_cell("store_batch_gbps"), "≥ 0.5×"),
+        (f"Load {r['blocks']}×{mb} MiB Cache →", f"{r['load_gbps']:.2f} GB/s ({r['load_vs_memcpy']:.2f}× memcpy)",
+         peer_cell("retrieve_batch_gbps"), "≥ 0.5×"),
+        ("bare gRPC echo p50 (same socket)", f"{r['echo_p50_ms']:.3f} ms", "", "baseline"),
+        ("Lookup 2,048 keys p50 (raw stub)", f"{r['lookup_raw_p50_ms']:.3f} ms ({r['lookup_vs_echo']:.2f}× echo)",
+         f"{peer['lookup_prefix_p50_ms']:.3f} ms" if peer.get("lookup_prefix_p50_ms") else "n/a", "≤ 2×"),
+        ("Lookup 2,048 keys p50 (UcmClient)",
+         f"{r['lookup_client_p50_ms']:.3f} ms ({r['lookup_client_vs_echo']:.2f}× echo)", "", ""),
+        ("raw file read of the block files", f"{r['raw_file_read_gbps']:.2f} GB/s", "", "baseline"),
+        ("Load from Posix tier", f"{r['posix_load_gbps']:.2f} GB/s ({r['posix_vs_raw_read']:.2f}× raw read)", "", ""),
+    ]
+    lines = ["| measurement | UCM | LMCache 0.5.6 server | target |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--block-bytes", type=int, default=1 << 20)
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--lookup-keys", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--no-peer", action="store_true", help="skip the LMCache side-by-side run")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "daemon.md")
+    a = p.parse_args(argv)
+    r = run(a.blocks, a.block_bytes, a.repeat, a.lookup_keys, a.samples, not a.no_peer)
+    md = table(r)
+    print(md)
+    print(json.dumps(r, indent=2, default=str), file=sys.stderr)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
