@@ -6,9 +6,12 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``check_shm``.
-result: generated token ids per prompt, vLLM's metrics (``vllm:external_prefix_cache_hits`` and the
-connector's ``vllm:ucm_*`` counters), and whether vLLM's KV cache lies in the daemon-shared memory.
+``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``prefix_caching`` (bool),
+``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
+"data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
+result: generated token ids per prompt, vLLM's metrics after each prompt
+(``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
+block keys, and whether vLLM's KV cache lies in the daemon-shared memory.
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ def _kv_in_shm(llm: Any) -> dict[str, Any]:
     """Whether every attention layer's bound KV tensor lies inside the registered shared buffer."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group().worker
-    memory = worker.memory
+    from ucm_client.vllm.connector import UCMConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, UCMConnector) and connector.worker is not None
+    memory = connector.worker.memory
+    assert memory is not None
     base, size = memory.base, memory.buffer.size
     context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     layers = {}
@@ -54,6 +61,19 @@ def _kv_in_shm(llm: Any) -> dict[str, Any]:
         if kv is not None and hasattr(kv, "data_ptr") and kv.numel():
             layers[name] = base <= kv.data_ptr() < base + size
     return {"layers": layers, "shm_name": memory.buffer.name, "block_bytes": memory.block_bytes}
+
+
+def _block_keys(tokens: list[int], block_size: int) -> list[str]:
+    """The keys vLLM gives an unsalted prompt's full blocks (sha256 block hashes), in hex."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+    keys: list[str] = []
+    parent = None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block_tokens(sha256, parent, tokens[start : start + block_size], None)
+        keys.append(bytes(parent).hex())
+    return keys
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -68,6 +88,7 @@ def main(spec_path: str, result_path: str) -> None:
         "disable_log_stats": False,
         "max_model_len": spec.get("max_model_len", 4096),
         "seed": 0,
+        "enable_prefix_caching": spec.get("prefix_caching", True),
     }
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
@@ -83,7 +104,17 @@ def main(spec_path: str, result_path: str) -> None:
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
     outputs: list[list[int]] = []
     seconds: list[float] = []
-    for tokens, salt in zip(spec["prompts"], salts, strict=True):
+    metrics: list[dict[str, float]] = []
+    daemon = None
+    start = spec.get("start_daemon")
+    for index, (tokens, salt) in enumerate(zip(spec["prompts"], salts, strict=True)):
+        if start is not None and index == start["before_prompt"]:
+            from ucm_server.testing.daemon import DaemonProcess
+
+            workdir = Path(start["data_dir"]).parent
+            daemon = DaemonProcess(workdir, socket=Path(start["socket"]), data_dir=Path(start["data_dir"]))
+            daemon.start()
+            time.sleep(start.get("settle_s", 0.0))
         prompt = TokensPrompt(prompt_token_ids=tokens)
         if salt:
             prompt["cache_salt"] = salt
@@ -91,10 +122,16 @@ def main(spec_path: str, result_path: str) -> None:
         result = llm.generate([prompt], params, use_tqdm=False)
         seconds.append(time.perf_counter() - started)
         outputs.append(list(result[0].outputs[0].token_ids))
-    report: dict[str, Any] = {"outputs": outputs, "seconds": seconds, "metrics": _metrics(llm)}
+        metrics.append(_metrics(llm))
+    report: dict[str, Any] = {"outputs": outputs, "seconds": seconds, "metrics": metrics}
+    if spec.get("report_keys"):
+        block_size = llm.llm_engine.vllm_config.cache_config.block_size
+        report["keys"] = [_block_keys(tokens, block_size) for tokens in spec["prompts"]]
     if spec.get("connector") and spec.get("check_shm"):
         report["shm"] = _kv_in_shm(llm)
     Path(result_path).write_text(json.dumps(report))
+    if daemon is not None:
+        daemon.stop()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import yaml
 __all__ = ["ConfigError", "ConnectorConfig", "load_config"]
 
 CONFIG_FILE_ENV = "UCM_CONFIG_FILE"
+# Under vLLM's logger tree, so the connector's messages get vLLM's format and VLLM_LOGGING_LEVEL.
+LOGGER_NAME = "vllm.ucm_connector"
 _CONFIG_FILE_KEYS = ("UCM_CONFIG_FILE", "config_file")
 
 WeightFingerprint = Literal["sampled", "full", "off"]

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ucm_client.vllm.config import ConfigError, ConnectorConfig, load_config
+from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
 from ucm_client.vllm.identity import KeySpace, check_hash_stability
 from ucm_client.vllm.metadata import UcmConnectorMetadata
 from ucm_client.vllm.scheduler import UcmScheduler
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
 
-logger = logging.getLogger("ucm_client.vllm")
+logger = logging.getLogger(LOGGER_NAME)
 
 SUPPORTED_VLLM = ("0.32", "0.33")
 

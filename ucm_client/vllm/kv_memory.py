@@ -29,10 +29,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ucm_client import Segment, SharedBuffer
+from ucm_client.vllm.config import LOGGER_NAME
 
 __all__ = ["KVMemory", "LayerPages", "ShmAllocation", "adopt"]
 
-logger = logging.getLogger("ucm_client.vllm")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class ShmAllocation(TorchFunctionMode):

@@ -18,10 +18,16 @@ from collections.abc import Callable
 
 from ucm_client import UcmClient
 from ucm_client.errors import UcmError, Unavailable
+from ucm_client.vllm.config import LOGGER_NAME
 
 __all__ = ["DaemonLink"]
 
-logger = logging.getLogger("ucm_client.vllm")
+logger = logging.getLogger(LOGGER_NAME)
+
+# Targets this process has already warned about: the scheduler and worker halves share a process in
+# single-process vLLM, and one outage deserves one warning, not one per role.
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 class DaemonLink:
@@ -85,7 +91,11 @@ class DaemonLink:
             with self._lock:
                 if self._down:
                     self._down = False
-                    logger.warning("UCM %s: daemon at %s is reachable again", self._role, self._where())
+                    with _WARNED_LOCK:
+                        announce = self._where() in _WARNED
+                        _WARNED.discard(self._where())
+                    if announce:
+                        logger.warning("UCM: daemon at %s is reachable again", self._where())
 
     def failed(self, exc: BaseException) -> bool:
         """Record a failed call; True if it means the daemon is down (vs. a per-call error)."""
@@ -99,14 +109,17 @@ class DaemonLink:
         self._retry_at = self._clock() + self._interval
         if not self._down:
             self._down = True
-            logger.warning(
-                "UCM %s: daemon at %s is unavailable (%s); vLLM keeps serving without the external "
-                "KV cache (prefixes are recomputed) and retries every %.0f s",
-                self._role,
-                self._where(),
-                exc,
-                self._interval,
-            )
+            with _WARNED_LOCK:
+                first = self._where() not in _WARNED
+                _WARNED.add(self._where())
+            if first:
+                logger.warning(
+                    "UCM: daemon at %s is unavailable (%s); vLLM keeps serving without the external "
+                    "KV cache (prefixes are recomputed) and retries every %g s",
+                    self._where(),
+                    exc,
+                    self._interval,
+                )
 
     def _where(self) -> str:
         return self._target or "the default socket"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ucm_client.errors import UcmError
-from ucm_client.vllm.config import ConnectorConfig
+from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, block_keys
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
@@ -24,7 +24,7 @@ from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["UcmScheduler", "hit_tokens"]
 
-logger = logging.getLogger("ucm_client.vllm")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def hit_tokens(stored_blocks: int, block_size: int, num_tokens: int, num_computed_tokens: int) -> int:

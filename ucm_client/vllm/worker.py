@@ -19,7 +19,7 @@ import torch
 
 from ucm_client import BlockIO, BlockState, UcmClient
 from ucm_client.errors import UcmError
-from ucm_client.vllm.config import ConnectorConfig
+from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.link import DaemonLink
@@ -28,7 +28,7 @@ from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["UcmWorker"]
 
-logger = logging.getLogger("ucm_client.vllm")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass(slots=True)

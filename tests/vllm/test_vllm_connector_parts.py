@@ -1,0 +1,235 @@
+"""The connector's parts without a vLLM engine: keys, grants, version gate, shared-memory KV, daemon link.
+
+Memory tests use real ``SharedBuffer``s and torch tensors laid out as vLLM's CPU backend lays them out;
+the daemon tests use a real ``ucm-server`` process.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ucm_client import BlockIO, SharedBuffer, UcmClient, namespace_id
+from ucm_client.vllm.config import ConfigError, ConnectorConfig
+from ucm_client.vllm.connector import check_vllm_version
+from ucm_client.vllm.identity import block_keys, check_hash_stability, weight_fingerprint
+from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
+from ucm_client.vllm.link import DaemonLink
+from ucm_client.vllm.scheduler import hit_tokens
+from ucm_client.vllm.stats import UcmConnectorStats
+from ucm_server.testing.daemon import DaemonProcess
+
+# ---------------------------------------------------------------- keys and grants
+
+
+def test_block_keys_are_vllm_hashes_or_widened() -> None:
+    sha = [bytes([i]) * 32 for i in range(4)]
+    assert block_keys(sha, 16, 16) == sha
+    # vLLM hashing at a finer grain than its blocks: a block's key is its last sub-block's hash.
+    assert block_keys(sha, 32, 16) == [sha[1], sha[3]]
+    xx = [bytes([i]) * 16 for i in range(3)]
+    widened = block_keys(xx, 16, 16)
+    assert [len(k) for k in widened] == [32, 32, 32] and len(set(widened)) == 3
+
+
+@pytest.mark.parametrize(
+    ("stored", "num_tokens", "local", "granted"),
+    [
+        (0, 600, 0, 0),
+        (4, 600, 0, 512),  # 4 stored blocks of a 4.7-block prompt
+        (4, 600, 256, 256),  # vLLM's own cache already has 2 blocks
+        (2, 600, 256, 0),  # nothing beyond vLLM's own cache
+        (4, 512, 0, 511),  # full hit: the last token is recomputed
+        (4, 512, 384, 127),
+        (9, 512, 0, 511),  # stored beyond the prompt (a longer earlier request)
+    ],
+)
+def test_hit_tokens(stored: int, num_tokens: int, local: int, granted: int) -> None:
+    assert hit_tokens(stored, 128, num_tokens, local) == granted
+
+
+def test_unstable_hashes_are_refused_with_the_fix() -> None:
+    config = ConnectorConfig()
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        check_hash_stability("xxhash", config, environ={})
+    check_hash_stability("xxhash", config, environ={"PYTHONHASHSEED": "0"})
+    check_hash_stability("sha256", config, environ={})
+    check_hash_stability("xxhash_cbor", ConnectorConfig(allow_unstable_hashes=True), environ={})
+
+
+def test_vllm_version_gate() -> None:
+    check_vllm_version("0.32.0", ConnectorConfig())
+    check_vllm_version("0.33.1", ConnectorConfig())
+    with pytest.raises(ConfigError, match=r"supports vLLM 0.32 and 0.33, this is vLLM 0.31.2"):
+        check_vllm_version("0.31.2", ConnectorConfig())
+    check_vllm_version("0.40.0", ConnectorConfig(allow_unsupported_vllm=True))
+
+
+def test_weight_fingerprint_sees_values_not_paths(tmp_path: Path) -> None:
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for d in (a, b, c):
+        d.mkdir()
+    payload = bytes(range(256)) * 40_000  # 10 MB: sampled head and tail
+    (a / "model.safetensors").write_bytes(payload)
+    shutil.copy(a / "model.safetensors", b / "model.safetensors")
+    changed = bytearray(payload)
+    changed[100] ^= 1  # same size and shape, different values
+    (c / "model.safetensors").write_bytes(bytes(changed))
+    assert weight_fingerprint(a, "sampled") == weight_fingerprint(b, "sampled")
+    assert weight_fingerprint(a, "sampled") != weight_fingerprint(c, "sampled")
+    assert weight_fingerprint(a, "full") != weight_fingerprint(c, "full")
+
+
+# ---------------------------------------------------------------- shared-memory KV cache
+
+LAYERS, BLOCKS, HEADS, BLOCK, HEAD = 2, 6, 2, 16, 32
+
+
+def _layer_views(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """vLLM's CPU (LBHNC) layout: layer-outermost, one [B, H, N, 2*D] float32 view per layer."""
+    flat = raw.view(torch.float32).view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    return {f"model.layers.{i}.self_attn.attn": flat[i] for i in range(LAYERS)}
+
+
+RAW_BYTES = LAYERS * BLOCKS * HEADS * BLOCK * 2 * HEAD * 4
+PAGE = HEADS * BLOCK * 2 * HEAD * 4
+
+
+def test_allocation_context_puts_the_kv_cache_in_shared_memory() -> None:
+    alloc = ShmAllocation()
+    with alloc:
+        raw = torch.zeros(RAW_BYTES, dtype=torch.int8, device=torch.device("cpu"))
+        other = torch.zeros(8, dtype=torch.float32)  # not the KV cache: untouched
+    assert alloc.buffer is not None and raw.data_ptr() == alloc.buffer.torch().data_ptr()
+    assert other.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()
+    views = _layer_views(raw)
+    memory = KVMemory(alloc.buffer, raw, views)
+    views["model.layers.1.self_attn.attn"][3].fill_(2.5)
+    assert memory.block_view(3)[PAGE:] == torch.full((PAGE // 4,), 2.5).numpy().tobytes()
+
+
+def test_segments_per_layer_and_merged_when_contiguous() -> None:
+    alloc = ShmAllocation()
+    with alloc:
+        raw = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    assert alloc.buffer is not None
+    memory = KVMemory(alloc.buffer, raw, _layer_views(raw))
+    segs = memory.segments(7, 2)
+    assert [(s.region, s.offset, s.length) for s in segs] == [
+        (7, 2 * PAGE, PAGE),
+        (7, (BLOCKS + 2) * PAGE, PAGE),
+    ]
+    # Block-outermost layout: both layers' pages of a block are adjacent, so one segment.
+    flat = raw.view(torch.float32).view(BLOCKS, LAYERS, HEADS, BLOCK, 2 * HEAD)
+    merged = KVMemory(alloc.buffer, raw, {f"l{i}": flat[:, i] for i in range(LAYERS)})
+    assert [(s.offset, s.length) for s in merged.segments(0, 2)] == [(2 * 2 * PAGE, 2 * PAGE)]
+    with pytest.raises(IndexError):
+        memory.segments(0, BLOCKS)
+
+
+def test_adopt_repoints_every_view_and_keeps_contents() -> None:
+    raw = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    views = _layer_views(raw)
+    views["model.layers.0.self_attn.attn"][1].fill_(1.25)
+
+    class Layer:  # what vLLM binds: a separate view object of the same storage
+        def __init__(self, kv: torch.Tensor) -> None:
+            self.kv_cache = kv
+
+    bound = Layer(raw.view(torch.float32).view(LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD)[0])
+    buffer, shm_raw = adopt(views, [bound])
+    memory = KVMemory(buffer, shm_raw, views)
+    for tensor in [*views.values(), bound.kv_cache]:
+        assert memory.base <= tensor.data_ptr() < memory.base + buffer.size
+    assert bool((bound.kv_cache[1] == 1.25).all())
+    buffer.array(dtype="float32")[: PAGE // 4] = 7.0  # a write into the shm is what vLLM reads
+    assert bool((bound.kv_cache[0] == 7.0).all())
+
+
+def test_daemon_copies_straight_into_the_layer_tensors(tmp_path: Path) -> None:
+    """Dump block 1 of one KV cache, load it as block 4 of another: the layer views see the bytes."""
+    alloc_a, alloc_b = ShmAllocation(), ShmAllocation()
+    with alloc_a:
+        raw_a = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    with alloc_b:
+        raw_b = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    assert alloc_a.buffer is not None and alloc_b.buffer is not None
+    views_a, views_b = _layer_views(raw_a), _layer_views(raw_b)
+    for i, view in enumerate(views_a.values()):
+        view[1].copy_(torch.randn(view[1].shape, generator=torch.Generator().manual_seed(i)))
+    mem_a, mem_b = KVMemory(alloc_a.buffer, raw_a, views_a), KVMemory(alloc_b.buffer, raw_b, views_b)
+    ns, key = namespace_id(test="kv-memory"), b"k" * 32
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        region_a, region_b = client.register(alloc_a.buffer), client.register(alloc_b.buffer)
+        assert client.wait(client.dump(ns, [BlockIO(key, mem_a.segments(region_a, 1))]), 10).ok
+        assert client.wait(client.load(ns, [BlockIO(key, mem_b.segments(region_b, 4))]), 10).ok
+    for name in views_a:
+        assert torch.equal(views_b[name][4], views_a[name][1])
+    assert mem_b.block_view(4) == mem_a.block_view(1)
+
+
+# ---------------------------------------------------------------- daemon link and stats
+
+
+def test_link_to_absent_daemon_warns_once_and_retries_later(tmp_path: Path, caplog: Any) -> None:
+    now = [100.0]
+    target = f"unix://{tmp_path}/nobody.sock"
+    links = [
+        DaemonLink(target, reconnect_interval_s=5, connect_timeout_s=0.2, clock=lambda: now[0], role=r)
+        for r in ("scheduler", "worker")
+    ]
+    with caplog.at_level(logging.WARNING, logger="vllm.ucm_connector"):
+        assert links[0].client() is None and links[1].client() is None
+        assert links[0].client() is None  # within the retry interval: no new attempt
+        now[0] += 6
+        assert links[0].client() is None  # retried, still down
+    warnings = [r for r in caplog.records if "is unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "prefixes are recomputed" in warnings[0].getMessage()
+    assert all(link.is_down for link in links)
+
+
+def test_link_reconnects_when_the_daemon_appears(tmp_path: Path) -> None:
+    now = [0.0]
+    socket = tmp_path / "ucm" / "ucm.sock"
+    link = DaemonLink(f"unix://{socket}", reconnect_interval_s=1, connect_timeout_s=0.2, clock=lambda: now[0])
+    assert link.client() is None
+    with DaemonProcess(tmp_path / "ucm"):
+        assert link.client() is None  # the retry time has not come yet
+        now[0] += 2
+        client = link.client()
+        assert client is not None
+        assert client.lookup(namespace_id(test="link"), [b"x" * 32]).hit_prefix == 0
+        link.succeeded()
+        assert not link.is_down
+    link.close()
+
+
+def test_stats_aggregate_reduce_and_take() -> None:
+    worker = UcmConnectorStats()
+    worker.add(load_blocks=2, load_bytes=2_000_000_000, load_seconds=1.0)
+    scheduler = UcmConnectorStats()
+    scheduler.add(hit_tokens=256, lookups=1)
+    total = scheduler.aggregate(worker)
+    assert isinstance(total, UcmConnectorStats)
+    reduced = total.reduce()
+    assert reduced["hit_tokens"] == 256 and reduced["load_gb_per_s"] == 2.0
+    taken = worker.take()
+    assert taken is not None and taken.data["load_blocks"] == 2
+    assert worker.is_empty() and worker.take() is None
+    with pytest.raises(KeyError):
+        worker.add(bogus=1)
+
+
+def test_shared_buffer_outlives_nothing_it_should_not() -> None:
+    """A SharedBuffer used as KV memory must stay mapped while a tensor views it."""
+    buffer = SharedBuffer(4096)
+    tensor = torch.frombuffer(buffer.buf, dtype=torch.int8, count=4096)
+    tensor[0] = 5
+    assert buffer.array()[0] == 5
+    del tensor
+    buffer.close()

