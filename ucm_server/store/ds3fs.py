@@ -1,0 +1,606 @@
+"""The DS3FS tier: blocks as files on a DeepSeek 3FS mount that many nodes share.
+
+It is the Posix tier (same layout, same header, same temp-file + fsync + atomic-rename durability, same
+quarantine of corrupt files) with three differences that come from sharing the directory tree:
+
+* **Lookups that miss the local index check the filesystem**, in one batched executor job (a ``stat``
+  and a 128-byte header read per unknown key), because other nodes' daemons write there too. Keys found
+  absent are remembered for ``negative_ttl_s`` (default 1 s) so a scheduler asking about the same
+  prefix every step does not hit the metadata service every step; a write by this node clears its entry.
+* **Start-up does not scan the mount by default** (``scan_on_open``): with lookups falling through to
+  the filesystem the index is a cache, and a full scan of a cluster-wide tree at every daemon start is
+  slow. Temporary files are removed only when older than ``stale_tmp_s``: a young one may be another
+  node's write in flight. :meth:`list_blocks` walks the tree, not the index.
+* **Bulk I/O uses USRBIO** (``hf3fs_fuse.io``: a shared-memory iovec registered with the FUSE daemon,
+  io rings, registered fds, one batched submit per ring's worth) when ``hf3fs_fuse`` imports; otherwise
+  plain POSIX ``preadv``/``pwritev`` on the mount. :meth:`open` logs which one it uses.
+
+Every file operation runs under ``timeout_s``: a hung mount turns into per-block FAILED results counted
+in ``stats().errors``, not a stuck daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self, TypeVar
+
+from ucm_server.api.errors import ConfigError, Unavailable
+from ucm_server.config import parse_size
+from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
+from ucm_server.store.base import MISSING, OK, BlockInfo, BlockResult, IoVec, copy_iov, failed, iov_len
+from ucm_server.store.format import (
+    HEADER_SIZE,
+    CorruptBlock,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _fsync_dir
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UsrbioMode = Literal["auto", "on", "off"]
+
+
+class DS3FSTier(PosixTier):
+    """A Posix tier on a 3FS mount shared by many nodes (see the module docstring)."""
+
+    kind: ClassVar[str] = "DS3FS"
+    persistent: ClassVar[bool] = True
+    shared: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        name: str = "DS3FS",
+        *,
+        mount: Path | str,
+        subdir: str = "ucm",
+        capacity: int = 0,
+        durable: bool = True,
+        executor: Executor | None = None,
+        usrbio: UsrbioMode = "auto",
+        usrbio_buffer_bytes: int = 64 << 20,
+        io_entries: int = 256,
+        negative_ttl_s: float = 1.0,
+        timeout_s: float = 30.0,
+        scan_on_open: bool = False,
+        stale_tmp_s: float = 3600.0,
+    ) -> None:
+        """
+        :param mount: the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself.
+        :param subdir: directory under the mount holding the blocks; nodes sharing blocks agree on it.
+        :param capacity: bytes this node lets the tier hold before evicting (0: unlimited). Eviction
+            only considers blocks this node knows of.
+        :param durable: fsync file and directory before a block is visible (see the Posix tier).
+        :param usrbio: ``"auto"`` uses USRBIO when ``hf3fs_fuse`` imports, ``"on"`` requires it
+            (``open`` fails otherwise), ``"off"`` always uses POSIX I/O.
+        :param usrbio_buffer_bytes: size of the shared-memory iovec; batches are cut to fit it, and a
+            block larger than it goes through POSIX I/O.
+        :param io_entries: io ring entries (blocks per submit).
+        :param negative_ttl_s: how long a key found absent on the mount is not looked for again.
+        :param timeout_s: limit on one file operation (or one USRBIO batch); past it: FAILED.
+        :param scan_on_open: index every block on the mount at ``open`` (slow on a big shared tree).
+        :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
+        """
+        self.mount = Path(mount)
+        super().__init__(
+            name, roots=[self.mount / subdir], capacity=capacity, durable=durable, executor=executor
+        )
+        if usrbio not in ("auto", "on", "off"):
+            raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")
+        if timeout_s <= 0 or negative_ttl_s < 0 or io_entries < 1 or usrbio_buffer_bytes <= HEADER_SIZE:
+            raise ConfigError(
+                f"tier {name!r}: timeout_s, negative_ttl_s, io_entries or buffer size out of range"
+            )
+        self.usrbio_mode: UsrbioMode = usrbio
+        self.usrbio_buffer_bytes = usrbio_buffer_bytes
+        self.io_entries = io_entries
+        self.negative_ttl_s = negative_ttl_s
+        self.timeout_s = timeout_s
+        self.scan_on_open = scan_on_open
+        self.stale_tmp_s = stale_tmp_s
+        self._absent: dict[BlockKey, float] = {}
+        self._usrbio: _Usrbio | None = None
+
+    # -- configuration -----------------------------------------------------------------------------------
+    _SETTINGS: ClassVar[dict[str, type]] = {
+        "mount": str,
+        "subdir": str,
+        "capacity": int,
+        "durable": bool,
+        "usrbio": str,
+        "usrbio_buffer_bytes": int,
+        "io_entries": int,
+        "negative_ttl_s": float,
+        "timeout_s": float,
+        "scan_on_open": bool,
+        "stale_tmp_s": float,
+    }
+
+    @classmethod
+    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
+        """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key."""
+        out: dict[str, Any] = {}
+        for key, value in settings.items():
+            want = cls._SETTINGS.get(key)
+            if want is None:
+                known = ", ".join(sorted(cls._SETTINGS))
+                raise ConfigError(f"tier {name!r} (DS3FS): unknown setting {key!r}; known: {known}")
+            try:
+                out[key] = _coerce(value, want)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"tier {name!r} (DS3FS): setting {key!r} must be {want.__name__}, got {value!r}"
+                ) from exc
+        if "mount" not in out:
+            raise ConfigError(f"tier {name!r} (DS3FS): setting 'mount' (the 3FS mount point) is required")
+        return cls(name, **out)
+
+    # -- life cycle ---------------------------------------------------------------------------------------
+    async def open(self) -> None:
+        if not self.mount.is_dir():
+            raise Unavailable(f"tier {self.name!r}: 3FS mount {self.mount} is not a directory")
+        if self.scan_on_open:
+            await super().open()
+        else:
+            await self._run(lambda: self.roots[0].mkdir(parents=True, exist_ok=True, mode=0o700))
+        if self.usrbio_mode != "off":
+            try:
+                import hf3fs_fuse.io as h3io
+            except ImportError as exc:
+                if self.usrbio_mode == "on":
+                    raise Unavailable(
+                        f"tier {self.name!r}: usrbio=on but hf3fs_fuse does not import ({exc})"
+                    ) from exc
+                log.info(
+                    "%s: hf3fs_fuse not importable (%s): using POSIX I/O on %s", self.name, exc, self.mount
+                )
+            else:
+                self._usrbio = await self._run(
+                    lambda: _Usrbio(h3io, self.mount, self.usrbio_buffer_bytes, self.io_entries)
+                )
+        log.info(
+            "%s: 3FS tier at %s using %s",
+            self.name,
+            self.roots[0],
+            "USRBIO (hf3fs_fuse.io)" if self._usrbio is not None else "POSIX I/O",
+        )
+
+    async def close(self) -> None:
+        if self._usrbio is not None:
+            self._usrbio.close()
+            self._usrbio = None
+        await super().close()
+
+    @property
+    def io_path(self) -> str:
+        """``"usrbio"`` or ``"posix"``: what bulk I/O goes through (for stats and tests)."""
+        return "usrbio" if self._usrbio is not None else "posix"
+
+    # -- shared-tree lookups ------------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """The local index, then one batched filesystem check for keys it does not know."""
+        await self._discover(keys)
+        return list(map(self._sizes.get, keys))
+
+    async def _discover(self, keys: Sequence[BlockKey]) -> None:
+        now = time.monotonic()
+        unknown = [k for k in dict.fromkeys(keys) if k not in self._sizes and self._absent.get(k, 0.0) <= now]
+        if not unknown:
+            return
+        try:
+            found = await self._run(self._probe_files, unknown)
+        except OSError as exc:
+            self._stats.errors += 1
+            log.warning("%s: lookup on %s failed: %s", self.name, self.mount, exc)
+            return
+        until = time.monotonic() + self.negative_ttl_s
+        if len(self._absent) > 100_000:
+            self._absent = {k: t for k, t in self._absent.items() if t > now}
+        for key in unknown:
+            entry = found.get(key)
+            if entry is None:
+                self._absent[key] = until
+            elif key not in self._sizes:
+                self._remember(key, entry)
+
+    def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, _Entry]:
+        found: dict[BlockKey, _Entry] = {}
+        for key in keys:
+            path = self.path_of(key)
+            try:
+                with path.open("rb") as f:
+                    header = decode_header(f.read(HEADER_SIZE), expect=key)
+                    size = os.fstat(f.fileno()).st_size
+            except FileNotFoundError:
+                continue
+            except CorruptBlock as exc:
+                self._move_to_quarantine(path, str(exc))
+                continue
+            if size == HEADER_SIZE + header.payload_len:
+                found[key] = _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
+        return found
+
+    # -- primitives over the shared tree ----------------------------------------------------------------
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        return (await self.read_many([(key, dest)]))[0]
+
+    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
+        return (await self.write_many([(key, src)]))[0]
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        await self._discover([k for k, _ in items])
+        if self._usrbio is None:
+            return await _gather_bounded(
+                self.max_concurrency, [super(DS3FSTier, self).read_into(k, d) for k, d in items]
+            )
+        return await self._usrbio_batches(items, read=True)
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        for key, _ in items:
+            self._absent.pop(key, None)
+        if self._usrbio is None:
+            return await _gather_bounded(
+                self.max_concurrency, [super(DS3FSTier, self).write_from(k, s) for k, s in items]
+            )
+        return await self._usrbio_batches(items, read=False)
+
+    async def verify(self, key: BlockKey) -> BlockResult:
+        await self._discover([key])
+        return await super().verify(key)
+
+    async def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Blocks written by other nodes are deleted too: unknown keys are looked up first."""
+        await self._discover(keys)
+        return await super().delete(keys)
+
+    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
+        """Walk the tree (other nodes' blocks included); sizes come from file sizes, not headers."""
+        for info in await self._run(self._walk, namespace):
+            yield info
+
+    def _walk(self, namespace: Namespace | None) -> list[BlockInfo]:
+        root = self.roots[0]
+        tops = (
+            [root / namespace.hex()] if namespace is not None else [p for p in root.iterdir() if p.is_dir()]
+        )
+        out: list[BlockInfo] = []
+        for top in tops:
+            if top.name == QUARANTINE or not top.is_dir():
+                continue
+            try:
+                ns = bytes.fromhex(top.name)
+            except ValueError:
+                continue
+            for dirpath, _, filenames in os.walk(top):
+                for fname in filenames:
+                    if not fname.endswith(SUFFIX) or TMP_MARK in fname:
+                        continue
+                    try:
+                        digest = bytes.fromhex(fname[: -len(SUFFIX)])
+                        st = (Path(dirpath) / fname).stat()
+                    except (ValueError, OSError):
+                        continue
+                    if len(ns) != NAMESPACE_BYTES or len(digest) != KEY_BYTES or st.st_size < HEADER_SIZE:
+                        continue
+                    key = BlockKey(Namespace(ns), Digest(digest))
+                    out.append(
+                        BlockInfo(
+                            key=key, size=st.st_size - HEADER_SIZE, tier=self.name, stored_at=st.st_mtime
+                        )
+                    )
+        return out
+
+    # -- start-up scan that respects other nodes' writes in flight ---------------------------------------
+    def _scan(self) -> list[tuple[BlockKey, _Entry]]:
+        found: list[tuple[BlockKey, _Entry]] = []
+        root = self.roots[0]
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        cutoff = time.time() - self.stale_tmp_s
+        for dirpath, dirnames, filenames in os.walk(root):
+            if Path(dirpath) == root and QUARANTINE in dirnames:
+                dirnames.remove(QUARANTINE)
+            for fname in filenames:
+                path = Path(dirpath) / fname
+                if TMP_MARK in fname:
+                    try:
+                        if path.stat().st_mtime < cutoff:
+                            path.unlink(missing_ok=True)
+                    except FileNotFoundError:
+                        pass
+                    continue
+                if fname.endswith(SUFFIX):
+                    item = self._check_file(path)
+                    if item is not None:
+                        found.append(item)
+        return found
+
+    # -- USRBIO batches ---------------------------------------------------------------------------------
+    async def _usrbio_batches(
+        self, items: Sequence[tuple[BlockKey, IoVec]], *, read: bool
+    ) -> list[BlockResult]:
+        assert self._usrbio is not None
+        results: list[BlockResult] = [failed("not attempted")] * len(items)
+        batch: list[int] = []
+        used = 0
+        batches: list[list[int]] = []
+        loose: list[int] = []
+        for i, (key, iov) in enumerate(items):
+            size = HEADER_SIZE + iov_len(iov)
+            if read:
+                entry = self._index.get(key)
+                if entry is None:
+                    self._stats.misses += 1
+                    results[i] = MISSING
+                    continue
+                if entry.size != iov_len(iov):
+                    results[i] = failed(
+                        f"length mismatch: block is {entry.size} bytes, destination {iov_len(iov)}"
+                    )
+                    continue
+            if size > self.usrbio_buffer_bytes:
+                loose.append(i)
+                continue
+            if used + size > self.usrbio_buffer_bytes or len(batch) >= self.io_entries:
+                batches.append(batch)
+                batch, used = [], 0
+            batch.append(i)
+            used += size
+        if batch:
+            batches.append(batch)
+        for b in batches:
+            chunk = [items[i] for i in b]
+            try:
+                if read:
+                    out = await self._run(self._usrbio_read, chunk)
+                else:
+                    out = await self._run(self._usrbio_write, chunk)
+            except OSError as exc:
+                self._stats.errors += 1
+                out = [failed(f"{self.name} USRBIO {'read' if read else 'write'} error: {exc}")] * len(b)
+            for i, r in zip(b, out, strict=True):
+                results[i] = r
+        fallback = PosixTier.read_into if read else PosixTier.write_from
+        for i in loose:
+            results[i] = await fallback(self, *items[i])
+        return results
+
+    def _usrbio_read(self, chunk: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        assert self._usrbio is not None
+        with self._usrbio.lock:  # the views below point into the shared iovec: hold it until copied
+            return self._usrbio_read_locked(chunk)
+
+    def _usrbio_read_locked(self, chunk: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        assert self._usrbio is not None
+        paths = [self.path_of(k) for k, _ in chunk]
+        sizes = [HEADER_SIZE + iov_len(d) for _, d in chunk]
+        outcome = self._usrbio.read(paths, sizes)
+        results: list[BlockResult] = []
+        for (key, dest), (view, err) in zip(chunk, outcome, strict=True):
+            if isinstance(err, FileNotFoundError):
+                self._forget(key)
+                self._stats.misses += 1
+                results.append(MISSING)
+                continue
+            if err is not None:
+                self._stats.errors += 1
+                results.append(failed(f"{self.name} read error: {err}"))
+                continue
+            try:
+                header = decode_header(view[:HEADER_SIZE], expect=key)
+                verify_payload(header, [view[HEADER_SIZE:]])
+            except CorruptBlock as exc:
+                self._forget(key)
+                self._move_to_quarantine(self.path_of(key), str(exc))
+                results.append(failed(f"corrupt block in {self.name}: {exc}"))
+                continue
+            copy_iov(dest, [view[HEADER_SIZE:]])
+            self._index.move_to_end(key)
+            self._stats.hits += 1
+            self._stats.read_bytes += header.payload_len
+            results.append(OK)
+        return results
+
+    def _usrbio_write(self, chunk: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Temp file written through the ring, fsync, rename, directory fsync: the Posix rules."""
+        assert self._usrbio is not None
+        finals = [self.path_of(k) for k, _ in chunk]
+        tmps = [p.with_name(f"{p.name}{TMP_MARK}{uuid.uuid4().hex[:12]}") for p in finals]
+        blobs: list[list[memoryview]] = []
+        for key, src in chunk:
+            n = iov_len(src)
+            blobs.append([memoryview(encode_header(key, n, payload_checksum(src))), *src])
+        errors = self._usrbio.write(tmps, blobs, durable=self.durable)
+        results: list[BlockResult] = []
+        for (key, src), tmp, final, write_err in zip(chunk, tmps, finals, errors, strict=True):
+            err = write_err
+            if err is None:
+                try:
+                    tmp.replace(final)
+                    if self.durable:
+                        _fsync_dir(final.parent)
+                except OSError as exc:
+                    err = exc
+            if err is not None:
+                tmp.unlink(missing_ok=True)
+                self._stats.errors += 1
+                results.append(failed(f"{self.name} write error: {err}"))
+                continue
+            n = iov_len(src)
+            self._forget(key)
+            self._remember(key, _Entry(size=n, stored_at=time.time()))
+            self._stats.write_bytes += n
+            results.append(OK)
+        return results
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """The Posix tier's executor hop, bounded by ``timeout_s`` (a hung mount must not hang us).
+        ``TimeoutError`` is an ``OSError``, so the Posix code paths report it per block."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"3FS operation timed out after {self.timeout_s:g}s") from None
+
+
+class _Usrbio:
+    """USRBIO state for one tier: a shared-memory iovec registered with the 3FS FUSE daemon and one
+    read and one write ring. Calls are serialised (one batch uses the whole iovec)."""
+
+    def __init__(self, h3io: Any, mount: Path, buffer_bytes: int, entries: int) -> None:
+        from multiprocessing.shared_memory import SharedMemory
+
+        self._h3io = h3io
+        self.lock = threading.RLock()
+        self._shm = SharedMemory(size=buffer_bytes, create=True)
+        try:
+            self._iov = h3io.make_iovec(self._shm, str(mount), 0, -1)
+        finally:
+            self._shm.unlink()  # the FUSE daemon holds its own mapping now; nothing left in /dev/shm
+        self._buf = self._shm.buf
+        self._read_ring = h3io.make_ioring(str(mount), entries, True, 0)
+        self._write_ring = h3io.make_ioring(str(mount), entries, False, 0)
+
+    def close(self) -> None:
+        with self.lock:
+            del self._read_ring, self._write_ring, self._iov
+            self._buf = None
+            try:
+                self._shm.close()
+            except BufferError:  # the binding may still hold a view; the mapping goes with the process
+                log.debug("USRBIO shared memory still referenced at close")
+
+    def read(self, paths: Sequence[Path], sizes: Sequence[int]) -> list[tuple[memoryview, OSError | None]]:
+        """Read whole files into consecutive slices of the iovec with one submit."""
+        with self.lock:
+            fds: list[int | None] = []
+            errs: list[OSError | None] = []
+            for p in paths:
+                try:
+                    fd = os.open(p, os.O_RDONLY)
+                except OSError as exc:
+                    fds.append(None)
+                    errs.append(exc)
+                    continue
+                self._h3io.register_fd(fd)
+                fds.append(fd)
+                errs.append(None)
+            try:
+                offsets = self._submit(self._read_ring, fds, sizes, True, errs)
+            finally:
+                self._release(fds)
+            assert self._buf is not None
+            return [(self._buf[o : o + s], e) for o, s, e in zip(offsets, sizes, errs, strict=True)]
+
+    def write(
+        self, paths: Sequence[Path], blobs: Sequence[Sequence[memoryview]], *, durable: bool
+    ) -> list[OSError | None]:
+        """Create each file and write its blob through the ring with one submit, then fsync."""
+        with self.lock:
+            assert self._buf is not None
+            fds: list[int | None] = []
+            errs: list[OSError | None] = []
+            sizes: list[int] = []
+            off = 0
+            for p, blob in zip(paths, blobs, strict=True):
+                n = sum(m.nbytes for m in blob)
+                copy_iov([self._buf[off : off + n]], blob)
+                off += n
+                sizes.append(n)
+                try:
+                    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except OSError as exc:
+                    fds.append(None)
+                    errs.append(exc)
+                    continue
+                self._h3io.register_fd(fd)
+                fds.append(fd)
+                errs.append(None)
+            try:
+                self._submit(self._write_ring, fds, sizes, False, errs)
+                for i, maybe_fd in enumerate(fds):
+                    if maybe_fd is not None and errs[i] is None and durable:
+                        try:
+                            os.fsync(maybe_fd)
+                        except OSError as exc:
+                            errs[i] = exc
+            finally:
+                self._release(fds)
+            return errs
+
+    def _submit(
+        self,
+        ring: Any,
+        fds: Sequence[int | None],
+        sizes: Sequence[int],
+        for_read: bool,
+        errs: list[OSError | None],
+    ) -> list[int]:
+        offsets: list[int] = []
+        off = 0
+        prepared = 0
+        for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
+            offsets.append(off)
+            if fd is not None:
+                ring.prepare(self._iov[off : off + size], for_read, fd, 0, userdata=i)
+                prepared += 1
+            off += size
+        if prepared:
+            for done in ring.submit().wait(min_results=prepared):
+                i = int(done.userdata)
+                if done.result < 0:
+                    errs[i] = OSError(-done.result, os.strerror(-done.result))
+                elif done.result != sizes[i]:
+                    errs[i] = OSError(
+                        f"short {'read' if for_read else 'write'}: {done.result} of {sizes[i]} bytes"
+                    )
+        return offsets
+
+    def _release(self, fds: Sequence[int | None]) -> None:
+        for fd in fds:
+            if fd is not None:
+                self._h3io.deregister_fd(fd)
+                os.close(fd)
+
+
+async def _gather_bounded(limit: int, coros: Sequence[Any]) -> list[BlockResult]:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Any) -> BlockResult:
+        async with sem:
+            result: BlockResult = await c
+            return result
+
+    return list(await asyncio.gather(*(one(c) for c in coros)))
+
+
+def _coerce(value: object, want: type) -> object:
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise TypeError(value)
+    if want is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise TypeError(value)
+        return parse_size(value)
+    if want is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise TypeError(value)
+        return float(value)
+    if not isinstance(value, str | os.PathLike):
+        raise TypeError(value)
+    return str(value)
