@@ -52,6 +52,11 @@ class Lease:
         self._tier, self.iov, self.size = tier, iov, entry.size
         self._entry: _Entry | None = entry
 
+    @property
+    def superseded(self) -> bool:
+        """The block was deleted or replaced since this lease was taken."""
+        return self._entry is None or self._entry.unlinked
+
     def release(self) -> None:
         if self._entry is not None:
             self._tier._unlease(self._entry)

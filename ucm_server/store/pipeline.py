@@ -53,6 +53,7 @@ class Pipeline:
         self._queue: asyncio.Queue[_Flush | None] = asyncio.Queue()
         self._flushers: list[asyncio.Task[None]] = []
         self._pending = 0
+        self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
 
     @property
     def spec(self) -> str:
@@ -158,6 +159,7 @@ class Pipeline:
                     direct.append(i)
                     continue
                 fut: asyncio.Future[BlockResult] = loop.create_future()
+                self._inflight.setdefault(items[i][0], []).append(fut)
                 self._pending += 1
                 self._queue.put_nowait(_Flush(items[i][0], lease, fut))
                 if durable:
@@ -165,6 +167,9 @@ class Pipeline:
         else:
             direct = list(range(len(items)))
         if direct:
+            refused = [items[i][0] for i in direct if not top_results[i].ok]
+            if refused:  # an older version may still sit in the top tier: it must not shadow this one
+                await self.top.delete(refused)
             lower = await self._write_down([items[i] for i in direct])
             # What the lower tiers say decides: stored there is stored (even if the top refused it),
             # and a write-through that fails below has failed.
@@ -191,10 +196,12 @@ class Pipeline:
             if job is None:
                 self._queue.task_done()
                 return
+            r = OK
             try:
-                (r,) = await self._write_down([(job.key, job.lease.iov)])
-                if not r.ok:
-                    log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
+                if not job.lease.superseded:  # deleted or replaced since: the newer state wins
+                    (r,) = await self._write_down([(job.key, job.lease.iov)])
+                    if not r.ok:
+                        log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
             except Exception as exc:  # a tier bug must not kill the flusher
                 log.exception("write-back of %s crashed", job.key.hex())
                 r = failed(f"write-back error: {exc}")
@@ -202,12 +209,23 @@ class Pipeline:
                 job.lease.release()
                 self._pending -= 1
                 self._queue.task_done()
+                waiting = self._inflight.get(job.key, [])
+                if job.done in waiting:
+                    waiting.remove(job.done)
+                if not waiting:
+                    self._inflight.pop(job.key, None)
             if not job.done.done():
                 job.done.set_result(r)
 
     # -- other operations -------------------------------------------------------------------------------
     async def delete(self, keys: Sequence[BlockKey]) -> int:
-        counts = [await t.delete(keys) for t in self.tiers]
+        # The top tier first, so queued write-backs see their block superseded and skip; then wait
+        # for write-backs already under way, so none lands below after we delete there.
+        counts = [await self.top.delete(keys)]
+        running = [f for k in keys for f in self._inflight.get(k, ())]
+        if running:
+            await asyncio.gather(*(asyncio.shield(f) for f in running))
+        counts += [await t.delete(keys) for t in self.tiers[1:]]
         return max(counts) if counts else 0
 
     async def prefetch(self, keys: Sequence[BlockKey]) -> list[BlockResult]:
