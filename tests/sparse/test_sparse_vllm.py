@@ -47,7 +47,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         enable_prefix_caching=False,
         seed=0,
     )
-    llm.ucm_vllm_config = probe.vllm_config
+    llm.ucm_vllm_config = probe.vllm_config  # type: ignore[attr-defined]
     yield llm
     vllm_runtime.install_runtime(None)
     del llm

@@ -15,6 +15,7 @@ __all__ = [
     "aggregate_heads",
     "block_means",
     "blocks_to_tokens",
+    "causal_attention",
     "dense_decode_attention",
     "group_query",
     "select_blocks",
@@ -90,3 +91,21 @@ def blocks_to_tokens(block_ids: torch.Tensor, block_size: int, num_tokens: int) 
     offsets = torch.arange(block_size, device=block_ids.device)
     tokens = (block_ids[:, None] * block_size + offsets[None, :]).flatten()
     return tokens[tokens < num_tokens]
+
+
+def causal_attention(
+    query: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[M, num_heads, D]`` over ``keys`` ``[N, num_kv_heads, D]``, causal by position."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    q = query.reshape(query.shape[0], kv_heads, heads // kv_heads, -1)  # [M, H, G, D]
+    logits = torch.einsum("mhgd,nhd->hgmn", q, keys) * scale
+    mask = k_pos[None, :] > q_pos[:, None]  # [M, N]
+    logits = logits.masked_fill(mask, float("-inf"))
+    out = torch.einsum("hgmn,nhd->mhgd", torch.softmax(logits, dim=-1), values)
+    return out.reshape(query.shape)

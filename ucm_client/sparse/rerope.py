@@ -1,0 +1,87 @@
+"""ReRoPE: exact RoPE inside a window, relative position clamped to the window beyond it.
+
+A model trained on contexts up to ``L`` never saw relative positions above ``L``. ReRoPE keeps the
+true relative position for the ``window`` nearest tokens and treats every farther token as if it were
+exactly ``window`` away: the query is rotated to position ``window`` and meets the key unrotated
+(position 0), so their relative rotation is ``window``. Content still decides which distant tokens
+win, but no logit ever sees an unseen position. Cost: two logit passes over the keys beyond the window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ucm_client.sparse.base import UcmSparseRole
+from ucm_client.sparse.config import parse_fields
+from ucm_client.sparse.passthrough import DenseInVllmMethod
+from ucm_client.sparse.rope import apply_rope
+
+__all__ = ["ReRoPE", "ReRopeSpec", "rerope_attention"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReRopeSpec:
+    """ReRoPE settings (``ucm_sparse_config.ReRoPE``)."""
+
+    window: int = 512
+    """Relative positions below this are exact; at or above it they read as ``window``."""
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+def rerope_attention(
+    query: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    window: int,
+    rope_base: float = 10000.0,
+) -> torch.Tensor:
+    """Causal attention with ReRoPE; ``query`` and ``keys`` are *before* RoPE.
+
+    Shapes: query ``[M, num_heads, D]``, keys/values ``[N, num_kv_heads, D]``; positions are integers.
+    """
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[2]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim)
+    q_in = apply_rope(query, q_pos, rope_base).reshape(-1, kv_heads, group, dim)
+    k_in = apply_rope(keys, k_pos, rope_base)
+    q_out = apply_rope(query, torch.full_like(q_pos, window), rope_base).reshape(-1, kv_heads, group, dim)
+    logits_in = torch.einsum("mhgd,nhd->hgmn", q_in, k_in)
+    logits_out = torch.einsum("mhgd,nhd->hgmn", q_out, keys)
+    rel = q_pos[:, None] - k_pos[None, :]
+    logits = torch.where(rel < window, logits_in, logits_out) * scale
+    logits = logits.masked_fill(rel < 0, float("-inf"))
+    out = torch.einsum("hgmn,nhd->mhgd", torch.softmax(logits, dim=-1), values)
+    return out.reshape(query.shape)
+
+
+class ReRoPE(DenseInVllmMethod):
+    """The ReRoPE method object: its spec plus :func:`rerope_attention` bound to it."""
+
+    def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
+        super().__init__(role, config, min_seq_len=min_seq_len)
+        self.spec = parse_fields(ReRopeSpec, config, "ucm_sparse_config.ReRoPE")
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        q_pos: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`rerope_attention` with this method's window and base."""
+        return rerope_attention(
+            query, q_pos, keys, values, k_pos, window=self.spec.window, rope_base=self.spec.rope_base
+        )
