@@ -14,3 +14,11 @@ def test_grpc_stubs_are_up_to_date() -> None:
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_configuration_reference_is_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
