@@ -1,0 +1,137 @@
+"""The admin tool's line to the daemon: one gRPC channel, opened on first use, errors made domain errors.
+
+``ucm-admin`` needs no session (it registers no memory), so it does not use :class:`UcmClient`'s
+``Attach`` stream: it speaks to the Admin, KVStore and Health services on a plain blocking channel.
+Connecting checks the socket first, so "daemon not running" is told apart from "wrong path" and
+"permission denied" with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from ucm_client.admin.errors import DaemonUnreachable
+from ucm_server.api.errors import error_for_status
+from ucm_server.api.paths import default_socket_path, target_for
+
+T = TypeVar("T")
+START_HINT = "start it with `ucm-server`, or point --socket/--target (or $UCM_SOCKET) at a running one"
+
+
+def resolve_target(socket: str | None, target: str | None) -> str:
+    """The gRPC target: ``--target`` > ``--socket`` > ``$UCM_TARGET`` > ``$UCM_SOCKET`` > the default path."""
+    if target:
+        return target_for(target)
+    if socket:
+        return target_for(socket if socket.startswith(("/", ".", "unix:")) else f"./{socket}")
+    if env := os.environ.get("UCM_TARGET"):
+        return target_for(env)
+    return target_for(default_socket_path())
+
+
+def socket_path(target: str) -> Path | None:
+    """The filesystem path of a ``unix:`` target, None for TCP."""
+    if target.startswith("unix://"):
+        return Path(target.removeprefix("unix://"))
+    if target.startswith("unix:"):
+        return Path(target.removeprefix("unix:"))
+    return None
+
+
+def check_socket(path: Path) -> None:
+    """Raise :class:`DaemonUnreachable` with the precise reason when ``path`` cannot be a live socket."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise DaemonUnreachable(
+            f"no ucm-server socket at {path} (is the daemon running? {START_HINT})"
+        ) from None
+    except PermissionError:
+        raise DaemonUnreachable(
+            f"permission denied reading {path} (the daemon runs as another user?)"
+        ) from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise DaemonUnreachable(f"{path} exists but is not a socket; {START_HINT}")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise DaemonUnreachable(f"permission denied on socket {path} (mode 0600: run as the daemon's user)")
+
+
+class Daemon:
+    """A lazily opened channel to ``target``; every call has ``timeout_s`` as its deadline."""
+
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+
+    def channel(self) -> grpc.Channel:
+        """The ready channel; raises :class:`DaemonUnreachable` if nothing answers within the timeout."""
+        if self._channel is not None:
+            return self._channel
+        path = socket_path(self.target)
+        if path is not None:
+            check_socket(path)
+        channel = grpc.insecure_channel(self.target)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self.timeout_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            where = f"socket {path}" if path is not None else self.target
+            raise DaemonUnreachable(
+                f"no ucm-server answering at {where} within {self.timeout_s:g}s "
+                f"(a stale socket left by a crashed daemon? {START_HINT})"
+            ) from None
+        self._channel = channel
+        return channel
+
+    @property
+    def admin(self) -> Any:
+        return _stubs().AdminStub(self.channel())
+
+    @property
+    def kv(self) -> Any:
+        return _stubs().KVStoreStub(self.channel())
+
+    @property
+    def health(self) -> Any:
+        from grpc_health.v1 import health_pb2_grpc
+
+        return health_pb2_grpc.HealthStub(self.channel())
+
+    def call(self, method: Callable[..., T], request: Any) -> T:
+        """One unary RPC with the deadline; a gRPC error becomes the daemon's domain error."""
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+    def stream(self, method: Callable[..., Iterator[T]], request: Any) -> Iterator[T]:
+        """A server stream with no overall deadline (verify can take long); errors mapped as above."""
+        try:
+            yield from method(request)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+def _stubs() -> Any:
+    """The generated gRPC module, typed ``Any``: grpcio-tools writes it without annotations."""
+    import importlib
+
+    return importlib.import_module("ucm_server.api.ucm.v1.ucm_pb2_grpc")
+
+
+def domain_error(exc: grpc.RpcError) -> Exception:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_for_status(code, detail or "")
