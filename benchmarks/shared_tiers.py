@@ -1,0 +1,240 @@
+"""Shared-tier overhead: our tier against the storage engine's own client moving the same bytes.
+
+What it answers: how much throughput do the Mooncake and S3 tiers give up (header, checksum, staging
+copy, asyncio hop, verification) compared with using Mooncake's or boto3's client directly. Reported as
+ratios measured in one run (``tier / engine``; 1.0 = no overhead), never as absolute figures to compare
+across machines.
+
+- Mooncake: a "storage node" client contributes the memory; the measured clients contribute none, so
+  every byte crosses the transfer engine (TCP on loopback here). Engine side: one registered buffer,
+  ``batch_upsert_from`` / ``batch_get_into`` of all blocks. Tier side: ``write_many`` / ``read_many``
+  of the same blocks from ordinary Python buffers.
+- S3 (Ceph RGW on loopback): engine side ``put_object`` / ``get_object`` on a thread pool of the same
+  width as the tier's ``max_workers``; tier side ``write_many`` / ``read_many``.
+
+Run: ``python -m benchmarks.shared_tiers [--only mooncake|s3] [--blocks N] [--block-kib K]``. Starts and
+stops its own servers (``tests/support/services.py``); prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.services import ServiceUnavailable, start_ceph_rgw, start_mooncake_master
+from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_server.store.base import IoVec, Tier
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 4)
+
+
+def _median(fn: Callable[[], float], rounds: int) -> float:
+    return statistics.median(fn() for _ in range(rounds))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _blocks(n: int, size: int) -> tuple[list[BlockKey], list[bytearray]]:
+    ns = Namespace(os.urandom(16))
+    return [BlockKey(ns, Digest(os.urandom(32))) for _ in range(n)], [
+        bytearray(os.urandom(size)) for _ in range(n)
+    ]
+
+
+def _tier_times(tier: Tier, keys: list[BlockKey], datas: list[bytearray], rounds: int) -> tuple[float, float]:
+    """Median write and read seconds of all blocks through the tier (one batch each)."""
+    outs = [bytearray(len(d)) for d in datas]
+
+    async def main() -> tuple[float, float]:
+        await tier.open()
+        try:
+            writes, reads = [], []
+            for _ in range(rounds):
+                src: list[tuple[BlockKey, IoVec]] = [
+                    (k, [memoryview(d)]) for k, d in zip(keys, datas, strict=True)
+                ]
+                t0 = time.perf_counter()
+                results = await tier.write_many(src)
+                writes.append(time.perf_counter() - t0)
+                assert all(r.ok for r in results), results[:3]
+                dst: list[tuple[BlockKey, IoVec]] = [
+                    (k, [memoryview(o)]) for k, o in zip(keys, outs, strict=True)
+                ]
+                t0 = time.perf_counter()
+                results = await tier.read_many(dst)
+                reads.append(time.perf_counter() - t0)
+                assert all(r.ok for r in results), results[:3]
+            assert outs == datas
+            return statistics.median(writes), statistics.median(reads)
+        finally:
+            await tier.close()
+
+    return asyncio.run(main())
+
+
+def _result(nbytes: int, engine: tuple[float, float], tier: tuple[float, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for i, op in enumerate(("write", "read")):
+        e, t = _gbps(nbytes, engine[i]), _gbps(nbytes, tier[i])
+        out[op] = {"engine_GBps": e, "tier_GBps": t, "ratio": round(t / e, 3) if e else None}
+    return out
+
+
+# -- Mooncake ---------------------------------------------------------------------------------------------
+
+
+def bench_mooncake(workdir: Path, n: int, size: int, rounds: int) -> dict[str, Any]:
+    from mooncake.store import MooncakeDistributedStore
+
+    from ucm_server.store.mooncake import MooncakeTier
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    master = start_mooncake_master(workdir)
+    storage = MooncakeDistributedStore()
+    try:
+        pool = max(512 << 20, 4 * n * (size + 4096))
+        assert storage.setup("127.0.0.1", "P2PHANDSHAKE", pool, 16 << 20, "tcp", "", master.address) == 0
+        keys, datas = _blocks(n, size)
+
+        # The engine's own client: one registered buffer holding every block.
+        direct = MooncakeDistributedStore()
+        assert direct.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address) == 0
+        buf = bytearray(n * size)
+        for i, d in enumerate(datas):
+            buf[i * size : (i + 1) * size] = d
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        assert direct.register_buffer(addr, len(buf)) == 0
+        names = [f"engine/{k.digest.hex()}" for k in keys]
+        ptrs = [addr + i * size for i in range(n)]
+        sizes = [size] * n
+
+        def put() -> None:
+            assert all(c == 0 for c in direct.batch_upsert_from(names, ptrs, sizes))
+
+        def get() -> None:
+            assert all(c == size for c in direct.batch_get_into(names, ptrs, sizes))
+
+        engine = (_median(lambda: _timed(put), rounds), _median(lambda: _timed(get), rounds))
+        direct.unregister_buffer(addr)
+        direct.close()
+
+        tier = MooncakeTier(
+            "Mooncake",
+            master_address=master.address,
+            global_segment_size=0,
+            staging_bytes=max(64 << 20, 2 * (size + 128)),
+            key_prefix=f"bench-{uuid.uuid4().hex[:6]}",
+            timeout_s=30.0,
+        )
+        ours = _tier_times(tier, keys, datas, rounds)
+        return {"start_s": round(master.started_in_s, 3), **_result(n * size, engine, ours)}
+    finally:
+        storage.close()
+        master.stop()
+
+
+# -- S3 ---------------------------------------------------------------------------------------------------
+
+
+def bench_s3(workdir: Path, n: int, size: int, rounds: int, workers: int) -> dict[str, Any]:
+    import boto3
+    from botocore.config import Config
+
+    from ucm_server.store.s3 import S3Tier
+
+    rgw = start_ceph_rgw(workdir)
+    try:
+        keys, datas = _blocks(n, size)
+        client = boto3.client(
+            "s3",
+            endpoint_url=rgw.endpoint,
+            aws_access_key_id=rgw.access_key,
+            aws_secret_access_key=rgw.secret_key,
+            region_name="us-east-1",
+            config=Config(
+                max_pool_connections=workers,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        client.create_bucket(Bucket="bench")
+        names = [f"engine/{k.digest.hex()}" for k in keys]
+        pool = ThreadPoolExecutor(workers)
+
+        def put() -> None:
+            list(
+                pool.map(
+                    lambda i: client.put_object(Bucket="bench", Key=names[i], Body=bytes(datas[i])), range(n)
+                )
+            )
+
+        def get() -> None:
+            got = list(
+                pool.map(lambda i: client.get_object(Bucket="bench", Key=names[i])["Body"].read(), range(n))
+            )
+            assert got == datas
+
+        engine = (_median(lambda: _timed(put), rounds), _median(lambda: _timed(get), rounds))
+        pool.shutdown()
+        tier = S3Tier(
+            "S3",
+            endpoint_url=rgw.endpoint,
+            bucket="bench",
+            access_key=rgw.access_key,
+            secret_key=rgw.secret_key,
+            prefix=f"bench-{uuid.uuid4().hex[:6]}",
+            max_workers=workers,
+            timeout_s=60.0,
+        )
+        ours = _tier_times(tier, keys, datas, rounds)
+        return {"start_s": round(rgw.started_in_s, 3), "workers": workers, **_result(n * size, engine, ours)}
+    finally:
+        rgw.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--only", choices=["mooncake", "s3"], action="append")
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--block-kib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--s3-workers", type=int, default=8)
+    args = parser.parse_args(argv)
+    which = args.only or ["mooncake", "s3"]
+    size = args.block_kib << 10
+    report: dict[str, Any] = {"blocks": args.blocks, "block_bytes": size, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory(prefix="ucm-bench-") as tmp:
+        for name in which:
+            try:
+                if name == "mooncake":
+                    report[name] = bench_mooncake(Path(tmp), args.blocks, size, args.rounds)
+                else:
+                    report[name] = bench_s3(Path(tmp), args.blocks, size, args.rounds, args.s3_workers)
+            except (ServiceUnavailable, ImportError) as exc:
+                report[name] = {"skipped": str(exc)}
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
