@@ -23,9 +23,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 LOOPBACK = "127.0.0.1"
 
@@ -374,6 +376,31 @@ def _s3_answers(endpoint: str) -> bool:
         return err.code < 500
     except OSError:
         return False
+
+
+# -- pytest fixtures (import them into a test module or a conftest to use) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A master for the module's tests; skips them, saying why, when Mooncake is not installed."""
+    try:
+        master = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
+    except ServiceUnavailable as exc:
+        pytest.skip(f"Mooncake master unavailable: {exc}")
+    yield master
+    master.stop()
+
+
+@pytest.fixture(scope="module")
+def ceph_rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephRGW]:
+    """An S3 endpoint for the module's tests (~13 s to start); skips them, saying why, without Ceph."""
+    try:
+        server = start_ceph_rgw(tmp_path_factory.mktemp("ceph"))
+    except ServiceUnavailable as exc:
+        pytest.skip(f"Ceph RGW unavailable: {exc}")
+    yield server
+    server.stop()
 
 
 if __name__ == "__main__":

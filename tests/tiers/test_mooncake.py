@@ -356,3 +356,53 @@ def test_key_prefix_keeps_deployments_apart(master: MooncakeMaster) -> None:
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_two_daemons_share_blocks_through_a_cache_mooncake_pipeline(
+    master: MooncakeMaster, tmp_path: Path
+) -> None:
+    """The product path: two real ucm-server processes (two nodes) with ``Cache|Mooncake``; a block
+    dumped on node A is loaded on node B, whose own Cache never saw it."""
+    import yaml
+
+    from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+    from ucm_server.testing.daemon import DaemonProcess
+
+    prefix = f"e2e-{uuid.uuid4().hex[:6]}"
+    configs = []
+    for name in ("a", "b"):
+        cfg = tmp_path / f"{name}.yaml"
+        settings = {"master_address": master.address, "global_segment_size": "64MiB", "key_prefix": prefix}
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "store_pipeline": "Cache|Mooncake",
+                    "write_mode": "write-through",
+                    "cache_capacity": "64MiB",
+                    "tier_settings": {"Mooncake": settings},
+                }
+            )
+        )
+        configs.append(cfg)
+    ns = namespace_id(model="e2e", dtype="uint8")
+    n, size = 8, 256 << 10
+
+    def blocks(region: int) -> list[BlockIO]:
+        return [BlockIO(key_digest("e2e", i), (Segment(region, i * size, size),)) for i in range(n)]
+
+    with (
+        DaemonProcess(tmp_path / "a", args=["--config", str(configs[0])]) as node_a,
+        DaemonProcess(tmp_path / "b", args=["--config", str(configs[1])]) as node_b,
+        UcmClient(node_a.target, client_name="node-a") as ca,
+        UcmClient(node_b.target, client_name="node-b") as cb,
+        SharedBuffer(n * size) as src,
+        SharedBuffer(n * size) as dst,
+    ):
+        src.buf[:] = os.urandom(n * size)
+        ra, rb = ca.register(src), cb.register(dst)
+        dumped = ca.wait(ca.dump(ns, blocks(ra)), 30)
+        assert dumped.ok, dumped.reasons
+        assert cb.lookup(ns, [b.key for b in blocks(rb)]).hit_prefix == n
+        loaded = cb.wait(cb.load(ns, blocks(rb)), 30)
+        assert loaded.ok, loaded.reasons
+        assert bytes(dst.buf) == bytes(src.buf)
