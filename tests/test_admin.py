@@ -83,6 +83,8 @@ def test_health_serving(seeded: tuple[DaemonProcess, list[str], list[str]]) -> N
     assert proc.returncode == 0, proc.stderr
     assert "SERVING" in proc.stdout
     assert json_of(admin(d, "--json", "health"))["status"] == "SERVING"
+    unknown = admin(d, "health", "--service", "no.such.Service")
+    assert unknown.returncode == 1 and "no health status" in unknown.stderr
 
 
 def test_stats_human_and_json(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:

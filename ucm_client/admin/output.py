@@ -94,9 +94,11 @@ class Output:
 
     def confirm(self, question: str) -> bool:
         """Ask on the terminal; the caller decides what a non-terminal means (see ``evict --all``)."""
-        self.err_console.print(f"{question} [y/N] ", end="", highlight=False)
-        answer = sys.stdin.readline().strip().lower()
-        return answer in {"y", "yes"}
+        self.err_console.print(f"{question} [y/N] ", end="", highlight=False, markup=False)
+        line = sys.stdin.readline()
+        if not line:  # end of input: finish the prompt's line before any message
+            self.err_console.print()
+        return line.strip().lower() in {"y", "yes"}
 
     @property
     def interactive(self) -> bool:

@@ -102,38 +102,27 @@ def stats_summary(stats: Json) -> str:
 
 
 def stats_table(stats: Json, rates: dict[str, tuple[float, float]] | None = None) -> Table:
-    """One row per tier; ``rates`` (tier -> read, write bytes/s) adds throughput columns (``watch``)."""
-    table = Table(title=None, show_edge=False, header_style="bold")
-    for name in (
-        "TIER",
-        "KIND",
-        "BLOCKS",
-        "USED",
-        "CAPACITY",
-        "USE%",
-        "HIT RATE",
-        "HITS",
-        "MISSES",
-        "EVICTIONS",
-    ):
-        table.add_column(name, justify="left" if name in ("TIER", "KIND") else "right", no_wrap=True)
+    """One row per tier; ``rates`` (tier -> read, write bytes/s) adds throughput columns (``watch``).
+
+    Kept to about 100 columns (hits, misses, flags are in ``--json``) so it fits a terminal unfolded.
+    """
+    table = Table(show_edge=False, header_style="bold")
+    columns = ["TIER", "BLOCKS", "USED", "CAPACITY", "USE%", "HIT RATE", "EVICTIONS"]
     if rates is not None:
-        table.add_column("READ/s", justify="right", no_wrap=True)
-        table.add_column("WRITE/s", justify="right", no_wrap=True)
-    table.add_column("ERRORS", justify="right", no_wrap=True)
-    table.add_column("CORRUPT", justify="right", no_wrap=True)
+        columns += ["READ/s", "WRITE/s"]
+    columns += ["ERRORS", "CORRUPT"]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "TIER" else "right", no_wrap=True)
     for t in stats["tiers"]:
         cap = t["capacity_bytes"]
+        name = t["name"] if t["name"] == t["kind"] else f"{t['name']} ({t['kind']})"
         row = [
-            t["name"],
-            t["kind"] + (" (persistent)" if t["persistent"] else "") + (" (shared)" if t["shared"] else ""),
+            name,
             f"{t['blocks']:,}",
             human_bytes(t["bytes"]),
             human_bytes(cap) if cap else "unlimited",
             percent(ratio(t["bytes"], cap)),
             percent(t["hit_rate"]),
-            f"{t['hits']:,}",
-            f"{t['misses']:,}",
             f"{t['evictions']:,}",
         ]
         if rates is not None:
