@@ -302,3 +302,56 @@ def test_silent_endpoint_times_out_instead_of_hanging() -> None:
         with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
             asyncio.run(t.open())
         assert time.monotonic() - started < 4
+
+
+def test_two_daemons_share_blocks_through_a_cache_s3_pipeline(rgw: CephRGW, tmp_path: Path) -> None:
+    """The product path: two real ucm-server processes with ``Cache|S3`` on one bucket; a block dumped
+    on node A is loaded on node B, whose own Cache never saw it."""
+    import yaml
+
+    from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+    from ucm_server.testing.daemon import DaemonProcess
+
+    settings = {
+        "endpoint_url": rgw.endpoint,
+        "bucket": "ucm-e2e",
+        "access_key": rgw.access_key,
+        "secret_key": rgw.secret_key,
+        "prefix": f"e2e-{uuid.uuid4().hex[:6]}",
+    }
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "store_pipeline": "Cache|S3",
+                "write_mode": "write-through",
+                "cache_capacity": "64MiB",
+                "tier_settings": {"S3": settings},
+            }
+        )
+    )
+    config.chmod(0o600)
+    ns = namespace_id(model="e2e-s3", dtype="uint8")
+    n, size = 8, 128 << 10
+
+    def blocks(region: int) -> list[BlockIO]:
+        return [BlockIO(key_digest("e2e", i), (Segment(region, i * size, size),)) for i in range(n)]
+
+    with (
+        DaemonProcess(tmp_path / "a", args=["--config", str(config)]) as node_a,
+        DaemonProcess(tmp_path / "b", args=["--config", str(config)]) as node_b,
+        UcmClient(node_a.target, client_name="node-a") as ca,
+        UcmClient(node_b.target, client_name="node-b") as cb,
+        SharedBuffer(n * size) as src,
+        SharedBuffer(n * size) as dst,
+    ):
+        src.buf[:] = os.urandom(n * size)
+        ra, rb = ca.register(src), cb.register(dst)
+        dumped = ca.wait(ca.dump(ns, blocks(ra)), 30)
+        assert dumped.ok, dumped.reasons
+        assert cb.lookup(ns, [b.key for b in blocks(rb)]).hit_prefix == n
+        loaded = cb.wait(cb.load(ns, blocks(rb)), 30)
+        assert loaded.ok, loaded.reasons
+        assert bytes(dst.buf) == bytes(src.buf)
+        for log in (node_a.log_path, node_b.log_path):
+            assert rgw.secret_key not in log.read_text(), "the S3 secret reached the daemon log"
