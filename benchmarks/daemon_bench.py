@@ -111,7 +111,11 @@ def lookup_latency(workdir: Path, nkeys: int, samples: int) -> dict[str, float]:
 
 def posix_read(workdir: Path, n: int, size: int, repeat: int) -> dict[str, float]:
     args = ["--store-pipeline", "Posix", "--no-durable"]
-    with DaemonProcess(workdir / "posix", args=args) as d, UcmClient(d.target) as c, SharedBuffer(n * size) as buf:
+    with (
+        DaemonProcess(workdir / "posix", args=args) as d,
+        UcmClient(d.target) as c,
+        SharedBuffer(n * size) as buf,
+    ):
         region = c.register(buf)
         buf.array()[:] = np.random.default_rng(2).integers(0, 255, n * size, dtype=np.uint8)
         blocks = _blocks(region, n, size, "p")
@@ -176,17 +180,38 @@ def table(r: dict[str, Any]) -> str:
 
     rows = [
         ("memcpy (same bytes, same run)", f"{memcpy:.2f} GB/s", "", "baseline"),
-        (f"Dump {r['blocks']}×{mb} MiB → Cache", f"{r['dump_gbps']:.2f} GB/s ({r['dump_vs_memcpy']:.2f}× memcpy)",
-         peer_cell("store_batch_gbps"), "≥ 0.5×"),
-        (f"Load {r['blocks']}×{mb} MiB Cache →", f"{r['load_gbps']:.2f} GB/s ({r['load_vs_memcpy']:.2f}× memcpy)",
-         peer_cell("retrieve_batch_gbps"), "≥ 0.5×"),
+        (
+            f"Dump {r['blocks']}×{mb} MiB → Cache",
+            f"{r['dump_gbps']:.2f} GB/s ({r['dump_vs_memcpy']:.2f}× memcpy)",
+            peer_cell("store_batch_gbps"),
+            "≥ 0.5×",
+        ),
+        (
+            f"Load {r['blocks']}×{mb} MiB Cache →",
+            f"{r['load_gbps']:.2f} GB/s ({r['load_vs_memcpy']:.2f}× memcpy)",
+            peer_cell("retrieve_batch_gbps"),
+            "≥ 0.5×",
+        ),
         ("bare gRPC echo p50 (same socket)", f"{r['echo_p50_ms']:.3f} ms", "", "baseline"),
-        ("Lookup 2,048 keys p50 (raw stub)", f"{r['lookup_raw_p50_ms']:.3f} ms ({r['lookup_vs_echo']:.2f}× echo)",
-         f"{peer['lookup_prefix_p50_ms']:.3f} ms" if peer.get("lookup_prefix_p50_ms") else "n/a", "≤ 2×"),
-        ("Lookup 2,048 keys p50 (UcmClient)",
-         f"{r['lookup_client_p50_ms']:.3f} ms ({r['lookup_client_vs_echo']:.2f}× echo)", "", ""),
+        (
+            "Lookup 2,048 keys p50 (raw stub)",
+            f"{r['lookup_raw_p50_ms']:.3f} ms ({r['lookup_vs_echo']:.2f}× echo)",
+            f"{peer['lookup_prefix_p50_ms']:.3f} ms" if peer.get("lookup_prefix_p50_ms") else "n/a",
+            "≤ 2×",
+        ),
+        (
+            "Lookup 2,048 keys p50 (UcmClient)",
+            f"{r['lookup_client_p50_ms']:.3f} ms ({r['lookup_client_vs_echo']:.2f}× echo)",
+            "",
+            "",
+        ),
         ("raw file read of the block files", f"{r['raw_file_read_gbps']:.2f} GB/s", "", "baseline"),
-        ("Load from Posix tier", f"{r['posix_load_gbps']:.2f} GB/s ({r['posix_vs_raw_read']:.2f}× raw read)", "", ""),
+        (
+            "Load from Posix tier",
+            f"{r['posix_load_gbps']:.2f} GB/s ({r['posix_vs_raw_read']:.2f}× raw read)",
+            "",
+            "",
+        ),
     ]
     lines = ["| measurement | UCM | LMCache 0.5.6 server | target |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]

@@ -61,7 +61,10 @@ def main() -> int:
     new = head + render() + tail
     if args.check:
         if new != text:
-            print("README.md configuration reference is stale; run `python scripts/gen_config_docs.py`", file=sys.stderr)
+            print(
+                "README.md configuration reference is stale; run `python scripts/gen_config_docs.py`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     readme.write_text(new)

@@ -33,7 +33,8 @@ def shm() -> Iterator[SharedBuffer]:
 def blocks_in(region: int, count: int, size: int, *, first: int = 0, offset: int = 0) -> list[BlockIO]:
     """``count`` consecutive blocks of ``size`` bytes in one region, keyed by their index."""
     return [
-        BlockIO(key_digest("block", first + i), (Segment(region, offset + i * size, size),)) for i in range(count)
+        BlockIO(key_digest("block", first + i), (Segment(region, offset + i * size, size),))
+        for i in range(count)
     ]
 
 

@@ -269,6 +269,7 @@ def test_stale_socket_exits_3_after_timeout(tmp_path: Path) -> None:
         ["evict", "--tier", "Cache"],
         ["evict", "--tier", "Cache", "--bytes", "lots"],
         ["--json", "--quiet", "stats"],
+        ["--json", "stats", "--quiet"],
         ["watch", "--interval", "-1"],
     ],
 )

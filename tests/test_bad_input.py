@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from conftest import NS, blocks_in
+
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import InvalidArgument, NotFound, PermissionDenied
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
@@ -26,12 +26,19 @@ def test_unknown_region_handle(client: UcmClient, daemon: DaemonProcess) -> None
     assert daemon.healthy()
 
 
-def test_out_of_range_segment_copies_nothing(client: UcmClient, shm: SharedBuffer, daemon: DaemonProcess) -> None:
+def test_out_of_range_segment_copies_nothing(
+    client: UcmClient, shm: SharedBuffer, daemon: DaemonProcess
+) -> None:
     region = client.register(shm)
     shm.buf[:4096] = b"\xab" * 4096
     with pytest.raises(InvalidArgument, match=r"block 1: segment \[16773120, 16781312\) is outside region"):
-        client.dump(NS, [BlockIO(key_digest(0), (Segment(region, 0, 4096),)),
-                         BlockIO(key_digest(1), (Segment(region, (16 << 20) - 4096, 8192),))])
+        client.dump(
+            NS,
+            [
+                BlockIO(key_digest(0), (Segment(region, 0, 4096),)),
+                BlockIO(key_digest(1), (Segment(region, (16 << 20) - 4096, 8192),)),
+            ],
+        )
     # The valid first block of the rejected batch was not stored either.
     assert client.lookup(NS, [key_digest(0)]).present == [False]
     assert daemon.healthy()
@@ -69,11 +76,20 @@ def test_malformed_batches_via_raw_stub(raw: rpc.KVStoreStub, daemon: DaemonProc
     session = raw.Attach(pb.AttachRequest(client_name="raw"))  # the session lives while this stream does
     md = (("ucm-session", next(session).session_id),)
     cases = {
-        "equal lengths": pb.BlockBatch(namespace=NS, keys=[key_digest(0)], region_ids=[1], offsets=[0, 1], lengths=[1]),
-        "segment_counts has 2 entries for 1 keys": pb.BlockBatch(
-            namespace=NS, keys=[key_digest(0)], segment_counts=[1, 1], region_ids=[1], offsets=[0], lengths=[1]
+        "equal lengths": pb.BlockBatch(
+            namespace=NS, keys=[key_digest(0)], region_ids=[1], offsets=[0, 1], lengths=[1]
         ),
-        "unknown region 77": pb.BlockBatch(namespace=NS, keys=[key_digest(0)], region_ids=[77], offsets=[0], lengths=[8]),
+        "segment_counts has 2 entries for 1 keys": pb.BlockBatch(
+            namespace=NS,
+            keys=[key_digest(0)],
+            segment_counts=[1, 1],
+            region_ids=[1],
+            offsets=[0],
+            lengths=[1],
+        ),
+        "unknown region 77": pb.BlockBatch(
+            namespace=NS, keys=[key_digest(0)], region_ids=[77], offsets=[0], lengths=[8]
+        ),
     }
     for expected, batch in cases.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -133,4 +149,3 @@ def test_bad_shared_memory_registrations(client: UcmClient, tmp_path) -> None:  
 def test_daemon_answers_after_all_of_the_above(client: UcmClient, shm: SharedBuffer) -> None:
     region = client.register(shm)
     assert client.wait(client.dump(NS, blocks_in(region, 2, 4096)), 10).ok
-

@@ -37,9 +37,12 @@ def _worker(target: str, worker: int, seconds: float, out: mp.Queue) -> None:  #
                 errors.append(f"dump round {rounds}: {r.reasons}")
             # Load back this round and, when it exists, a block of the previous worker's same round.
             other = (worker + 1) % 8
-            load_keys = keys + [key_digest(other, rounds, 0)]
+            load_keys = [*keys, key_digest(other, rounds, 0)]
             base = PER_ROUND * SIZE
-            load = [BlockIO(k, (Segment(region, base + i * SIZE, SIZE),)) for i, k in enumerate(load_keys[:PER_ROUND])]
+            load = [
+                BlockIO(k, (Segment(region, base + i * SIZE, SIZE),))
+                for i, k in enumerate(load_keys[:PER_ROUND])
+            ]
             r = c.wait(c.load(NS, load), 30)
             if not r.ok:
                 errors.append(f"load round {rounds}: {r.reasons}")
@@ -78,4 +81,3 @@ def test_eight_processes_dump_and_load_concurrently(tmp_path: Path) -> None:
     assert total_checked >= 8 * PER_ROUND
     # The 8 MiB cache overflowed, so blocks were evicted and re-read from disk along the way.
     assert {t.name: t.evictions for t in stats.tiers}["Cache"] > 0
-

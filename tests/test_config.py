@@ -78,7 +78,9 @@ def test_server_refuses_garbage_config_with_exit_code_2(tmp_path: Path) -> None:
     f.write_text("store_pipeline: Cache|Nope\n")
     proc = subprocess.run(
         [sys.executable, "-m", "ucm_server", "--config", str(f), "--socket", str(tmp_path / "s")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "unknown tier 'Nope'" in proc.stderr
@@ -88,7 +90,9 @@ def test_server_refuses_garbage_config_with_exit_code_2(tmp_path: Path) -> None:
 def test_print_config_shows_effective_values(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "ucm_server", "--print-config", "--cache-capacity", "3GiB"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0
     assert f"cache_capacity: {3 << 30}" in proc.stdout
@@ -99,9 +103,20 @@ def test_second_daemon_on_same_socket_is_refused(tmp_path: Path) -> None:
 
     with DaemonProcess(tmp_path / "a") as d:
         proc = subprocess.run(
-            [sys.executable, "-m", "ucm_server", "--socket", str(d.socket), "--data-dir", str(tmp_path / "b"),
-             "--metrics-address", "off"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "ucm_server",
+                "--socket",
+                str(d.socket),
+                "--data-dir",
+                str(tmp_path / "b"),
+                "--metrics-address",
+                "off",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert proc.returncode == 2
         assert "already listening" in proc.stderr

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import NS, blocks_in
+
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
 
 
@@ -30,7 +30,9 @@ def test_multi_segment_blocks_scatter_and_gather(client: UcmClient) -> None:
         src.buf[:] = os.urandom(1 << 20)
         pieces = [(0, 1000), (300_000, 70_000), (900_000, 5)]
         key = key_digest("multi")
-        assert client.wait(client.dump(NS, [BlockIO(key, tuple(Segment(rs, o, n) for o, n in pieces))]), 10).ok
+        assert client.wait(
+            client.dump(NS, [BlockIO(key, tuple(Segment(rs, o, n) for o, n in pieces))]), 10
+        ).ok
         # Read it back into a different layout of the same total size.
         total = sum(n for _, n in pieces)
         assert client.wait(client.load(NS, [BlockIO(key, (Segment(rd, 10, total),))]), 10).ok

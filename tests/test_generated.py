@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_grpc_stubs_are_up_to_date() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -19,6 +22,8 @@ def test_grpc_stubs_are_up_to_date() -> None:
 def test_readme_configuration_reference_is_up_to_date() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

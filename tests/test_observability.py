@@ -9,10 +9,10 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from conftest import NS, blocks_in
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import NS, blocks_in
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -24,7 +24,9 @@ def test_health_and_reflection(daemon: DaemonProcess) -> None:
             resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        (answer,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        (answer,) = list(
+            refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        )
         names = {s.name for s in answer.list_services_response.service}
         assert {"ucm.v1.KVStore", "ucm.v1.Admin", "grpc.health.v1.Health"} <= names
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import NS, blocks_in
+
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -55,7 +55,11 @@ def test_read_from_posix_is_promoted_into_cache(tmp_path: Path) -> None:
 def test_posix_only_pipeline(tmp_path: Path) -> None:
     size = 64 << 10
     args = ["--store-pipeline", "Posix"]
-    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target) as c, SharedBuffer(2 * size) as buf:
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as d,
+        UcmClient(d.target) as c,
+        SharedBuffer(2 * size) as buf,
+    ):
         region = c.register(buf)
         buf.buf[:size] = os.urandom(size)
         assert c.wait(c.dump(NS, blocks_in(region, 1, size)), 10).ok

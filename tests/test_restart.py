@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from conftest import NS, blocks_in
+
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError
 from ucm_server.testing.daemon import DaemonProcess
@@ -52,7 +53,12 @@ def test_kill_9_mid_dump_never_serves_a_torn_block(tmp_path: Path) -> None:
                     for i in range(0, n, 8):
                         if stop.is_set():
                             return
-                        r = c.wait(c.dump(NS, blocks_in(region, 8, size, first=i, offset=i * size), wait_durable=True), 10)
+                        r = c.wait(
+                            c.dump(
+                                NS, blocks_in(region, 8, size, first=i, offset=i * size), wait_durable=True
+                            ),
+                            10,
+                        )
                         durable.update(i + j for j, s in enumerate(r.states) if s is BlockState.OK)
                 except UcmError:
                     return  # the daemon died under us: expected
@@ -71,7 +77,9 @@ def test_kill_9_mid_dump_never_serves_a_torn_block(tmp_path: Path) -> None:
     with d.start(), UcmClient(d.target) as c, SharedBuffer(n * size) as dst:
         blocks = blocks_in(c.register(dst), n, size)
         present = c.lookup(NS, [b.key for b in blocks]).present
-        assert reported_durable <= {i for i, p in enumerate(present) if p}, "a block reported durable was lost"
+        assert reported_durable <= {i for i, p in enumerate(present) if p}, (
+            "a block reported durable was lost"
+        )
         found = [b for b, p in zip(blocks, present, strict=True) if p]
         result = c.wait(c.load(NS, found), 30)
         assert result.ok, result.reasons

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from conftest import NS, blocks_in
+
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -77,7 +78,11 @@ def test_cancel_stops_a_task_and_wait_times_out_cleanly(tmp_path: Path) -> None:
     """A big durable dump to disk is slow enough to time out a 1 ms wait and then be cancelled."""
     n, size = 512, 256 << 10
     args = ["--store-pipeline", "Posix"]
-    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target) as c, SharedBuffer(n * size) as buf:
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as d,
+        UcmClient(d.target) as c,
+        SharedBuffer(n * size) as buf,
+    ):
         task = c.dump(NS, blocks_in(c.register(buf), n, size))
         early = c.wait(task, 0.001)
         assert not early.done

@@ -1,12 +1,12 @@
 """UCM's client library: talk to ``ucm-server`` from Python (blocking or asyncio).
 
-    from ucm_client import UcmClient, SharedBuffer, BlockIO, Segment, namespace_id
+from ucm_client import UcmClient, SharedBuffer, BlockIO, Segment, namespace_id
 
-    with UcmClient() as client, SharedBuffer(64 << 20) as buf:
-        region = client.register(buf)
-        ns = namespace_id(model="my-model", dtype="float16")
-        task = client.dump(ns, [BlockIO(key, (Segment(region, 0, 1 << 20),))])
-        assert client.wait(task, timeout_s=10).ok
+with UcmClient() as client, SharedBuffer(64 << 20) as buf:
+    region = client.register(buf)
+    ns = namespace_id(model="my-model", dtype="float16")
+    task = client.dump(ns, [BlockIO(key, (Segment(region, 0, 1 << 20),))])
+    assert client.wait(task, timeout_s=10).ok
 """
 
 from ucm_client.buffers import SharedBuffer

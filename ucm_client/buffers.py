@@ -11,6 +11,7 @@ ended); ``ucm-admin`` lists such leftovers by their ``ucm-`` prefix.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -28,10 +29,8 @@ PREFIX = "ucm-"
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class SharedBuffer:

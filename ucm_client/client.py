@@ -19,7 +19,7 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
-from ucm_client.types import BlockIO, LookupResult, TaskResult, as_batch
+from ucm_client.types import BlockIO, BlockState, LookupResult, TaskResult, as_batch
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, UcmError, Unavailable, error_for_status
 from ucm_server.api.paths import target_for
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
@@ -87,7 +87,9 @@ class AsyncUcmClient:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
                 await channel.close()
-                raise Unavailable(f"no ucm-server answering at {self.target} (is it running? try `ucm-server`)") from None
+                raise Unavailable(
+                    f"no ucm-server answering at {self.target} (is it running? try `ucm-server`)"
+                ) from None
             self._channel = channel
             self._kv = rpc.KVStoreStub(channel)
             self._admin = rpc.AdminStub(channel)
@@ -212,7 +214,9 @@ class AsyncUcmClient:
     # -- the store ------------------------------------------------------------------------------------
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
         resp = await self._call(
-            lambda: self.kv.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s)
+            lambda: self.kv.Lookup(
+                pb.LookupRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+            )
         )
         return LookupResult(present=list(resp.present), hit_prefix=resp.hit_prefix)
 
@@ -231,7 +235,9 @@ class AsyncUcmClient:
         """Start storing blocks from registered memory; returns the task id."""
         resp = await self._call(
             lambda: self.kv.Dump(
-                pb.DumpRequest(blocks=as_batch(namespace, blocks, self._server_ids()), wait_durable=wait_durable),
+                pb.DumpRequest(
+                    blocks=as_batch(namespace, blocks, self._server_ids()), wait_durable=wait_durable
+                ),
                 metadata=self._metadata(),
                 timeout=self.rpc_timeout_s,
             )
@@ -241,7 +247,9 @@ class AsyncUcmClient:
     async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         resp = await self._call(
             lambda: self.kv.Prefetch(
-                pb.PrefetchRequest(namespace=namespace, keys=keys), metadata=self._metadata(), timeout=self.rpc_timeout_s
+                pb.PrefetchRequest(namespace=namespace, keys=keys),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
             )
         )
         return int(resp.task_id)
@@ -260,7 +268,9 @@ class AsyncUcmClient:
 
     async def check(self, task_id: int) -> TaskResult:
         resp = await self._call(
-            lambda: self.kv.Check(pb.TaskHandle(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s),
+            lambda: self.kv.Check(
+                pb.TaskHandle(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s
+            ),
             retry=False,
         )
         return TaskResult.from_pb(resp)
@@ -268,14 +278,18 @@ class AsyncUcmClient:
     async def cancel(self, task_id: int) -> TaskResult:
         """Stop a task; when this returns the daemon no longer touches the task's memory."""
         resp = await self._call(
-            lambda: self.kv.Cancel(pb.CancelRequest(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s),
+            lambda: self.kv.Cancel(
+                pb.CancelRequest(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s
+            ),
             retry=False,
         )
         return TaskResult.from_pb(resp)
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         resp = await self._call(
-            lambda: self.kv.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s)
+            lambda: self.kv.Delete(
+                pb.DeleteRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+            )
         )
         return int(resp.deleted)
 
@@ -285,17 +299,15 @@ class AsyncUcmClient:
 
         async def call() -> pb.PutBlocksReply:
             reqs = [pb.BlockBytes(namespace=namespace, key=k, data=d) for k, d in items]
-            return await self.kv.PutBlocks(iter(reqs), timeout=self.rpc_timeout_s)
+            reply: pb.PutBlocksReply = await self.kv.PutBlocks(iter(reqs), timeout=self.rpc_timeout_s)
+            return reply
 
         reply = await self._call(call)
-        states = [pb.BlockStatus.Name(s) for s in reply.block_status]
-        from ucm_server.store.base import BlockState
-
         return TaskResult(
             task_id=0,
             done=True,
             cancelled=False,
-            states=[BlockState[s.removeprefix("BLOCK_")] for s in states],
+            states=[BlockState(s) for s in reply.block_status],
             reasons=dict(reply.reasons),
         )
 
@@ -304,7 +316,9 @@ class AsyncUcmClient:
 
         async def call() -> list[bytes | None]:
             out: list[bytes | None] = [None] * len(keys)
-            async for reply in self.kv.GetBlocks(pb.GetBlocksRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s):
+            async for reply in self.kv.GetBlocks(
+                pb.GetBlocksRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+            ):
                 if reply.status == pb.BLOCK_OK:
                     out[reply.index] = reply.data
             return out

@@ -34,7 +34,12 @@ class UcmClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
         self._thread.start()
         self._async = self._run(
-            _make(target, client_name=client_name, connect_timeout_s=connect_timeout_s, rpc_timeout_s=rpc_timeout_s)
+            _make(
+                target,
+                client_name=client_name,
+                connect_timeout_s=connect_timeout_s,
+                rpc_timeout_s=rpc_timeout_s,
+            )
         )
         self._closed = False
 

@@ -122,7 +122,9 @@ def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: dict[int, 
             try:
                 regions.append(server_ids[s.region])
             except KeyError:
-                raise InvalidArgument(f"block {b.key.hex()[:16]}: region handle {s.region} is not registered") from None
+                raise InvalidArgument(
+                    f"block {b.key.hex()[:16]}: region handle {s.region} is not registered"
+                ) from None
             offsets.append(s.offset)
             lengths.append(s.length)
     return pb.BlockBatch(

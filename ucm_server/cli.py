@@ -9,7 +9,6 @@ front of a Posix tier under ``~/.local/state/ucm``, listening on a private Unix 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -41,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration file.")
-    parser.add_argument("--print-config", action="store_true", help="Print the effective configuration and exit.")
+    parser.add_argument(
+        "--print-config", action="store_true", help="Print the effective configuration and exit."
+    )
     parser.add_argument("--version", action="version", version=f"ucm-server {__version__}")
     group = parser.add_argument_group("settings (also YAML keys and UCM_<KEY> environment variables)")
     for name, field in FIELDS.items():
@@ -49,10 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         flag = "--" + name.replace("_", "-")
         help_ = field.metadata.get("help", "")
-        default = field.default_factory() if callable(field.default_factory) else field.default  # type: ignore[misc]
+        default = field.default_factory() if callable(field.default_factory) else field.default
         help_ = f"{help_} [default: {default}]"
         if field.type in ("bool", bool):
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         else:
             group.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_)
     return parser
@@ -77,16 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for w in warnings:
         logging.getLogger("ucm_server").warning(w)
-    try:
-        import uvloop
+    import uvloop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep running without it
-        runner = asyncio.run
     from ucm_server.server import run
 
     try:
-        runner(run(config))
+        uvloop.run(run(config))
     except ConfigError as exc:
         print(f"ucm-server: {exc}", file=sys.stderr)
         return 2

@@ -82,8 +82,9 @@ class ServerConfig:
     )
     storage_backends: str = field(
         default="",
-        metadata=_help("Posix tier root directories, ':'-separated, blocks striped by key. "
-                       "Empty = <data_dir>/blocks."),
+        metadata=_help(
+            "Posix tier root directories, ':'-separated, blocks striped by key. Empty = <data_dir>/blocks."
+        ),
     )
     cache_capacity: int = field(
         default=1 << 30, metadata=_help("Bytes of host memory for the Cache tier (e.g. '8GiB').", size=True)
@@ -97,17 +98,17 @@ class ServerConfig:
     )
     write_mode: Literal["write-back", "write-through"] = field(
         default="write-back",
-        metadata=_help("write-back: a dump completes in the top tier and flows down in the background; "
-                       "write-through: it completes only once in every tier."),
+        metadata=_help(
+            "write-back: a dump completes in the top tier and flows down in the background; "
+            "write-through: it completes only once in every tier."
+        ),
     )
     durable: bool = field(
         default=True, metadata=_help("fsync block files and their directories before they become visible.")
     )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
-    max_block_bytes: int = field(
-        default=256 << 20, metadata=_help("Largest block accepted.", size=True)
-    )
+    max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
@@ -144,7 +145,8 @@ class ServerConfig:
         for t in tiers:
             if t not in KNOWN_TIERS:
                 raise ConfigError(
-                    f"store_pipeline: unknown tier {t!r} in {self.store_pipeline!r}; known: {', '.join(KNOWN_TIERS)}"
+                    f"store_pipeline: unknown tier {t!r} in {self.store_pipeline!r}; "
+                    f"known: {', '.join(KNOWN_TIERS)}"
                 )
         if len(set(tiers)) != len(tiers):
             raise ConfigError(f"store_pipeline: a tier appears twice in {self.store_pipeline!r}")
@@ -172,7 +174,9 @@ class ServerConfig:
             _check_host_port("metrics_address", self.metrics_address)
         unknown = set(self.tier_settings) - set(KNOWN_TIERS)
         if unknown:
-            raise ConfigError(f"tier_settings: unknown tier(s) {sorted(unknown)}; known: {', '.join(KNOWN_TIERS)}")
+            raise ConfigError(
+                f"tier_settings: unknown tier(s) {sorted(unknown)}; known: {', '.join(KNOWN_TIERS)}"
+            )
         return self
 
 
@@ -203,7 +207,7 @@ def _coerce(key: str, raw: object, source: str) -> Any:
         raise ConfigError(f"{where}: expected true or false, got {raw!r}")
     if hint in (int, float):
         try:
-            return hint(raw)  # type: ignore[operator]
+            return hint(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
     if hint is Path:
@@ -243,7 +247,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if doc is None:
         return {}
     if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}")
+        raise ConfigError(
+            f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}"
+        )
     if "ucm_connectors" in doc:  # seed 001 format: take the first connector's config
         connectors = doc["ucm_connectors"]
         if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):

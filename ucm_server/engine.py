@@ -89,10 +89,14 @@ class Engine:
         if self.closing:
             raise Unavailable("the daemon is shutting down")
         if not session_id:
-            raise FailedPrecondition("this call needs a session: call Attach first and pass ucm-session metadata")
+            raise FailedPrecondition(
+                "this call needs a session: call Attach first and pass ucm-session metadata"
+            )
         s = self.sessions.get(session_id)
         if s is None:
-            raise FailedPrecondition(f"session {session_id[:8]} is not attached (daemon restarted?); attach again")
+            raise FailedPrecondition(
+                f"session {session_id[:8]} is not attached (daemon restarted?); attach again"
+            )
         return s
 
     # -- regions --------------------------------------------------------------------------------------
@@ -107,7 +111,9 @@ class Engine:
     # -- lookups and deletes --------------------------------------------------------------------------
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
-            raise InvalidArgument(f"{len(digests)} keys in one request; the limit is {self.config.max_batch_blocks}")
+            raise InvalidArgument(
+                f"{len(digests)} keys in one request; the limit is {self.config.max_batch_blocks}"
+            )
 
     def _keys(self, namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
         self._check_batch(digests)
@@ -205,10 +211,14 @@ class Engine:
     def _observe(self, task: Task) -> None:
         self.metrics.observe_task(task.kind.name, task.elapsed_s, task.bytes_done)
         for state in set(task.states):
-            self.metrics.blocks.labels(task.kind.name, _STATE_NAMES.get(state, str(state))).inc(task.states.count(state))
+            self.metrics.blocks.labels(task.kind.name, _STATE_NAMES.get(state, str(state))).inc(
+                task.states.count(state)
+            )
 
     # -- slow path ------------------------------------------------------------------------------------
-    async def get_bytes(self, namespace: bytes, digests: Sequence[bytes]) -> AsyncIterator[tuple[int, BlockResult, bytes]]:
+    async def get_bytes(
+        self, namespace: bytes, digests: Sequence[bytes]
+    ) -> AsyncIterator[tuple[int, BlockResult, bytes]]:
         keys = self._keys(namespace, digests)
         sizes = await self.pipeline.lookup(keys)
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
@@ -224,7 +234,9 @@ class Engine:
         if not data:
             raise InvalidArgument("block data is empty")
         if len(data) > self.config.max_block_bytes:
-            raise InvalidArgument(f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}")
+            raise InvalidArgument(
+                f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
+            )
         (r,) = await self.pipeline.write_many([(key, [memoryview(data)])])
         return r
 
@@ -301,7 +313,9 @@ class Engine:
 
     async def verify(self, tier_name: str, namespace: bytes) -> AsyncIterator[tuple[int, int, list[str]]]:
         """Re-check every block of the persistent tiers; yields (checked, total, new corrupt) now and then."""
-        tiers = [self._tier_named(tier_name)] if tier_name else [t for t in self.pipeline.tiers if t.persistent]
+        tiers = (
+            [self._tier_named(tier_name)] if tier_name else [t for t in self.pipeline.tiers if t.persistent]
+        )
         ns = Namespace(check_namespace(namespace)) if namespace else None
         work = [(t, info.key) for t in tiers async for info in t.list_blocks(ns)]
         total = len(work)

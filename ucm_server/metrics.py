@@ -27,15 +27,23 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.lookup_hit_rate = Gauge("ucm_lookup_hit_rate", "Fraction of looked-up keys found (last lookup)", registry=r)
+        self.lookup_hit_rate = Gauge(
+            "ucm_lookup_hit_rate", "Fraction of looked-up keys found (last lookup)", registry=r
+        )
         self.lookup_keys = Counter("ucm_lookup_keys", "Keys looked up", registry=r)
         self.lookup_hits = Counter("ucm_lookup_hits", "Keys found by lookups", registry=r)
-        self.load_duration = Histogram("ucm_load_duration_ms", "Load task duration", buckets=_MS_BUCKETS, registry=r)
+        self.load_duration = Histogram(
+            "ucm_load_duration_ms", "Load task duration", buckets=_MS_BUCKETS, registry=r
+        )
         self.load_speed = Gauge("ucm_load_speed_gbps", "Throughput of the last load task (GB/s)", registry=r)
-        self.save_duration = Histogram("ucm_save_duration_ms", "Dump task duration", buckets=_MS_BUCKETS, registry=r)
+        self.save_duration = Histogram(
+            "ucm_save_duration_ms", "Dump task duration", buckets=_MS_BUCKETS, registry=r
+        )
         self.save_speed = Gauge("ucm_save_speed_gbps", "Throughput of the last dump task (GB/s)", registry=r)
         self.blocks = Counter("ucm_task_blocks", "Blocks handled by tasks", ["kind", "status"], registry=r)
-        self.rpc_errors = Counter("ucm_rpc_errors", "RPCs answered with an error", ["method", "code"], registry=r)
+        self.rpc_errors = Counter(
+            "ucm_rpc_errors", "RPCs answered with an error", ["method", "code"], registry=r
+        )
         self._server: object | None = None
 
     def observe_task(self, kind: str, elapsed_s: float, nbytes: int) -> None:
@@ -113,6 +121,10 @@ class _EngineCollector(Collector):
         q.add_metric(["running"], engine.tasks.running - engine.tasks.queued)
         q.add_metric(["queued"], engine.tasks.queued)
         yield q
-        yield GaugeMetricFamily("ucm_writeback_pending", "Blocks waiting to be written down", value=engine.pipeline.pending_writeback)
+        yield GaugeMetricFamily(
+            "ucm_writeback_pending",
+            "Blocks waiting to be written down",
+            value=engine.pipeline.pending_writeback,
+        )
         yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=len(engine.sessions))
         yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=len(engine.regions))

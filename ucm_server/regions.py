@@ -55,7 +55,9 @@ def _shm_path(name: str) -> Path:
     else:
         stripped = name.removeprefix("/")
         if not stripped or "/" in stripped or stripped in (".", ".."):
-            raise InvalidArgument(f"shm_name {name!r}: expected a shm_open name like '/ucm-1234' or a /dev/shm path")
+            raise InvalidArgument(
+                f"shm_name {name!r}: expected a shm_open name like '/ucm-1234' or a /dev/shm path"
+            )
         path = SHM_DIR / stripped
     if path.resolve().parent != SHM_DIR.resolve():
         raise InvalidArgument(f"shm_name {name!r}: must name an object directly under {SHM_DIR}")
@@ -94,10 +96,13 @@ class RegionTable:
                 raise InvalidArgument(f"shared memory {shm_name!r} is not a regular object")
             if st.st_mode & 0o077:
                 raise PermissionDenied(
-                    f"shared memory {shm_name!r} has mode {stat.S_IMODE(st.st_mode):o}; it must be owner-only (0600)"
+                    f"shared memory {shm_name!r} has mode {stat.S_IMODE(st.st_mode):o}; "
+                    "it must be owner-only (0600)"
                 )
             if st.st_uid != os.geteuid():
-                raise PermissionDenied(f"shared memory {shm_name!r} belongs to uid {st.st_uid}, not the daemon's")
+                raise PermissionDenied(
+                    f"shared memory {shm_name!r} belongs to uid {st.st_uid}, not the daemon's"
+                )
             if st.st_size < size:
                 raise InvalidArgument(
                     f"region size {size} is larger than shared memory {shm_name!r} ({st.st_size} bytes)"
@@ -115,7 +120,9 @@ class RegionTable:
             view=memoryview(m),
         )
         self._regions[region.region_id] = region
-        log.debug("registered region %d (%s, %d bytes) for session %s", region.region_id, shm_name, size, session_id)
+        log.debug(
+            "registered region %d (%s, %d bytes) for session %s", region.region_id, shm_name, size, session_id
+        )
         return region
 
     def get(self, session_id: str, region_id: int) -> Region:
@@ -166,7 +173,8 @@ class RegionTable:
         nseg = len(region_ids)
         if not (len(offsets) == len(lengths) == nseg):
             raise InvalidArgument(
-                f"region_ids, offsets and lengths must have equal lengths, got {nseg}, {len(offsets)}, {len(lengths)}"
+                f"region_ids, offsets and lengths must have equal lengths, "
+                f"got {nseg}, {len(offsets)}, {len(lengths)}"
             )
         if not counts:
             counts = [1] * nblocks
@@ -195,13 +203,16 @@ class RegionTable:
                     raise InvalidArgument(f"block {b}: segment of length 0")
                 if off + length > region.size:
                     raise InvalidArgument(
-                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} of {region.size} bytes"
+                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
+                        f"of {region.size} bytes"
                     )
                 iov.append(region.view[off : off + length])
                 total += length
                 used.add(region)
                 s += 1
             if total > max_block_bytes:
-                raise InvalidArgument(f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}")
+                raise InvalidArgument(
+                    f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}"
+                )
             iovs.append(iov)
         return iovs, used

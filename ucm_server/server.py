@@ -58,7 +58,9 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
         ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
     except OSError as exc:
         raise ConfigError(f"TLS file {exc.filename}: {exc.strerror}") from exc
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 class Daemon:
@@ -84,7 +86,9 @@ class Daemon:
         ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [ucm_pb2.DESCRIPTOR.services_by_name[s.split(".")[-1]].full_name for s in SERVICES]
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
 
         _prepare_socket(cfg.socket)
         old_umask = os.umask(0o177)  # the socket is created 0600
@@ -96,7 +100,10 @@ class Daemon:
             if cfg.tls_cert:
                 self.server.add_secure_port(cfg.listen, _tls_credentials(cfg))
             else:
-                log.warning("TCP listener %s has no TLS (insecure: true): anyone who can reach it can read the cache", cfg.listen)
+                log.warning(
+                    "TCP listener %s has no TLS (insecure: true): anyone who can reach it can read the cache",
+                    cfg.listen,
+                )
                 self.server.add_insecure_port(cfg.listen)
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
@@ -106,8 +113,11 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "ucm-server %s ready on unix://%s%s, pipeline %s (pid %d)",
-            self.engine.version, cfg.socket, f" and {cfg.listen}" if cfg.listen else "",
-            self.engine.pipeline.spec, os.getpid(),
+            self.engine.version,
+            cfg.socket,
+            f" and {cfg.listen}" if cfg.listen else "",
+            self.engine.pipeline.spec,
+            os.getpid(),
         )
 
     def request_stop(self) -> None:

@@ -99,7 +99,9 @@ class TaskManager:
         self._reap()
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
-        self._runners[task.task_id] = asyncio.create_task(self._run(task, body), name=f"ucm-task-{task.task_id}")
+        self._runners[task.task_id] = asyncio.create_task(
+            self._run(task, body), name=f"ucm-task-{task.task_id}"
+        )
         return task
 
     async def _run(self, task: Task, body: TaskBody) -> None:
@@ -159,7 +161,7 @@ class TaskManager:
         pending = [t for t in self._tasks.values() if not t.done.is_set()]
         if not pending:
             return
-        _, late = await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
+        _, _late = await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
         for t in pending:
             t.cancel_requested = True
         await asyncio.gather(*(t.done.wait() for t in pending))

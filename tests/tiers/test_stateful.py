@@ -128,7 +128,9 @@ TestCache.settings = TestPosix.settings = TestPipeline.settings = _SETTINGS
 
 def test_delete_while_write_back_is_pending_does_not_resurrect(tmp_path: Path) -> None:
     async def main() -> None:
-        p = Pipeline([CacheTier(capacity=1 << 20, page_size=4096), PosixTier(roots=[tmp_path])], write_back=True)
+        p = Pipeline(
+            [CacheTier(capacity=1 << 20, page_size=4096), PosixTier(roots=[tmp_path])], write_back=True
+        )
         await p.open()
         for round_ in range(20):
             key = KEYS[round_ % len(KEYS)]

@@ -100,7 +100,7 @@ def evict(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     elif args.bytes is not None:
         if args.bytes <= 0:
             raise UsageError("--bytes must be more than 0")
-        requests.append(pb.EvictRequest(tier=args.tier, bytes=args.bytes))
+        requests.append(pb.EvictRequest(tier=args.tier, min_bytes=args.bytes))
     else:
         _confirm_all(args, daemon, out)
         requests.append(pb.EvictRequest(tier=args.tier, namespace=args.namespace or b"", all=True))

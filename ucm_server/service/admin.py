@@ -66,7 +66,9 @@ class AdminServicer(rpc.AdminServicer):
             store_pipeline=e.pipeline.spec,
         )
 
-    async def ListBlocks(self, request: pb.ListBlocksRequest, context: aio.ServicerContext) -> pb.ListBlocksResponse:
+    async def ListBlocks(
+        self, request: pb.ListBlocksRequest, context: aio.ServicerContext
+    ) -> pb.ListBlocksResponse:
         page, token, total = await self.engine.list_blocks(
             request.namespace, request.tier, request.page_size, request.page_token
         )
@@ -80,11 +82,13 @@ class AdminServicer(rpc.AdminServicer):
 
     async def Evict(self, request: pb.EvictRequest, context: aio.ServicerContext) -> pb.EvictResponse:
         blocks, nbytes = await self.engine.evict(
-            request.tier, request.bytes, request.namespace, request.keys, request.all
+            request.tier, request.min_bytes, request.namespace, request.keys, request.all
         )
         return pb.EvictResponse(blocks=blocks, bytes=nbytes)
 
-    async def Verify(self, request: pb.VerifyRequest, context: aio.ServicerContext) -> AsyncIterator[pb.VerifyProgress]:
+    async def Verify(
+        self, request: pb.VerifyRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[pb.VerifyProgress]:
         corrupt = 0
         checked = total = 0
         async for checked, total, bad in self.engine.verify(request.tier, request.namespace):

@@ -41,7 +41,9 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
                 await context.abort(exc.code, exc.message)
             log.exception("internal error in %s", method)
             metrics.rpc_errors.labels(method, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+            )
 
         def is_abort(exc: BaseException) -> bool:
             # context.abort raises an exception of grpc's own; let it through untouched.

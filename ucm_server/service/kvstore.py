@@ -31,9 +31,9 @@ def session_of(context: aio.ServicerContext) -> str | None:
 def task_status(task: Task) -> pb.TaskStatus:
     return pb.TaskStatus(
         task_id=task.task_id,
-        kind=int(task.kind),
-        state=int(task.state),
-        block_status=list(task.states),
+        kind=int(task.kind),  # type: ignore[arg-type]  # our enums mirror the proto's values
+        state=int(task.state),  # type: ignore[arg-type]
+        block_status=list(task.states),  # type: ignore[arg-type]
         reasons=task.reasons,
         bytes_done=task.bytes_done,
         elapsed_s=task.elapsed_s,
@@ -44,12 +44,16 @@ class KVStoreServicer(rpc.KVStoreServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def Attach(self, request: pb.AttachRequest, context: aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+    async def Attach(
+        self, request: pb.AttachRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionEvent]:
         session = self.engine.attach(request.client_name, request.pid)
         interval = self.engine.config.heartbeat_interval_s
         try:
             yield pb.SessionEvent(
-                session_id=session.session_id, heartbeat_interval_s=interval, server_version=self.engine.version
+                session_id=session.session_id,
+                heartbeat_interval_s=interval,
+                server_version=self.engine.version,
             )
             while True:
                 await asyncio.sleep(interval)
@@ -58,11 +62,17 @@ class KVStoreServicer(rpc.KVStoreServicer):
             # Runs when the client closes the stream, dies (socket closed) or the server stops.
             await asyncio.shield(self.engine.detach(session.session_id))
 
-    async def RegisterRegion(self, request: pb.RegisterRegionRequest, context: aio.ServicerContext) -> pb.RegisterRegionResponse:
-        region = self.engine.register_region(session_of(context), request.shm_name, request.size, request.label)
+    async def RegisterRegion(
+        self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
+    ) -> pb.RegisterRegionResponse:
+        region = self.engine.register_region(
+            session_of(context), request.shm_name, request.size, request.label
+        )
         return pb.RegisterRegionResponse(region_id=region.region_id)
 
-    async def UnregisterRegion(self, request: pb.UnregisterRegionRequest, context: aio.ServicerContext) -> pb.UnregisterRegionResponse:
+    async def UnregisterRegion(
+        self, request: pb.UnregisterRegionRequest, context: aio.ServicerContext
+    ) -> pb.UnregisterRegionResponse:
         self.engine.unregister_region(session_of(context), request.region_id)
         return pb.UnregisterRegionResponse()
 
@@ -70,7 +80,9 @@ class KVStoreServicer(rpc.KVStoreServicer):
         answer = await self.engine.lookup(request.namespace, list(request.keys))
         return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
 
-    def _submit(self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False) -> pb.TaskHandle:
+    def _submit(
+        self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False
+    ) -> pb.TaskHandle:
         task = self.engine.submit_io(
             kind,
             session_of(context),
@@ -109,18 +121,26 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def Delete(self, request: pb.DeleteRequest, context: aio.ServicerContext) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=await self.engine.delete(request.namespace, request.keys))
 
-    async def GetBlocks(self, request: pb.GetBlocksRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GetBlockReply]:
+    async def GetBlocks(
+        self, request: pb.GetBlocksRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[pb.GetBlockReply]:
         async for index, result, data in self.engine.get_bytes(request.namespace, request.keys):
-            yield pb.GetBlockReply(index=index, status=int(result.state), reason=result.reason, data=data)
+            yield pb.GetBlockReply(
+                index=index,
+                status=int(result.state),  # type: ignore[arg-type]
+                reason=result.reason,
+                data=data,
+            )
 
-    async def PutBlocks(self, request_iterator: AsyncIterator[pb.BlockBytes], context: aio.ServicerContext) -> pb.PutBlocksReply:
+    async def PutBlocks(
+        self, request_iterator: AsyncIterator[pb.BlockBytes], context: aio.ServicerContext
+    ) -> pb.PutBlocksReply:
         reply = pb.PutBlocksReply()
         index = 0
         async for item in request_iterator:
             r = await self.engine.put_bytes(item.namespace, item.key, item.data)
-            reply.block_status.append(int(r.state))
+            reply.block_status.append(int(r.state))  # type: ignore[arg-type]
             if r.reason:
                 reply.reasons[index] = r.reason
             index += 1
         return reply
-

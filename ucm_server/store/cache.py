@@ -178,7 +178,7 @@ class CacheTier(Tier):
             "free_bytes": float(self.arena.free_pages * self.arena.page_size),
             "rejected_writes": float(self._rejected),
         }
-        return TierStats(**{f: getattr(s, f) for f in s.__slots__})  # type: ignore[attr-defined]
+        return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
     async def evict(self, nbytes: int) -> int:
         freed = 0

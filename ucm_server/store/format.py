@@ -83,7 +83,9 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
     key = BlockKey(Namespace(ns), Digest(digest))
     if expect is not None and key != expect:
         raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
-    return BlockHeader(key=key, payload_len=payload_len, checksum=checksum, created_ns=created_ns, flags=flags)
+    return BlockHeader(
+        key=key, payload_len=payload_len, checksum=checksum, created_ns=created_ns, flags=flags
+    )
 
 
 def verify_payload(header: BlockHeader, iov: IoVec) -> None:

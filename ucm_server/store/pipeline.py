@@ -65,7 +65,7 @@ class Pipeline:
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
-            if t.name == name or t.kind == name:
+            if name in (t.name, t.kind):
                 return t
         raise KeyError(name)
 
@@ -249,7 +249,9 @@ class Pipeline:
                 results[i] = r
         return results
 
-    async def list_blocks(self, namespace: Namespace | None = None, tier: str = "") -> AsyncIterator[BlockInfo]:
+    async def list_blocks(
+        self, namespace: Namespace | None = None, tier: str = ""
+    ) -> AsyncIterator[BlockInfo]:
         tiers = [self.tier(tier)] if tier else self.tiers
         for t in tiers:
             async for info in t.list_blocks(namespace):

@@ -23,10 +23,11 @@ import os
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -42,6 +43,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.format import (
     HEADER_SIZE,
+    BlockHeader,
     CorruptBlock,
     decode_header,
     encode_header,
@@ -50,6 +52,7 @@ from ucm_server.store.format import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SUFFIX = ".blk"
 TMP_MARK = ".tmp."
@@ -104,7 +107,11 @@ class PosixTier(Tier):
             self._remember(key, entry)
         log.info(
             "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs",
-            self.name, len(found), self._bytes, ", ".join(map(str, self.roots)), time.monotonic() - started,
+            self.name,
+            len(found),
+            self._bytes,
+            ", ".join(map(str, self.roots)),
+            time.monotonic() - started,
         )
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -166,7 +173,7 @@ class PosixTier(Tier):
     def stats(self) -> TierStats:
         s = self._stats
         s.blocks, s.bytes = len(self._index), self._bytes
-        return TierStats(**{f: getattr(s, f) for f in s.__slots__})  # type: ignore[attr-defined]
+        return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
@@ -189,7 +196,11 @@ class PosixTier(Tier):
         except (OSError, CorruptBlock):
             return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         return BlockInfo(
-            key=key, size=entry.size, tier=self.name, stored_at=header.created_ns / 1e9, checksum=header.checksum
+            key=key,
+            size=entry.size,
+            tier=self.name,
+            stored_at=header.created_ns / 1e9,
+            checksum=header.checksum,
         )
 
     async def verify(self, key: BlockKey) -> BlockResult:
@@ -239,13 +250,15 @@ class PosixTier(Tier):
             header = decode_header(raw, expect=key)
             file_size = os.fstat(fd).st_size
             if file_size != HEADER_SIZE + header.payload_len:
-                raise CorruptBlock(f"file is {file_size} bytes, header promises {HEADER_SIZE + header.payload_len}")
+                raise CorruptBlock(
+                    f"file is {file_size} bytes, header promises {HEADER_SIZE + header.payload_len}"
+                )
             _preadv_all(fd, dest, HEADER_SIZE)
         finally:
             os.close(fd)
         verify_payload(header, dest)
 
-    def _read_header(self, path: Path, key: BlockKey):  # type: ignore[no-untyped-def]
+    def _read_header(self, path: Path, key: BlockKey) -> BlockHeader:
         with path.open("rb") as f:
             return decode_header(f.read(HEADER_SIZE), expect=key)
 
@@ -274,7 +287,9 @@ class PosixTier(Tier):
                 header = decode_header(f.read(HEADER_SIZE))
                 size = os.fstat(f.fileno()).st_size
             if size != HEADER_SIZE + header.payload_len:
-                raise CorruptBlock(f"file is {size} bytes, header promises {HEADER_SIZE + header.payload_len}")
+                raise CorruptBlock(
+                    f"file is {size} bytes, header promises {HEADER_SIZE + header.payload_len}"
+                )
             if self.path_of(header.key) != path:
                 raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
         except CorruptBlock as exc:
@@ -318,7 +333,7 @@ class PosixTier(Tier):
         if over > 0:
             await self.evict(over)
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
 

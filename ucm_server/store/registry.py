@@ -74,14 +74,15 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
     if name == "Cache":
         from ucm_server.store.cache import CacheTier
 
-        return CacheTier(
-            capacity=config.cache_capacity, page_size=config.cache_page_size, executor=executor
-        )
+        return CacheTier(capacity=config.cache_capacity, page_size=config.cache_page_size, executor=executor)
     if name == "Posix":
         from ucm_server.store.posix import PosixTier
 
         return PosixTier(
-            roots=config.posix_roots, capacity=config.posix_capacity, durable=config.durable, executor=executor
+            roots=config.posix_roots,
+            capacity=config.posix_capacity,
+            durable=config.durable,
+            executor=executor,
         )
     cls = tier_class(name)
     from_settings = getattr(cls, "from_settings", None)
@@ -93,4 +94,6 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
 
 def build_pipeline(config: ServerConfig, executor: Executor) -> Pipeline:
     tiers = [build_tier(name, config, executor) for name in config.tiers]
-    return Pipeline(tiers, write_back=config.write_mode == "write-back", flushers=max(2, config.io_threads // 2))
+    return Pipeline(
+        tiers, write_back=config.write_mode == "write-back", flushers=max(2, config.io_threads // 2)
+    )

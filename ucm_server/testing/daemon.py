@@ -7,6 +7,7 @@ recovery). Its log is kept in a file and shown when start-up fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,9 +115,9 @@ class DaemonProcess:
     def __enter__(self) -> DaemonProcess:
         return self.start()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.proc is not None:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.stop()
-            except RuntimeError:
-                pass

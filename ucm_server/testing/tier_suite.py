@@ -14,6 +14,7 @@ blocks on its own (a Cache under pressure), which only the stateful test has to 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ def split(data: bytearray | bytes, *cuts: int) -> IoVec:
     """``data`` as an iovec cut at the given offsets (to exercise scatter/gather)."""
     view = memoryview(data)
     bounds = [0, *cuts, len(data)]
-    return [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return [view[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 class TierSuite:

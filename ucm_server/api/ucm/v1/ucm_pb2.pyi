@@ -378,18 +378,18 @@ class InspectResponse(_message.Message):
     def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("tier", "bytes", "namespace", "keys", "all")
+    __slots__ = ("tier", "min_bytes", "namespace", "keys", "all")
     TIER_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ALL_FIELD_NUMBER: _ClassVar[int]
     tier: str
-    bytes: int
+    min_bytes: int
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     all: bool
-    def __init__(self, tier: _Optional[str] = ..., bytes: _Optional[int] = ..., namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., all: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tier: _Optional[str] = ..., min_bytes: _Optional[int] = ..., namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("blocks", "bytes")
