@@ -335,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.json and args.quiet:  # one before the command, one after: argparse cannot see it
+            parser.error("--json and --quiet cannot be used together")
     except SystemExit as exc:  # argparse: --help/--version exit 0, errors exit 2
         return int(exc.code) if isinstance(exc.code, int) else ExitCode.USAGE
 
@@ -342,18 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ucm_client.admin.output import Mode, Output
 
     mode = Mode.JSON if args.json else Mode.QUIET if args.quiet else Mode.HUMAN
-    if args.json and args.quiet:
-        parser.error("--json and --quiet cannot be used together")
     out = Output(mode)
     daemon = Daemon(resolve_target(args.socket, args.target), args.timeout)
     try:
         return int(_handler(args.handler)(args, daemon, out))
     except BrokenPipeError:  # `ucm-admin ls | head`: the reader left, which is not our failure
-        sys.stderr.close()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return ExitCode.OK
-    except BaseException as exc:
-        if isinstance(exc, SystemExit):
-            raise
+    except (Exception, KeyboardInterrupt) as exc:
         failure = classify(exc)
         if failure is None:
             if os.environ.get("UCM_ADMIN_DEBUG"):

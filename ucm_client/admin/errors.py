@@ -27,7 +27,7 @@ class ExitCode(enum.IntEnum):
 
 EXIT_CODE_MEANINGS: dict[ExitCode, str] = {
     ExitCode.OK: "success",
-    ExitCode.FAILED: "operation failed: corrupt blocks found, block not found, not SERVING, aborted",
+    ExitCode.FAILED: "operation failed: corrupt blocks, block not found, not SERVING, aborted (or a crash)",
     ExitCode.USAGE: "usage error: bad option, malformed key or size (nothing was sent to the daemon)",
     ExitCode.UNREACHABLE: "daemon not reachable: not running, wrong --socket/--target, no answer in time",
     ExitCode.DAEMON_ERROR: "the daemon reported an error (invalid argument, unknown tier, internal error)",

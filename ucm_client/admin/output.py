@@ -71,6 +71,7 @@ class Output:
 
     def record(self, data: Json) -> None:
         """One document of a stream (``watch --json``): JSON Lines, one compact document per line."""
+        self.emitted = True
         self._out.write(json.dumps(data, separators=(",", ":")) + "\n")
         self._out.flush()
 
