@@ -43,9 +43,12 @@ class HFLlamaSteps:
         return self._base
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(token_ids)
+        out: torch.Tensor = self.model.model.embed_tokens(token_ids)
+        return out
 
-    def qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def qkv(
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         blk = self.model.model.layers[layer]
         h = blk.input_layernorm(hidden)
         n = h.shape[0]
@@ -57,10 +60,12 @@ class HFLlamaSteps:
     def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         blk = self.model.model.layers[layer]
         hidden = hidden + blk.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-        return hidden + blk.mlp(blk.post_attention_layernorm(hidden))
+        out: torch.Tensor = hidden + blk.mlp(blk.post_attention_layernorm(hidden))
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden))
+        out: torch.Tensor = self.model.lm_head(self.model.model.norm(hidden))
+        return out
 
 
 @pytest.fixture(scope="module")

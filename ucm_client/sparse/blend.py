@@ -108,7 +108,7 @@ def prefill(model: BlendModel, token_ids: torch.Tensor) -> tuple[torch.Tensor, C
         q, k, v = model.qkv(layer, hidden, positions)
         keys.append(k)
         values.append(v)
-        attn = causal_attention(q, positions, k, v, positions, 1.0 / math.sqrt(q.shape[-1]))
+        attn = causal_attention(q, positions, k, v, positions, scale=_scale(q))
         hidden = model.finish_layer(layer, hidden, attn)
     return model.logits(hidden[-1:])[0], ChunkKV(token_ids, tuple(keys), tuple(values))
 
@@ -161,7 +161,7 @@ def blend(
                 deviation = (fresh_v - old_v).norm(dim=(1, 2)) + (fresh_k - old_k).norm(dim=(1, 2))
                 recomputed = _select(deviation, spec.recompute_ratio)
                 keep_rows = torch.cat([recomputed, suffix])
-                attn = causal_attention(q[keep_rows], positions[keep_rows], k, v, positions, _scale(q))
+                attn = causal_attention(q[keep_rows], positions[keep_rows], k, v, positions, scale=_scale(q))
                 hidden = model.finish_layer(layer, hidden[keep_rows], attn)
                 active = keep_rows
                 continue
@@ -169,7 +169,7 @@ def blend(
             rows = active
             k[rows] = k_new
             v[rows] = v_new
-        attn = causal_attention(q, positions[active], k, v, positions, _scale(q))
+        attn = causal_attention(q, positions[active], k, v, positions, scale=_scale(q))
         hidden = model.finish_layer(layer, hidden, attn)
     return BlendResult(model.logits(hidden[-1:])[0], recomputed, n_reused)
 

@@ -99,9 +99,10 @@ def causal_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     k_pos: torch.Tensor,
+    *,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of ``query`` ``[M, num_heads, D]`` over ``keys`` ``[N, num_kv_heads, D]``, causal by position."""
+    """Attention of ``query`` ``[M, heads, D]`` over ``keys`` ``[N, kv_heads, D]``, causal by position."""
     heads, kv_heads = query.shape[1], keys.shape[1]
     q = query.reshape(query.shape[0], kv_heads, heads // kv_heads, -1)  # [M, H, G, D]
     logits = torch.einsum("mhgd,nhd->hgmn", q, keys) * scale

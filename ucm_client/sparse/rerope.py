@@ -21,7 +21,7 @@ from ucm_client.sparse.config import parse_fields
 from ucm_client.sparse.passthrough import DenseInVllmMethod
 from ucm_client.sparse.rope import apply_rope
 
-__all__ = ["ReRoPE", "ReRopeSpec", "rerope_attention"]
+__all__ = ["ReRoPE", "ReRopeSpec", "rerope_attention", "rerope_logits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,28 @@ class ReRopeSpec:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+def rerope_logits(
+    query: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    window: int,
+    rope_base: float = 10000.0,
+) -> torch.Tensor:
+    """Scaled, causally masked ReRoPE logits ``[kv_heads, group, M, N]``; inputs are *before* RoPE."""
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[2]
+    group = heads // kv_heads
+    q_in = apply_rope(query, q_pos, rope_base).reshape(-1, kv_heads, group, dim)
+    k_in = apply_rope(keys, k_pos, rope_base)
+    q_out = apply_rope(query, torch.full_like(q_pos, window), rope_base).reshape(-1, kv_heads, group, dim)
+    logits_in = torch.einsum("mhgd,nhd->hgmn", q_in, k_in)
+    logits_out = torch.einsum("mhgd,nhd->hgmn", q_out, keys)
+    rel = q_pos[:, None] - k_pos[None, :]
+    logits = torch.where(rel < window, logits_in, logits_out) / math.sqrt(dim)
+    return logits.masked_fill(rel < 0, float("-inf"))
 
 
 def rerope_attention(
@@ -51,17 +73,7 @@ def rerope_attention(
 
     Shapes: query ``[M, num_heads, D]``, keys/values ``[N, num_kv_heads, D]``; positions are integers.
     """
-    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[2]
-    group = heads // kv_heads
-    scale = 1.0 / math.sqrt(dim)
-    q_in = apply_rope(query, q_pos, rope_base).reshape(-1, kv_heads, group, dim)
-    k_in = apply_rope(keys, k_pos, rope_base)
-    q_out = apply_rope(query, torch.full_like(q_pos, window), rope_base).reshape(-1, kv_heads, group, dim)
-    logits_in = torch.einsum("mhgd,nhd->hgmn", q_in, k_in)
-    logits_out = torch.einsum("mhgd,nhd->hgmn", q_out, keys)
-    rel = q_pos[:, None] - k_pos[None, :]
-    logits = torch.where(rel < window, logits_in, logits_out) * scale
-    logits = logits.masked_fill(rel < 0, float("-inf"))
+    logits = rerope_logits(query, q_pos, keys, k_pos, window=window, rope_base=rope_base)
     out = torch.einsum("hgmn,nhd->mhgd", torch.softmax(logits, dim=-1), values)
     return out.reshape(query.shape)
 

@@ -38,7 +38,7 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
         if runtime is not None:
             runtime.bind_vllm_config(get_current_vllm_config())
 
-    def forward(  # noqa: PLR0917 - vLLM's signature
+    def forward(
         self,
         layer: Any,
         query: torch.Tensor,
@@ -57,7 +57,7 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         return self._sparse_forward(runtime, layer, query, key, value, kv_cache, attn_metadata, output)
 
-    def _sparse_forward(  # noqa: PLR0917
+    def _sparse_forward(
         self,
         runtime: SparseWorkerRuntime,
         layer: Any,

@@ -1,0 +1,140 @@
+"""``ucm_sparse_config`` parsing and the method factory, including out-of-tree methods."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ucm_client.sparse.base import UcmSparseRole
+from ucm_client.sparse.config import ENV_VAR, UcmSparseConfig, load_sparse_config
+from ucm_client.sparse.errors import SparseConfigError, UnknownSparseMethodError
+from ucm_client.sparse.esa import ESA, EsaSpec
+from ucm_client.sparse.factory import ENTRY_POINT_GROUP, UcmSparseFactory
+
+SEED_CONFIG = {
+    "enabled": True,
+    "min_seq_len": 256,
+    "ESA": {
+        "sparse_ratio": 0.3,
+        "local_window_sz": 2,
+        "retrieval_stride": 5,
+        "init_window_sz": 1,
+        "min_blocks": 4,
+    },
+}
+
+
+def test_seed_format_parses_into_the_method_spec() -> None:
+    cfg = UcmSparseConfig.from_dict(SEED_CONFIG)
+    assert (cfg.algorithm, cfg.enabled, cfg.min_seq_len) == ("ESA", True, 256)
+    method = UcmSparseFactory.from_config(cfg, UcmSparseRole.WORKER)
+    assert isinstance(method, ESA)
+    assert method.spec == EsaSpec(sparse_ratio=0.3, local_window_sz=2, retrieval_stride=5, init_window_sz=1)
+    assert method.min_seq_len == 256
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"ESA": {"sparse_ratoi": 0.3}}, r"unknown key\(s\) \['sparse_ratoi'\]"),
+        ({"ESA": {"sparse_ratio": 1.5}}, "sparse_ratio must be in"),
+        ({"ESA": {"local_window_sz": 0}}, "local_window_sz must be >= 1"),
+        ({"ESA": {"retrieval_stride": True}}, "retrieval_stride: expected int"),
+        ({"ESA": {}, "GSA": {}}, "exactly one method section"),
+        ({"algorithm": "ESA", "GSA": {}}, "do not match algorithm"),
+        ({"ESA": {}, "min_seq_len": -1}, "min_seq_len"),
+        ({"ESA": {}, "enabled": "yes"}, "enabled: expected bool"),
+        ({"ESA": {}, "module_path": "x"}, "module_path and class_name go together"),
+    ],
+)
+def test_bad_configs_name_the_problem(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(SparseConfigError, match=message):
+        cfg = UcmSparseConfig.from_dict(raw)
+        UcmSparseFactory.from_config(cfg, UcmSparseRole.WORKER)
+
+
+def test_unknown_method_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownSparseMethodError) as info:
+        UcmSparseFactory.create_sparse_method("NoSuch", UcmSparseRole.WORKER, {})
+    for name in ("ESA", "GSA", "KVStarMultiStep", "Blend", "ReRoPE"):
+        assert name in str(info.value)
+    assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+
+
+def test_duplicate_registration_with_another_target_is_rejected() -> None:
+    UcmSparseFactory.register_sparse_method("ESA", "ucm_client.sparse.esa", "ESA")  # same target: fine
+    with pytest.raises(SparseConfigError, match="already registered"):
+        UcmSparseFactory.register_sparse_method("ESA", "elsewhere", "ESA")
+
+
+def _write_plugin(root: Path, module: str) -> None:
+    (root / f"{module}.py").write_text(
+        textwrap.dedent(
+            """
+            from ucm_client.sparse.passthrough import DenseInVllmMethod
+
+            class Everything(DenseInVllmMethod):
+                pass
+            """
+        )
+    )
+
+
+def test_third_party_method_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_plugin(tmp_path, "my_sparse_mod")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = UcmSparseConfig.from_dict(
+        {"algorithm": "MySparse", "module_path": "my_sparse_mod", "class_name": "Everything", "MySparse": {}}
+    )
+    method = UcmSparseFactory.from_config(cfg, UcmSparseRole.SCHEDULER)
+    assert type(method).__name__ == "Everything"
+    assert "MySparse" in UcmSparseFactory.known_methods()
+
+
+def test_third_party_method_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_plugin(tmp_path, "ep_sparse_mod")
+    dist = tmp_path / "ep_sparse-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-sparse\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nEpSparse = ep_sparse_mod:Everything\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "EpSparse" in UcmSparseFactory.known_methods()
+    method = UcmSparseFactory.create_sparse_method("EpSparse", UcmSparseRole.WORKER, {})
+    assert type(method).__name__ == "Everything"
+
+
+def test_a_class_that_is_not_a_sparse_method_is_refused() -> None:
+    UcmSparseFactory.register_sparse_method("NotSparse", "json", "JSONDecoder")
+    with pytest.raises(SparseConfigError, match="is not a UcmSparseBase"):
+        UcmSparseFactory.create_sparse_method("NotSparse", UcmSparseRole.WORKER, {})
+
+
+def test_environment_overrides_connector_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = {"ucm_sparse_config": SEED_CONFIG}
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cfg = load_sparse_config(extra)
+    assert cfg is not None and cfg.algorithm == "ESA"
+    monkeypatch.setenv(ENV_VAR, json.dumps({"GSA": {"hash_bits": 64}}))
+    cfg = load_sparse_config(extra)
+    assert cfg is not None and cfg.algorithm == "GSA" and cfg.method_config["hash_bits"] == 64
+    monkeypatch.setenv(ENV_VAR, "{not json")
+    with pytest.raises(SparseConfigError, match=ENV_VAR):
+        load_sparse_config(extra)
+    monkeypatch.delenv(ENV_VAR)
+    assert load_sparse_config({}) is None
+
+
+@pytest.mark.vllm
+def test_doctor_reports_hooks_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("vllm")
+    from ucm_client.sparse import doctor
+
+    code = doctor.main(["--json", "--register"])
+    rows = {r["hook"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 0 and rows["attention_begin"]["active"] is True
+    assert rows["build_sparse_meta"]["active"] is False and rows["build_sparse_meta"]["detail"]
+    assert "vllm" in sys.modules
