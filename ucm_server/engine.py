@@ -19,7 +19,7 @@ from itertools import repeat
 from ucm_server import __version__
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from ucm_server.config import ServerConfig
-from ucm_server.keys import BlockKey, Namespace, check_namespace, make_keys, raw_keys
+from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
 from ucm_server.regions import Region, RegionTable
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
@@ -121,15 +121,16 @@ class Engine:
 
     async def lookup(self, namespace: bytes, digests: Sequence[bytes]) -> LookupAnswer:
         self._check_batch(digests)
-        keys = raw_keys(namespace, digests)  # the hot path: no key objects, C-level hashing
-        sizes = await self.pipeline.lookup(keys)
+        ns = check_namespace(namespace)
+        check_digests(digests)
+        sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
         present = list(map(operator.is_not, sizes, repeat(None)))  # C-level: 2,048 keys cost microseconds
         prefix = present.index(False) if False in present else len(present)
         hits = present.count(True)
         self.lookups += 1
-        self.lookup_keys += len(keys)
+        self.lookup_keys += len(digests)
         self.lookup_hits += hits
-        self.metrics.observe_lookup(len(keys), hits)
+        self.metrics.observe_lookup(len(digests), hits)
         return LookupAnswer(present, prefix)
 
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:

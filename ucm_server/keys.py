@@ -82,27 +82,12 @@ def check_digest(value: bytes, index: int | None = None) -> Digest:
 def make_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
     """Validate a batch of digests under one namespace, naming the first bad index."""
     ns = check_namespace(namespace)
-    _check_digests(digests)
+    check_digests(digests)
     return [BlockKey(ns, d) for d in digests]
 
 
-def raw_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
-    """Like :func:`make_keys` but as plain ``namespace + digest`` strings, for index look-ups only.
-
-    Four times cheaper per key than real :class:`BlockKey` objects; a dict keyed by ``BlockKey`` finds
-    them all the same. Code that needs ``.namespace`` or ``.digest`` must call :func:`promote` first.
-    """
-    ns = check_namespace(namespace)
-    _check_digests(digests)
-    return list(map(ns.__add__, digests))  # type: ignore[arg-type]  # C-level loop
-
-
-def promote(keys: Sequence[bytes]) -> list[BlockKey]:
-    """Real :class:`BlockKey` objects from raw keys (a no-op for those that already are)."""
-    return [k if type(k) is BlockKey else BlockKey.from_raw(k) for k in keys]
-
-
-def _check_digests(digests: Sequence[bytes]) -> None:
+def check_digests(digests: Sequence[bytes]) -> None:
+    """Every digest is KEY_BYTES long; on error, name the first bad index."""
     if set(map(len, digests)) - {KEY_BYTES}:  # C-level scan; find the index only on error
         for i, d in enumerate(digests):
             check_digest(d, i)

@@ -114,6 +114,42 @@ class TierStats:
         return self.hits / total if total else 0.0
 
 
+class SizeIndex:
+    """Block sizes by namespace, then digest: what local tiers answer lookups from.
+
+    Two levels so the Lookup RPC (one namespace, thousands of digests) runs as one C-level ``map``
+    over the request's digests, with no per-key object built in Python.
+    """
+
+    __slots__ = ("_by_ns",)
+
+    def __init__(self) -> None:
+        self._by_ns: dict[bytes, dict[bytes, int]] = {}
+
+    def add(self, key: BlockKey, size: int) -> None:
+        self._by_ns.setdefault(key.namespace, {})[key.digest] = size
+
+    def discard(self, key: BlockKey) -> None:
+        digests = self._by_ns.get(key.namespace)
+        if digests is not None:
+            digests.pop(key.digest, None)
+            if not digests:
+                del self._by_ns[key.namespace]
+
+    def lookup_digests(self, namespace: bytes, digests: Sequence[bytes]) -> list[int | None]:
+        found = self._by_ns.get(namespace)
+        if found is None:
+            return [None] * len(digests)
+        return list(map(found.get, digests))
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        by_ns = self._by_ns
+        return [(by_ns.get(k.namespace) or {}).get(k.digest) for k in keys]
+
+    def clear(self) -> None:
+        self._by_ns.clear()
+
+
 class Tier(abc.ABC):
     """A storage tier. Subclasses implement the eight primitives; batches come from here."""
 
@@ -161,6 +197,11 @@ class Tier(abc.ABC):
         """A snapshot of the tier's counters."""
 
     # -- derived helpers (override only to go faster) ---------------------------------------------------
+    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        """``lookup`` for many digests of one namespace (the Lookup RPC's shape). Default: build
+        keys (about 0.1 µs each) and call ``lookup``; local tiers answer from a per-namespace map."""
+        return await self.lookup([BlockKey(namespace, d) for d in digests])
+
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Read a batch. Default: ``read_into`` per block, ``max_concurrency`` at a time."""
         return await _bounded_gather(self.max_concurrency, [self.read_into(k, d) for k, d in items])

@@ -24,6 +24,7 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     IoVec,
+    SizeIndex,
     Tier,
     TierStats,
     copy_iov,
@@ -80,7 +81,7 @@ class CacheTier(Tier):
         super().__init__(name)
         self.arena = Arena(capacity, page_size, prefault=prefault)
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._sizes: dict[BlockKey, int] = {}  # mirrors _index so lookups run in C (see lookup)
+        self._sizes = SizeIndex()
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
         self._rejected = 0
@@ -92,10 +93,13 @@ class CacheTier(Tier):
         self.arena.close()
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        return list(map(self._sizes.get, keys))  # thousands of keys: no Python-level loop
+        return self._sizes.lookup(keys)
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
+
+    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        return self._sizes.lookup_digests(namespace, digests)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         return (await self.read_many([(key, dest)]))[0]
@@ -210,13 +214,13 @@ class CacheTier(Tier):
     def _publish(self, entry: _Entry) -> None:
         self._unlink(entry.key)
         self._index[entry.key] = entry
-        self._sizes[entry.key] = entry.size
+        self._sizes.add(entry.key, entry.size)
 
     def _unlink(self, key: BlockKey) -> bool:
         entry = self._index.pop(key, None)
         if entry is None:
             return False
-        del self._sizes[key]
+        self._sizes.discard(key)
         if entry.leases:
             entry.unlinked = True
         else:

@@ -21,7 +21,9 @@ Engine behaviours this module exists to contain:
 * ``get`` of a missing key returns ``b''`` and ``get_into`` a negative code: both become MISSING.
 * Calls block in C++ and wait seconds when the master is gone, so each runs on our own threads under
   ``timeout_s``; a timed-out or failed call is a per-block FAILED result counted in ``stats().errors``,
-  and the staging buffer it used is only reused once the engine call has really returned.
+  and the staging buffer it used is only reused once the engine call has really returned. A write
+  reported FAILED that way may still land when the master answers again; readers then get that
+  version or the previous one, each a whole verified block.
 
 The master forgets everything when it restarts (the client reconnects by itself, so the tier keeps
 working without being recreated), and objects living in a client's segment go when that client closes.
@@ -32,6 +34,7 @@ tier offers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import dataclasses
 import logging
@@ -163,6 +166,7 @@ class MooncakeTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._free: asyncio.Queue[_Staging] | None = None
         self._staging: list[_Staging] = []
+        self._inflight: set[Future[Any]] = set()
         self._stats = TierStats(name=name, kind=self.kind)
         self._known: dict[BlockKey, int] = {}
         """Blocks this daemon wrote, read or found, and their sizes: the cluster's totals are not
@@ -251,12 +255,27 @@ class MooncakeTier(Tier):
         )
 
     async def close(self) -> None:
+        """Wait (bounded) for engine calls we stopped waiting for, then release everything. Closing
+        the engine or its registered buffers under a running call crashes the process, so if calls are
+        still stalled after the grace period the client is left open (leaked) instead."""
         store, self._store = self._store, None
+        grace = max(self.timeout_s, 10.0)
+        pending = [f for f in self._inflight if not f.done()]
+        if pending:
+            _, stalled = await asyncio.to_thread(concurrent.futures.wait, pending, grace)
+            if stalled:
+                log.warning(
+                    "%s: %d Mooncake calls still stalled after %.0fs; leaving the engine client open",
+                    self.name,
+                    len(stalled),
+                    grace,
+                )
+                return
         if store is not None:
             for s in self._staging:
                 store.unregister_buffer(s.addr)
             try:
-                await self._call(store.close, limit_s=max(self.timeout_s, 10.0))
+                await self._call(store.close, limit_s=grace)
             except TimeoutError:
                 log.warning("%s: Mooncake close timed out", self.name)
         for s in self._staging:
@@ -422,6 +441,7 @@ class MooncakeTier(Tier):
             return [failed("Mooncake tier busy: every staging buffer is held by a stalled call")] * n
         free = self._free
         fut: Future[list[BlockResult]] = self._pool.submit(fn, staging)
+        self._track(fut)
         fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(free.put_nowait, staging))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
@@ -520,8 +540,14 @@ class MooncakeTier(Tier):
     async def _call(self, fn: Callable[[], T], limit_s: float | None = None) -> T:
         """Run a blocking engine call on our threads, giving up (not the thread) after the timeout."""
         assert self._pool is not None
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
-        return await asyncio.wait_for(fut, limit_s or self.timeout_s)
+        fut = self._pool.submit(fn)
+        self._track(fut)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), limit_s or self.timeout_s)
+
+    def _track(self, fut: Future[Any]) -> None:
+        """Remember a running engine call until it ends (``close`` must not pull the engine from under it)."""
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
 
     def _parse_name(self, name: str) -> BlockKey | None:
         _, _, rest = name.partition(f"{self.key_prefix}/")

@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from ucm_server.keys import BlockKey, Namespace, promote
+from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     MISSING,
     OK,
@@ -89,18 +89,26 @@ class Pipeline:
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        ordered = sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
-        sizes = await ordered[0].lookup(keys)
-        if None not in sizes:  # the common all-hit case stays in C end to end
+        sizes: list[int | None] = [None] * len(keys)
+        for tier in sorted(self.tiers, key=lambda t: t.shared):  # local indexes first
+            todo = [i for i, s in enumerate(sizes) if s is None]
+            if not todo:
+                break
+            for i, size in zip(todo, await tier.lookup([keys[i] for i in todo]), strict=True):
+                sizes[i] = size
+        return sizes
+
+    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        """The Lookup RPC's path: local per-namespace maps first, shared tiers only for the misses."""
+        ordered = sorted(self.tiers, key=lambda t: t.shared)
+        sizes = await ordered[0].lookup_digests(namespace, digests)
+        if None not in sizes:
             return sizes
         for tier in ordered[1:]:
             todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            asked = [keys[i] for i in todo]
-            if tier.shared:  # remote tiers need real keys (namespace, digest); local ones take raw bytes
-                asked = promote(asked)
-            for i, size in zip(todo, await tier.lookup(asked), strict=True):
+            for i, size in zip(todo, await tier.lookup_digests(namespace, [digests[i] for i in todo]), strict=True):
                 sizes[i] = size
         return sizes
 
@@ -170,6 +178,8 @@ class Pipeline:
             refused = [items[i][0] for i in direct if not top_results[i].ok]
             if refused:  # an older version may still sit in the top tier: it must not shadow this one
                 await self.top.delete(refused)
+            for i in direct:  # and an older write-back must not land below after this one
+                await self._settle(items[i][0])
             lower = await self._write_down([items[i] for i in direct])
             # What the lower tiers say decides: stored there is stored (even if the top refused it),
             # and a write-through that fails below has failed.
@@ -190,6 +200,15 @@ class Pipeline:
                     results[i] = failed(f"{tier.name}: {r.reason}")
         return results
 
+    async def _settle(self, key: BlockKey, before: asyncio.Future[BlockResult] | None = None) -> None:
+        """Wait for the write-backs of ``key`` queued earlier (all of them, or those before ``before``)."""
+        pending = self._inflight.get(key)
+        if not pending:
+            return
+        earlier = pending[: pending.index(before)] if before in pending else list(pending)
+        if earlier:
+            await asyncio.gather(*(asyncio.shield(f) for f in earlier))
+
     async def _flusher(self) -> None:
         while True:
             job = await self._queue.get()
@@ -198,6 +217,7 @@ class Pipeline:
                 return
             r = OK
             try:
+                await self._settle(job.key, before=job.done)  # one key's versions land in order
                 if not job.lease.superseded:  # deleted or replaced since: the newer state wins
                     (r,) = await self._write_down([(job.key, job.lease.iov)])
                     if not r.ok:
@@ -222,9 +242,8 @@ class Pipeline:
         # The top tier first, so queued write-backs see their block superseded and skip; then wait
         # for write-backs already under way, so none lands below after we delete there.
         counts = [await self.top.delete(keys)]
-        running = [f for k in keys for f in self._inflight.get(k, ())]
-        if running:
-            await asyncio.gather(*(asyncio.shield(f) for f in running))
+        for k in keys:
+            await self._settle(k)
         counts += [await t.delete(keys) for t in self.tiers[1:]]
         return max(counts) if counts else 0
 

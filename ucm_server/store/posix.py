@@ -36,6 +36,7 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     IoVec,
+    SizeIndex,
     Tier,
     TierStats,
     failed,
@@ -88,7 +89,7 @@ class PosixTier(Tier):
         self.durable = durable
         self._executor = executor
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._sizes: dict[BlockKey, int] = {}  # mirrors _index so lookups run in C
+        self._sizes = SizeIndex()
         self._bytes = 0
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
 
@@ -115,7 +116,10 @@ class PosixTier(Tier):
         )
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        return list(map(self._sizes.get, keys))
+        return self._sizes.lookup(keys)
+
+    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        return self._sizes.lookup_digests(namespace, digests)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         entry = self._index.get(key)
@@ -319,13 +323,13 @@ class PosixTier(Tier):
 
     def _remember(self, key: BlockKey, entry: _Entry) -> None:
         self._index[key] = entry
-        self._sizes[key] = entry.size
+        self._sizes.add(key, entry.size)
         self._bytes += entry.size
 
     def _forget(self, key: BlockKey) -> None:
         entry = self._index.pop(key, None)
         if entry is not None:
-            del self._sizes[key]
+            self._sizes.discard(key)
             self._bytes -= entry.size
 
     async def _make_room(self, size: int) -> None:
