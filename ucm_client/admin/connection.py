@@ -125,10 +125,10 @@ class Daemon:
 
 
 def _stubs() -> Any:
-    """The generated gRPC module, typed ``Any``: grpcio-tools writes it without annotations."""
-    import importlib
+    """The generated gRPC module (untyped: mypy treats it as Any), imported at first use."""
+    from ucm_server.api.ucm.v1 import ucm_pb2_grpc
 
-    return importlib.import_module("ucm_server.api.ucm.v1.ucm_pb2_grpc")
+    return ucm_pb2_grpc
 
 
 def domain_error(exc: grpc.RpcError) -> Exception:
