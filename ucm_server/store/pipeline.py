@@ -108,7 +108,8 @@ class Pipeline:
             todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            for i, size in zip(todo, await tier.lookup_digests(namespace, [digests[i] for i in todo]), strict=True):
+            found = await tier.lookup_digests(namespace, [digests[i] for i in todo])
+            for i, size in zip(todo, found, strict=True):
                 sizes[i] = size
         return sizes
 
