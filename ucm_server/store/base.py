@@ -142,6 +142,13 @@ class SizeIndex:
             return [None] * len(digests)
         return list(map(found.get, digests))
 
+    def get(self, key: BlockKey) -> int | None:
+        digests = self._by_ns.get(key.namespace)
+        return None if digests is None else digests.get(key.digest)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return self.get(key) is not None
+
     def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         by_ns = self._by_ns
         return [(by_ns.get(k.namespace) or {}).get(k.digest) for k in keys]

@@ -119,6 +119,8 @@ class PosixTier(Tier):
         return self._sizes.lookup(keys)
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        if self.shared:  # a subclass on a shared mount looks beyond its own index (see its lookup)
+            return await super().lookup_digests(namespace, digests)
         return self._sizes.lookup_digests(namespace, digests)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
