@@ -78,7 +78,10 @@ class ServerConfig:
     )
     store_pipeline: str = field(
         default="Cache|Posix",
-        metadata=_help(f"Tiers from fastest to slowest, '|'-separated; known: {', '.join(KNOWN_TIERS)}."),
+        metadata=_help(
+            f"Tiers from fastest to slowest, '|'-separated; built in: {', '.join(KNOWN_TIERS)}; "
+            "also 'package.module:Class' or a name registered in the ucm.tiers entry points."
+        ),
     )
     storage_backends: str = field(
         default="",
@@ -142,11 +145,14 @@ class ServerConfig:
 
     def validate(self) -> ServerConfig:
         tiers = self.tiers
+        from ucm_server.store.registry import known_tiers
+
+        known = known_tiers()
         for t in tiers:
-            if t not in KNOWN_TIERS:
+            if t not in known and ":" not in t:
                 raise ConfigError(
                     f"store_pipeline: unknown tier {t!r} in {self.store_pipeline!r}; "
-                    f"known: {', '.join(KNOWN_TIERS)}"
+                    f"known: {', '.join(known)}"
                 )
         if len(set(tiers)) != len(tiers):
             raise ConfigError(f"store_pipeline: a tier appears twice in {self.store_pipeline!r}")
@@ -172,10 +178,10 @@ class ServerConfig:
                 )
         if self.metrics_address not in ("", "off"):
             _check_host_port("metrics_address", self.metrics_address)
-        unknown = set(self.tier_settings) - set(KNOWN_TIERS)
+        unknown = set(self.tier_settings) - set(tiers)
         if unknown:
             raise ConfigError(
-                f"tier_settings: unknown tier(s) {sorted(unknown)}; known: {', '.join(KNOWN_TIERS)}"
+                f"tier_settings: {sorted(unknown)} not in store_pipeline {self.store_pipeline!r}"
             )
         return self
 

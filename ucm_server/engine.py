@@ -6,6 +6,7 @@ The gRPC servicers only translate protobuf to these calls and back; everything t
 
 from __future__ import annotations
 
+import heapq
 import logging
 import operator
 import os
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
+from typing import TypeVar
 
 from ucm_server import __version__
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -22,12 +24,13 @@ from ucm_server.config import ServerConfig
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
 from ucm_server.regions import Region, RegionTable
-from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
+from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.tasks import Task, TaskKind, TaskManager
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
@@ -268,20 +271,26 @@ class Engine:
         if page_size > 10000:
             raise InvalidArgument(f"page_size {page_size} is above the limit 10000")
         page_size = page_size or 100
-        try:
-            start = int(page_token or 0)
-        except ValueError:
-            raise InvalidArgument(f"bad page_token {page_token!r}") from None
+        after: bytes = b""
+        if page_token:
+            try:
+                after = BlockKey.from_hex(page_token)
+            except InvalidArgument:
+                raise InvalidArgument(f"bad page_token {page_token!r}") from None
         merged: dict[BlockKey, tuple[BlockInfo, list[str]]] = {}
         async for info in self.pipeline.list_blocks(ns, tier):
             if info.key in merged:
                 merged[info.key][1].append(info.tier)
             else:
                 merged[info.key] = (info, [info.tier])
-        ordered = sorted(merged.values(), key=lambda item: (item[0].key.namespace, item[0].key.digest))
-        page = ordered[start : start + page_size]
-        next_token = str(start + page_size) if start + page_size < len(ordered) else ""
-        return page, next_token, len(ordered)
+        # The token is the last key returned (keys sort as namespace then digest): pages stay stable
+        # while blocks come and go, and each page costs O(n log page) rather than a full sort.
+        later = [k for k in merged if k > after] if after else list(merged)
+        page_keys = heapq.nsmallest(page_size + 1, later)
+        more = len(page_keys) > page_size
+        page = [merged[k] for k in page_keys[:page_size]]
+        next_token = page_keys[page_size - 1].hex() if more else ""
+        return page, next_token, len(merged)
 
     def _tier_named(self, name: str):  # type: ignore[no-untyped-def]
         try:
@@ -312,26 +321,44 @@ class Engine:
         freed = await tier.evict(nbytes)
         return before - tier.stats().blocks, freed
 
-    async def verify(self, tier_name: str, namespace: bytes) -> AsyncIterator[tuple[int, int, list[str]]]:
-        """Re-check every block of the persistent tiers; yields (checked, total, new corrupt) now and then."""
-        tiers = (
-            [self._tier_named(tier_name)] if tier_name else [t for t in self.pipeline.tiers if t.persistent]
-        )
+    async def verify(
+        self, tier_name: str, namespace: bytes, quarantine: bool = True
+    ) -> AsyncIterator[tuple[int, int, list[str]]]:
+        """Re-check every block of the persistent tiers; yields (checked, total, new corrupt) now and then.
+
+        A corrupt copy is moved aside (``quarantine``) and, when another tier still holds a good copy,
+        rewritten from it, so a block stays as durable as it was."""
+        if tier_name:
+            tiers = [self._tier_named(tier_name)]
+        else:
+            tiers = [t for t in self.pipeline.tiers if t.persistent]
         ns = Namespace(check_namespace(namespace)) if namespace else None
-        work = [(t, info.key) for t in tiers async for info in t.list_blocks(ns)]
+        work = [(t, info.key) async for t in _aiter(tiers) async for info in t.list_blocks(ns)]
         total = len(work)
-        checked = 0
         bad: list[str] = []
         last = time.monotonic()
         yield 0, total, []
-        for tier, key in work:
-            r = await tier.verify(key)
-            checked += 1
+        for checked, (tier, key) in enumerate(work, start=1):
+            r = await tier.verify(key, quarantine=quarantine)
             if not r.ok and r.reason:
-                bad.append(f"{tier.name}:{key.hex()}: {r.reason}")
+                repaired = await self._repair(tier, key) if quarantine else False
+                note = " (repaired from another tier)" if repaired else ""
+                bad.append(f"{tier.name}:{key.hex()}: {r.reason}{note}")
             if bad or time.monotonic() - last > 0.2 or checked == total:
                 yield checked, total, bad
                 bad, last = [], time.monotonic()
+
+    async def _repair(self, broken: Tier, key: BlockKey) -> bool:
+        for tier in self.pipeline.tiers:
+            if tier is broken:
+                continue
+            (size,) = await tier.lookup([key])
+            if size is None:
+                continue
+            scratch = [memoryview(bytearray(size))]
+            if (await tier.read_into(key, scratch)).ok:
+                return (await broken.write_from(key, scratch)).ok
+        return False
 
     @property
     def uptime_s(self) -> float:
@@ -344,6 +371,11 @@ class Engine:
     @property
     def pid(self) -> int:
         return os.getpid()
+
+
+async def _aiter(items: Sequence[T]) -> AsyncIterator[T]:
+    for item in items:
+        yield item
 
 
 def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:

@@ -91,7 +91,8 @@ class AdminServicer(rpc.AdminServicer):
     ) -> AsyncIterator[pb.VerifyProgress]:
         corrupt = 0
         checked = total = 0
-        async for checked, total, bad in self.engine.verify(request.tier, request.namespace):
+        progress = self.engine.verify(request.tier, request.namespace, request.quarantine)
+        async for checked, total, bad in progress:
             corrupt += len(bad)
             yield pb.VerifyProgress(checked=checked, total=total, corrupt=corrupt, corrupt_keys=bad)
         yield pb.VerifyProgress(checked=checked, total=total, corrupt=corrupt, done=True)

@@ -222,9 +222,9 @@ class Tier(abc.ABC):
         (size,) = await self.lookup([key])
         return None if size is None else BlockInfo(key=key, size=size, tier=self.name)
 
-    async def verify(self, key: BlockKey) -> BlockResult:
-        """Re-check a block's integrity. Default: read it into scratch memory (tiers that
-        checksum on read report corruption there)."""
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
+        """Re-check a block's integrity; ``quarantine`` moves a corrupt copy aside (where the tier
+        can). Default: read it into scratch memory (tiers that checksum on read report corruption)."""
         (size,) = await self.lookup([key])
         if size is None:
             return MISSING

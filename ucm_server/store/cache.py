@@ -173,6 +173,12 @@ class CacheTier(Tier):
             if namespace is None or entry.key.namespace == namespace:
                 yield BlockInfo(key=entry.key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
 
+    async def info(self, key: BlockKey) -> BlockInfo | None:
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
+
     def stats(self) -> TierStats:
         s = self._stats
         s.blocks = len(self._index)

@@ -255,9 +255,9 @@ class DS3FSTier(PosixTier):
             )
         return await self._usrbio_batches(items, read=False)
 
-    async def verify(self, key: BlockKey) -> BlockResult:
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
         await self._discover([key])
-        return await super().verify(key)
+        return await super().verify(key, quarantine=quarantine)
 
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         """Blocks written by other nodes are deleted too: unknown keys are looked up first."""

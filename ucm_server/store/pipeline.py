@@ -242,11 +242,13 @@ class Pipeline:
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         # The top tier first, so queued write-backs see their block superseded and skip; then wait
         # for write-backs already under way, so none lands below after we delete there.
-        counts = [await self.top.delete(keys)]
+        present = await self.lookup(keys)
+        await self.top.delete(keys)
         for k in keys:
             await self._settle(k)
-        counts += [await t.delete(keys) for t in self.tiers[1:]]
-        return max(counts) if counts else 0
+        for t in self.tiers[1:]:
+            await t.delete(keys)
+        return sum(s is not None for s in present)
 
     async def prefetch(self, keys: Sequence[BlockKey]) -> list[BlockResult]:
         """Bring blocks from lower tiers into the top tier (a no-op for those already there)."""

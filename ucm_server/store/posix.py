@@ -209,7 +209,7 @@ class PosixTier(Tier):
             checksum=header.checksum,
         )
 
-    async def verify(self, key: BlockKey) -> BlockResult:
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
         entry = self._index.get(key)
         if entry is None:
             return MISSING
@@ -220,7 +220,10 @@ class PosixTier(Tier):
             self._forget(key)
             return MISSING
         except CorruptBlock as exc:
-            await self._quarantine(key, str(exc))
+            if quarantine:
+                await self._quarantine(key, str(exc))
+            else:
+                self._stats.corrupt += 1
             return failed(f"corrupt block in {self.name}: {exc}")
         except OSError as exc:
             return failed(f"{self.name} read error: {exc.strerror or exc}")

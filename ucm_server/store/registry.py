@@ -46,7 +46,7 @@ def known_tiers() -> list[str]:
 
 def tier_class(name: str) -> type[Tier]:
     _load_plugins()
-    target = _registry.get(name)
+    target = _registry.get(name) or (name if ":" in name else None)  # "package.module:Class" works too
     if target is None:
         raise ConfigError(f"unknown tier {name!r}; known tiers: {', '.join(sorted(_registry))}")
     module_name, _, attr = target.partition(":")
