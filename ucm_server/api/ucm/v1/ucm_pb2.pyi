@@ -63,14 +63,22 @@ class SessionEvent(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("shm_name", "size", "label")
+    __slots__ = ("shm_name", "size", "label", "cuda_ipc_handle", "cuda_offset", "cuda_device", "cuda_device_uuid")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     size: int
     label: str
-    def __init__(self, shm_name: _Optional[str] = ..., size: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+    cuda_ipc_handle: bytes
+    cuda_offset: int
+    cuda_device: int
+    cuda_device_uuid: bytes
+    def __init__(self, shm_name: _Optional[str] = ..., size: _Optional[int] = ..., label: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device: _Optional[int] = ..., cuda_device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id",)
