@@ -1,10 +1,10 @@
 """GSA: hash-code retrieval. Keys and queries become sign bits of a fixed random projection.
 
 A key is stored as ``hash_bits`` sign bits of ``k @ R`` (``R`` Gaussian, seeded, the same for every
-layer and step), which is ``hash_bits / 8`` bytes instead of ``2 * head_dim`` (the point: the codes of
-a long context fit where the keys do not). The angle between query and key is estimated from the
-Hamming distance of their codes (SimHash); a token scores ``hash_bits - hamming`` summed over the query
-heads of its KV head, and a block scores its best token, so one relevant token is enough to fetch it.
+layer and step), packed into ``hash_bits / 8`` bytes instead of ``4 * head_dim`` (the point: the codes
+of a long context fit where the keys do not). The angle between query and key is estimated from the
+Hamming distance of their codes (SimHash); a token scores ``hash_bits - hamming`` against its KV
+head's query code, and a block scores its best token, so one relevant token is enough to fetch it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import group_query
 
-__all__ = ["GSA", "GsaSpec", "hash_codes"]
+__all__ = ["GSA", "GsaSpec", "hamming", "hash_codes", "pack_bits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +54,28 @@ def hash_codes(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return (x.float() @ projection) > 0
 
 
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+
+
+def pack_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Bool ``[..., bits]`` → uint8 ``[..., bits / 8]`` (what is stored per key and head)."""
+    grouped = codes.reshape(*codes.shape[:-1], -1, 8).to(torch.uint8)
+    return (grouped * _BIT_WEIGHTS.to(codes.device)).sum(dim=-1, dtype=torch.uint8)
+
+
+def hamming(packed_a: torch.Tensor, packed_b: torch.Tensor) -> torch.Tensor:
+    """Bit differences between packed codes (broadcasting), summed over the last axis."""
+    diff = torch.bitwise_xor(packed_a, packed_b)
+    return _POPCOUNT.to(diff.device)[diff.long()].sum(dim=-1)
+
+
 class GSA(BlockSparseMethod):
-    """SimHash codes per token, Hamming-similarity top-k blocks."""
+    """SimHash codes per token (packed, ``hash_bits / 8`` bytes), Hamming-similarity top-k blocks.
+
+    The query side uses one code per KV head, hashed from the sum of that head's query group, so a
+    step costs one XOR-popcount pass over the stored codes.
+    """
 
     spec: GsaSpec
 
@@ -73,16 +93,12 @@ class GSA(BlockSparseMethod):
     def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
         n, heads, dim = keys.shape
         codes = hash_codes(keys, self._projection(dim, state).to(keys.device))  # [n, H, bits]
-        return codes.reshape(n // block_size, block_size, heads, -1)
+        return pack_bits(codes).reshape(n // block_size, block_size, heads, -1)
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads = features.shape[2]
         proj = self._projection(queries.shape[-1], state).to(queries.device)
-        q = torch.stack([group_query(qi, heads) for qi in queries])  # [G, H, g, D]
-        qcodes = hash_codes(q, proj).float() * 2 - 1  # ±1, [G, H, g, bits]
-        kcodes = features.float() * 2 - 1  # [m, bs, H, bits]
-        # agreement = bits - hamming = (bits + <±1, ±1>) / 2, summed over the group's query heads
-        dots = torch.einsum("xhgc,mthc->hmt", qcodes, kcodes)
-        groups = qcodes.shape[0] * qcodes.shape[2]
-        sim = (dots + groups * self.spec.hash_bits) / 2
-        return sim.amax(dim=-1) / math.sqrt(groups * self.spec.hash_bits)
+        q = torch.stack([group_query(qi, heads) for qi in queries]).sum(dim=(0, 2))  # [H, D]
+        qcode = pack_bits(hash_codes(q, proj))  # [H, bytes]
+        sim = self.spec.hash_bits - hamming(features, qcode[None, None])  # [m, bs, H]
+        return sim.amax(dim=1).T.float() / math.sqrt(self.spec.hash_bits)

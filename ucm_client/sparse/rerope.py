@@ -49,13 +49,21 @@ def rerope_logits(
     """Scaled, causally masked ReRoPE logits ``[kv_heads, group, M, N]``; inputs are *before* RoPE."""
     heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[2]
     group = heads // kv_heads
-    q_in = apply_rope(query, q_pos, rope_base).reshape(-1, kv_heads, group, dim)
-    k_in = apply_rope(keys, k_pos, rope_base)
-    q_out = apply_rope(query, torch.full_like(q_pos, window), rope_base).reshape(-1, kv_heads, group, dim)
-    logits_in = torch.einsum("mhgd,nhd->hgmn", q_in, k_in)
-    logits_out = torch.einsum("mhgd,nhd->hgmn", q_out, keys)
     rel = q_pos[:, None] - k_pos[None, :]
-    logits = torch.where(rel < window, logits_in, logits_out) / math.sqrt(dim)
+    logits = query.new_full((kv_heads, group, query.shape[0], keys.shape[0]), float("-inf"))
+    # Each branch touches only the keys it can apply to: a decode query rotates the window's keys
+    # and reads the rest raw, instead of rotating the whole context every step.
+    near = (k_pos > q_pos.min() - window).nonzero().flatten()
+    far = (k_pos <= q_pos.max() - window).nonzero().flatten()
+    if near.numel():
+        q_in = apply_rope(query, q_pos, rope_base).reshape(-1, kv_heads, group, dim)
+        k_in = apply_rope(keys[near], k_pos[near], rope_base)
+        logits[..., near] = torch.einsum("mhgd,nhd->hgmn", q_in, k_in)
+    if far.numel():
+        q_out = apply_rope(query, torch.full_like(q_pos, window), rope_base).reshape(-1, kv_heads, group, dim)
+        out_logits = torch.einsum("mhgd,nhd->hgmn", q_out, keys[far])
+        logits[..., far] = torch.where(rel[:, far] >= window, out_logits, logits[..., far])
+    logits = logits / math.sqrt(dim)
     return logits.masked_fill(rel < 0, float("-inf"))
 
 
