@@ -7,6 +7,7 @@ own CPU kernel.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.tiny_llama import build_tiny_llama
+from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
 
@@ -24,17 +26,19 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format.
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        ENV_VAR: json.dumps({"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from ucm_client.sparse import vllm_plugin, vllm_runtime
-    from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.esa import ESA
 
     vllm_plugin.register()
-    # A runtime must exist while the layers are built so it can capture vLLM's config.
-    probe = vllm_runtime.SparseWorkerRuntime(ESA(UcmSparseRole.WORKER, {"sparse_ratio": 1.0}))
-    vllm_runtime.install_runtime(probe)
+    vllm_runtime.reset_runtime()
     from vllm import LLM
 
     model = build_tiny_llama(tmp_path_factory.mktemp("models"), layers=LAYERS)
@@ -47,15 +51,24 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         enable_prefix_caching=False,
         seed=0,
     )
-    llm.ucm_vllm_config = probe.vllm_config  # type: ignore[attr-defined]
+    llm.ucm_runtime = vllm_runtime.worker_runtime()  # type: ignore[attr-defined]
     yield llm
-    vllm_runtime.install_runtime(None)
+    vllm_runtime.reset_runtime()
     del llm
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def test_runtime_built_from_the_sparse_config(engine: Any) -> None:
+    from ucm_client.sparse.esa import ESA
+
+    runtime = engine.ucm_runtime
+    assert runtime is not None and isinstance(runtime.method, ESA)
+    assert runtime.method.min_seq_len == 64 and runtime.method.spec.sparse_ratio == 1.0
+    assert runtime.vllm_config is not None  # captured while the layers were built
 
 
 def _generate(llm: Any, runtime: Any) -> list[list[int]]:
@@ -88,12 +101,12 @@ def _esa_runtime(llm: Any, ratio: float) -> Any:
             "min_blocks": 2,
         },
     )
-    return SparseWorkerRuntime(method, vllm_config=llm.ucm_vllm_config)
+    return SparseWorkerRuntime(method, vllm_config=llm.ucm_runtime.vllm_config)
 
 
 def test_esa_full_budget_equals_dense_and_hooks_fire_on_every_layer(engine: Any) -> None:
     dense = _generate(engine, None)
-    runtime = _esa_runtime(engine, 1.0)
+    runtime = engine.ucm_runtime  # the config-built one, budget 100%
     sparse = _generate(engine, runtime)
     assert sparse == dense
     every = set(range(LAYERS))

@@ -21,7 +21,7 @@ from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.paged import detect_page_layout
 
-__all__ = ["SparseWorkerRuntime", "install_runtime", "layer_index", "worker_runtime"]
+__all__ = ["SparseWorkerRuntime", "install_runtime", "layer_index", "reset_runtime", "worker_runtime"]
 
 _RUNTIME: SparseWorkerRuntime | None = None
 _CONFIG_LOADED = False
@@ -133,6 +133,13 @@ def install_runtime(runtime: SparseWorkerRuntime | None) -> None:
     global _RUNTIME, _CONFIG_LOADED
     _RUNTIME = runtime
     _CONFIG_LOADED = True
+
+
+def reset_runtime() -> None:
+    """Forget this process's runtime; the next :func:`worker_runtime` reloads the config."""
+    global _RUNTIME, _CONFIG_LOADED
+    _RUNTIME = None
+    _CONFIG_LOADED = False
 
 
 def worker_runtime() -> SparseWorkerRuntime | None:
