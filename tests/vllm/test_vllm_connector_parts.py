@@ -21,6 +21,7 @@ from ucm_client.vllm.identity import block_keys, check_hash_stability, weight_fi
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.scheduler import hit_tokens
+from ucm_client.vllm.staging import StagingArea
 from ucm_client.vllm.stats import UcmConnectorStats
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -171,6 +172,36 @@ def test_daemon_copies_straight_into_the_layer_tensors(tmp_path: Path) -> None:
     for name in views_a:
         assert torch.equal(views_b[name][4], views_a[name][1])
     assert mem_b.block_view(4) == mem_a.block_view(1)
+
+
+def test_staging_path_stores_the_same_bytes_as_zero_copy(tmp_path: Path) -> None:
+    """GPU-style staging: a block saved zero-copy loads through slots into another cache, and back."""
+    alloc = ShmAllocation()
+    with alloc:
+        raw_a = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    assert alloc.buffer is not None
+    views_a = _layer_views(raw_a)
+    for i, view in enumerate(views_a.values()):
+        view[2].copy_(torch.randn(view[2].shape, generator=torch.Generator().manual_seed(10 + i)))
+    mem_a = KVMemory(alloc.buffer, raw_a, views_a)
+    views_b = _layer_views(torch.zeros(RAW_BYTES, dtype=torch.int8))  # private memory, like a GPU's
+    staging = StagingArea(views_b, 3 * 2 * PAGE)
+    assert staging.block_bytes == mem_a.block_bytes and staging.num_slots == 3
+    ns, key, key2 = namespace_id(test="staging"), b"s" * 32, b"t" * 32
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        region_a, region_s = client.register(alloc.buffer), client.register(staging.buffer)
+        assert client.wait(client.dump(ns, [BlockIO(key, mem_a.segments(region_a, 2))]), 10).ok
+        slots = staging.acquire(1)
+        assert slots is not None
+        assert client.wait(client.load(ns, [BlockIO(key, staging.segments(region_s, slots[0]))]), 10).ok
+        staging.to_kv(slots, [5])
+        for name in views_a:
+            assert torch.equal(views_b[name][5], views_a[name][2])
+        staging.from_kv(slots, [5])  # and out again through a slot, under another key
+        assert client.wait(client.dump(ns, [BlockIO(key2, staging.segments(region_s, slots[0]))]), 10).ok
+        staging.release(slots)
+        assert client.get_blocks(ns, [key2]) == [mem_a.block_view(2)]
+    assert staging.acquire(4) is None and staging.free_slots == 3
 
 
 # ---------------------------------------------------------------- daemon link and stats

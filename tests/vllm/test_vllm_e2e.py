@@ -155,20 +155,61 @@ def test_daemon_killed_between_runs_recomputes(store: Store, tmp_path: Path) -> 
     assert report["log"].count("is unavailable") == 1  # one clear warning, not one per step
 
 
-def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Path) -> None:
+def test_async_load_hits_and_matches_baseline(store: Store, tmp_path: Path) -> None:
+    """The async path: hits load between scheduler steps, the request waits, output is the same."""
+    report = run_vllm(
+        tmp_path,
+        {
+            "model": str(store.model),
+            "prompts": [P1, P_FULL],
+            "connector": True,
+            "extra_config": {"load_async": True},
+        },
+        socket=store.daemon.socket,
+    )
+    assert _delta(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
+    assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
+    assert _last(report, "vllm:ucm_load_blocks") == 8
+    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
+
+
+def test_staging_path_loads_zero_copy_blocks(store: Store, tmp_path: Path) -> None:
+    """``zero_copy: false`` (the GPU path): blocks go through a staging buffer, same hits, same output."""
+    report = run_vllm(
+        tmp_path,
+        {
+            "model": str(store.model),
+            "prompts": [P1, P_FULL],
+            "connector": True,
+            "extra_config": {"zero_copy": False, "staging_buffer_gib": 0.25},
+        },
+        socket=store.daemon.socket,
+    )
+    assert _delta(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
+    assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
+    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
+    assert "staged through" in report["log"]
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Path, load_async: bool) -> None:
     daemon = start_daemon(tmp_path / "daemon", data_dir=store.copy_data(tmp_path / "data"))
     try:
         key = store.fill["keys"][0][1]  # P1's second block
-        (path,) = (daemon.data_dir / "blocks").rglob(f"{key}.blk")
-        data = bytearray(path.read_bytes())
-        middle = len(data) // 2
-        data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
-        path.write_bytes(bytes(data))
-        report = run_vllm(
-            tmp_path / "run",
-            {"model": str(store.model), "prompts": [P1], "connector": True},
-            socket=daemon.socket,
-        )
+        paths = list((daemon.data_dir / "blocks").rglob(f"{key}.blk"))  # one per namespace stored
+        assert paths
+        for path in paths:
+            data = bytearray(path.read_bytes())
+            middle = len(data) // 2
+            data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+            path.write_bytes(bytes(data))
+        spec = {
+            "model": str(store.model),
+            "prompts": [P1],
+            "connector": True,
+            "extra_config": {"load_async": load_async},
+        }
+        report = run_vllm(tmp_path / "run", spec, socket=daemon.socket)
     finally:
         daemon.stop()
     assert _last(report, "vllm:ucm_load_failed_blocks") >= 1

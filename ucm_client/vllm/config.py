@@ -53,6 +53,14 @@ class ConnectorConfig:
     head and tail (milliseconds, catches any re-trained or re-quantized checkpoint), ``full`` hashes
     every byte (slow on big models), ``off`` trusts the path or name plus revision alone."""
 
+    zero_copy: bool = True
+    """On CPU, put vLLM's KV cache itself in shared memory so the daemon copies straight into the
+    pages vLLM computes on. Off (or on GPU) blocks go through a staging buffer instead."""
+
+    staging_buffer_gib: float = 1.0
+    """Size of the shared-memory staging buffer used when zero copy is not possible; loads and
+    saves that do not fit at the moment are skipped (recomputed / not stored), never blocked on."""
+
     enable_load: bool = True
     """Serve prefix hits from the daemon. Off = a write-only cache (e.g. a warm-up job)."""
 

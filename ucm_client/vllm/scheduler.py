@@ -50,6 +50,9 @@ class _Request:
     saved_blocks: int = 0
     """Blocks below this index are stored or already handed to a worker to save."""
     had_save: bool = False
+    keys: list[bytes] = field(default_factory=list)
+    hashed: int = -1
+    """``len(request.block_hashes)`` when ``keys`` was derived (hashes only ever grow)."""
 
 
 class UcmScheduler:
@@ -75,8 +78,13 @@ class UcmScheduler:
 
     # ------------------------------------------------------------------ lookups
 
-    def _keys(self, request: Any) -> list[bytes]:
-        return block_keys(request.block_hashes, self._block_size, self._hash_block_size)
+    def _keys(self, state: _Request) -> list[bytes]:
+        """The request's block keys, re-derived only when vLLM hashed new blocks."""
+        hashes = state.request.block_hashes
+        if len(hashes) != state.hashed:
+            state.keys = block_keys(hashes, self._block_size, self._hash_block_size)
+            state.hashed = len(hashes)
+        return state.keys
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Stored prefix length (blocks) present for every TP rank; 0 when the daemon is down."""
@@ -112,7 +120,7 @@ class UcmScheduler:
         if not self._config.enable_load:
             return 0, False
         if state.stored_blocks is None:
-            state.stored_blocks = self._lookup(self._keys(request))
+            state.stored_blocks = self._lookup(self._keys(state))
             self._stats.add(query_tokens=max(request.num_tokens - num_computed_tokens, 0))
         granted = hit_tokens(state.stored_blocks, self._block_size, request.num_tokens, num_computed_tokens)
         return granted, bool(granted) and self._config.load_async
@@ -124,7 +132,7 @@ class UcmScheduler:
         block_ids = list(blocks.get_block_ids()[0])
         first = state.local_tokens // self._block_size
         end = -(-(state.local_tokens + num_external_tokens) // self._block_size)
-        keys = self._keys(request)[first:end]
+        keys = self._keys(state)[first:end]
         self._pending_loads.append(
             BlockTransfer(
                 request.request_id,
@@ -169,7 +177,7 @@ class UcmScheduler:
         """Save the blocks that become full (and hashed) once this step's tokens are computed."""
         if not self._config.enable_save:
             return
-        keys = self._keys(state.request)
+        keys = self._keys(state)
         full = min(computed // self._block_size, len(keys), len(state.block_ids))
         start = max(state.saved_blocks, state.stored_blocks or 0)
         if full <= start:

@@ -24,6 +24,7 @@ from ucm_client.vllm.identity import KeySpace
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+from ucm_client.vllm.staging import StagingArea
 from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["UcmWorker"]
@@ -40,6 +41,8 @@ class _Task:
     started: float
     deadline: float
     block_bytes: int
+    slots: list[int] | None = None
+    """Staging slots holding this task's bytes (staging path only), released when it ends."""
 
     @property
     def nbytes(self) -> int:
@@ -69,8 +72,8 @@ class UcmWorker:
         )
         self._alloc: ShmAllocation | None = None
         self._memory: KVMemory | None = None
+        self._staging: StagingArea | None = None
         self._region: int | None = None
-        self._cuda = vllm_config.device_config.device_type == "cuda"
         self._sync_loads: list[_Task] = []
         self._async_loads: dict[str, _Task] = {}
         self._saves: dict[str, _SaveState] = {}
@@ -81,21 +84,32 @@ class UcmWorker:
 
     def mem_pool_context(self) -> ShmAllocation | None:
         """Have vLLM allocate its CPU KV cache in shared memory (see ``kv_memory``)."""
-        if self._vllm_config.device_config.device_type != "cpu":
+        if self._vllm_config.device_config.device_type != "cpu" or not self._config.zero_copy:
             return None
         self._alloc = ShmAllocation()
         return self._alloc
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Make sure the KV cache lives in shared memory, then register it with the daemon once."""
+        """Make sure the daemon can reach the KV cache, then register that memory with it once.
+
+        CPU: the KV cache itself is put in shared memory (zero copy). Otherwise (GPU, or
+        ``zero_copy: false``) blocks go through a shared-memory staging buffer.
+        """
         if not kv_caches:
             return
         first = next(iter(kv_caches.values()))
-        if first.device.type != "cpu":
-            raise RuntimeError(
-                "UCMConnector registers host memory only; GPU KV caches need CUDA IPC regions, "
-                "which ucm_client does not offer yet"
+        if first.device.type != "cpu" or not self._config.zero_copy:
+            staging_bytes = int(self._config.staging_buffer_gib * (1 << 30))
+            self._staging = StagingArea(kv_caches, staging_bytes)
+            logger.info(
+                "UCM worker: %s KV cache staged through %d shared-memory slots of %d bytes (%s)",
+                first.device.type,
+                self._staging.num_slots,
+                self._staging.block_bytes,
+                self._staging.buffer.name,
             )
+            self._link.client()
+            return
         alloc = self._alloc
         if (
             alloc is not None
@@ -120,17 +134,32 @@ class UcmWorker:
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
     def _on_connect(self, client: UcmClient) -> None:
-        if self._memory is not None and self._region is None:
-            self._region = client.register(self._memory.buffer)
+        if self._region is not None:
+            return
+        if self._memory is not None:
+            self._region = client.register(self._memory.buffer, label="vllm-kv-cache")
+        elif self._staging is not None:
+            self._region = client.register(self._staging.buffer, label="vllm-kv-staging")
+
+    @property
+    def _block_bytes(self) -> int:
+        if self._memory is not None:
+            return self._memory.block_bytes
+        return self._staging.block_bytes if self._staging is not None else 0
 
     @property
     def memory(self) -> KVMemory | None:
+        """The zero-copy KV cache in shared memory (None on the staging path)."""
         return self._memory
+
+    @property
+    def staging(self) -> StagingArea | None:
+        return self._staging
 
     # ------------------------------------------------------------------ per step
 
     def _client(self) -> UcmClient | None:
-        if self._memory is None:
+        if self._memory is None and self._staging is None:
             return None
         client = self._link.client()
         if client is not None and self._region is None:
@@ -141,8 +170,16 @@ class UcmWorker:
                 return None
         return client
 
-    def _blocks(self, transfer: BlockTransfer) -> list[BlockIO]:
-        assert self._memory is not None and self._region is not None
+    def _blocks(self, transfer: BlockTransfer, slots: list[int] | None) -> list[BlockIO]:
+        """Where each block's bytes go: vLLM's own pages (zero copy) or staging slots."""
+        assert self._region is not None
+        if slots is not None:
+            assert self._staging is not None
+            return [
+                BlockIO(key=key, segments=self._staging.segments(self._region, slot))
+                for key, slot in zip(transfer.keys, slots, strict=True)
+            ]
+        assert self._memory is not None
         return [
             BlockIO(key=key, segments=self._memory.segments(self._region, block_id))
             for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True)
@@ -162,24 +199,35 @@ class UcmWorker:
                 self._sync_loads.append(task)
 
     def _submit(self, transfer: BlockTransfer, *, load: bool) -> _Task | None:
+        """Hand a load or dump to the daemon; None if it could not be (the caller degrades)."""
+        op = "load" if load else "save"
         client = self._client()
-        if client is None or self._memory is None:
+        if client is None or self._region is None:
             self._stats.add(daemon_unavailable=1)
             return None
+        slots: list[int] | None = None
+        if self._staging is not None:
+            slots = self._staging.acquire(len(transfer.block_ids))
+            if slots is None:
+                logger.warning("UCM worker: staging buffer full, %s of %s skipped", op, transfer.req_id)
+                return None
+            if not load:  # the daemon reads finished bytes; vLLM may reuse its blocks at once
+                self._staging.from_kv(slots, transfer.block_ids)
         now = time.monotonic()
         timeout = self._config.load_timeout_s if load else self._config.save_timeout_s
         try:
-            blocks = self._blocks(transfer)
+            blocks = self._blocks(transfer, slots)
             task_id = client.load(self._namespace, blocks) if load else client.dump(self._namespace, blocks)
         except UcmError as exc:
+            if slots is not None and self._staging is not None:
+                self._staging.release(slots)
             if self._link.failed(exc):
                 self._stats.add(daemon_unavailable=1)
             else:
-                op = "load" if load else "save"
                 logger.warning("UCM worker: %s of %s refused: %s", op, transfer.req_id, exc)
             return None
         self._link.succeeded()
-        return _Task(task_id, transfer, now, now + timeout, self._memory.block_bytes)
+        return _Task(task_id, transfer, now, now + timeout, self._block_bytes, slots)
 
     def wait_for_layer_load(self) -> None:
         """Finish this step's sync loads before the first attention layer reads the cache."""
@@ -226,6 +274,11 @@ class UcmWorker:
             ok = [False] * len(block_ids)
         failed = [b for b, good in zip(block_ids, ok, strict=True) if not good]
         loaded = len(block_ids) - len(failed)
+        if task.slots is not None and self._staging is not None:
+            good = [(slot, b) for slot, b, g in zip(task.slots, block_ids, ok, strict=True) if g]
+            if good:
+                self._staging.to_kv([slot for slot, _ in good], [b for _, b in good])
+            self._staging.release(task.slots)
         self._stats.add(
             load_blocks=loaded,
             load_bytes=loaded * task.block_bytes,
@@ -244,8 +297,6 @@ class UcmWorker:
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
         if not meta.saves:
             return
-        if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the daemon reads what the kernels wrote
         for transfer in meta.saves:
             state = self._saves.setdefault(transfer.req_id, _SaveState())
             task = self._submit(transfer, load=False)
@@ -266,6 +317,8 @@ class UcmWorker:
                 self._finish_save(task, self._wait(task, remaining))
 
     def _finish_save(self, task: _Task, ok: list[bool] | None) -> None:
+        if task.slots is not None and self._staging is not None:
+            self._staging.release(task.slots)
         n = len(task.transfer.block_ids)
         done = sum(ok) if ok else 0
         self._stats.add(
