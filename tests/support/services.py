@@ -66,6 +66,7 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, grace_s: float = 5.0) ->
     if proc is None or proc.poll() is not None:
         return
     try:
+        os.killpg(proc.pid, signal.SIGCONT)  # a paused server would never act on SIGTERM
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
@@ -150,6 +151,16 @@ class MooncakeMaster:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(5)
 
+    def pause(self) -> None:
+        """Freeze the master (SIGSTOP): connections stay open and nothing answers, like a hung server."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGCONT)
+
     def restart(self) -> None:
         """Start the master again on the same ports (after :meth:`kill` or :meth:`stop`)."""
         self.stop()
@@ -219,6 +230,18 @@ class CephRGW:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+    def pause(self) -> None:
+        """Freeze the gateway (SIGSTOP): it accepts connections and answers nothing, like a hung server."""
+        proc = self._procs.get("rgw")
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        proc = self._procs.get("rgw")
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
 
     def restart(self) -> None:
         """Start the gateway again on the same port."""

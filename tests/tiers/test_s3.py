@@ -237,13 +237,23 @@ def test_concurrent_writes_by_two_daemons_leave_one_intact_object(rgw: CephRGW) 
     asyncio.run(scenario())
 
 
+async def _seed(t: S3Tier, blocks: list[tuple[BlockKey, bytes]]) -> None:
+    """Write with default timeouts: the first PUTs into a fresh RGW create its data pools (seconds)."""
+    await t.open()
+    try:
+        assert all(r.ok for r in await t.write_many([(k, [memoryview(d)]) for k, d in blocks]))
+    finally:
+        await t.close()
+
+
 def test_gateway_down_fails_per_block_within_timeout_then_recovers(rgw: CephRGW) -> None:
     async def scenario() -> None:
-        t = tier(rgw, "A", timeout_s=1.0, retries=0)
+        ks = keys(6)
+        prefix = f"fault-{uuid.uuid4().hex[:8]}"
+        await _seed(tier(rgw, "seed", prefix=prefix), [(k, b"v" * 4096) for k in ks])
+        t = tier(rgw, "A", prefix=prefix, timeout_s=1.0, retries=0)
         await t.open()
         try:
-            ks = keys(6)
-            assert all(r.ok for r in await t.write_many([(k, [memoryview(b"v" * 4096)]) for k in ks]))
             rgw.kill()
             try:
                 started = time.monotonic()
@@ -261,6 +271,40 @@ def test_gateway_down_fails_per_block_within_timeout_then_recovers(rgw: CephRGW)
             out = bytearray(4096)
             assert (await t.read_into(ks[0], [memoryview(out)])).ok  # same tier object, no re-open
             assert bytes(out) == b"v" * 4096
+        finally:
+            await t.close()
+
+    asyncio.run(scenario())
+
+
+def test_hung_gateway_fails_within_timeout_then_recovers(rgw: CephRGW) -> None:
+    async def scenario() -> None:
+        ks = keys(4)
+        prefix = f"fault-{uuid.uuid4().hex[:8]}"
+        await _seed(tier(rgw, "seed", prefix=prefix), [(k, b"g" * 4096) for k in ks])
+        t = tier(rgw, "A", prefix=prefix, timeout_s=1.0, retries=0)
+        await t.open()
+        try:
+            rgw.pause()
+            try:
+                started = time.monotonic()
+                reads = await t.read_many([(k, [memoryview(bytearray(4096))]) for k in ks])
+                sizes = await t.lookup(ks)
+                elapsed = time.monotonic() - started
+            finally:
+                rgw.resume()
+            assert elapsed < 2 * 1.0 + 2, f"took {elapsed:.1f}s with timeout_s=1 against a hung gateway"
+            assert [r.state for r in reads] == [BlockState.FAILED] * 4
+            assert sizes == [None] * 4
+            deadline = time.monotonic() + 20
+            while True:
+                out = bytearray(4096)
+                result = await t.read_into(ks[0], [memoryview(out)])
+                if result.ok:
+                    break
+                assert time.monotonic() < deadline, f"no recovery after the gateway resumed: {result}"
+                await asyncio.sleep(0.5)
+            assert bytes(out) == b"g" * 4096
         finally:
             await t.close()
 
