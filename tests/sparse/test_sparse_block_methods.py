@@ -11,9 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.gsa import hash_codes
 from ucm_client.sparse.kernels import block_means, dense_decode_attention, select_blocks
@@ -143,3 +146,32 @@ def test_kvstar_keeps_the_configured_dimensions_and_groups_queries() -> None:
     assert state.aux["dims"].shape == (2, 16)
     assert state.features is not None and state.features.shape[-1] == 16
     assert len(state.queries) == 3  # the last query_group decode queries, no more
+
+
+@given(
+    num_blocks=st.integers(1, 300),
+    ratio=st.floats(0.01, 1.0),
+    init=st.integers(0, 4),
+    local=st.integers(1, 4),
+    min_blocks=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_selection_respects_budget_and_windows(
+    num_blocks: int, ratio: float, init: int, local: int, min_blocks: int, seed: int
+) -> None:
+    budget = BlockBudget(ratio, init, local, min_blocks)
+    keep = budget.num_kept(num_blocks)
+    scores = torch.randn(num_blocks, generator=torch.Generator().manual_seed(seed))
+    chosen = select_blocks(scores, keep, init, local)
+    ids = chosen.tolist()
+    assert ids == sorted(set(ids)) and len(ids) == keep
+    assert keep >= min(num_blocks, min_blocks)
+    window = set(range(min(init, num_blocks))) | set(range(max(0, num_blocks - local), num_blocks))
+    assert window <= set(ids)
+    # whatever is chosen beyond the windows outranks whatever is not chosen
+    rest = [b for b in range(num_blocks) if b not in window]
+    picked = [float(scores[b]) for b in rest if b in ids]
+    dropped = [float(scores[b]) for b in rest if b not in ids]
+    if picked and dropped:
+        assert min(picked) >= max(dropped)

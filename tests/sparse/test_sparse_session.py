@@ -213,3 +213,18 @@ def test_every_builtin_is_a_sparse_base() -> None:
 
     for name in ("ESA", "GSA", "KVStarMultiStep", "Blend", "ReRoPE"):
         assert issubclass(UcmSparseFactory.load_class(name), UcmSparseBase)
+
+
+def test_worker_follows_the_schedulers_retrieval_plan() -> None:
+    from ucm_client.sparse.base import RequestSparseMeta, SparseMeta
+
+    esa, ctx = _worker()
+    q, k, v = _qkv(ctx["case"])
+    plan = [True, False, False, True]
+    for retrieve in plan:
+        meta = SparseMeta(requests={"req-1": RequestSparseMeta("req-1", 4096, retrieve=retrieve)})
+        esa.execute_begin(meta)
+        out = esa.attention_begin(0, q, k, v, ctx["meta"]).output
+        esa.attention_finished(0, out)
+        esa.execute_finished(torch.tensor([0]))
+    assert esa.stats["retrievals"] == 2

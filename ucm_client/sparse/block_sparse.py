@@ -118,12 +118,15 @@ class BlockSparseMethod(UcmSparseBase):
         state: DecodeState,
         block_size: int,
         read_keys: Callable[[int, int], torch.Tensor],
+        *,
+        retrieve: bool | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """Block ids for this decode step, and whether retrieval ran (else the last selection was reused).
 
         ``read_keys(start, end)`` returns keys of tokens ``[start, end)``; it is called only for blocks
         that filled up since the last retrieval, so callers whose keys live elsewhere (paged cache,
-        daemon) read each block once.
+        daemon) read each block once. ``retrieve`` is the scheduler's decision when it made one
+        (``SparseMeta``); ``None`` counts ``retrieval_stride`` locally.
         """
         device = query.device
         num_blocks = -(-num_tokens // block_size)
@@ -134,8 +137,9 @@ class BlockSparseMethod(UcmSparseBase):
         if keep >= num_blocks:
             state.selection = None
             return torch.arange(num_blocks, device=device), False
-        stride = self.spec.retrieval_stride
-        if state.selection is not None and (state.step - 1) % stride != 0:
+        if retrieve is None:
+            retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
+        if state.selection is not None and not retrieve:
             forced = torch.cat(
                 [
                     torch.arange(min(self._budget.init_window_sz, num_blocks), device=device),
@@ -248,8 +252,6 @@ class BlockSparseMethod(UcmSparseBase):
             num_blocks = -(-n // spec.block_size)
             state = self._states.setdefault((row_key, spec.layer_idx), DecodeState())
             row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
-            if row_meta is not None and row_meta.retrieve:
-                state.step = 0  # the scheduler decides the stride; step 0 forces retrieval below
             if self._budget.num_kept(num_blocks) >= num_blocks:
                 self.stats["dense_rows"] += 1
                 continue
@@ -270,7 +272,14 @@ class BlockSparseMethod(UcmSparseBase):
                 )
                 return keys[start - first * spec.block_size :]
 
-            sel, _ = self.select(query[qsl[row]], n, state, spec.block_size, read_keys)
+            sel, _ = self.select(
+                query[qsl[row]],
+                n,
+                state,
+                spec.block_size,
+                read_keys,
+                retrieve=None if row_meta is None else row_meta.retrieve,
+            )
             if new_table is None:
                 new_table = meta.block_table.clone()
                 new_lens = meta.seq_lens.clone()
