@@ -7,6 +7,8 @@ quarantine of corrupt files) with three differences that come from sharing the d
   and a 128-byte header read per unknown key), because other nodes' daemons write there too. Keys found
   absent are remembered for ``negative_ttl_s`` (default 1 s) so a scheduler asking about the same
   prefix every step does not hit the metadata service every step; a write by this node clears its entry.
+  Keys the index knows are re-checked once older than ``positive_ttl_s`` (default 5 s), and at once
+  when a reader's size disagrees, so another node's delete or rewrite is seen.
 * **Start-up does not scan the mount by default** (``scan_on_open``): with lookups falling through to
   the filesystem the index is a cache, and a full scan of a cluster-wide tree at every daemon start is
   slow. Temporary files are removed only when older than ``stale_tmp_s``: a young one may be another
@@ -72,6 +74,7 @@ class DS3FSTier(PosixTier):
         usrbio_buffer_bytes: int = 64 << 20,
         io_entries: int = 256,
         negative_ttl_s: float = 1.0,
+        positive_ttl_s: float = 5.0,
         timeout_s: float = 30.0,
         scan_on_open: bool = False,
         stale_tmp_s: float = 3600.0,
@@ -88,6 +91,8 @@ class DS3FSTier(PosixTier):
             block larger than it goes through POSIX I/O.
         :param io_entries: io ring entries (blocks per submit).
         :param negative_ttl_s: how long a key found absent on the mount is not looked for again.
+        :param positive_ttl_s: how long a key known present is trusted before a lookup checks the
+            mount again (another node may have deleted or rewritten it).
         :param timeout_s: limit on one file operation (or one USRBIO batch); past it: FAILED.
         :param scan_on_open: index every block on the mount at ``open`` (slow on a big shared tree).
         :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
@@ -98,7 +103,13 @@ class DS3FSTier(PosixTier):
         )
         if usrbio not in ("auto", "on", "off"):
             raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")
-        if timeout_s <= 0 or negative_ttl_s < 0 or io_entries < 1 or usrbio_buffer_bytes <= HEADER_SIZE:
+        if (
+            timeout_s <= 0
+            or negative_ttl_s < 0
+            or positive_ttl_s < 0
+            or io_entries < 1
+            or usrbio_buffer_bytes <= HEADER_SIZE
+        ):
             raise ConfigError(
                 f"tier {name!r}: timeout_s, negative_ttl_s, io_entries or buffer size out of range"
             )
@@ -106,10 +117,12 @@ class DS3FSTier(PosixTier):
         self.usrbio_buffer_bytes = usrbio_buffer_bytes
         self.io_entries = io_entries
         self.negative_ttl_s = negative_ttl_s
+        self.positive_ttl_s = positive_ttl_s
         self.timeout_s = timeout_s
         self.scan_on_open = scan_on_open
         self.stale_tmp_s = stale_tmp_s
         self._absent: dict[BlockKey, float] = {}
+        self._checked: dict[BlockKey, float] = {}
         self._usrbio: _Usrbio | None = None
 
     # -- configuration -----------------------------------------------------------------------------------
@@ -122,6 +135,7 @@ class DS3FSTier(PosixTier):
         "usrbio_buffer_bytes": int,
         "io_entries": int,
         "negative_ttl_s": float,
+        "positive_ttl_s": float,
         "timeout_s": float,
         "scan_on_open": bool,
         "stale_tmp_s": float,
@@ -193,26 +207,48 @@ class DS3FSTier(PosixTier):
         await self._discover(keys)
         return list(map(self._sizes.get, keys))
 
-    async def _discover(self, keys: Sequence[BlockKey]) -> None:
+    async def _discover(self, keys: Sequence[BlockKey], *, force: bool = False) -> None:
+        """Bring the index up to date for ``keys``: unknown keys not recently found absent, and known
+        keys not checked for ``positive_ttl_s`` (another node may have deleted or rewritten them),
+        are checked on the mount in one executor job. ``force`` checks every key."""
         now = time.monotonic()
-        unknown = [k for k in dict.fromkeys(keys) if k not in self._sizes and self._absent.get(k, 0.0) <= now]
-        if not unknown:
+        probe = []
+        for k in dict.fromkeys(keys):
+            if k in self._sizes:
+                if force or self._checked.get(k, 0.0) + self.positive_ttl_s <= now:
+                    probe.append(k)
+            elif force or self._absent.get(k, 0.0) <= now:
+                probe.append(k)
+        if not probe:
             return
         try:
-            found = await self._run(self._probe_files, unknown)
+            found = await self._run(self._probe_files, probe)
         except OSError as exc:
             self._stats.errors += 1
             log.warning("%s: lookup on %s failed: %s", self.name, self.mount, exc)
             return
-        until = time.monotonic() + self.negative_ttl_s
+        now = time.monotonic()
         if len(self._absent) > 100_000:
             self._absent = {k: t for k, t in self._absent.items() if t > now}
-        for key in unknown:
+        for key in probe:
             entry = found.get(key)
             if entry is None:
-                self._absent[key] = until
-            elif key not in self._sizes:
+                self._forget(key)
+                self._absent[key] = now + self.negative_ttl_s
+            elif self._sizes.get(key) != entry.size:
+                self._forget(key)
                 self._remember(key, entry)
+            else:
+                self._checked[key] = now
+
+    def _remember(self, key: BlockKey, entry: _Entry) -> None:
+        super()._remember(key, entry)
+        self._checked[key] = time.monotonic()
+        self._absent.pop(key, None)
+
+    def _forget(self, key: BlockKey) -> None:
+        super()._forget(key)
+        self._checked.pop(key, None)
 
     def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, _Entry]:
         found: dict[BlockKey, _Entry] = {}
@@ -240,6 +276,10 @@ class DS3FSTier(PosixTier):
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         await self._discover([k for k, _ in items])
+        # A size that disagrees with the reader's may be another node's rewrite: look again.
+        stale = [k for k, d in items if (size := self._sizes.get(k)) is not None and size != iov_len(d)]
+        if stale:
+            await self._discover(stale, force=True)
         if self._usrbio is None:
             return await _gather_bounded(
                 self.max_concurrency, [super(DS3FSTier, self).read_into(k, d) for k, d in items]

@@ -218,7 +218,7 @@ class S3Tier(Tier):
         except BaseException:
             await self.close()
             raise
-        log.info("%s: S3 %s, prefix %r, %d workers", self.name, self.where, self.prefix, self.max_workers)
+        log.info("%s: S3 at %s, prefix %r, %d workers", self.name, self.where, self.prefix, self.max_workers)
 
     async def _check_bucket(self) -> None:
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
