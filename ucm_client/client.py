@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -48,8 +49,16 @@ class AsyncUcmClient:
         client_name: str = "ucm-client",
         connect_timeout_s: float = 5.0,
         rpc_timeout_s: float = 60.0,
+        token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``token`` (default ``$UCM_TOKEN``) is sent as ``authorization: Bearer``; ``tls_ca`` (PEM)
+        makes a TLS connection to a TCP target, with ``tls_cert``/``tls_key`` as client certificate."""
         self.target = target_for(target)
+        self._token = token if token is not None else os.environ.get("UCM_TOKEN") or None
+        self._tls = tuple(None if p is None else Path(p).read_bytes() for p in (tls_ca, tls_key, tls_cert))
         self.client_name = client_name
         self.connect_timeout_s = connect_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -76,13 +85,18 @@ class AsyncUcmClient:
             if self._session_id is not None:
                 return
             await self._close_channel()
-            channel = aio.insecure_channel(
-                self.target,
-                options=[
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ],
-            )
+            options = [
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+            ca, key, cert = self._tls
+            if ca is not None:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=ca, private_key=key, certificate_chain=cert
+                )
+                channel = aio.secure_channel(self.target, creds, options=options)
+            else:
+                channel = aio.insecure_channel(self.target, options=options)
             try:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
@@ -93,12 +107,21 @@ class AsyncUcmClient:
             self._channel = channel
             self._kv = rpc.KVStoreStub(channel)
             self._admin = rpc.AdminStub(channel)
-            stream = self._kv.Attach(pb.AttachRequest(client_name=self.client_name, pid=os.getpid()))
+            stream = self._kv.Attach(
+                pb.AttachRequest(client_name=self.client_name, pid=os.getpid()),
+                metadata=self._auth_metadata(),
+            )
             try:
                 first = await asyncio.wait_for(stream.read(), self.connect_timeout_s)
-            except (TimeoutError, grpc.RpcError) as exc:
+            except grpc.RpcError as exc:
                 await self._close_channel()
-                raise Unavailable(f"ucm-server at {self.target} did not open a session: {exc}") from None
+                err = _domain_error(exc)
+                if isinstance(err, Unavailable):
+                    raise Unavailable(f"ucm-server at {self.target} did not open a session: {err}") from None
+                raise err from None  # e.g. Unauthenticated: the daemon's reason, as is
+            except TimeoutError:
+                await self._close_channel()
+                raise Unavailable(f"ucm-server at {self.target} did not open a session in time") from None
             if first is aio.EOF:
                 await self._close_channel()
                 raise Unavailable(f"ucm-server at {self.target} closed the session at once")
@@ -142,8 +165,11 @@ class AsyncUcmClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _auth_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
+
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SESSION_METADATA, self._session_id or ""),)
+        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
         """Run one RPC; map errors; on a lost daemon or session reconnect once and retry."""
@@ -215,7 +241,9 @@ class AsyncUcmClient:
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
         resp = await self._call(
             lambda: self.kv.Lookup(
-                pb.LookupRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+                pb.LookupRequest(namespace=namespace, keys=keys),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
             )
         )
         return LookupResult(present=list(resp.present), hit_prefix=resp.hit_prefix)
@@ -288,7 +316,9 @@ class AsyncUcmClient:
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         resp = await self._call(
             lambda: self.kv.Delete(
-                pb.DeleteRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+                pb.DeleteRequest(namespace=namespace, keys=keys),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
             )
         )
         return int(resp.deleted)
@@ -299,7 +329,9 @@ class AsyncUcmClient:
 
         async def call() -> pb.PutBlocksReply:
             reqs = [pb.BlockBytes(namespace=namespace, key=k, data=d) for k, d in items]
-            reply: pb.PutBlocksReply = await self.kv.PutBlocks(iter(reqs), timeout=self.rpc_timeout_s)
+            reply: pb.PutBlocksReply = await self.kv.PutBlocks(
+                iter(reqs), metadata=self._metadata(), timeout=self.rpc_timeout_s
+            )
             return reply
 
         reply = await self._call(call)
@@ -317,7 +349,9 @@ class AsyncUcmClient:
         async def call() -> list[bytes | None]:
             out: list[bytes | None] = [None] * len(keys)
             async for reply in self.kv.GetBlocks(
-                pb.GetBlocksRequest(namespace=namespace, keys=keys), timeout=self.rpc_timeout_s
+                pb.GetBlocksRequest(namespace=namespace, keys=keys),
+                metadata=self._metadata(),
+                timeout=self.rpc_timeout_s,
             ):
                 if reply.status == pb.BLOCK_OK:
                     out[reply.index] = reply.data
@@ -327,7 +361,9 @@ class AsyncUcmClient:
 
     # -- admin ----------------------------------------------------------------------------------------
     async def stats(self) -> pb.StatsResponse:
-        return await self._call(lambda: self.admin.Stats(pb.StatsRequest(), timeout=self.rpc_timeout_s))
+        return await self._call(
+            lambda: self.admin.Stats(pb.StatsRequest(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
+        )
 
 
 def _domain_error(exc: grpc.RpcError) -> UcmError:

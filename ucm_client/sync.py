@@ -29,7 +29,12 @@ class UcmClient:
         client_name: str = "ucm-client",
         connect_timeout_s: float = 5.0,
         rpc_timeout_s: float = 60.0,
+        token: str | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        """Same arguments as :class:`AsyncUcmClient`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
         self._thread.start()
@@ -39,6 +44,10 @@ class UcmClient:
                 client_name=client_name,
                 connect_timeout_s=connect_timeout_s,
                 rpc_timeout_s=rpc_timeout_s,
+                token=token,
+                tls_ca=tls_ca,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
             )
         )
         self._closed = False

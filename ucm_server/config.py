@@ -72,6 +72,13 @@ class ServerConfig:
     tls_client_ca: str = field(
         default="", metadata=_help("PEM CA bundle; when set, TCP clients must present a certificate.")
     )
+    auth_tokens_file: str = field(
+        default="",
+        metadata=_help(
+            "YAML file of client tokens (sha256), tenants, admin rights and quotas; "
+            "empty = no tokens (the socket's 0600 mode is the access control)."
+        ),
+    )
     data_dir: Path = field(
         default_factory=default_data_dir,
         metadata=_help("State directory; the Posix tier defaults to <data_dir>/blocks."),

@@ -19,7 +19,8 @@ from itertools import repeat
 from typing import TypeVar
 
 from ucm_server import __version__
-from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
@@ -28,6 +29,7 @@ from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tie
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.tasks import Task, TaskKind, TaskManager
+from ucm_server.tenants import TenantLedger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +44,7 @@ class Session:
     client_name: str
     pid: int
     attached_at: float
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,12 @@ class LookupAnswer:
 
 
 class Engine:
-    def __init__(self, config: ServerConfig, pipeline: Pipeline | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        pipeline: Pipeline | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
         self.pipeline = pipeline or build_pipeline(config, self.executor)
@@ -64,9 +72,20 @@ class Engine:
         self.started = time.monotonic()
         self.lookups = self.lookup_keys = self.lookup_hits = 0
         self.closing = False
+        self.ledger: TenantLedger | None = None
+        if authenticator is not None:
+            quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
+            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas)
 
     async def open(self) -> None:
         await self.pipeline.open()
+        if self.ledger is not None:  # rebuild each tenant's usage from what survived the restart
+            seen: dict[BlockKey, BlockInfo] = {}
+            for tier in self.pipeline.tiers:
+                async for info in tier.list_blocks():
+                    seen.setdefault(info.key, info)
+            for info in sorted(seen.values(), key=lambda i: i.stored_at):
+                self.ledger.stored(info.key, info.size)
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
@@ -76,7 +95,7 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------------------------------
     def attach(self, client_name: str, pid: int) -> Session:
-        s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time())
+        s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time(), current_principal.get().tenant)
         self.sessions[s.session_id] = s
         log.info("session %s attached (%s, pid %d)", s.session_id[:8], s.client_name, pid)
         return s
@@ -100,6 +119,8 @@ class Engine:
             raise FailedPrecondition(
                 f"session {session_id[:8]} is not attached (daemon restarted?); attach again"
             )
+        if s.tenant != current_principal.get().tenant:
+            raise PermissionDenied(f"session {session_id[:8]} belongs to another tenant")
         return s
 
     # -- regions --------------------------------------------------------------------------------------
@@ -112,6 +133,14 @@ class Engine:
         self.regions.unregister(s.session_id, region_id)
 
     # -- lookups and deletes --------------------------------------------------------------------------
+    def _scope(self, namespace: bytes) -> Namespace:
+        """The caller's namespace as stored: checked, then made private to the caller's tenant."""
+        who = current_principal.get()
+        ns = who.scope(check_namespace(namespace))
+        if self.ledger is not None and who.tenant:
+            self.ledger.claim(who.tenant, ns)
+        return ns
+
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
             raise InvalidArgument(
@@ -120,11 +149,11 @@ class Engine:
 
     def _keys(self, namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
         self._check_batch(digests)
-        return make_keys(namespace, digests)
+        return make_keys(self._scope(namespace), digests)
 
     async def lookup(self, namespace: bytes, digests: Sequence[bytes]) -> LookupAnswer:
         self._check_batch(digests)
-        ns = check_namespace(namespace)
+        ns = self._scope(namespace)
         check_digests(digests)
         sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
         present = list(map(operator.is_not, sizes, repeat(None)))  # C-level: 2,048 keys cost microseconds
@@ -137,7 +166,10 @@ class Engine:
         return LookupAnswer(present, prefix)
 
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
-        return await self.pipeline.delete(self._keys(namespace, digests))
+        keys = self._keys(namespace, digests)
+        if self.ledger is not None:
+            self.ledger.forgot(keys)
+        return await self.pipeline.delete(keys)
 
     # -- tasks ----------------------------------------------------------------------------------------
     def _resolve(
@@ -193,6 +225,22 @@ class Engine:
                 results = await self.pipeline.write_many(items, durable=durable)
             for offset, r in enumerate(results):
                 task.record(start + offset, r, iov_len(iovs[start + offset]))
+            if self.ledger is not None:
+                await self._account(task.kind, items, results)
+
+    async def _account(
+        self, kind: TaskKind, items: list[tuple[BlockKey, IoVec]], results: list[BlockResult]
+    ) -> None:
+        """Per-tenant quotas: count what was stored, refresh what was read, evict the tenant's oldest."""
+        assert self.ledger is not None
+        done = [(k, iov) for (k, iov), r in zip(items, results, strict=True) if r.ok]
+        if kind is TaskKind.LOAD:
+            self.ledger.touched([k for k, _ in done])
+            return
+        victims = [v for k, iov in done for v in self.ledger.stored(k, iov_len(iov))]
+        if victims:
+            await self.pipeline.delete(victims)
+            log.info("quota: evicted %d blocks of tenant %s", len(victims), self.ledger.owner(victims[0]))
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.ucm.v1 import ucm_pb2, ucm_pb2_grpc
+from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
 from ucm_server.service.admin import AdminServicer
@@ -66,9 +67,12 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.engine = Engine(config)
+        self.authenticator = (
+            Authenticator.from_file(Path(config.auth_tokens_file)) if config.auth_tokens_file else None
+        )
+        self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
-            interceptors=[ErrorMappingInterceptor(self.engine.metrics)],
+            interceptors=[ErrorMappingInterceptor(self.engine.metrics, self.authenticator)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -78,6 +82,7 @@ class Daemon:
         self.health = health.aio.HealthServicer()
         self._stop = asyncio.Event()
         self.metrics_port: int | None = None
+        self.tcp_port: int | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -98,13 +103,15 @@ class Daemon:
             os.umask(old_umask)
         if cfg.listen:
             if cfg.tls_cert:
-                self.server.add_secure_port(cfg.listen, _tls_credentials(cfg))
+                self.tcp_port = self.server.add_secure_port(cfg.listen, _tls_credentials(cfg))
             else:
                 log.warning(
                     "TCP listener %s has no TLS (insecure: true): anyone who can reach it can read the cache",
                     cfg.listen,
                 )
-                self.server.add_insecure_port(cfg.listen)
+                self.tcp_port = self.server.add_insecure_port(cfg.listen)
+            host = cfg.listen.rpartition(":")[0]
+            log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
         if cfg.metrics_address not in ("", "off"):
@@ -144,5 +151,7 @@ class Daemon:
 
 async def run(config: ServerConfig) -> None:
     daemon = Daemon(config)
+    if daemon.authenticator is not None:
+        log.info("token authentication on: %d tenant(s)", len(daemon.authenticator.tenants))
     await daemon.start()
     await daemon.serve_until_stopped()

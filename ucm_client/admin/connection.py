@@ -107,14 +107,14 @@ class Daemon:
     def call(self, method: Callable[..., T], request: Any) -> T:
         """One unary RPC with the deadline; a gRPC error becomes the daemon's domain error."""
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=_auth_metadata())
         except grpc.RpcError as exc:
             raise domain_error(exc) from None
 
     def stream(self, method: Callable[..., Iterator[T]], request: Any) -> Iterator[T]:
         """A server stream with no overall deadline (verify can take long); errors mapped as above."""
         try:
-            yield from method(request)
+            yield from method(request, metadata=_auth_metadata())
         except grpc.RpcError as exc:
             raise domain_error(exc) from None
 
@@ -122,6 +122,12 @@ class Daemon:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+
+
+def _auth_metadata() -> tuple[tuple[str, str], ...]:
+    """``$UCM_TOKEN`` as a bearer token, for daemons that require one (admin commands need an admin token)."""
+    token = os.environ.get("UCM_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def _stubs() -> Any:

@@ -1,6 +1,8 @@
-"""Server interceptor: domain errors become precise gRPC status codes, never a crash or INTERNAL.
+"""Server interceptor: authentication, then domain errors as precise gRPC status codes.
 
-Servicers raise :mod:`ucm_server.api.errors` exceptions; this wraps every handler so each becomes
+Every UCM handler is wrapped so that, in the handler's own task, the caller's token is checked and
+the resulting :class:`~ucm_server.auth.Principal` is put in a context variable the engine reads (Admin
+calls need an admin principal). Servicers raise :mod:`ucm_server.api.errors` exceptions; each becomes
 ``context.abort(code, message)``. Anything else is a bug: it is logged with its traceback and answered
 ``INTERNAL`` with a short message, and the daemon keeps serving.
 """
@@ -14,15 +16,17 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from ucm_server.api.errors import UcmError
+from ucm_server.api.errors import PermissionDenied, UcmError
+from ucm_server.auth import Authenticator, current_principal
 from ucm_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
 class ErrorMappingInterceptor(aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, authenticator: Authenticator | None = None) -> None:
         self._metrics = metrics
+        self._auth = authenticator
 
     async def intercept_service(
         self,
@@ -32,8 +36,21 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        full_method = handler_call_details.method
+        method = full_method.rsplit("/", 1)[-1]
         metrics = self._metrics
+        auth = self._auth
+        guarded = full_method.startswith(("/ucm.v1.KVStore/", "/ucm.v1.Admin/"))
+        admin_only = full_method.startswith("/ucm.v1.Admin/")
+
+        def admit(context: aio.ServicerContext) -> None:
+            """Authenticate and authorize the call; the principal is visible to this task only."""
+            if not guarded or auth is None:
+                return
+            principal = auth.authenticate(context.invocation_metadata())
+            if admin_only and not principal.admin:
+                raise PermissionDenied(f"{method} needs an admin token")
+            current_principal.set(principal)
 
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):
@@ -54,6 +71,7 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: aio.ServicerContext) -> Any:
                 try:
+                    admit(context)
                     return await inner_uu(request, context)
                 except Exception as exc:
                     if is_abort(exc):
@@ -68,6 +86,7 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
             async def unary_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
+                    admit(context)
                     async for item in inner_us(request, context):
                         yield item
                 except Exception as exc:
@@ -83,6 +102,7 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
             async def stream_unary(request_iterator: Any, context: aio.ServicerContext) -> Any:
                 try:
+                    admit(context)
                     return await inner_su(request_iterator, context)
                 except Exception as exc:
                     if is_abort(exc):

@@ -1,0 +1,132 @@
+"""Token authentication and tenants.
+
+With ``auth_tokens_file`` set, every KVStore and Admin call must carry ``authorization: Bearer <token>``
+metadata (health and reflection stay open, for probes). Each token names a tenant; a tenant's
+namespaces are mapped to private ones (a keyed digest of tenant + namespace), so two tenants never
+see or touch each other's blocks even if they use the same namespace, and nothing a tenant sends can
+name another tenant's namespace. Admin calls need a token with ``admin: true``.
+
+The tokens file stores SHA-256 digests of tokens, not the tokens (``token`` in clear is accepted for
+tests and small setups, with a warning)::
+
+    tokens:
+      - token_sha256: "9f86d0…"        # sha256 of the token, hex
+        tenant: team-a
+        quota: 50GiB                    # optional: bytes this tenant may keep; its own LRU evicts past it
+      - token_sha256: "…"
+        tenant: ops
+        admin: true
+
+Without a tokens file the Unix socket's 0600 mode is the access control, and every caller is an
+admin of the default (unmapped) tenant.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ucm_server.api.errors import ConfigError, Unauthenticated
+from ucm_server.config import parse_size
+from ucm_server.keys import NAMESPACE_BYTES, Namespace
+
+log = logging.getLogger(__name__)
+
+AUTH_METADATA = "authorization"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: their tenant ("" = the default, unmapped tenant), rights and quota."""
+
+    tenant: str = ""
+    admin: bool = True
+    quota: int = 0  # bytes; 0 = no quota
+
+    def scope(self, namespace: bytes) -> Namespace:
+        """The namespace as stored: private to the tenant (unchanged for the default tenant)."""
+        if not self.tenant or not namespace:
+            return Namespace(bytes(namespace))
+        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=self.tenant.encode()[:64])
+        return Namespace(mac.digest())
+
+
+ANONYMOUS = Principal()
+current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
+    "ucm_principal", default=ANONYMOUS
+)
+
+
+class Authenticator:
+    def __init__(self, principals: dict[bytes, Principal]) -> None:
+        self._by_digest = principals
+
+    @property
+    def tenants(self) -> dict[str, Principal]:
+        return {p.tenant: p for p in self._by_digest.values()}
+
+    @classmethod
+    def from_file(cls, path: Path) -> Authenticator:
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"auth_tokens_file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"auth_tokens_file {path}: not valid YAML ({exc})") from exc
+        entries = doc.get("tokens") if isinstance(doc, dict) else None
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")
+        principals: dict[bytes, Principal] = {}
+        for i, entry in enumerate(entries):
+            where = f"auth_tokens_file {path}: tokens[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where}: expected a mapping")
+            unknown = set(entry) - {"token", "token_sha256", "tenant", "admin", "quota"}
+            if unknown:
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+            if "token_sha256" in entry:
+                try:
+                    digest = bytes.fromhex(str(entry["token_sha256"]))
+                except ValueError:
+                    raise ConfigError(f"{where}.token_sha256: not hexadecimal") from None
+                if len(digest) != 32:
+                    raise ConfigError(f"{where}.token_sha256: expected 64 hex digits")
+            elif "token" in entry:
+                log.warning("%s holds a token in clear; store token_sha256 instead", where)
+                digest = hashlib.sha256(str(entry["token"]).encode()).digest()
+            else:
+                raise ConfigError(f"{where}: needs token_sha256 (or token)")
+            tenant = entry.get("tenant", "")
+            if not isinstance(tenant, str):
+                raise ConfigError(f"{where}.tenant: expected a string")
+            admin = entry.get("admin", False)
+            if not isinstance(admin, bool):
+                raise ConfigError(f"{where}.admin: expected true or false")
+            quota = parse_size(entry.get("quota", 0), f"{where}.quota")
+            if digest in principals:
+                raise ConfigError(f"{where}: the same token appears twice")
+            principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota)
+        return cls(principals)
+
+    def authenticate(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
+        value = next((v for k, v in metadata or () if k == AUTH_METADATA), None)
+        if value is None:
+            raise Unauthenticated(
+                "this daemon requires a token: send 'authorization: Bearer <token>' (UCM_TOKEN)"
+            )
+        text = value.decode() if isinstance(value, bytes) else value
+        scheme, _, token = text.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        for known, principal in self._by_digest.items():
+            if hmac.compare_digest(known, digest):
+                return principal
+        raise Unauthenticated("unknown token")
