@@ -44,7 +44,10 @@ def sparse_decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, token_idx: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Exact attention restricted to ``token_idx`` (sorted, unique)."""
-    return dense_decode_attention(query, keys[token_idx], values[token_idx], scale)
+    # index_select copies whole [kv_heads, D] rows; about twice as fast as advanced indexing here.
+    return dense_decode_attention(
+        query, keys.index_select(0, token_idx), values.index_select(0, token_idx), scale
+    )
 
 
 def block_means(keys: torch.Tensor, block_size: int) -> torch.Tensor:
