@@ -138,6 +138,13 @@ class ServerConfig:
         default_factory=dict,
         metadata=_help("Per-tier settings for shared tiers, keyed by tier name (e.g. {S3: {bucket: ...}})."),
     )
+    gpu: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata=_help(
+            "GPU regions (CUDA IPC, needs cupy): auto = start the GPU path and pin the Cache arena at the "
+            "first GPU client; on = at start-up, failing if there is no cupy or no device; off = refuse them."
+        ),
+    )
 
     # -- derived ----------------------------------------------------------------------------------------
     @property

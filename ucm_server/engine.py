@@ -22,6 +22,8 @@ from ucm_server import __version__
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
+from ucm_server.gpu.region import GpuRegion
+from ucm_server.gpu.service import GpuService
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
 from ucm_server.regions import Region, RegionTable
@@ -64,6 +66,7 @@ class Engine:
         self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
         self.pipeline = pipeline or build_pipeline(config, self.executor)
         self.regions = RegionTable()
+        self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.sessions: dict[str, Session] = {}
         self.metrics = Metrics()
@@ -79,6 +82,8 @@ class Engine:
 
     async def open(self) -> None:
         await self.pipeline.open()
+        if self.config.gpu == "on":  # refuse to start without a GPU path, rather than at the first client
+            await self.gpu.start()
         if self.ledger is not None:  # rebuild each tenant's usage from what survived the restart
             seen: dict[BlockKey, BlockInfo] = {}
             for tier in self.pipeline.tiers:
@@ -89,6 +94,7 @@ class Engine:
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
+        await self.gpu.close()
         await self.pipeline.close()
         self.executor.shutdown(wait=True)
         self.metrics.close()
@@ -127,6 +133,34 @@ class Engine:
     def register_region(self, session_id: str | None, shm_name: str, size: int, label: str) -> Region:
         s = self.session(session_id)
         return self.regions.register(s.session_id, shm_name, size, label)
+
+    async def register_cuda_region(
+        self,
+        session_id: str | None,
+        *,
+        handle: bytes,
+        offset: int,
+        size: int,
+        device: int,
+        device_uuid: bytes,
+        label: str,
+    ) -> GpuRegion:
+        """A GPU region from a CUDA IPC handle; ``GpuUnavailable`` (FAILED_PRECONDITION) says why not."""
+        s = self.session(session_id)
+        region = await self.gpu.register(
+            self.regions,
+            s.session_id,
+            handle=handle,
+            offset=offset,
+            size=size,
+            device=device,
+            device_uuid=device_uuid,
+            label=label,
+        )
+        if s.session_id not in self.sessions:  # the client went away while the handle was opened
+            self.regions.release_session(s.session_id)
+            raise FailedPrecondition(f"session {s.session_id[:8]} ended during registration")
+        return region
 
     def unregister_region(self, session_id: str | None, region_id: int) -> None:
         s = self.session(session_id)
@@ -203,6 +237,8 @@ class Engine:
         """Validate everything up front (nothing is copied for a bad request), then run as a task."""
         session = self.session(session_id)
         keys = self._keys(namespace, digests)
+        if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
+            return self._submit_gpu(kind, session, keys, counts, region_ids, offsets, lengths, durable)
         iovs, used = self._resolve(session, keys, counts, region_ids, offsets, lengths)
         self.regions.pin(used)
 
@@ -211,6 +247,39 @@ class Engine:
                 await self._run_chunks(task, keys, iovs, durable)
             finally:
                 self.regions.unpin(used)
+
+        return self.tasks.submit(kind, session.session_id, len(keys), body)
+
+    def _submit_gpu(
+        self,
+        kind: TaskKind,
+        session: Session,
+        keys: list[BlockKey],
+        counts: list[int],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        durable: bool,
+    ) -> Task:
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+        plan = self.gpu.plan(
+            self.regions,
+            session.session_id,
+            counts,
+            region_ids,
+            offsets,
+            lengths,
+            len(keys),
+            self.config.max_block_bytes,
+        )
+        self.regions.pin(plan.regions)
+
+        async def body(task: Task) -> None:
+            try:
+                await self.gpu.run(task, keys, plan, durable)
+            finally:
+                self.regions.unpin(plan.regions)
 
         return self.tasks.submit(kind, session.session_id, len(keys), body)
 

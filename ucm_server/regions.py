@@ -8,6 +8,10 @@ Every segment is checked against its region before anything is copied; a bad one
 request with ``INVALID_ARGUMENT`` naming the block and the bounds. A region belongs to the session that
 registered it and is unmapped when that session ends; while a task is copying into it the mapping is
 pinned, so unregistering waits for the copy instead of pulling memory from under it.
+
+GPU regions (CUDA IPC, :mod:`ucm_server.gpu`) share the table, its ids and those rules, but are made
+elsewhere (:meth:`RegionTable.add`) and never resolved to memoryviews: a request naming one goes down
+the GPU copy path, and a request mixing host and GPU regions is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm_server.api.errors import InvalidArgument, NotFound, PermissionDenied
+from ucm_server.gpu.region import GpuRegion
 from ucm_server.store.base import IoVec
 
 log = logging.getLogger(__name__)
@@ -68,8 +74,9 @@ class RegionTable:
     """All registered regions, by id, with per-session ownership."""
 
     def __init__(self) -> None:
-        self._regions: dict[int, Region] = {}
+        self._regions: dict[int, Region | GpuRegion] = {}
         self._ids = itertools.count(1)
+        self._gpu = 0  # GPU regions registered: host-only daemons skip the GPU check entirely
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -125,7 +132,20 @@ class RegionTable:
         )
         return region
 
-    def get(self, session_id: str, region_id: int) -> Region:
+    def add(self, make: Callable[[int], GpuRegion]) -> GpuRegion:
+        """Register a region built elsewhere (a CUDA IPC mapping) under a fresh id."""
+        region = make(next(self._ids))
+        self._regions[region.region_id] = region
+        self._gpu += 1
+        return region
+
+    def has_gpu(self, region_ids: Iterable[int]) -> bool:
+        """Whether a request names any GPU region (then it takes the GPU copy path)."""
+        if not self._gpu:
+            return False
+        return any(isinstance(self._regions.get(rid), GpuRegion) for rid in set(region_ids))
+
+    def get(self, session_id: str, region_id: int) -> Region | GpuRegion:
         region = self._regions.get(region_id)
         if region is None or region.closing:
             raise InvalidArgument(f"unknown region {region_id}")
@@ -143,17 +163,18 @@ class RegionTable:
             self._drop(r)
         return len(mine)
 
-    def _drop(self, region: Region) -> None:
+    def _drop(self, region: Region | GpuRegion) -> None:
         region.closing = True
-        self._regions.pop(region.region_id, None)
+        if self._regions.pop(region.region_id, None) is not None and isinstance(region, GpuRegion):
+            self._gpu -= 1
         if region.users == 0:
             region.close()
 
-    def pin(self, regions: set[Region]) -> None:
+    def pin(self, regions: Iterable[Region | GpuRegion]) -> None:
         for r in regions:
             r.users += 1
 
-    def unpin(self, regions: set[Region]) -> None:
+    def unpin(self, regions: Iterable[Region | GpuRegion]) -> None:
         for r in regions:
             r.users -= 1
             if r.users == 0 and r.closing:
@@ -196,9 +217,15 @@ class RegionTable:
                 region = cache.get(rid)
                 if region is None:
                     try:
-                        region = cache[rid] = self.get(session_id, rid)
+                        found = self.get(session_id, rid)
                     except InvalidArgument:
                         raise InvalidArgument(f"block {b}: unknown region {rid}") from None
+                    if isinstance(found, GpuRegion):
+                        raise InvalidArgument(
+                            f"block {b}: region {rid} is GPU memory; "
+                            "one request cannot mix host and GPU regions"
+                        )
+                    region = cache[rid] = found
                 if length == 0:
                     raise InvalidArgument(f"block {b}: segment of length 0")
                 if off + length > region.size:

@@ -65,6 +65,17 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
+        if request.cuda_ipc_handle:  # GPU memory shared by CUDA IPC (ucm_server.gpu)
+            gpu = await self.engine.register_cuda_region(
+                session_of(context),
+                handle=request.cuda_ipc_handle,
+                offset=request.cuda_offset,
+                size=request.size,
+                device=request.cuda_device,
+                device_uuid=request.cuda_device_uuid,
+                label=request.label,
+            )
+            return pb.RegisterRegionResponse(region_id=gpu.region_id)
         region = self.engine.register_region(
             session_of(context), request.shm_name, request.size, request.label
         )

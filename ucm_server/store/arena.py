@@ -10,7 +10,10 @@ Not thread-safe: allocation happens on the event loop; only the byte copies run 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -32,6 +35,9 @@ class Arena:
             flags |= mmap.MAP_POPULATE
         self._map = mmap.mmap(-1, self.capacity, flags=flags)
         self.memory = memoryview(self._map)
+        # The mapping's address, for device copies (the temporary ctypes view is released at once).
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._unpin: Callable[[int], None] | None = None
         # Popping from the end hands out low pages first, so a fresh arena gives contiguous runs.
         self._free = list(range(self.npages - 1, -1, -1))
 
@@ -74,7 +80,35 @@ class Arena:
             left -= n
         return out
 
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None
+
+    def pin(self, register: Callable[[int, int], None], unregister: Callable[[int], None]) -> None:
+        """Page-lock the whole arena once (``cudaHostRegister``) so GPU copies DMA straight into pages.
+
+        ``unregister`` runs at :meth:`close`, before the mapping goes. Pinning faults in every page, so
+        it takes a while for a large arena: call it from a worker thread.
+        """
+        if self._unpin is None:
+            register(self.address, self.capacity)
+            self._unpin = unregister
+
+    def runs(self, extents: list[Extent], nbytes: int) -> list[tuple[int, int]]:
+        """The block's bytes as (address, length) runs, trimmed to ``nbytes`` (for device copies)."""
+        out: list[tuple[int, int]] = []
+        left = nbytes
+        for e in extents:
+            n = min(left, e.npages * self.page_size)
+            out.append((self.address + e.first * self.page_size, n))
+            left -= n
+        return out
+
     def close(self) -> None:
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            with contextlib.suppress(Exception):  # shutting down: the mapping goes either way
+                unpin(self.address)
         self.memory.release()
         try:
             self._map.close()

@@ -64,6 +64,19 @@ class Lease:
             self._entry = None
 
 
+class Reservation:
+    """Cache pages taken for one block that is being filled from outside (a device copy)."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self._entry: _Entry | None = entry
+
+    @property
+    def size(self) -> int:
+        return self._entry.size if self._entry is not None else 0
+
+
 class CacheTier(Tier):
     kind = "Cache"
     persistent = False
@@ -214,6 +227,53 @@ class CacheTier(Tier):
     def _unlease(self, entry: _Entry) -> None:
         entry.leases -= 1
         if entry.leases == 0 and entry.unlinked:
+            self.arena.free(entry.extents)
+
+    # -- device copies (ucm_server.gpu) ------------------------------------------------------------
+    # A GPU copy cannot go through memoryviews: it DMAs into the arena's pages by address. A load
+    # leases the block and reads ``host_runs``; a dump reserves pages, fills them, then commits.
+    def lease_for_read(self, key: BlockKey) -> Lease | None:
+        """:meth:`lease`, counted as a read (hit or miss) in the tier's statistics."""
+        lease = self.lease(key)
+        if lease is None:
+            self._stats.misses += 1
+        else:
+            self._stats.hits += 1
+            self._stats.read_bytes += lease.size
+        return lease
+
+    def host_runs(self, held: Lease | Reservation) -> list[tuple[int, int]]:
+        """The held block's bytes as (address, length) runs of the arena."""
+        entry = held._entry
+        if entry is None:
+            raise ValueError("the lease or reservation was already released")
+        return self.arena.runs(entry.extents, entry.size)
+
+    def reserve(self, key: BlockKey, size: int) -> Reservation | None:
+        """Pages for a block whose bytes someone else will copy in; ``None`` if the Cache is full.
+
+        Until :meth:`commit` the block is invisible to readers and its pages cannot be evicted."""
+        extents = self._allocate(size)
+        if extents is None:
+            self._rejected += 1
+            return None
+        entry = _Entry(key=key, size=size, extents=extents, stored_at=time.time())
+        entry.leases = 1
+        return Reservation(entry)
+
+    def commit(self, reservation: Reservation) -> None:
+        """Publish a filled reservation (replacing any older version of the key)."""
+        entry, reservation._entry = reservation._entry, None
+        if entry is None:
+            raise ValueError("reservation already committed or aborted")
+        entry.leases = 0
+        self._publish(entry)
+        self._stats.write_bytes += entry.size
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give a reservation's pages back (its copy failed)."""
+        entry, reservation._entry = reservation._entry, None
+        if entry is not None:
             self.arena.free(entry.extents)
 
     # -- internals ------------------------------------------------------------------------------------

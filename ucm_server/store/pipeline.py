@@ -192,6 +192,48 @@ class Pipeline:
                 results[i] = r
         return results
 
+    async def flow_down(self, keys: Sequence[BlockKey], *, durable: bool = False) -> list[BlockResult]:
+        """Send blocks just committed to the top Cache tier (``CacheTier.reserve``/``commit``, the GPU
+        path) to the lower tiers, exactly as :meth:`write_many` does after its own top-tier write.
+
+        Call it right after the commit, with no await in between, so the blocks are still cached."""
+        results: list[BlockResult] = [OK] * len(keys)
+        if len(self.tiers) == 1:
+            return results
+        assert isinstance(self.top, CacheTier)
+        leases: list[tuple[int, Lease]] = []
+        for i, key in enumerate(keys):
+            lease = self.top.lease(key)
+            if lease is None:
+                results[i] = failed("the block left the Cache before it could be written down")
+            else:
+                leases.append((i, lease))
+        if not self.write_back:
+            try:
+                for i, _ in leases:  # an older write-back must not land below after this one
+                    await self._settle(keys[i])
+                lower = await self._write_down([(keys[i], lease.iov) for i, lease in leases])
+            finally:
+                for _, lease in leases:
+                    lease.release()
+            for (i, _), r in zip(leases, lower, strict=True):
+                results[i] = r
+            return results
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
+        for i, lease in leases:
+            fut: asyncio.Future[BlockResult] = loop.create_future()
+            self._inflight.setdefault(keys[i], []).append(fut)
+            self._pending += 1
+            self._queue.put_nowait(_Flush(keys[i], lease, fut))
+            if durable:
+                waits.append((i, fut))
+        for i, fut in waits:
+            r = await asyncio.shield(fut)
+            if not r.ok:
+                results[i] = r
+        return results
+
     async def _write_down(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Write to every tier below the top; a block fails if any of them fails it."""
         results: list[BlockResult] = [OK] * len(items)
