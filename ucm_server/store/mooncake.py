@@ -137,6 +137,7 @@ class MooncakeTier(Tier):
         :param key_prefix: object names are ``<key_prefix>/<namespace hex>/<key hex>``; daemons sharing
             blocks must agree on it, unrelated deployments on one cluster must not.
         :param timeout_s: limit on every engine call; past it the blocks are FAILED, not waited for.
+            One call moves up to ``staging_bytes``, so keep it well above staging_bytes / bandwidth.
         :param staging_bytes: size of each registered staging buffer; batches are cut to fit it.
         :param staging_buffers: how many batches may be in flight at once.
         :param master_http: the master's HTTP admin URL (``--metrics_port``), used only by
