@@ -6,6 +6,7 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -138,3 +139,30 @@ def test_doctor_reports_hooks_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0 and rows["attention_begin"]["active"] is True
     assert rows["build_sparse_meta"]["active"] is False and rows["build_sparse_meta"]["detail"]
     assert "vllm" in sys.modules
+
+
+def _engine_config(sparse: dict[str, object] | None) -> SimpleNamespace:
+    """The two attributes of a VllmConfig the runtime reads: the connector's extra config."""
+    extra = {"ucm_sparse_config": sparse} if sparse is not None else {}
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+
+def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.gsa import GSA
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    vllm_runtime.reset_runtime()
+    try:
+        first = _engine_config(SEED_CONFIG)
+        rt1 = vllm_runtime.runtime_for_engine(first)
+        assert rt1 is not None and isinstance(rt1.method, ESA) and rt1.method.min_seq_len == 256
+        assert vllm_runtime.runtime_for_engine(first) is rt1  # every layer of one engine shares it
+        assert vllm_runtime.worker_runtime() is rt1
+        second = _engine_config({"GSA": {"hash_bits": 64}})
+        rt2 = vllm_runtime.runtime_for_engine(second)
+        assert rt2 is not None and rt2 is not rt1 and isinstance(rt2.method, GSA)
+        assert vllm_runtime.runtime_for_engine(_engine_config(None)) is None  # no config: dense
+        assert vllm_runtime.runtime_for_engine(_engine_config({"enabled": False, "ESA": {}})) is None
+    finally:
+        vllm_runtime.reset_runtime()

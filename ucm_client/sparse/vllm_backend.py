@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime, worker_runtime
+from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime, runtime_for_engine, worker_runtime
 
 __all__ = ["UcmSparseCPUAttentionBackend", "UcmSparseCPUAttentionImpl"]
 
@@ -34,9 +34,8 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        runtime = worker_runtime()  # built here, while vLLM's config is the current one
-        if runtime is not None:
-            runtime.bind_vllm_config(get_current_vllm_config())
+        # Built here, while vLLM's config for this engine is the current one.
+        runtime_for_engine(get_current_vllm_config())
 
     def forward(
         self,

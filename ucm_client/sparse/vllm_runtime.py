@@ -21,10 +21,17 @@ from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.paged import detect_page_layout
 
-__all__ = ["SparseWorkerRuntime", "install_runtime", "layer_index", "reset_runtime", "worker_runtime"]
+__all__ = [
+    "SparseWorkerRuntime",
+    "install_runtime",
+    "layer_index",
+    "reset_runtime",
+    "runtime_for_engine",
+    "worker_runtime",
+]
 
 _RUNTIME: SparseWorkerRuntime | None = None
-_CONFIG_LOADED = False
+_EXPLICIT = False
 
 
 def layer_index(layer_name: str) -> int:
@@ -129,36 +136,45 @@ class SparseWorkerRuntime:
 
 
 def install_runtime(runtime: SparseWorkerRuntime | None) -> None:
-    """Set (or clear) this process's runtime explicitly; tests and embedders use it."""
-    global _RUNTIME, _CONFIG_LOADED
+    """Pin this process's runtime (``None``: dense) until :func:`reset_runtime`; for tests and embedders."""
+    global _RUNTIME, _EXPLICIT
     _RUNTIME = runtime
-    _CONFIG_LOADED = True
+    _EXPLICIT = True
 
 
 def reset_runtime() -> None:
-    """Forget this process's runtime; the next :func:`worker_runtime` reloads the config."""
-    global _RUNTIME, _CONFIG_LOADED
+    """Forget the runtime; the next engine built in this process loads its own config again."""
+    global _RUNTIME, _EXPLICIT
     _RUNTIME = None
-    _CONFIG_LOADED = False
+    _EXPLICIT = False
 
 
-def worker_runtime() -> SparseWorkerRuntime | None:
-    """This process's runtime, built on first use from the effective ``ucm_sparse_config``."""
-    global _RUNTIME, _CONFIG_LOADED
-    if not _CONFIG_LOADED:
-        _CONFIG_LOADED = True
-        config = load_sparse_config(_extra_config())
-        if config is not None and config.enabled:
-            method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
-            _RUNTIME = SparseWorkerRuntime(method, config)
+def runtime_for_engine(vllm_config: Any) -> SparseWorkerRuntime | None:
+    """The runtime for the engine whose layers are being built now (called from the backend's init).
+
+    Built from that engine's ``ucm_sparse_config`` (``$UCM_SPARSE_CONFIG`` first, then the
+    connector's extra config), once per engine: a second engine in the same process gets its own,
+    never the first one's caches. A pinned runtime (:func:`install_runtime`) is kept and bound.
+    """
+    global _RUNTIME
+    if _EXPLICIT or (_RUNTIME is not None and _RUNTIME.vllm_config is vllm_config):
+        if _RUNTIME is not None:
+            _RUNTIME.bind_vllm_config(vllm_config)
+        return _RUNTIME
+    config = load_sparse_config(_extra_config(vllm_config))
+    _RUNTIME = None
+    if config is not None and config.enabled:
+        method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
+        _RUNTIME = SparseWorkerRuntime(method, config, vllm_config=vllm_config)
     return _RUNTIME
 
 
-def _extra_config() -> dict[str, Any] | None:
-    try:
-        from vllm.config import get_current_vllm_config
-    except ImportError:
-        return None
-    kv_transfer = getattr(get_current_vllm_config(), "kv_transfer_config", None)
+def worker_runtime() -> SparseWorkerRuntime | None:
+    """This process's current runtime (``None``: attend densely)."""
+    return _RUNTIME
+
+
+def _extra_config(vllm_config: Any) -> dict[str, Any] | None:
+    kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(kv_transfer, "kv_connector_extra_config", None)
     return dict(extra) if extra else None
