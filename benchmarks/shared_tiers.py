@@ -2,8 +2,9 @@
 
 What it answers: how much throughput do the Mooncake and S3 tiers give up (header, checksum, staging
 copy, asyncio hop, verification) compared with using Mooncake's or boto3's client directly. Reported as
-ratios measured in one run (``tier / engine``; 1.0 = no overhead), never as absolute figures to compare
-across machines.
+ratios measured in one run (``tier / engine`` throughput; 1.0 = no overhead), never as absolute
+figures to compare across machines. Engine and tier rounds alternate, and the ratio is the median of
+per-round ratios, so background load on shared CPUs hits both sides alike.
 
 - Mooncake: a "storage node" client contributes the memory; the measured clients contribute none, so
   every byte crosses the transfer engine (TCP on loopback here). Engine side: one registered buffer,
@@ -44,10 +45,6 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 4)
 
 
-def _median(fn: Callable[[], float], rounds: int) -> float:
-    return statistics.median(fn() for _ in range(rounds))
-
-
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -61,42 +58,62 @@ def _blocks(n: int, size: int) -> tuple[list[BlockKey], list[bytearray]]:
     ]
 
 
-def _tier_times(tier: Tier, keys: list[BlockKey], datas: list[bytearray], rounds: int) -> tuple[float, float]:
-    """Median write and read seconds of all blocks through the tier (one batch each)."""
-    outs = [bytearray(len(d)) for d in datas]
+class _Interleaved:
+    """Alternate engine and tier rounds so both see the same machine: on shared CPUs, measuring one
+    after the other compares two different moments of background load, not two clients."""
 
-    async def main() -> tuple[float, float]:
-        await tier.open()
-        try:
-            writes, reads = [], []
-            for _ in range(rounds):
-                src: list[tuple[BlockKey, IoVec]] = [
-                    (k, [memoryview(d)]) for k, d in zip(keys, datas, strict=True)
-                ]
-                t0 = time.perf_counter()
-                results = await tier.write_many(src)
-                writes.append(time.perf_counter() - t0)
-                assert all(r.ok for r in results), results[:3]
-                dst: list[tuple[BlockKey, IoVec]] = [
-                    (k, [memoryview(o)]) for k, o in zip(keys, outs, strict=True)
-                ]
-                t0 = time.perf_counter()
-                results = await tier.read_many(dst)
-                reads.append(time.perf_counter() - t0)
-                assert all(r.ok for r in results), results[:3]
-            assert outs == datas
-            return statistics.median(writes), statistics.median(reads)
-        finally:
-            await tier.close()
+    def __init__(self, tier: Tier, keys: list[BlockKey], datas: list[bytearray]) -> None:
+        self.tier, self.keys, self.datas = tier, keys, datas
+        self.outs = [bytearray(len(d)) for d in datas]
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(tier.open())
 
-    return asyncio.run(main())
+    def write(self) -> None:
+        src: list[tuple[BlockKey, IoVec]] = [
+            (k, [memoryview(d)]) for k, d in zip(self.keys, self.datas, strict=True)
+        ]
+        results = self.loop.run_until_complete(self.tier.write_many(src))
+        assert all(r.ok for r in results), results[:3]
+
+    def read(self) -> None:
+        dst: list[tuple[BlockKey, IoVec]] = [
+            (k, [memoryview(o)]) for k, o in zip(self.keys, self.outs, strict=True)
+        ]
+        results = self.loop.run_until_complete(self.tier.read_many(dst))
+        assert all(r.ok for r in results), results[:3]
+        assert self.outs == self.datas
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.tier.close())
+        self.loop.close()
 
 
-def _result(nbytes: int, engine: tuple[float, float], tier: tuple[float, float]) -> dict[str, Any]:
+def _compare(
+    nbytes: int,
+    rounds: int,
+    engine_put: Callable[[], object],
+    engine_get: Callable[[], object],
+    ours: _Interleaved,
+) -> dict[str, Any]:
+    """Per round: engine write, tier write, engine read, tier read; medians and per-round ratios."""
+    samples: dict[str, list[float]] = {"ew": [], "tw": [], "er": [], "tr": []}
+    try:
+        for _ in range(rounds):
+            samples["ew"].append(_timed(engine_put))
+            samples["tw"].append(_timed(ours.write))
+            samples["er"].append(_timed(engine_get))
+            samples["tr"].append(_timed(ours.read))
+    finally:
+        ours.close()
     out: dict[str, Any] = {}
-    for i, op in enumerate(("write", "read")):
-        e, t = _gbps(nbytes, engine[i]), _gbps(nbytes, tier[i])
-        out[op] = {"engine_GBps": e, "tier_GBps": t, "ratio": round(t / e, 3) if e else None}
+    for op, e, t in (("write", "ew", "tw"), ("read", "er", "tr")):
+        ratios = [a / b for a, b in zip(samples[e], samples[t], strict=True)]
+        out[op] = {
+            "engine_GBps": _gbps(nbytes, statistics.median(samples[e])),
+            "tier_GBps": _gbps(nbytes, statistics.median(samples[t])),
+            "ratio": round(statistics.median(ratios), 3),
+            "ratio_per_round": [round(r, 3) for r in ratios],
+        }
     return out
 
 
@@ -134,10 +151,6 @@ def bench_mooncake(workdir: Path, n: int, size: int, rounds: int) -> dict[str, A
         def get() -> None:
             assert all(c == size for c in direct.batch_get_into(names, ptrs, sizes))
 
-        engine = (_median(lambda: _timed(put), rounds), _median(lambda: _timed(get), rounds))
-        direct.unregister_buffer(addr)
-        direct.close()
-
         tier = MooncakeTier(
             "Mooncake",
             master_address=master.address,
@@ -146,8 +159,12 @@ def bench_mooncake(workdir: Path, n: int, size: int, rounds: int) -> dict[str, A
             key_prefix=f"bench-{uuid.uuid4().hex[:6]}",
             timeout_s=30.0,
         )
-        ours = _tier_times(tier, keys, datas, rounds)
-        return {"start_s": round(master.started_in_s, 3), **_result(n * size, engine, ours)}
+        try:
+            result = _compare(n * size, rounds, put, get, _Interleaved(tier, keys, datas))
+        finally:
+            direct.unregister_buffer(addr)
+            direct.close()
+        return {"start_s": round(master.started_in_s, 3), **result}
     finally:
         storage.close()
         master.stop()
@@ -194,8 +211,6 @@ def bench_s3(workdir: Path, n: int, size: int, rounds: int, workers: int) -> dic
             )
             assert got == datas
 
-        engine = (_median(lambda: _timed(put), rounds), _median(lambda: _timed(get), rounds))
-        pool.shutdown()
         tier = S3Tier(
             "S3",
             endpoint_url=rgw.endpoint,
@@ -206,8 +221,11 @@ def bench_s3(workdir: Path, n: int, size: int, rounds: int, workers: int) -> dic
             max_workers=workers,
             timeout_s=60.0,
         )
-        ours = _tier_times(tier, keys, datas, rounds)
-        return {"start_s": round(rgw.started_in_s, 3), "workers": workers, **_result(n * size, engine, ours)}
+        try:
+            result = _compare(n * size, rounds, put, get, _Interleaved(tier, keys, datas))
+        finally:
+            pool.shutdown()
+        return {"start_s": round(rgw.started_in_s, 3), "workers": workers, **result}
     finally:
         rgw.stop()
 
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["mooncake", "s3"], action="append")
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--block-kib", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--s3-workers", type=int, default=8)
     args = parser.parse_args(argv)
     which = args.only or ["mooncake", "s3"]
