@@ -20,6 +20,7 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
+from ucm_client.gpu import CudaIpcExport, as_export
 from ucm_client.types import BlockIO, BlockState, LookupResult, TaskResult, as_batch
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, UcmError, Unavailable, error_for_status
 from ucm_server.api.paths import target_for
@@ -39,6 +40,20 @@ class _RegionRecord:
     size: int
     label: str
     server_id: int
+    cuda: CudaIpcExport | None = None
+
+    def request(self) -> pb.RegisterRegionRequest:
+        if self.cuda is None:
+            return pb.RegisterRegionRequest(shm_name=self.shm_name, size=self.size, label=self.label)
+        c = self.cuda
+        return pb.RegisterRegionRequest(
+            size=c.size,
+            label=self.label,
+            cuda_ipc_handle=c.handle,
+            cuda_offset=c.offset,
+            cuda_device=c.device,
+            cuda_device_uuid=c.device_uuid,
+        )
 
 
 class AsyncUcmClient:
@@ -130,7 +145,7 @@ class AsyncUcmClient:
             self._session_task = asyncio.create_task(self._watch(stream))
             for record in self._regions.values():  # after a daemon restart: register again
                 resp = await self._kv.RegisterRegion(
-                    pb.RegisterRegionRequest(shm_name=record.shm_name, size=record.size, label=record.label),
+                    record.request(),
                     metadata=self._metadata(),
                     timeout=self.rpc_timeout_s,
                 )
@@ -218,6 +233,28 @@ class AsyncUcmClient:
         handle = self._next_handle
         self._next_handle += 1
         self._regions[handle] = _RegionRecord(shm_name, size, label, resp.region_id)
+        return handle
+
+    async def register_cuda(self, target: Any, *, label: str = "") -> int:
+        """Register GPU memory (a torch CUDA tensor's storage, or a :class:`CudaIpcExport`) by CUDA IPC.
+
+        Returns a region handle like :meth:`register`; segment offsets count from the storage's first
+        byte. The daemon opens the handle once and copies with ``cudaMemcpyAsync``. Raises
+        ``CudaUnavailable`` when this process has no CUDA device, and ``FailedPrecondition`` with the
+        daemon's reason when the daemon cannot serve GPU regions (no cupy, no device). See
+        :mod:`ucm_client.gpu` for the ordering rules (``producers_done`` before a dump).
+        """
+        export = as_export(target)
+        record = _RegionRecord(f"cuda:{export.device}", export.size, label, 0, export)
+        resp = await self._call(
+            lambda: self.kv.RegisterRegion(
+                record.request(), metadata=self._metadata(), timeout=self.rpc_timeout_s
+            )
+        )
+        record.server_id = resp.region_id
+        handle = self._next_handle
+        self._next_handle += 1
+        self._regions[handle] = record
         return handle
 
     async def unregister(self, handle: int) -> None:

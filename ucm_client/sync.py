@@ -92,6 +92,12 @@ class UcmClient:
     def register(self, buffer: SharedBuffer | str, size: int | None = None, *, label: str = "") -> int:
         return self._run(self._async.register(buffer, size, label=label))
 
+    def register_cuda(self, target: Any, *, label: str = "") -> int:
+        """GPU memory by CUDA IPC (see :meth:`AsyncUcmClient.register_cuda`); exported in this thread."""
+        from ucm_client.gpu import as_export
+
+        return self._run(self._async.register_cuda(as_export(target), label=label))
+
     def unregister(self, handle: int) -> None:
         self._run(self._async.unregister(handle))
 
