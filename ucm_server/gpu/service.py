@@ -15,11 +15,11 @@ the bytes with ``cudaMemcpyAsync`` between the client's GPU memory and its own C
 The arena is page-locked once (``cudaHostRegister``) when the GPU path starts, so every copy is a DMA
 with no staging copy in either process and no KV byte in a gRPC message. A task's blocks are copied a
 chunk at a time: all copies of a chunk are queued on one of the device's streams (a small pool per
-device) and an event is recorded after them; the next chunk is queued before the previous one is waited
-for, so host-side bookkeeping overlaps the transfers. A block is reported OK only after the event of its
-copies has completed. Ordering against the client's own kernels is the client's side of the contract:
-it records an event after the kernels that produce the blocks and waits for it before it asks for a
-dump (``ucm_client.gpu``), and it waits for a load's task before its kernels read the blocks.
+device) and an event is recorded after them; up to ``QUEUE_DEPTH`` chunks are queued before the oldest
+is waited for, so host-side bookkeeping overlaps the transfers. A block is reported OK only after the
+event of its copies has completed. Ordering against the client's own kernels is the client's side of
+the contract: it records an event after the kernels that produce the blocks and waits for it before it
+asks for a dump (``ucm_client.gpu``), and it waits for a load's task before its kernels read the blocks.
 
 cupy is optional and is imported only when the first GPU region arrives (or at start with
 ``gpu: on``); a daemon without cupy or without a device refuses GPU regions with that reason and keeps
@@ -35,6 +35,7 @@ import ctypes
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STREAMS_PER_DEVICE = 4
+QUEUE_DEPTH = 3
+"""Chunks of one task queued on the device at once: the next ones are queued while one completes."""
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
 STAGING_ROUND = 2 << 20
@@ -472,21 +475,19 @@ class GpuService:
         return GpuPlan(blocks, used)
 
     async def run(self, task: Task, keys: Sequence[BlockKey], plan: GpuPlan, durable: bool) -> None:
-        """Copy a task's blocks chunk by chunk, one chunk queued while the previous one completes."""
+        """Copy a task's blocks chunk by chunk, keeping up to QUEUE_DEPTH chunks queued on the device."""
         load = task.kind is TaskKind.LOAD
-        flight: _Flight | None = None
+        queued: deque[_Flight] = deque()
         try:
             for start, stop in _chunks(plan.blocks):
                 if task.cancel_requested:
                     break
-                queued = await self._issue(load, start, keys[start:stop], plan.blocks[start:stop])
-                if flight is not None:
-                    previous, flight = flight, None
-                    await self._finish(task, load, previous, durable)
-                flight = queued
+                queued.append(await self._issue(load, start, keys[start:stop], plan.blocks[start:stop]))
+                if len(queued) >= QUEUE_DEPTH:
+                    await self._finish(task, load, queued.popleft(), durable)
         finally:
-            if flight is not None:  # also on errors: never leave copies running into client memory
-                await self._finish(task, load, flight, durable)
+            while queued:  # also on errors: never leave copies running into client memory
+                await self._finish(task, load, queued.popleft(), durable)
 
     # -- copies ---------------------------------------------------------------------------------------
     def _stream(self, device: int) -> int:
