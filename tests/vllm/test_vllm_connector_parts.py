@@ -264,3 +264,61 @@ def test_shared_buffer_outlives_nothing_it_should_not() -> None:
     assert buffer.array()[0] == 5
     del tensor
     buffer.close()
+
+
+# ---------------------------------------------------------------- scheduler half on real vLLM objects
+
+
+def _request(req_id: str, tokens: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(16, sha256)
+    )
+
+
+def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    from ucm_client.vllm.identity import KeySpace
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    keyspace = KeySpace(fields=(("model", "parts-test"),), tp_size=2)
+    tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        config = ConnectorConfig(target=daemon.target)
+        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+        first = _request("a", tokens)
+        keys = block_keys(first.block_hashes, 16, 16)
+        assert len(keys) == 4
+        # Rank 0 holds 3 blocks, rank 1 only 2: a block missing on one rank is a miss for all.
+        client.put_blocks(keyspace.namespace(0), [(k, b"x" * 64) for k in keys[:3]])
+        client.put_blocks(keyspace.namespace(1), [(k, b"y" * 64) for k in keys[:2]])
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (32, False)
+        client.put_blocks(keyspace.namespace(1), [(keys[2], b"y" * 64)])
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (32, False)  # cached per request
+        second = _request("b", tokens)
+        assert scheduler.get_num_new_matched_tokens(second, 16) == (32, False)  # 1 block local, 2 more
+
+        class Blocks:  # the shape of vLLM's KVCacheBlocks that the connector reads
+            def get_block_ids(self) -> tuple[list[int], ...]:
+                return ([7, 8, 9, 10, 11],)
+
+        scheduler.update_state_after_alloc(second, Blocks(), 32)
+        second.num_computed_tokens = 48  # what vLLM sets after granting 16 local + 32 external
+        output = SchedulerOutput.make_empty()
+        output.scheduled_new_reqs = [NewRequestData.from_request(second, ([7, 8, 9, 10, 11],))]
+        output.num_scheduled_tokens = {"b": 70 - 48}
+        meta = scheduler.build_connector_meta(output)
+        (load,) = meta.loads
+        assert (load.req_id, load.block_ids, load.keys) == ("b", (8, 9), tuple(keys[1:3]))
+        (save,) = meta.saves  # block 3 becomes full this step; 0-2 are stored already
+        assert (save.block_ids, save.keys) == ((10,), (keys[3],))
+        assert scheduler.request_finished(second) == (True, None)  # held until the save is reported
+        assert scheduler.request_finished(first) == (False, None)
+        scheduler.shutdown()

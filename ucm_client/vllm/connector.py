@@ -106,6 +106,17 @@ class UCMConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM 0.33 (sleep mode): the KV memory is about to go away; stop using it first."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM 0.33: KV memory is back; register what we are given (the next step's loads use it)."""
+        kv_caches = kwargs.get("kv_caches", args[0] if args else None)
+        if self._worker is not None and isinstance(kv_caches, dict):
+            self._worker.register_kv_caches(kv_caches)
+
     def _meta(self) -> UcmConnectorMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, UcmConnectorMetadata) else None
@@ -113,11 +124,13 @@ class UCMConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None:
-            self._worker.start_load(meta)
+            with self._worker.stats.timed():
+                self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
-            self._worker.wait_for_layer_load()
+            with self._worker.stats.timed():
+                self._worker.wait_for_layer_load()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: a block is stored whole (all layers) once the forward has written it."""
@@ -125,16 +138,19 @@ class UCMConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._meta()
         if self._worker is not None and meta is not None:
-            self._worker.save(meta)
+            with self._worker.stats.timed():
+                self._worker.save(meta)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, UcmConnectorMetadata):
-            self._worker.handle_preemptions(kv_connector_metadata)
+            with self._worker.stats.timed():
+                self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.get_finished(finished_req_ids)
+        with self._worker.stats.timed():
+            return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -144,21 +160,25 @@ class UCMConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._scheduler.stats.timed():
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+            with self._scheduler.stats.timed():
+                self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self._scheduler is None:
             return UcmConnectorMetadata()
-        return self._scheduler.build_connector_meta(scheduler_output)
+        with self._scheduler.stats.timed():
+            return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request)
+        with self._scheduler.stats.timed():
+            return self._scheduler.request_finished(request)
 
     # ------------------------------------------------------------------ both roles
 

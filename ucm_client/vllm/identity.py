@@ -164,6 +164,8 @@ class KeySpace:
             num_layers=str(len(groups[0].layer_names)),
             hash_algo=str(cache_config.prefix_caching_hash_algo),
         )
+        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)) != 1:
+            raise ConfigError("UCMConnector does not support pipeline parallelism yet (use TP only)")
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         fields["tp_size"] = str(tp_size)
         return cls(tuple(sorted(fields.items())), tp_size)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ucm_client import UcmClient
-from ucm_client.errors import UcmError, Unavailable
+from ucm_client.errors import DeadlineExceeded, UcmError, Unavailable
 from ucm_client.vllm.config import LOGGER_NAME
 
 __all__ = ["DaemonLink"]
@@ -98,8 +98,12 @@ class DaemonLink:
                         logger.warning("UCM: daemon at %s is reachable again", self._where())
 
     def failed(self, exc: BaseException) -> bool:
-        """Record a failed call; True if it means the daemon is down (vs. a per-call error)."""
-        if not isinstance(exc, Unavailable):
+        """Record a failed call; True if it means the daemon is down (vs. a per-call error).
+
+        A call that ran out of time counts as down too: a hung daemon must not cost every request
+        an ``rpc_timeout_s`` stall in vLLM's scheduler loop.
+        """
+        if not isinstance(exc, Unavailable | DeadlineExceeded):
             return False
         with self._lock:
             self._mark_down_locked(exc)

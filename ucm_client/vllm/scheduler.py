@@ -191,6 +191,10 @@ class UcmScheduler:
         state = self._requests.pop(request.request_id, None)
         return (state is not None and state.had_save), None
 
+    @property
+    def stats(self) -> UcmConnectorStats:
+        return self._stats
+
     def take_stats(self) -> UcmConnectorStats | None:
         return self._stats.take()
 

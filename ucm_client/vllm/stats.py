@@ -8,6 +8,9 @@ already look for vLLM's metrics (``/metrics``, ``LLM.get_metrics()``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,7 @@ COUNTERS: dict[str, str] = {
     "save_seconds": "Time from dump submission to completion.",
     "save_failed_blocks": "Blocks whose save failed or was dropped.",
     "daemon_unavailable": "Calls skipped or failed because the daemon was down.",
+    "hook_seconds": "Time vLLM's scheduler and workers spent inside connector calls (its direct cost).",
 }
 
 
@@ -48,6 +52,15 @@ class UcmConnectorStats(KVConnectorStats):
             if name not in COUNTERS:
                 raise KeyError(f"unknown UCM connector counter {name!r}")
             self.data[name] += value
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the time spent in the block as ``hook_seconds``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.data["hook_seconds"] += time.perf_counter() - started
 
     def reset(self) -> None:
         self.data = dict.fromkeys(COUNTERS, 0)

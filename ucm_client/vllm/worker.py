@@ -365,8 +365,28 @@ class UcmWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    @property
+    def stats(self) -> UcmConnectorStats:
+        return self._stats
+
     def take_stats(self) -> UcmConnectorStats | None:
         return self._stats.take()
+
+    def unregister(self) -> None:
+        """Finish every transfer touching the KV memory, then forget it and its daemon region."""
+        self.wait_for_layer_load()
+        for task in [*self._async_loads.values(), *(t for st in self._saves.values() for t in st.pending)]:
+            self._wait(task, max(task.deadline - time.monotonic(), 0.001))
+        client = self._link.client()
+        if client is not None and self._region is not None:
+            try:
+                client.unregister(self._region)
+            except UcmError as exc:
+                self._link.failed(exc)
+        self._region = None
+        self._memory = None
+        self._staging = None
+        self._alloc = None
 
     def shutdown(self) -> None:
         """Give in-flight saves a short grace period, then let go of the daemon."""
