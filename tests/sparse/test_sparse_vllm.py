@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,6 +55,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         seed=0,
     )
     llm.ucm_runtime = vllm_runtime.worker_runtime()  # type: ignore[attr-defined]
+    llm.ucm_model_path = model  # type: ignore[attr-defined]
     yield llm
     vllm_runtime.reset_runtime()
     del llm
@@ -71,17 +75,19 @@ def test_runtime_built_from_the_sparse_config(engine: Any) -> None:
     assert runtime.vllm_config is not None  # captured while the layers were built
 
 
+PROMPTS = [
+    "cache block key value token layer head " * 40,
+    "alpha beta gamma delta needle haystack " * 30 + "recall",
+]
+
+
 def _generate(llm: Any, runtime: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
     from ucm_client.sparse import vllm_runtime
 
     vllm_runtime.install_runtime(runtime)
-    prompts = [
-        "cache block key value token layer head " * 40,
-        "alpha beta gamma delta needle haystack " * 30 + "recall",
-    ]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -139,3 +145,57 @@ def test_verify_patches_reports_attention_hooks_active(engine: Any) -> None:
         assert rows[hook].active, rows[hook]
     assert rows["vllm"].active
     assert not rows["ReRoPE rotary embedding"].active
+
+
+_MP_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=2048, block_size=32,
+              enable_prefix_caching=False, seed=0)
+    res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    with open(out, "w") as f:
+        json.dump([list(r.outputs[0].token_ids) for r in res], f)
+"""
+
+
+def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) -> None:
+    # vLLM's default mode: engine core and worker in their own processes, where only the
+    # `vllm.general_plugins` entry point can register the backend. The entry point is installed as
+    # a real dist-info on PYTHONPATH, exactly as `pip install` of the pyproject lines would do.
+    dist = tmp_path / "site" / "ucm_sparse_plugin-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nucm_sparse = ucm_client.sparse.vllm_plugin:register\n"
+    )
+    script = tmp_path / "run.py"
+    script.write_text(_MP_SCRIPT)
+    trace, out = tmp_path / "trace.json", tmp_path / "out.json"
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(root)]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        UCM_SPARSE_TRACE=str(trace),
+    )
+    env[ENV_VAR] = json.dumps({"ESA": {"sparse_ratio": 1.0}})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hooks = json.loads(trace.read_text())
+    assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
+    for layer in range(LAYERS):
+        assert hooks["hooks"][f"attention_begin:{layer}"] >= 12
+        assert hooks["hooks"][f"attention_finished:{layer}"] >= 12
+    assert json.loads(out.read_text()) == _generate(engine, None)

@@ -9,8 +9,11 @@ trace of which hook ran on which layer, which is what ``verify_patches`` and the
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +35,8 @@ __all__ = [
 
 _RUNTIME: SparseWorkerRuntime | None = None
 _EXPLICIT = False
+TRACE_ENV = "UCM_SPARSE_TRACE"
+"""If set, each worker writes its hook counts (JSON) to this path after every step."""
 
 
 def layer_index(layer_name: str) -> int:
@@ -54,6 +59,7 @@ class SparseWorkerRuntime:
         self._registered = False
         self._last_layer = -1
         self._vllm_config: Any = vllm_config
+        self._trace_path = os.environ.get(TRACE_ENV)
 
     def bind_vllm_config(self, vllm_config: Any) -> None:
         """Remember the engine's config (captured while vLLM builds the layers, when it is current)."""
@@ -125,7 +131,19 @@ class SparseWorkerRuntime:
         if idx == self._last_layer:
             self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
             self.trace[("execute_finished", -1)] += 1
+            if self._trace_path:
+                self._write_trace(self._trace_path)
         return out
+
+    def _write_trace(self, path: str) -> None:
+        """Dump the hook counts (for checks on worker processes the caller cannot inspect)."""
+        data = {
+            "pid": os.getpid(),
+            "hooks": {f"{name}:{layer}": n for (name, layer), n in self.trace.items()},
+        }
+        tmp = f"{path}.{os.getpid()}.tmp"
+        Path(tmp).write_text(json.dumps(data))
+        Path(tmp).replace(path)
 
     @property
     def vllm_config(self) -> Any:
