@@ -102,3 +102,23 @@ def test_capacity_evicts_oldest(tmp_path: Path) -> None:
         await t.close()
 
     asyncio.run(main())
+
+
+def test_corrupt_payload_leaves_no_bytes_in_the_destination(tmp_path: Path) -> None:
+    data = payload(1, 8192)
+
+    async def main() -> None:
+        t = _open(tmp_path)
+        await t.open()
+        await t.write_from(key(1), [memoryview(data)])
+        (path,) = list(tmp_path.rglob("*.blk"))
+        raw = bytearray(path.read_bytes())
+        raw[HEADER_SIZE + 5] ^= 0x10
+        path.write_bytes(raw)
+        out = bytearray(b"\xff" * 8192)
+        r = await t.read_into(key(1), [memoryview(out)])
+        assert r.state is BlockState.FAILED
+        assert out == bytearray(8192)  # zeroed, not the corrupt payload
+        await t.close()
+
+    asyncio.run(main())

@@ -265,7 +265,12 @@ class PosixTier(Tier):
             _preadv_all(fd, dest, HEADER_SIZE)
         finally:
             os.close(fd)
-        verify_payload(header, dest)
+        try:
+            verify_payload(header, dest)
+        except CorruptBlock:
+            for seg in dest:  # the block failed: leave no trace of its bytes in the reader's memory
+                seg[:] = bytes(seg.nbytes)
+            raise
 
     def _read_header(self, path: Path, key: BlockKey) -> BlockHeader:
         with path.open("rb") as f:
