@@ -19,9 +19,17 @@ from itertools import repeat
 from typing import TypeVar
 
 from ucm_server import __version__
-from ucm_server.api.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from ucm_server.api.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
+from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuService
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
@@ -83,7 +91,10 @@ class Engine:
     async def open(self) -> None:
         await self.pipeline.open()
         if self.config.gpu == "on":  # refuse to start without a GPU path, rather than at the first client
-            await self.gpu.start()
+            try:
+                await self.gpu.start()
+            except GpuUnavailable as exc:
+                raise ConfigError(f"gpu: on, but {exc.message}") from None
         if self.ledger is not None:  # rebuild each tenant's usage from what survived the restart
             seen: dict[BlockKey, BlockInfo] = {}
             for tier in self.pipeline.tiers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -180,15 +181,19 @@ def _allocation_size(lib: Any | None, ptr: int) -> int | None:
 
 def load_backend() -> CudaBackend:
     """The cupy backend, or :class:`GpuUnavailable` saying exactly why not (no cupy / no device)."""
+    if importlib.util.find_spec("cupy") is None:
+        raise GpuUnavailable(
+            "this daemon cannot open GPU regions: cupy is not installed; install the [gpu] extra "
+            "(e.g. pip install cupy-cuda13x) or register host memory instead"
+        )
     try:
         import cupy  # noqa: F401
-    except ImportError as exc:
+    except Exception as exc:  # installed but broken: a CUDA library or a dependency is missing
+        cause = exc.__cause__ or exc
         raise GpuUnavailable(
-            f"this daemon cannot open GPU regions: cupy is not installed ({exc}); "
-            "install the [gpu] extra (e.g. pip install cupy-cuda13x) or register host memory instead"
+            f"this daemon cannot open GPU regions: cupy is installed but does not load "
+            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''})"
         ) from None
-    except Exception as exc:  # a broken CUDA install makes cupy's import fail in other ways
-        raise GpuUnavailable(f"this daemon cannot open GPU regions: cupy does not load ({exc})") from None
     try:
         backend = CupyBackend()
         count = backend.device_count()

@@ -1,0 +1,137 @@
+"""CUDA IPC regions over the real gRPC API, with the daemon's CUDA calls answered by the fake backend.
+
+The daemon runs in this process (its own thread and event loop) so the fake can stand in for cupy;
+everything between the client's ``register_cuda`` and the device copies is the production path: the
+proto fields, the servicer, the engine, and the client's re-registration after a daemon restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from fake_cuda import FakeCuda
+
+from ucm_client import BlockIO, BlockState, Segment, UcmClient, key_digest, namespace_id
+from ucm_client.gpu import CudaIpcExport
+from ucm_server.config import ServerConfig
+from ucm_server.server import Daemon
+
+T = TypeVar("T")
+NS = namespace_id(model="gpu-grpc", dtype="uint8")
+BLOCK = 128 << 10
+
+
+class InProcessDaemon:
+    def __init__(self, workdir: Path, fake: FakeCuda) -> None:
+        self.config = ServerConfig(
+            socket=workdir / "ucm.sock",
+            data_dir=workdir / "data",
+            store_pipeline="Cache|Posix",
+            cache_capacity=32 << 20,
+            durable=False,
+            metrics_address="off",
+        ).validate()
+        self.fake = fake
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    @property
+    def target(self) -> str:
+        return f"unix://{self.config.socket}"
+
+    def __enter__(self) -> InProcessDaemon:
+        self.thread.start()
+
+        async def start() -> Daemon:
+            daemon = Daemon(self.config)
+            daemon.engine.gpu.backend_factory = lambda: self.fake
+            await daemon.start()
+            return daemon
+
+        self.daemon = self._run(start())
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.loop.is_closed():
+            return  # stopped already
+        try:
+            self._run(self.daemon.shutdown(1.0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+def export(fake: FakeCuda, handle: bytes, size: int, offset: int = 0) -> CudaIpcExport:
+    return CudaIpcExport(handle, offset, size, 0, fake.device_uuid(0))
+
+
+def test_register_cuda_round_trip_and_re_registration_after_restart(tmp_path: Path) -> None:
+    fake = FakeCuda()
+    n = 24
+    hs, src = FakeCuda.allocate(n * BLOCK)
+    hd, dst = FakeCuda.allocate(n * BLOCK)
+    src_view, dst_view = memoryview(src).cast("B"), memoryview(dst).cast("B")
+    src_view[:] = os.urandom(n * BLOCK)
+    keys = [key_digest("grpc", i) for i in range(n)]
+    with InProcessDaemon(tmp_path / "a", fake) as daemon, UcmClient(daemon.target) as client:
+        rs = client.register_cuda(export(fake, hs, n * BLOCK), label="src")
+        rd = client.register_cuda(export(fake, hd, n * BLOCK), label="dst")
+        assert client.stats().regions == 2
+        dump = client.wait(
+            client.dump(
+                NS,
+                [BlockIO(k, (Segment(rs, i * BLOCK, BLOCK),)) for i, k in enumerate(keys)],
+                wait_durable=True,
+            ),
+            30,
+        )
+        assert dump.ok, dump.reasons
+        load = client.wait(
+            client.load(NS, [BlockIO(k, (Segment(rd, i * BLOCK, BLOCK),)) for i, k in enumerate(keys)]), 30
+        )
+        assert load.ok, load.reasons
+        assert bytes(dst_view) == bytes(src_view)
+        # Out of bounds is refused with the reason, and the session is still usable.
+        bad = [BlockIO(keys[0], (Segment(rd, n * BLOCK - 1, BLOCK),))]
+        try:
+            client.load(NS, bad)
+        except ValueError as exc:
+            assert "outside region" in str(exc)
+        else:
+            raise AssertionError("an out-of-bounds GPU segment was accepted")
+
+        # The daemon restarts (same socket, blocks survive in Posix): the client registers its GPU
+        # regions again on the next call and the same handles keep working.
+        daemon.__exit__(None, None, None)  # stop it; the client stays
+        assert fake.opened == {}, "shutdown closed every IPC mapping"
+        dst_view[:] = b"\0" * (n * BLOCK)
+        with InProcessDaemon(tmp_path / "a", fake) as again:
+            load = client.wait(
+                client.load(NS, [BlockIO(k, (Segment(rd, i * BLOCK, BLOCK),)) for i, k in enumerate(keys)]),
+                30,
+            )
+            assert load.ok, load.reasons
+            assert bytes(dst_view) == bytes(src_view)
+            assert len(fake.opened) == 2
+            missing = client.wait(
+                client.load(NS, [BlockIO(key_digest("none"), (Segment(rd, 0, BLOCK),))]), 30
+            )
+            assert missing.states == [BlockState.MISSING]
+            client.close()
+            for _ in range(100):  # the session ends with the client: its mappings are closed
+                if not fake.opened:
+                    break
+                again._run(asyncio.sleep(0.05))
+            assert fake.opened == {}
