@@ -91,13 +91,13 @@ def _generate(llm: Any, runtime: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _esa_runtime(llm: Any, ratio: float) -> Any:
+def _runtime(llm: Any, ratio: float, name: str = "ESA") -> Any:
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.factory import UcmSparseFactory
     from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
 
     method = UcmSparseFactory.create_sparse_method(
-        "ESA",
+        name,
         UcmSparseRole.WORKER,
         {
             "sparse_ratio": ratio,
@@ -125,9 +125,10 @@ def test_esa_full_budget_equals_dense_and_hooks_fire_on_every_layer(engine: Any)
     assert not runtime.layers_seen("sparse_rewrite")  # nothing to drop at full budget
 
 
-def test_esa_low_budget_rewrites_block_tables_and_completes(engine: Any) -> None:
+@pytest.mark.parametrize("name", ["ESA", "GSA", "KVStarMultiStep"])
+def test_low_budget_rewrites_block_tables_and_completes(engine: Any, name: str) -> None:
     dense = _generate(engine, None)
-    runtime = _esa_runtime(engine, 0.25)
+    runtime = _runtime(engine, 0.25, name)
     sparse = _generate(engine, runtime)
     assert all(len(s) == 12 for s in sparse)
     assert runtime.layers_seen("sparse_rewrite") == set(range(LAYERS))
