@@ -9,6 +9,9 @@ front of a Posix tier under ``~/.local/state/ucm``, listening on a private Unix 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -61,8 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_with_parent() -> None:
+    """``UCM_EXIT_WITH_PARENT=1``: get SIGTERM when the process that started us dies (tests, supervisors
+    without process groups), so a daemon never outlives its owner."""
+    if os.environ.get("UCM_EXIT_WITH_PARENT") != "1":
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _exit_with_parent()
     overrides = {name: getattr(args, name) for name in FIELDS if name != "tier_settings"}
     try:
         config, warnings = load_config(args.config, overrides)

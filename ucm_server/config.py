@@ -28,7 +28,14 @@ from ucm_server.api.paths import default_data_dir, default_socket_path
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 KNOWN_TIERS = ("Cache", "Posix", "DS3FS", "Mooncake", "S3")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
-_CLIENT_ENV = {"UCM_CONFIG_FILE", "UCM_LOG_LEVEL", "UCM_TOKEN", "UCM_TARGET", "UCM_CONNECTOR_STRICT"}
+_CLIENT_ENV = {
+    "UCM_CONFIG_FILE",
+    "UCM_LOG_LEVEL",
+    "UCM_TOKEN",
+    "UCM_TARGET",
+    "UCM_CONNECTOR_STRICT",
+    "UCM_EXIT_WITH_PARENT",
+}
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 

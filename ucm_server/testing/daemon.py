@@ -8,7 +8,6 @@ recovery). Its log is kept in a file and shown when start-up fails.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,15 +19,6 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if the test process dies, so no daemon outlives a run."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 class DaemonProcess:
@@ -72,13 +62,8 @@ class DaemonProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
         env.update(self.env)
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only calls prctl, no locks
-        )
+        env["UCM_EXIT_WITH_PARENT"] = "1"  # no daemon outlives a test run, even a killed one
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
