@@ -1,0 +1,697 @@
+"""The deployment artifacts (Dockerfile, deploy/k8s, deploy/systemd, deploy/grafana) against the daemon.
+
+No Docker engine, Kubernetes cluster or systemd-as-PID-1 runs where these tests run, so the image,
+the manifests and the unit are never started here. What can be checked without them is checked:
+every manifest parses; every configuration it carries loads with the daemon's own ``load_config``;
+every ``UCM_*`` variable is a real setting (or a known client variable); socket path, data directory,
+metrics port, uid and config path agree across all of them; ``systemd-analyze verify`` accepts the unit
+where it is installed; and against a real daemon (started with torch, vLLM and cupy made unimportable,
+as in the image): the health-check commands exit 0 when it serves and fail when it is unreachable,
+and every metric and label the Grafana dashboard uses is one the daemon exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import inspect
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from fnmatch import fnmatch
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_client.vllm import config as connector_config
+from ucm_server.config import ServerConfig, load_config, read_env
+from ucm_server.server import Daemon
+from ucm_server.testing.daemon import DaemonProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+UNIT = DEPLOY / "systemd" / "ucm-server.service"
+UNIT_CONFIG = DEPLOY / "systemd" / "ucm.yaml"
+DASHBOARD = DEPLOY / "grafana" / "ucm-dashboard.json"
+
+# The daemon's runtime dependencies (pyproject [project].dependencies): what `pip install .` in the
+# image pulls. torch, vllm and cupy belong to the client-side extras only.
+DAEMON_DEPENDENCIES = {
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "uvloop",
+    "pyyaml",
+    "prometheus-client",
+    "xxhash",
+    "rich",
+    "numpy",
+}
+CLIENT_ONLY = ("torch", "vllm", "cupy")
+
+# UCM_* variables a client process (vLLM + connector, ucm-admin) reads.
+CONNECTOR_ENV = {f"UCM_{f.name.upper()}" for f in dataclasses.fields(connector_config.ConnectorConfig)}
+CLIENT_ENV = CONNECTOR_ENV | {
+    "UCM_SOCKET",
+    "UCM_TARGET",
+    "UCM_TOKEN",
+    "UCM_CONFIG_FILE",
+    "UCM_SPARSE_CONFIG",
+    "UCM_LOG_LEVEL",
+    "UCM_ADMIN_DEBUG",
+}
+SHUTDOWN_GRACE_S: float = inspect.signature(Daemon.shutdown).parameters["grace_s"].default
+
+
+# -- parsers ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    args: str
+
+
+def parse_dockerfile(text: str) -> list[list[Instruction]]:
+    """Instructions per build stage (the first list holds ARGs before the first FROM)."""
+    logical: list[str] = []
+    current = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not current):
+            continue  # comments (also inside continuations), parser directives, blank lines
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    assert not current.strip(), "Dockerfile ends inside a line continuation"
+    stages: list[list[Instruction]] = [[]]
+    for line in logical:
+        name, _, args = line.partition(" ")
+        ins = Instruction(name.upper(), args.strip())
+        if ins.name == "FROM":
+            stages.append([])
+        stages[-1].append(ins)
+    return stages
+
+
+def exec_form(args: str) -> list[str]:
+    return json.loads(args) if args.startswith("[") else shlex.split(args)
+
+
+def parse_env(args: str) -> dict[str, str]:
+    words = shlex.split(args)
+    if "=" not in words[0]:  # legacy "ENV KEY value"
+        return {words[0]: args.split(None, 1)[1]}
+    return dict(w.split("=", 1) for w in words)
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values in order]}} (keys may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    section: dict[str, list[str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = sections.setdefault(line.strip("[]"), {})
+            continue
+        assert section is not None, f"{UNIT.name}: {line!r} outside a section"
+        key, _, value = line.partition("=")
+        section.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def quantity_bytes(text: str | int) -> int:
+    """A Kubernetes memory quantity ("20Gi", "512M", 1024) in bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTP]i?)?", str(text))
+    assert m, f"not a memory quantity: {text!r}"
+    unit = m.group(2) or ""
+    base = 1024 if unit.endswith("i") else 1000
+    power = " KMGTP".index(unit[:1] or " ")
+    return int(float(m.group(1)) * base**power)
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+# -- the artifacts ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Image:
+    stages: list[list[Instruction]]
+    args: dict[str, str]
+
+    @property
+    def final(self) -> list[Instruction]:
+        return self.stages[-1]
+
+    def all(self, name: str, stage: list[Instruction] | None = None) -> list[Instruction]:
+        return [i for i in (self.final if stage is None else stage) if i.name == name]
+
+    def one(self, name: str) -> Instruction:
+        found = self.all(name)
+        assert len(found) == 1, f"Dockerfile: expected one {name} in the final stage, found {len(found)}"
+        return found[0]
+
+    @property
+    def env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for ins in self.all("ENV"):
+            out.update(parse_env(ins.args))
+        return out
+
+    @property
+    def uid(self) -> int:
+        user = self.one("USER").args.split(":")[0]
+        assert user.isdigit(), "USER should be numeric so Kubernetes' runAsNonRoot can verify it"
+        return int(user)
+
+    def expand(self, text: str) -> str:
+        return re.sub(
+            r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), self.env.get(m.group(1), "")), text
+        )
+
+
+@pytest.fixture(scope="module")
+def image() -> Image:
+    stages = parse_dockerfile((ROOT / "Dockerfile").read_text())
+    args: dict[str, str] = {}
+    for ins in stages[0]:
+        if ins.name == "ARG" and "=" in ins.args:
+            key, _, value = ins.args.partition("=")
+            args[key] = value
+    return Image(stages[1:], args)
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[tuple[str, str], dict[str, Any]]:
+    """Every Kubernetes object under deploy/k8s, by (kind, name)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            assert {"apiVersion", "kind"} <= doc.keys(), f"{path.name}: not a Kubernetes object"
+            if doc["kind"] != "Kustomization":
+                assert doc.get("metadata", {}).get("name"), f"{path.name}: {doc['kind']} without a name"
+            key = (doc["kind"], doc.get("metadata", {}).get("name", ""))
+            assert key not in out, f"{path.name}: {key} defined twice"
+            out[key] = doc
+    return out
+
+
+def pod_spec(manifests: dict[tuple[str, str], dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = manifests[(kind, name)]["spec"]["template"]["spec"]
+    return spec
+
+
+def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [c for c in spec["containers"] if c["name"] == name]
+    assert len(found) == 1, f"no single container {name!r}"
+    return found[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: str(e["value"]) for e in c.get("env", []) if "value" in e}
+
+
+def mounts(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """mountPath -> (volumeMount, volume)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in c.get("volumeMounts", [])}
+
+
+@pytest.fixture(scope="module")
+def configmap_yaml(
+    manifests: dict[tuple[str, str], dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    path = tmp_path_factory.mktemp("configmap") / "ucm.yaml"
+    path.write_text(manifests[("ConfigMap", "ucm-config")]["data"]["ucm.yaml"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemonset_config(configmap_yaml: Path) -> ServerConfig:
+    config, warnings = load_config(configmap_yaml, environ={})
+    assert not warnings
+    return config
+
+
+@pytest.fixture(scope="module")
+def unit() -> dict[str, dict[str, list[str]]]:
+    return parse_unit(UNIT.read_text())
+
+
+# -- Dockerfile ---------------------------------------------------------------------------------------
+def self_and(stage: list[Instruction], name: str) -> list[Instruction]:
+    return [i for i in stage if i.name == name]
+
+
+def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
+    for stage in image.stages:
+        base = image.expand(stage[0].args.split()[0])
+        assert base.startswith("python:3.11-slim"), f"FROM {base}: expected python:3.11-slim"
+    runs = " ".join(i.args for stage in image.stages for i in self_and(stage, "RUN"))
+    installs = re.findall(r"pip install ([^&;|]+)", runs)
+    assert installs, "no pip install in the Dockerfile"
+    for cmd in installs:
+        assert "[" not in cmd, f"pip install {cmd}: the daemon image installs no extras"
+        assert not any(name in cmd for name in CLIENT_ONLY), f"pip install {cmd}: client-only packages"
+    assert exec_form(image.one("ENTRYPOINT").args) == ["ucm-server"]
+    assert image.one("STOPSIGNAL").args == "SIGTERM"
+    assert image.uid != 0, "the daemon must not run as root"
+    assert image.one("USER").args.split(":")[0] not in ("root", "0")
+
+
+def test_dockerfile_env_is_real_config(image: Image) -> None:
+    env = image.env
+    ucm = {k: v for k, v in env.items() if k.startswith("UCM_")}
+    assert {"UCM_SOCKET", "UCM_DATA_DIR", "UCM_METRICS_ADDRESS"} <= ucm.keys()
+    _, unknown = read_env(ucm)
+    assert not unknown, f"Dockerfile ENV: not ucm-server settings: {unknown}"
+    config, _ = load_config(None, environ=ucm)
+    assert str(config.socket) == env["UCM_SOCKET"]
+    host, port = config.metrics_address.rsplit(":", 1)
+    assert host == "0.0.0.0", "in a container the metrics endpoint must listen beyond loopback"
+    assert str(port) in image.one("EXPOSE").args.split()
+    volumes = exec_form(image.one("VOLUME").args)
+    assert str(config.socket.parent) in volumes and str(config.data_dir) in volumes
+
+
+def test_dockerfile_healthcheck_uses_ucm_admin(image: Image) -> None:
+    options, _, command = image.one("HEALTHCHECK").args.partition("CMD ")
+    words = shlex.split(image.expand(command.split("||")[0]))
+    assert words[0] == "ucm-admin" and words[-1] == "health", words
+    assert words[words.index("--socket") + 1] == image.env["UCM_SOCKET"]
+    assert "|| exit 1" in command, "Docker health checks define only exit codes 0 and 1"
+    opts = dict(o.lstrip("-").split("=") for o in options.split())
+    assert {"interval", "timeout", "start-period", "retries"} <= opts.keys()
+
+
+def test_dockerfile_copies_what_the_build_needs(image: Image) -> None:
+    """COPY sources exist in the repository, .dockerignore keeps them, and setuptools gets its readme."""
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def ignored(path: str) -> bool:
+        verdict = False
+        parts = PurePosixPath(path).parts
+        for pattern in patterns:
+            negate = pattern.startswith("!")
+            pat = pattern.lstrip("!").rstrip("/").removeprefix("**/")
+            prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+            if any(fnmatch(p, pat) or fnmatch(PurePosixPath(p).name, pat) for p in prefixes):
+                verdict = not negate
+        return verdict
+
+    copied: list[str] = []
+    for stage in image.stages:
+        for ins in self_and(stage, "COPY"):
+            words = exec_form(ins.args)
+            if any(w.startswith("--from") for w in words):
+                continue
+            copied.extend(words[:-1])
+    assert {"pyproject.toml", "README.md", "ucm_server", "ucm_client"} <= set(copied)
+    for src in copied:
+        assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+        assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
+        if (ROOT / src).is_dir():
+            assert not ignored(f"{src}/__init__.py")
+    assert ignored(".venv/bin/python") and ignored(".git/HEAD") and ignored("ucm_server/__pycache__/x.pyc")
+
+
+def test_package_depends_only_on_daemon_libraries() -> None:
+    """`pip install .` in the image pulls no torch/vllm/cupy: the base requirements are the daemon's."""
+    requires = importlib.metadata.requires("ucm") or []
+    base = {re.split(r"[<>=!~; \[]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r}
+    assert base <= DAEMON_DEPENDENCIES, f"unexpected base dependencies: {base - DAEMON_DEPENDENCIES}"
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------------
+def test_k8s_manifests_parse_and_are_complete(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    kinds = {k for k, _ in manifests}
+    assert {"Namespace", "ConfigMap", "DaemonSet", "Deployment", "Kustomization"} <= kinds
+    kustomization = manifests[("Kustomization", "")]
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).exists(), f"kustomization.yaml: {resource} missing"
+    listed = {(K8S / r).name for r in kustomization["resources"]} | {"kustomization.yaml"}
+    assert {p.name for p in K8S.glob("*.yaml")} == listed
+    for (kind, name), doc in manifests.items():
+        if kind not in ("Namespace", "Kustomization"):
+            assert doc["metadata"].get("namespace") == "ucm", f"{kind}/{name}: namespace"
+        if kind in ("DaemonSet", "Deployment"):
+            selector = doc["spec"]["selector"]["matchLabels"]
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items(), f"{kind}/{name}: selector does not match its pods"
+
+
+def test_configmap_config_loads(
+    configmap_yaml: Path, image: Image, manifests: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    plain, warnings = load_config(configmap_yaml, environ={})
+    assert not warnings
+    # The effective config in the pod: image ENV and DaemonSet env win over the file; they must agree.
+    env = {**image.env, **env_of(container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server"))}
+    ucm_env = {k: v for k, v in env.items() if k.startswith("UCM_")}
+    effective, warnings = load_config(configmap_yaml, environ=ucm_env)
+    assert not warnings, warnings
+    assert effective == plain, "image/DaemonSet environment overrides the ConfigMap with other values"
+
+
+def test_daemonset_runs_the_configured_daemon(
+    manifests: dict[tuple[str, str], dict[str, Any]], daemonset_config: ServerConfig, image: Image
+) -> None:
+    spec = pod_spec(manifests, "DaemonSet", "ucm-server")
+    c = container(spec, "ucm-server")
+    cfg = daemonset_config
+    # --config names the mounted ConfigMap key.
+    args = c["args"]
+    config_path = PurePosixPath(args[args.index("--config") + 1])
+    _, volume = mounts(spec, c)[str(config_path.parent)]
+    assert volume["configMap"]["name"] == "ucm-config"
+    items = {i["path"]: i["key"] for i in volume["configMap"].get("items", [])}
+    assert items.get(config_path.name, config_path.name) in manifests[("ConfigMap", "ucm-config")]["data"]
+    # Socket directory, data directory and /dev/shm: host directories at the same path in the pod.
+    m = mounts(spec, c)
+    for path in (str(cfg.socket.parent), str(cfg.data_dir), "/dev/shm"):
+        assert path in m, f"DaemonSet: nothing mounted at {path}"
+        assert m[path][1]["hostPath"]["path"] == path and not m[path][0].get("readOnly")
+    # Every UCM_* variable is a daemon setting.
+    _, unknown = read_env({k: v for k, v in env_of(c).items() if k.startswith("UCM_")})
+    assert not unknown
+    # Probes run the health command against the configured socket.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = c[probe]["exec"]["command"]
+        assert cmd[0] == "ucm-admin" and cmd[-1] == "health"
+        assert cmd[cmd.index("--socket") + 1] == str(cfg.socket)
+        assert c[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
+    # Metrics: annotations, container port, config.
+    port = port_of(cfg.metrics_address)
+    annotations = manifests[("DaemonSet", "ucm-server")]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert port in [p["containerPort"] for p in c["ports"]]
+    # Runs as the image's non-root uid; memory limit above the Cache; time to shut down cleanly.
+    assert spec["securityContext"]["runAsUser"] == image.uid and spec["securityContext"]["runAsNonRoot"]
+    limit = quantity_bytes(c["resources"]["limits"]["memory"])
+    assert limit >= cfg.cache_capacity * 1.1, "memory limit leaves no room beside cache_capacity"
+    assert spec["terminationGracePeriodSeconds"] > SHUTDOWN_GRACE_S * 2
+    for init in spec.get("initContainers", []):  # chowns the host directories for that uid
+        script = " ".join(init["command"])
+        assert f"{image.uid}:{image.uid}" in script
+        assert str(cfg.socket.parent) in script and str(cfg.data_dir) in script
+
+
+def test_vllm_deployment_uses_the_connector_and_the_daemon_socket(
+    manifests: dict[tuple[str, str], dict[str, Any]], daemonset_config: ServerConfig, image: Image
+) -> None:
+    spec = pod_spec(manifests, "Deployment", "vllm")
+    c = container(spec, "vllm")
+    words = [*c.get("command", []), *c["args"]]
+    raw = words[words.index("--kv-transfer-config") + 1]
+    transfer = json.loads(raw)
+    assert transfer == {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm_client.vllm.connector",
+        "kv_role": "kv_both",
+    }
+    env = env_of(c)
+    unknown = {k for k in env if k.startswith("UCM_")} - CLIENT_ENV
+    assert not unknown, f"vLLM env: not client settings: {unknown}"
+    cfg = connector_config.load_config(transfer.get("kv_connector_extra_config"), environ=env)
+    assert cfg.target == str(daemonset_config.socket) == env["UCM_SOCKET"]
+    # The socket directory and /dev/shm are the DaemonSet's host directories.
+    m = mounts(spec, c)
+    sock_dir = str(daemonset_config.socket.parent)
+    assert m[sock_dir][1]["hostPath"]["path"] == sock_dir
+    assert m["/dev/shm"][1]["hostPath"]["path"] == "/dev/shm" and not m["/dev/shm"][0].get("readOnly")
+    # Same uid as the daemon: it maps only shared memory owned by its own uid; the socket is 0600.
+    assert spec["securityContext"]["runAsUser"] == image.uid
+
+
+# -- systemd ------------------------------------------------------------------------------------------
+def test_systemd_example_config_loads() -> None:
+    config, warnings = load_config(UNIT_CONFIG, environ={})
+    assert not warnings
+    assert config.store_pipeline.startswith("Cache")
+
+
+def test_systemd_unit(unit: dict[str, dict[str, list[str]]]) -> None:
+    svc = {k: v[-1] for k, v in unit["Service"].items()}
+    config, _ = load_config(UNIT_CONFIG, environ={})
+    # ExecStart runs ucm-server with the example config's installed path.
+    words = shlex.split(svc["ExecStart"])
+    assert words[:2] == ["/usr/bin/env", "ucm-server"]
+    config_path = PurePosixPath(words[words.index("--config") + 1])
+    assert config_path == PurePosixPath("/etc") / svc["ConfigurationDirectory"] / UNIT_CONFIG.name
+    # RuntimeDirectory= holds the socket, StateDirectory= is the data dir, both writable.
+    assert config.socket.parent == Path("/run") / svc["RuntimeDirectory"]
+    assert config.data_dir == Path("/var/lib") / svc["StateDirectory"]
+    rw = " ".join(unit["Service"].get("ReadWritePaths", [])).split()
+    for root in [config.data_dir, *config.posix_roots]:
+        assert any(root.is_relative_to(p.lstrip("-")) for p in rw), f"{root} not in ReadWritePaths"
+    assert svc["User"] not in ("root", "0")
+    assert svc["Restart"] == "on-failure"
+    assert svc["RestartPreventExitStatus"] == "2"  # ucm-server's configuration-error exit status
+    assert svc["KillSignal"] == "SIGTERM"
+    assert float(svc["TimeoutStopSec"].rstrip("s")) > SHUTDOWN_GRACE_S * 2
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp"):
+        assert svc[key] == "yes", key
+    assert svc["ProtectSystem"] == "strict"
+    assert svc.get("MemoryDenyWriteExecute", "no") == "no"
+    assert svc["RemoveIPC"] == "no", "RemoveIPC would delete the clients' /dev/shm buffers"
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (apt package systemd): unit checked statically only")
+    copy = tmp_path / UNIT.name  # verify also loads units named like it in the unit's directory
+    copy.write_text(UNIT.read_text())
+    proc = subprocess.run([tool, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=30)
+    complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if UNIT.name in line]
+    assert proc.returncode == 0 and not complaints, proc.stdout + proc.stderr
+
+
+# -- paths and ports, all together --------------------------------------------------------------------
+def test_socket_and_metrics_port_agree_everywhere(
+    image: Image,
+    manifests: dict[tuple[str, str], dict[str, Any]],
+    daemonset_config: ServerConfig,
+    unit: dict[str, dict[str, list[str]]],
+) -> None:
+    systemd_config, _ = load_config(UNIT_CONFIG, environ={})
+    ds = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")
+    vllm = container(pod_spec(manifests, "Deployment", "vllm"), "vllm")
+    sockets = {
+        "Dockerfile ENV": image.env["UCM_SOCKET"],
+        "ConfigMap": str(daemonset_config.socket),
+        "DaemonSet env": env_of(ds)["UCM_SOCKET"],
+        "vLLM Deployment env": env_of(vllm)["UCM_SOCKET"],
+        "systemd ucm.yaml": str(systemd_config.socket),
+        "systemd RuntimeDirectory": f"/run/{unit['Service']['RuntimeDirectory'][-1]}/ucm.sock",
+    }
+    assert len(set(sockets.values())) == 1, sockets
+    data_dirs = {
+        "Dockerfile ENV": image.env["UCM_DATA_DIR"],
+        "ConfigMap": str(daemonset_config.data_dir),
+        "DaemonSet env": env_of(ds)["UCM_DATA_DIR"],
+        "systemd ucm.yaml": str(systemd_config.data_dir),
+    }
+    assert len(set(data_dirs.values())) == 1, data_dirs
+    ports = {
+        "Dockerfile ENV": port_of(image.env["UCM_METRICS_ADDRESS"]),
+        "Dockerfile EXPOSE": int(image.one("EXPOSE").args.split()[0].split("/")[0]),
+        "ConfigMap": port_of(daemonset_config.metrics_address),
+        "DaemonSet env": port_of(env_of(ds)["UCM_METRICS_ADDRESS"]),
+        "systemd ucm.yaml": port_of(systemd_config.metrics_address),
+    }
+    assert len(set(ports.values())) == 1, ports
+
+
+# -- against a real daemon --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def no_client_libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment that makes torch, vllm and cupy unimportable, as they are in the image."""
+    site = tmp_path_factory.mktemp("image-site")
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NotInImage:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.partition('.')[0] in {CLIENT_ONLY!r}:\n"
+        "            raise ImportError(f'{name} is not in the ucm-server image')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, _NotInImage())\n"
+    )
+    return {"PYTHONPATH": str(site)}
+
+
+@pytest.fixture(scope="module")
+def live(
+    tmp_path_factory: pytest.TempPathFactory, no_client_libraries: dict[str, str]
+) -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon with some traffic behind it (dump, load, lookup, one failing RPC) and its /metrics text."""
+    workdir = tmp_path_factory.mktemp("daemon")
+    d = DaemonProcess(workdir, args=["--metrics-address", "127.0.0.1:0"], env=no_client_libraries)
+    ns = namespace_id(model="test-deploy", dtype="uint8")
+    with d, UcmClient(d.target) as c, SharedBuffer(1 << 20) as buf:
+        region = c.register(buf)
+        blocks = [BlockIO(key_digest("deploy", i), (Segment(region, i << 16, 1 << 16),)) for i in range(4)]
+        assert c.wait(c.dump(ns, blocks), 10).ok
+        assert c.wait(c.load(ns, blocks), 10).ok
+        assert c.lookup(ns, [b.key for b in blocks] + [b"\0" * 32]).hit_prefix == 4
+        with pytest.raises(Exception, match="unknown task"):
+            c.check(10**9)  # an RPC error, so ucm_rpc_errors_total has a sample
+        match = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", d.log())
+        assert match, d.log()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=5).read().decode()
+        yield d, text
+
+
+def _admin_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, **extra}
+
+
+def test_health_check_commands_against_a_real_daemon(
+    live: tuple[DaemonProcess, str],
+    image: Image,
+    manifests: dict[tuple[str, str], dict[str, Any]],
+    no_client_libraries: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The image's HEALTHCHECK and the DaemonSet's probes, run as written (socket path swapped)."""
+    if shutil.which("ucm-admin", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("the ucm-admin entry point is not installed next to this Python")
+    d, _ = live
+    command = image.one("HEALTHCHECK").args.partition("CMD ")[2]
+    for socket, expected in ((d.socket, 0), (tmp_path / "absent.sock", 1)):
+        env = _admin_env({**no_client_libraries, "UCM_SOCKET": str(socket)})
+        proc = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == expected, proc.stderr
+    probe = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")["livenessProbe"]
+    cmd = probe["exec"]["command"]
+    at = cmd.index("--socket") + 1
+    for socket, expected in ((d.socket, 0), (tmp_path / "absent.sock", 3)):
+        argv = [*cmd[:at], str(socket), *cmd[at + 1 :]]
+        proc = subprocess.run(
+            argv, env=_admin_env(no_client_libraries), capture_output=True, text=True, timeout=30
+        )
+        assert proc.returncode == expected, proc.stderr
+
+
+PROMQL_WORDS = {
+    *("by", "without", "on", "ignoring", "group_left", "group_right"),
+    *("bool", "and", "or", "unless", "offset", "inf", "nan"),
+}
+
+
+def promql_names(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, label names) an expression uses."""
+    labels: set[str] = set()
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    for body in re.findall(r"\{([^}]*)\}", text):
+        labels |= set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", body))
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    for body in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text):
+        labels |= {w.strip() for w in body.split(",") if w.strip()}
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\$\{?\w+\}?", " ", text)
+    metrics = {
+        m.group(1)
+        for m in re.finditer(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text)
+        if m.group(1).lower() not in PROMQL_WORDS
+    }
+    return metrics, labels
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(panel title, expression, legend) of every query in the dashboard, template variables included."""
+    dash = json.loads(DASHBOARD.read_text())
+    out: list[tuple[str, str, str]] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for p in panels:
+            for t in p.get("targets", []):
+                out.append((p.get("title", "?"), t["expr"], t.get("legendFormat", "")))
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    for var in dash.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            q = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", q)
+            assert m, f"template variable {var['name']}: unexpected query {q!r}"
+            out.append((f"variable {var['name']}", m.group(1), "{{" + m.group(2) + "}}"))
+    return out
+
+
+def test_promql_name_extraction() -> None:
+    metrics, labels = promql_names(
+        "histogram_quantile(0.99, sum by (le, instance) "
+        '(rate(ucm_load_duration_ms_bucket{instance=~"$instance"}[5m])))'
+        " / on (instance) group_left ucm_sessions > 0"
+    )
+    assert metrics == {"ucm_load_duration_ms_bucket", "ucm_sessions"}
+    assert labels == {"le", "instance"}
+
+
+def test_dashboard_uses_only_exported_metrics(live: tuple[DaemonProcess, str]) -> None:
+    _, text = live
+    exported: set[str] = set()
+    exported_labels = {"instance", "job"}  # added by Prometheus at scrape time
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            exported.add(sample.name)
+            exported_labels |= set(sample.labels)
+    queries = dashboard_queries()
+    assert len(queries) > 20
+    used: set[str] = set()
+    for title, expr, legend in queries:
+        metrics, labels = promql_names(expr)
+        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+        assert metrics, f"{title}: no metric in {expr!r}"
+        missing = metrics - exported
+        assert not missing, f"panel {title!r}: {sorted(missing)} not exported by ucm-server"
+        unknown = sorted(labels - exported_labels)
+        assert not unknown, f"panel {title!r}: labels {unknown} are on no ucm-server metric"
+        used |= metrics
+    # The dashboard covers the daemon's main figures.
+    for name in (
+        "ucm_lookup_hit_rate",
+        "ucm_load_duration_ms_bucket",
+        "ucm_load_speed_gbps",
+        "ucm_save_duration_ms_bucket",
+        "ucm_save_speed_gbps",
+        "ucm_tier_blocks",
+        "ucm_tier_bytes",
+        "ucm_tier_capacity_bytes",
+        "ucm_tier_evictions_total",
+        "ucm_tier_errors_total",
+        "ucm_tier_corrupt_total",
+        "ucm_task_queue_depth",
+        "ucm_writeback_pending",
+        "ucm_sessions",
+        "ucm_rpc_errors_total",
+    ):
+        assert name in used, f"the dashboard shows nothing of {name}"
