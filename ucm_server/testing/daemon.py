@@ -59,6 +59,8 @@ class DaemonProcess:
         ]
 
     def start(self, timeout_s: float = 30.0) -> DaemonProcess:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("this DaemonProcess is already running; stop() or kill() it first")
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
         env.update(self.env)
         log = self.log_path.open("ab")
@@ -114,7 +116,8 @@ class DaemonProcess:
         self.proc = None
 
     def __enter__(self) -> DaemonProcess:
-        return self.start()
+        """Starts the daemon unless it already runs (``with d.start(): ...`` is fine too)."""
+        return self if self.proc is not None and self.proc.poll() is None else self.start()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
