@@ -44,9 +44,16 @@ export PYTHONUNBUFFERED=1
 
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
     SITE="$(mktemp -d /tmp/ucm-gpu-site.XXXX)"
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" "$WHEELS"/*.whl
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    if timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$WHEELS"/*.whl; then
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "warning: the wheels in .whl/ did not install; trying with the packages already here"
+    fi
+fi
+if ! "$PY" -c "import grpc_health, grpc_reflection, google.protobuf" 2> /dev/null; then
+    echo "warning: grpcio-health-checking / grpcio-reflection missing: run 'bash benchmarks/gpu_check.sh fetch'" \
+        "on a machine with network and bring .whl/ along"
 fi
 # The project itself: an editable install where pip can do it offline, else straight from the checkout.
 if ! timeout 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e . > "$OUT_DIR/pip-install.log" 2>&1; then
