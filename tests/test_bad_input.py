@@ -149,3 +149,19 @@ def test_bad_shared_memory_registrations(client: UcmClient, tmp_path) -> None:  
 def test_daemon_answers_after_all_of_the_above(client: UcmClient, shm: SharedBuffer) -> None:
     region = client.register(shm)
     assert client.wait(client.dump(NS, blocks_in(region, 2, 4096)), 10).ok
+
+
+def test_load_into_a_destination_of_the_wrong_size(
+    client: UcmClient, shm: SharedBuffer, daemon: DaemonProcess
+) -> None:
+    region = client.register(shm)
+    assert client.wait(client.dump(NS, blocks_in(region, 2, 4096)), 10).ok
+    shm.buf[8192:16384] = b"\x5a" * 8192
+    wrong = [
+        *blocks_in(region, 1, 4096, offset=8192),
+        BlockIO(key_digest("block", 1), (Segment(region, 12288, 2048),)),
+    ]
+    with pytest.raises(InvalidArgument, match="block 1: stored block is 4096 bytes, the request names 2048"):
+        client.load(NS, wrong)
+    assert bytes(shm.buf[8192:16384]) == b"\x5a" * 8192  # nothing copied, not even the good block 0
+    assert daemon.healthy()

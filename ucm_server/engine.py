@@ -232,7 +232,7 @@ class Engine:
             session.session_id, counts, region_ids, offsets, lengths, len(keys), self.config.max_block_bytes
         )
 
-    def submit_io(
+    async def submit_io(
         self,
         kind: TaskKind,
         session_id: str | None,
@@ -248,6 +248,8 @@ class Engine:
         """Validate everything up front (nothing is copied for a bad request), then run as a task."""
         session = self.session(session_id)
         keys = self._keys(namespace, digests)
+        if kind is TaskKind.LOAD:
+            await self._check_load_sizes(keys, counts, lengths)
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
             return self._submit_gpu(kind, session, keys, counts, region_ids, offsets, lengths, durable)
         iovs, used = self._resolve(session, keys, counts, region_ids, offsets, lengths)
@@ -260,6 +262,21 @@ class Engine:
                 self.regions.unpin(used)
 
         return self.tasks.submit(kind, session.session_id, len(keys), body)
+
+    async def _check_load_sizes(self, keys: list[BlockKey], counts: list[int], lengths: list[int]) -> None:
+        """A load into a destination of the wrong size is the caller's mistake: refuse it whole
+        (``INVALID_ARGUMENT``, nothing copied) rather than fail blocks one by one."""
+        sizes = await self.pipeline.lookup(keys)
+        if counts:
+            wanted, pos = [], 0
+            for c in counts:
+                wanted.append(sum(lengths[pos : pos + c]))
+                pos += c
+        else:
+            wanted = lengths
+        for i, (have, want) in enumerate(zip(sizes, wanted, strict=False)):
+            if have is not None and have != want:
+                raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
 
     def _submit_gpu(
         self,

@@ -107,7 +107,7 @@ async def io(
     durable: bool = False,
 ) -> Task:
     n = len(digests)
-    task = engine.submit_io(
+    task = await engine.submit_io(
         kind,
         sid,
         NS,
@@ -240,7 +240,7 @@ def test_multi_segment_blocks_scatter_across_layers(tmp_path: Path) -> None:
             rk = await kv.register(engine, sid)
             rf = await flat.register(engine, sid)
             digests = keys(nblocks, "layers")
-            task = engine.submit_io(
+            task = await engine.submit_io(
                 TaskKind.DUMP,
                 sid,
                 NS,
@@ -252,7 +252,7 @@ def test_multi_segment_blocks_scatter_across_layers(tmp_path: Path) -> None:
             )
             await task.done.wait()
             assert states(task) == [BlockState.OK] * nblocks, task.reasons
-            load = engine.submit_io(
+            load = await engine.submit_io(
                 TaskKind.LOAD,
                 sid,
                 NS,
@@ -314,7 +314,7 @@ def test_cancel_returns_only_after_the_queued_copies_completed(tmp_path: Path) -
             dev = Device(n * size)
             rid = await dev.register(engine, sid)
             offsets = [i * size for i in range(n)]
-            task = engine.submit_io(TaskKind.DUMP, sid, NS, keys(n), [], [rid] * n, offsets, [size] * n)
+            task = await engine.submit_io(TaskKind.DUMP, sid, NS, keys(n), [], [rid] * n, offsets, [size] * n)
             await asyncio.sleep(0)
             await engine.tasks.cancel(task)
             assert fake.outstanding == 0  # nothing still copying into or out of client memory
@@ -349,7 +349,7 @@ def test_unregister_waits_for_a_running_copy(tmp_path: Path) -> None:
             n = 32
             dev = Device(n * BLOCK)
             rid = await dev.register(engine, sid)
-            task = engine.submit_io(
+            task = await engine.submit_io(
                 TaskKind.DUMP, sid, NS, keys(n), [], [rid] * n, [i * BLOCK for i in range(n)], [BLOCK] * n
             )
             engine.unregister_region(sid, rid)  # the region is pinned by the task: closed after it
@@ -367,7 +367,7 @@ def test_bad_gpu_requests_are_refused_up_front(tmp_path: Path) -> None:
             dev = Device(4 * BLOCK)
             rid = await dev.register(engine, sid)
             with pytest.raises(InvalidArgument, match="outside region"):
-                engine.submit_io(TaskKind.LOAD, sid, NS, keys(1), [], [rid], [4 * BLOCK - 10], [20])
+                await engine.submit_io(TaskKind.LOAD, sid, NS, keys(1), [], [rid], [4 * BLOCK - 10], [20])
             with pytest.raises(InvalidArgument, match="outside its CUDA allocation"):
                 await dev.register(engine, sid, offset=BLOCK, size=4 * BLOCK)
             with pytest.raises(InvalidArgument, match="64 bytes"):
@@ -388,12 +388,12 @@ def test_bad_gpu_requests_are_refused_up_front(tmp_path: Path) -> None:
             with SharedBuffer(BLOCK) as shm:
                 host = engine.register_region(sid, shm.name, shm.size, "host").region_id
                 with pytest.raises(InvalidArgument, match="cannot mix host and GPU"):
-                    engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [rid, host], [0, 0], [BLOCK, BLOCK])
+                    await engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [rid, host], [0, 0], [BLOCK, BLOCK])
                 with pytest.raises(InvalidArgument, match="cannot mix host and GPU"):
-                    engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [host, rid], [0, 0], [BLOCK, BLOCK])
+                    await engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [host, rid], [0, 0], [BLOCK, BLOCK])
                 # Host regions keep working beside GPU ones.
                 shm.buf[:] = os.urandom(BLOCK)
-                host_task = engine.submit_io(TaskKind.DUMP, sid, NS, keys(1, "h"), [], [host], [0], [BLOCK])
+                host_task = await engine.submit_io(TaskKind.DUMP, sid, NS, keys(1, "h"), [], [host], [0], [BLOCK])
                 await host_task.done.wait()
                 assert states(host_task) == [BlockState.OK]
                 engine.unregister_region(sid, host)

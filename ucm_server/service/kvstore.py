@@ -91,10 +91,10 @@ class KVStoreServicer(rpc.KVStoreServicer):
         answer = await self.engine.lookup(request.namespace, list(request.keys))
         return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
 
-    def _submit(
+    async def _submit(
         self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False
     ) -> pb.TaskHandle:
-        task = self.engine.submit_io(
+        task = await self.engine.submit_io(
             kind,
             session_of(context),
             batch.namespace,
@@ -108,10 +108,10 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.TaskHandle(task_id=task.task_id)
 
     async def Load(self, request: pb.LoadRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        return self._submit(TaskKind.LOAD, request.blocks, context)
+        return await self._submit(TaskKind.LOAD, request.blocks, context)
 
     async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        return self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+        return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         task = self.engine.submit_prefetch(session_of(context), request.namespace, request.keys)
