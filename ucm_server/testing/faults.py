@@ -147,9 +147,12 @@ class FaultInjectingTier(_PosixWrapper):
 class LatencyInjectingTier(_PosixWrapper):
     """TEST DOUBLE: a real PosixTier behind a slow device (fixed delay per block read / write).
 
-    A slow disk cannot be made on demand in a test container. The delay is an ``asyncio.sleep``
-    before each block's I/O, which models what a slow disk does to the daemon: the operation takes
-    long, while the event loop (real disk work runs in the thread pool) stays free to answer others.
+    A slow disk cannot be made on demand in a test container. The delay is an ``asyncio.sleep``,
+    which models what a slow disk does to the daemon: the operation takes long, while the event loop
+    (real disk work runs in the thread pool) stays free to answer others. A read sleeps *after* its
+    bytes are copied, since a real slow read returns what the file held when it was opened, even if
+    a newer version is renamed over it meanwhile; a write sleeps *before*, since a real slow write
+    becomes visible only when it ends.
 
     Settings: ``root``, ``durable``, ``capacity`` as for the Posix tier, and ``read_delay_s`` /
     ``write_delay_s`` (seconds per block, default 0).
@@ -174,9 +177,10 @@ class LatencyInjectingTier(_PosixWrapper):
         return cls(_posix_from_settings(name, settings, cls._SETTINGS), **delays)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        result = await self.inner.read_into(key, dest)
         if self.read_delay_s:
             await asyncio.sleep(self.read_delay_s)
-        return await self.inner.read_into(key, dest)
+        return result
 
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
         if self.write_delay_s:
