@@ -90,6 +90,7 @@ class BlockSparseMethod(UcmSparseBase):
         self._step_meta: SparseMeta | None = None
         self._rows_seen: set[str] = set()
         self.stats = {"sparse_rows": 0, "dense_rows": 0, "retrievals": 0}
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ algorithm
     @abstractmethod
@@ -183,8 +184,24 @@ class BlockSparseMethod(UcmSparseBase):
             query, keys.shape[0], state, block_size, lambda start, end: keys[start:end]
         )
         tokens = blocks_to_tokens(block_ids, block_size, keys.shape[0])
-        out = sparse_decode_attention(query, keys, values, tokens, scale)
+        out = sparse_decode_attention(
+            query, keys, values, tokens, scale, workspace=self._gather_workspace(keys, tokens.numel())
+        )
         return DecodeResult(output=out, block_ids=block_ids, token_idx=tokens, retrieved=retrieved)
+
+    def _gather_workspace(self, like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused K/V gather buffers, grown to the largest selection seen."""
+        ws = self._workspace
+        if (
+            ws is None
+            or ws[0].shape[0] < rows
+            or ws[0].shape[1:] != like.shape[1:]
+            or ws[0].dtype != like.dtype
+        ):
+            shape = (rows, *like.shape[1:])
+            ws = (like.new_empty(shape), like.new_empty(shape))
+            self._workspace = ws
+        return ws
 
     # ------------------------------------------------------------ scheduler
     def _on_request_begin(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
