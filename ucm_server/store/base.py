@@ -211,11 +211,11 @@ class Tier(abc.ABC):
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Read a batch. Default: ``read_into`` per block, ``max_concurrency`` at a time."""
-        return await _bounded_gather(self.max_concurrency, [self.read_into(k, d) for k, d in items])
+        return await bounded_gather(self.max_concurrency, [self.read_into(k, d) for k, d in items])
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Write a batch. Default: ``write_from`` per block, ``max_concurrency`` at a time."""
-        return await _bounded_gather(self.max_concurrency, [self.write_from(k, s) for k, s in items])
+        return await bounded_gather(self.max_concurrency, [self.write_from(k, s) for k, s in items])
 
     async def info(self, key: BlockKey) -> BlockInfo | None:
         """Metadata of one block. Default: a lookup (no checksum known)."""
@@ -236,7 +236,8 @@ class Tier(abc.ABC):
         return 0
 
 
-async def _bounded_gather(limit: int, coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+async def bounded_gather(limit: int, coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """``asyncio.gather`` with at most ``limit`` coroutines running at once."""
     sem = asyncio.Semaphore(limit)
 
     async def run(c: Coroutine[Any, Any, T]) -> T:

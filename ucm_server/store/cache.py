@@ -233,11 +233,9 @@ class CacheTier(Tier):
     # A GPU copy cannot go through memoryviews: it DMAs into the arena's pages by address. A load
     # leases the block and reads ``host_runs``; a dump reserves pages, fills them, then commits.
     def lease_for_read(self, key: BlockKey) -> Lease | None:
-        """:meth:`lease`, counted as a read (hit or miss) in the tier's statistics."""
+        """:meth:`lease`, counted as a hit when found (a miss is counted by the read that follows)."""
         lease = self.lease(key)
-        if lease is None:
-            self._stats.misses += 1
-        else:
+        if lease is not None:
             self._stats.hits += 1
             self._stats.read_bytes += lease.size
         return lease

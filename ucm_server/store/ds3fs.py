@@ -35,9 +35,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.config import parse_size
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
-from ucm_server.store.base import MISSING, OK, BlockInfo, BlockResult, IoVec, copy_iov, failed, iov_len
+from ucm_server.store.base import (
+    MISSING,
+    OK,
+    BlockInfo,
+    BlockResult,
+    IoVec,
+    bounded_gather,
+    copy_iov,
+    failed,
+    iov_len,
+)
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,
@@ -47,6 +56,7 @@ from ucm_server.store.format import (
     verify_payload,
 )
 from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _fsync_dir
+from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,20 +154,7 @@ class DS3FSTier(PosixTier):
     @classmethod
     def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
         """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key."""
-        out: dict[str, Any] = {}
-        for key, value in settings.items():
-            want = cls._SETTINGS.get(key)
-            if want is None:
-                known = ", ".join(sorted(cls._SETTINGS))
-                raise ConfigError(f"tier {name!r} (DS3FS): unknown setting {key!r}; known: {known}")
-            try:
-                out[key] = _coerce(value, want)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(
-                    f"tier {name!r} (DS3FS): setting {key!r} must be {want.__name__}, got {value!r}"
-                ) from exc
-        if "mount" not in out:
-            raise ConfigError(f"tier {name!r} (DS3FS): setting 'mount' (the 3FS mount point) is required")
+        out = check_settings("DS3FS", name, settings, cls._SETTINGS, required=("mount",))
         return cls(name, **out)
 
     # -- life cycle ---------------------------------------------------------------------------------------
@@ -281,7 +278,7 @@ class DS3FSTier(PosixTier):
         if stale:
             await self._discover(stale, force=True)
         if self._usrbio is None:
-            return await _gather_bounded(
+            return await bounded_gather(
                 self.max_concurrency, [super(DS3FSTier, self).read_into(k, d) for k, d in items]
             )
         return await self._usrbio_batches(items, read=True)
@@ -290,7 +287,7 @@ class DS3FSTier(PosixTier):
         for key, _ in items:
             self._absent.pop(key, None)
         if self._usrbio is None:
-            return await _gather_bounded(
+            return await bounded_gather(
                 self.max_concurrency, [super(DS3FSTier, self).write_from(k, s) for k, s in items]
             )
         return await self._usrbio_batches(items, read=False)
@@ -613,34 +610,3 @@ class _Usrbio:
             if fd is not None:
                 self._h3io.deregister_fd(fd)
                 os.close(fd)
-
-
-async def _gather_bounded(limit: int, coros: Sequence[Any]) -> list[BlockResult]:
-    sem = asyncio.Semaphore(limit)
-
-    async def one(c: Any) -> BlockResult:
-        async with sem:
-            result: BlockResult = await c
-            return result
-
-    return list(await asyncio.gather(*(one(c) for c in coros)))
-
-
-def _coerce(value: object, want: type) -> object:
-    if want is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise TypeError(value)
-    if want is int:
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise TypeError(value)
-        return parse_size(value)
-    if want is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise TypeError(value)
-        return float(value)
-    if not isinstance(value, str | os.PathLike):
-        raise TypeError(value)
-    return str(value)

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.config import parse_size
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
     MISSING,
@@ -70,6 +69,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -193,7 +193,7 @@ class MooncakeTier(Tier):
     @classmethod
     def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
         """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key."""
-        return cls(name, **_check_settings(cls.kind, name, settings, cls._SETTINGS))
+        return cls(name, **check_settings(cls.kind, name, settings, cls._SETTINGS))
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -578,42 +578,3 @@ def _replica_sizes(store: Any, names: list[str]) -> dict[str, int]:
                 sizes[name] = int(r.get_memory_descriptor().buffer_descriptor.size)
                 break
     return sizes
-
-
-def _check_settings(
-    kind: str, name: str, settings: Mapping[str, object], fields: Mapping[str, type]
-) -> dict[str, Any]:
-    """Validate a settings mapping against ``fields`` (key -> type); errors name the tier and key."""
-    out: dict[str, Any] = {}
-    for key, value in settings.items():
-        want = fields.get(key)
-        if want is None:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"tier {name!r} ({kind}): unknown setting {key!r}; known: {known}")
-        try:
-            out[key] = _coerce(value, want)
-        except (TypeError, ValueError) as exc:  # ConfigError from parse_size is a ValueError too
-            raise ConfigError(
-                f"tier {name!r} ({kind}): setting {key!r} must be {want.__name__}, got {value!r}"
-            ) from exc
-    return out
-
-
-def _coerce(value: object, want: type) -> object:
-    if want is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise TypeError(value)
-    if want is int:
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise TypeError(value)
-        return parse_size(value)
-    if want is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise TypeError(value)
-        return float(value)
-    if not isinstance(value, str):
-        raise TypeError(value)
-    return value

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self, TypeVar, cast
 
 from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.config import parse_size
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
     MISSING,
@@ -48,6 +47,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -162,19 +162,7 @@ class S3Tier(Tier):
     def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
         """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key (and
         never echo a credential's value)."""
-        out: dict[str, Any] = {}
-        for key, value in settings.items():
-            want = cls._SETTINGS.get(key)
-            if want is None:
-                known = ", ".join(sorted(cls._SETTINGS))
-                raise ConfigError(f"tier {name!r} (S3): unknown setting {key!r}; known: {known}")
-            try:
-                out[key] = _coerce(value, want)
-            except (TypeError, ValueError) as exc:
-                shown = "<hidden>" if key in ("secret_key", "session_token") else repr(value)
-                raise ConfigError(
-                    f"tier {name!r} (S3): setting {key!r} must be {want.__name__}, got {shown}"
-                ) from exc
+        out = check_settings("S3", name, settings, cls._SETTINGS, secrets=("secret_key", "session_token"))
         return cls(name, **out)
 
     # -- life cycle ---------------------------------------------------------------------------------------
@@ -477,23 +465,3 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, ClientError):
         return _code(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def _coerce(value: object, want: type) -> object:
-    if want is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise TypeError(value)
-    if want is int:
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise TypeError(value)
-        return parse_size(value)
-    if want is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise TypeError(value)
-        return float(value)
-    if not isinstance(value, str):
-        raise TypeError(value)
-    return value
