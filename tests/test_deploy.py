@@ -361,6 +361,17 @@ def test_k8s_manifests_parse_and_are_complete(manifests: dict[tuple[str, str], d
             assert selector.items() <= labels.items(), f"{kind}/{name}: selector does not match its pods"
 
 
+def test_kustomize_builds_the_same_objects(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """`kubectl kustomize deploy/k8s` (offline, no cluster) renders exactly the objects of the files."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: kustomization.yaml checked statically only")
+    proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rendered = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(proc.stdout) if d}
+    assert rendered == {key for key in manifests if key[0] != "Kustomization"}
+
+
 def test_configmap_config_loads(
     configmap_yaml: Path, image: Image, manifests: dict[tuple[str, str], dict[str, Any]]
 ) -> None:
