@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 __all__ = ["build_tiny_llama"]
@@ -157,6 +158,7 @@ def build_tiny_llama(
         tmp.rename(out)
     except OSError:
         # Another process finished the same build first; its checkpoint is identical.
+        shutil.rmtree(tmp, ignore_errors=True)
         if not (out / _DONE_MARKER).exists():
             raise
     return out
