@@ -388,12 +388,18 @@ def test_bad_gpu_requests_are_refused_up_front(tmp_path: Path) -> None:
             with SharedBuffer(BLOCK) as shm:
                 host = engine.register_region(sid, shm.name, shm.size, "host").region_id
                 with pytest.raises(InvalidArgument, match="cannot mix host and GPU"):
-                    await engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [rid, host], [0, 0], [BLOCK, BLOCK])
+                    await engine.submit_io(
+                        TaskKind.DUMP, sid, NS, keys(2), [], [rid, host], [0, 0], [BLOCK, BLOCK]
+                    )
                 with pytest.raises(InvalidArgument, match="cannot mix host and GPU"):
-                    await engine.submit_io(TaskKind.DUMP, sid, NS, keys(2), [], [host, rid], [0, 0], [BLOCK, BLOCK])
+                    await engine.submit_io(
+                        TaskKind.DUMP, sid, NS, keys(2), [], [host, rid], [0, 0], [BLOCK, BLOCK]
+                    )
                 # Host regions keep working beside GPU ones.
                 shm.buf[:] = os.urandom(BLOCK)
-                host_task = await engine.submit_io(TaskKind.DUMP, sid, NS, keys(1, "h"), [], [host], [0], [BLOCK])
+                host_task = await engine.submit_io(
+                    TaskKind.DUMP, sid, NS, keys(1, "h"), [], [host], [0], [BLOCK]
+                )
                 await host_task.done.wait()
                 assert states(host_task) == [BlockState.OK]
                 engine.unregister_region(sid, host)
