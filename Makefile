@@ -53,7 +53,9 @@ lint: install-test
 	$(BIN)/ruff check ucm_server ucm_client tests benchmarks scripts
 	$(BIN)/mypy ucm_server ucm_client
 
+# The LMCache peer runs in its own venv (.venv-lmcache); if it cannot be set up, its columns say n/a.
 bench: install-test
+	-bash scripts/setup_lmcache.sh
 	$(BIN)/python -m benchmarks
 
 clean:

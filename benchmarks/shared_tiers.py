@@ -40,6 +40,8 @@ from tests.support.services import ServiceUnavailable, start_ceph_rgw, start_moo
 from ucm_server.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import IoVec, Tier
 
+LOOKUP_KEYS = 2048
+
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 4)
@@ -117,6 +119,62 @@ def _compare(
     return out
 
 
+# -- through the daemon ------------------------------------------------------------------------------------
+
+
+def through_daemon(
+    workdir: Path, tier: str, settings: dict[str, Any], n: int, size: int, rounds: int, lookup_keys: int
+) -> dict[str, Any]:
+    """Dump/Load through a real ``ucm-server`` whose only tier is the shared one (so every byte goes
+    to the engine and back), and a Lookup of ``lookup_keys`` keys that a second daemon (``Cache|tier``)
+    has never seen: its local index misses, the shared tier answers in one batch."""
+    import yaml
+
+    from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+    from ucm_server.testing.daemon import DaemonProcess
+
+    def config(pipeline: str, name: str) -> Path:
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"store_pipeline": pipeline, "tier_settings": {tier: settings}}))
+        return path
+
+    ns = namespace_id(bench=uuid.uuid4().hex)
+    out: dict[str, Any] = {}
+    with (
+        DaemonProcess(workdir / "a", args=["--config", str(config(tier, "a"))]) as a,
+        UcmClient(a.target) as c,
+        SharedBuffer(n * size) as buf,
+    ):
+        buf.buf[:] = os.urandom(n * size)
+        region = c.register(buf)
+        blocks = [BlockIO(key_digest("t", i), (Segment(region, i * size, size),)) for i in range(n)]
+        dumps, loads = [], []
+        for _ in range(rounds):
+            dumps.append(_timed(lambda: c.wait(c.dump(ns, blocks, wait_durable=True), 300)))
+            loads.append(_timed(lambda: c.wait(c.load(ns, blocks), 300)))
+        assert c.wait(c.load(ns, blocks), 300).ok
+        out["daemon_dump_GBps"] = _gbps(n * size, statistics.median(dumps))
+        out["daemon_load_GBps"] = _gbps(n * size, statistics.median(loads))
+        small = [
+            BlockIO(key_digest("l", i), (Segment(region, (i % n) * size, 4096),)) for i in range(lookup_keys)
+        ]
+        for start in range(0, lookup_keys, 512):
+            assert c.wait(c.dump(ns, small[start : start + 512], wait_durable=True), 300).ok
+        keys = [b.key for b in small]
+        with (
+            DaemonProcess(workdir / "b", args=["--config", str(config(f"Cache|{tier}", "b"))]) as b,
+            UcmClient(b.target) as cb,
+        ):
+            first = _timed(lambda: cb.lookup(ns, keys))
+            samples = []
+            for _ in range(20):
+                samples.append(_timed(lambda: cb.lookup(ns, keys)))
+            assert cb.lookup(ns, keys).hit_prefix == lookup_keys
+        out["lookup_first_ms"] = round(first * 1e3, 3)
+        out["lookup_p50_ms"] = round(statistics.median(samples) * 1e3, 3)
+    return out
+
+
 # -- Mooncake ---------------------------------------------------------------------------------------------
 
 
@@ -164,7 +222,11 @@ def bench_mooncake(workdir: Path, n: int, size: int, rounds: int) -> dict[str, A
         finally:
             direct.unregister_buffer(addr)
             direct.close()
-        return {"start_s": round(master.started_in_s, 3), **result}
+        settings = {"master_address": master.address, "global_segment_size": 0, "timeout_s": 30.0}
+        daemon = through_daemon(
+            workdir / "mooncake-daemon", "Mooncake", settings, n, size, rounds, LOOKUP_KEYS
+        )
+        return {"start_s": round(master.started_in_s, 3), **result, "through_daemon": daemon}
     finally:
         storage.close()
         master.stop()
@@ -223,6 +285,17 @@ def bench_s3(workdir: Path, n: int, size: int, rounds: int, workers: int) -> dic
         )
         try:
             result = _compare(n * size, rounds, put, get, _Interleaved(tier, keys, datas))
+            settings = {
+                "endpoint_url": rgw.endpoint,
+                "bucket": "bench",
+                "access_key": rgw.access_key,
+                "secret_key": rgw.secret_key,
+                "max_workers": workers,
+                "timeout_s": 60.0,
+            }
+            result["through_daemon"] = through_daemon(
+                workdir / "s3-daemon", "S3", settings, n, size, rounds, LOOKUP_KEYS
+            )
         finally:
             pool.shutdown()
         return {"start_s": round(rgw.started_in_s, 3), "workers": workers, **result}
@@ -250,8 +323,39 @@ def main(argv: list[str] | None = None) -> int:
                     report[name] = bench_s3(Path(tmp), args.blocks, size, args.rounds, args.s3_workers)
             except (ServiceUnavailable, ImportError) as exc:
                 report[name] = {"skipped": str(exc)}
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2), file=sys.stderr)
+    md = table(report)
+    print(md)
+    out = Path(__file__).parent / "results" / "shared_tiers.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(md + "\n")
     return 0
+
+
+def table(report: dict[str, Any]) -> str:
+    mib = report["block_bytes"] >> 20
+    lines = [
+        f"| tier ({report['blocks']}×{mib} MiB) | engine's own client write / read | "
+        "tier in-process (ratio) | through ucm-server (ratio) | Lookup 2,048 keys missing locally, p50 |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("mooncake", "s3"):
+        r = report.get(name)
+        if not r or "skipped" in r:
+            lines.append(f"| {name} | skipped: {(r or {}).get('skipped', 'not run')} | | | |")
+            continue
+        w, rd, d = r["write"], r["read"], r.get("through_daemon", {})
+        dw = d.get("daemon_dump_GBps", 0.0)
+        dr = d.get("daemon_load_GBps", 0.0)
+        lines.append(
+            f"| {name} | {w['engine_GBps']:.2f} / {rd['engine_GBps']:.2f} GB/s | "
+            f"write {w['ratio']:.2f}×, read {rd['ratio']:.2f}× | "
+            f"dump {dw:.2f} GB/s ({dw / w['engine_GBps']:.2f}×), "
+            f"load {dr:.2f} GB/s ({dr / rd['engine_GBps']:.2f}×) | "
+            f"{d.get('lookup_p50_ms', float('nan')):.2f} ms "
+            f"(first {d.get('lookup_first_ms', float('nan')):.1f} ms) |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

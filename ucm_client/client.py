@@ -21,7 +21,7 @@ from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
 from ucm_client.gpu import CudaIpcExport, as_export
-from ucm_client.types import BlockIO, BlockState, LookupResult, TaskResult, as_batch
+from ucm_client.types import KEY_BYTES, BlockIO, BlockState, LookupResult, TaskResult, as_batch
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument, UcmError, Unavailable, error_for_status
 from ucm_server.api.paths import target_for
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
@@ -276,14 +276,16 @@ class AsyncUcmClient:
 
     # -- the store ------------------------------------------------------------------------------------
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
+        """Which keys the store holds, and how many leading ones (the hit prefix). Keys travel packed."""
+        if any(len(k) != KEY_BYTES for k in keys):  # the daemon's error names the bad index
+            request = pb.LookupRequest(namespace=namespace, keys=keys)
+        else:
+            request = pb.LookupRequest(namespace=namespace, packed_keys=b"".join(keys))
         resp = await self._call(
-            lambda: self.kv.Lookup(
-                pb.LookupRequest(namespace=namespace, keys=keys),
-                metadata=self._metadata(),
-                timeout=self.rpc_timeout_s,
-            )
+            lambda: self.kv.Lookup(request, metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
-        return LookupResult(present=list(resp.present), hit_prefix=resp.hit_prefix)
+        present = list(map(bool, resp.present_bytes)) if resp.present_bytes else list(resp.present)
+        return LookupResult(present=present, hit_prefix=resp.hit_prefix)
 
     async def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
         """Start copying blocks from the store into registered memory; returns the task id."""

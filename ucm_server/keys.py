@@ -86,6 +86,13 @@ def make_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
     return [BlockKey(ns, d) for d in digests]
 
 
+def unpack_digests(packed: bytes) -> list[bytes]:
+    """Split concatenated 32-byte keys (the Lookup RPC's ``packed_keys``)."""
+    if len(packed) % KEY_BYTES:
+        raise InvalidArgument(f"packed_keys is {len(packed)} bytes, not a multiple of {KEY_BYTES}")
+    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
 def check_digests(digests: Sequence[bytes]) -> None:
     """Every digest is KEY_BYTES long; on error, name the first bad index."""
     if set(map(len, digests)) - {KEY_BYTES}:  # C-level scan; find the index only on error

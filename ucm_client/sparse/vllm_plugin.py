@@ -75,7 +75,7 @@ def register() -> None:
     """Register the sparse CPU attention backend in this process (idempotent)."""
     problem = _compatibility()
     if problem is not None:
-        logger.warning("UCM sparse attention not registered: %s", problem)
+        logger.info("UCM sparse attention not registered: %s", problem)  # dense attention is unaffected
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

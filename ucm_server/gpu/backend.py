@@ -104,6 +104,11 @@ class CupyBackend:
         return int(self._call("getDeviceCount"))
 
     def device_uuid(self, device: int) -> bytes:
+        # From the driver, as the client reads it: cupy's property copies the UUID as a C string and so
+        # cuts it at its first zero byte.
+        uuid = _driver_uuid(self._libcuda, device)
+        if uuid:
+            return uuid
         props = self._call("getDeviceProperties", device)
         return bytes(props.get("uuid", b""))
 
@@ -167,6 +172,27 @@ def _libcuda() -> Any | None:
     fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
     fn.restype = ctypes.c_int
     return lib
+
+
+def _driver_uuid(lib: Any | None, device: int) -> bytes:
+    """The device's 16-byte UUID from the driver (``cuDeviceGetUuid_v2``), or b"" if unavailable."""
+    if lib is None:
+        return b""
+    try:
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        cu_device = ctypes.c_int()
+        if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(cu_device), device) != 0:
+            return b""
+        out = ctypes.create_string_buffer(16)
+        for name in ("cuDeviceGetUuid_v2", "cuDeviceGetUuid"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+                return out.raw if fn(out, cu_device) == 0 else b""
+    except (AttributeError, OSError):
+        pass
+    return b""
 
 
 def _allocation_size(lib: Any | None, ptr: int) -> int | None:

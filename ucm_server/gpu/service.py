@@ -366,7 +366,7 @@ class GpuService:
         return region
 
     def _device(self, device: int, device_uuid: bytes) -> int:
-        if device_uuid:
+        if device_uuid and self._uuids:  # (a daemon that cannot read UUIDs goes by the ordinal)
             dev = self._uuids.get(bytes(device_uuid))
             if dev is None:
                 raise InvalidArgument(

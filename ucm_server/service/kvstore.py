@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from ucm_server.api.errors import InvalidArgument
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
+from ucm_server.keys import unpack_digests
 from ucm_server.tasks import Task, TaskKind
 
 SESSION_METADATA = "ucm-session"
@@ -88,6 +90,13 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.UnregisterRegionResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
+        if request.packed_keys:
+            if request.keys:
+                raise InvalidArgument("send keys or packed_keys, not both")
+            answer = await self.engine.lookup(
+                request.namespace, unpack_digests(request.packed_keys), checked=True
+            )
+            return pb.LookupResponse(present_bytes=bytes(answer.present), hit_prefix=answer.hit_prefix)
         answer = await self.engine.lookup(request.namespace, list(request.keys))
         return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
 

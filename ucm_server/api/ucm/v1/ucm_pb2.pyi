@@ -182,20 +182,24 @@ class TaskStatus(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., state: _Optional[_Union[TaskState, str]] = ..., block_status: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., reasons: _Optional[_Mapping[int, str]] = ..., bytes_done: _Optional[int] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "packed_keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_keys: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., packed_keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("present", "hit_prefix")
+    __slots__ = ("present", "hit_prefix", "present_bytes")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     HIT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     present: _containers.RepeatedScalarFieldContainer[bool]
     hit_prefix: int
-    def __init__(self, present: _Optional[_Iterable[bool]] = ..., hit_prefix: _Optional[int] = ...) -> None: ...
+    present_bytes: bytes
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., hit_prefix: _Optional[int] = ..., present_bytes: _Optional[bytes] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace", "keys")
