@@ -312,6 +312,14 @@ class Engine:
                 await self.gpu.run(task, keys, plan, durable)
             finally:
                 self.regions.unpin(plan.regions)
+            if self.ledger is not None:  # per-tenant quotas, as for host blocks
+                ok = [i for i, state in enumerate(task.states) if state == BlockState.OK]
+                if kind is TaskKind.LOAD:
+                    self.ledger.touched([keys[i] for i in ok])
+                    return
+                victims = [v for i in ok for v in self.ledger.stored(keys[i], plan.blocks[i].nbytes)]
+                if victims:
+                    await self.pipeline.delete(victims)
 
         return self.tasks.submit(kind, session.session_id, len(keys), body)
 

@@ -464,3 +464,23 @@ def test_pair_runs_splits_and_merges() -> None:
     assert pair_runs([(100, 3), (103, 3)], [(0, 2), (50, 4)]) == [(100, 0, 2), (102, 50, 4)]
     assert pair_runs([], []) == []
     assert ctypes.sizeof(ctypes.c_char * 1) == 1
+
+
+def test_gpu_dumps_count_against_the_tenant_quota(tmp_path: Path) -> None:
+    from ucm_server.auth import Principal, current_principal
+    from ucm_server.tenants import TenantLedger
+
+    async def body() -> None:
+        async with gpu_engine(tmp_path) as (engine, _fake):
+            engine.ledger = TenantLedger(tmp_path / "tenants.json", {"acme": 4 * BLOCK})
+            current_principal.set(Principal(tenant="acme", admin=False, quota=4 * BLOCK))
+            sid = engine.attach("gpu", os.getpid()).session_id
+            n = 8
+            src = Device(n * BLOCK)
+            await src.register(engine, sid)
+            assert states(await io(engine, TaskKind.DUMP, sid, keys(n), src.region)) == [BlockState.OK] * n
+            answer = await engine.lookup(NS, keys(n))
+            assert answer.present == [False] * 4 + [True] * 4  # the oldest went to make room
+            assert engine.ledger.usage("acme") == 4 * BLOCK
+
+    run(body)
