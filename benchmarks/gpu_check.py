@@ -229,7 +229,7 @@ def _markdown(report: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=512, help="2 MiB blocks per transfer (default 512 = 1 GiB)")
+    ap.add_argument("--blocks", type=int, default=1024, help="2 MiB blocks per transfer (1024 = 2 GiB)")
     ap.add_argument("--rounds", type=int, default=5, help="timed passes of each kind (median reported)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/ucm-gpu-check"))
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh fetch      # on a machine WITH network: wheels into .whl/ (about 8 MB)
 #   bash benchmarks/gpu_check.sh [options]  # on the GPU machine (no network needed): the check itself
 #
-# The check (benchmarks/gpu_check.py, all steps bounded by timeouts, about a minute in all):
+# The check (benchmarks/gpu_check.py, all steps bounded by timeouts, about a minute in all; 2 GiB per transfer by default):
 #   1. a ucm-server with a pinned Cache (gpu: on) and a separate client process with torch CUDA tensors
 #      registered by CUDA IPC; N 2 MiB blocks dumped GPU -> daemon and loaded into another GPU tensor,
 #      bytes compared; then the same through Cache|Posix with a Cache too small to hold them;
