@@ -11,7 +11,8 @@
 #   2. throughput of dump and load against plain cudaMemcpyAsync device <-> pinned host of the same blocks
 #      in the client process, in the same run; prints JSON and a markdown table, writes them to $OUT
 #      (or --out) as gpu_check.json / gpu_check.md.
-# Options are passed to gpu_check.py (--blocks N, --rounds R, --out DIR); see --help.
+# Then it runs `pytest tests/gpu` (log in pytest-gpu.log). Options go to gpu_check.py (--blocks N,
+# --rounds R); see --help. Whole run: well under 10 minutes, each step under `timeout`.
 #
 # What it needs beyond the GPU image (torch, cupy, grpcio, protobuf, uvloop, prometheus-client, pyyaml,
 # xxhash, rich): grpcio-health-checking and grpcio-reflection, and grpcio/protobuf at least as new as the
@@ -62,4 +63,9 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 timeout 20 nvidia-smi -L || echo "nvidia-smi not available"
-exec timeout 540 "$PY" "$ROOT/benchmarks/gpu_check.py" --out "$OUT_DIR" "$@"
+rc=0
+timeout 420 "$PY" "$ROOT/benchmarks/gpu_check.py" --out "$OUT_DIR" "$@" || rc=$?
+# The GPU tests of the suite too (real-device tests are skipped elsewhere with "no CUDA device").
+echo "== pytest tests/gpu"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tee "$OUT_DIR/pytest-gpu.log" | tail -15 || true
+exit "$rc"
