@@ -217,7 +217,9 @@ def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Pa
 
 
 def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: Path) -> None:
-    socket = tmp_path / "late" / "ucm.sock"
+    """Down at start, then a daemon appears at the default socket: no extra config, no UCM_SOCKET."""
+    runtime = tmp_path / "xdg"
+    socket = runtime / "ucm" / "ucm.sock"  # the daemon's and the client's default under XDG_RUNTIME_DIR
     report = run_vllm(
         tmp_path / "run",
         {
@@ -225,7 +227,7 @@ def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: 
             "prompts": [P1, P1, P1],
             "connector": True,
             "prefix_caching": False,  # every hit must come from the daemon
-            "extra_config": {"reconnect_interval_s": 0.5},
+            "extra_config": {},  # defaults only; the retry interval comes from the environment
             "start_daemon": {
                 "before_prompt": 1,
                 "socket": str(socket),
@@ -233,7 +235,8 @@ def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: 
                 "settle_s": 1.0,
             },
         },
-        socket=socket,
+        socket=None,
+        env={"XDG_RUNTIME_DIR": str(runtime), "UCM_RECONNECT_INTERVAL_S": "0.5"},
     )
     assert report["outputs"] == [store.expected(P1)] * 3
     # Down at start: no hit. Back: the second run saves, the third loads what it saved.
@@ -245,3 +248,15 @@ def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: 
 def test_daemon_process_helper_is_stopped(store: Store) -> None:
     """Guard: the module's daemon is a real process that is still serving after all the runs."""
     assert isinstance(store.daemon, DaemonProcess) and store.daemon.healthy()
+
+
+def test_unstable_hash_setting_is_refused(store: Store, tmp_path: Path) -> None:
+    """xxhash without PYTHONHASHSEED: hashes differ per process, so the connector refuses to start."""
+    report = run_vllm(
+        tmp_path,
+        {"model": str(store.model), "prompts": [P1], "connector": True, "hash_algo": "xxhash"},
+        socket=store.daemon.socket,
+        expect_failure=True,
+    )
+    assert "seeds block hashes randomly in every process" in report["log"]
+    assert "PYTHONHASHSEED" in report["log"]

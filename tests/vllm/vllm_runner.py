@@ -6,7 +6,7 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``prefix_caching`` (bool),
+``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
 ``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
 "data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
@@ -90,6 +90,8 @@ def main(spec_path: str, result_path: str) -> None:
         "seed": 0,
         "enable_prefix_caching": spec.get("prefix_caching", True),
     }
+    if spec.get("hash_algo"):
+        kwargs["prefix_caching_hash_algo"] = spec["hash_algo"]
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if spec.get("connector"):
