@@ -129,3 +129,57 @@ def test_socket_is_owner_only(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "a", socket=tmp_path / "run" / "ucm" / "ucm.sock") as d:
         assert d.socket.stat().st_mode & 0o777 == 0o600
         assert d.socket.parent.stat().st_mode & 0o777 == 0o700  # the daemon made its directory private
+
+
+def test_two_daemons_cannot_share_a_data_dir(tmp_path: Path) -> None:
+    from ucm_server.testing.daemon import DaemonProcess
+
+    with DaemonProcess(tmp_path / "a") as d:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ucm_server",
+                "--socket",
+                str(tmp_path / "b.sock"),
+                "--data-dir",
+                str(d.data_dir),
+                "--metrics-address",
+                "off",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2
+        assert "is in use by another ucm-server" in proc.stderr
+        assert d.healthy()
+
+
+def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ucm_server",
+                "--socket",
+                str(tmp_path / "s.sock"),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--metrics-address",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2
+    assert f"metrics_address 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "s.sock").exists()

@@ -67,7 +67,7 @@ def test_unavailable_when_no_daemon(tmp_path: Path) -> None:
     try:
         c.connect()
     except Unavailable as exc:
-        assert "no ucm-server answering" in str(exc)
+        assert "no ucm-server socket at" in str(exc)
     else:
         raise AssertionError("connect() to a missing socket succeeded")
     finally:

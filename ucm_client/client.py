@@ -22,7 +22,14 @@ from grpc import aio
 from ucm_client.buffers import SharedBuffer
 from ucm_client.gpu import CudaIpcExport, as_export
 from ucm_client.types import KEY_BYTES, BlockIO, BlockState, LookupResult, TaskResult, as_batch
-from ucm_server.api.errors import FailedPrecondition, InvalidArgument, UcmError, Unavailable, error_for_status
+from ucm_server.api.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    UcmError,
+    Unavailable,
+    error_for_status,
+)
 from ucm_server.api.paths import target_for
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
@@ -112,6 +119,8 @@ class AsyncUcmClient:
                 channel = aio.secure_channel(self.target, creds, options=options)
             else:
                 channel = aio.insecure_channel(self.target, options=options)
+            if self.target.startswith("unix://"):
+                _check_socket(Path(self.target.removeprefix("unix://")))
             try:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
@@ -402,6 +411,18 @@ class AsyncUcmClient:
     async def stats(self) -> pb.StatsResponse:
         return await self._call(
             lambda: self.admin.Stats(pb.StatsRequest(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
+        )
+
+
+def _check_socket(path: Path) -> None:
+    """Say precisely why a Unix socket cannot be used, rather than a generic 'not answering'."""
+    if not path.exists():
+        raise Unavailable(f"no ucm-server socket at {path} (is it running? try `ucm-server`)")
+    if not os.access(path, os.R_OK | os.W_OK):
+        st = path.stat()
+        raise PermissionDenied(
+            f"socket {path} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}; this process "
+            f"(uid {os.geteuid()}) may not use it: run as the daemon's user"
         )
 
 

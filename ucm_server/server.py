@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -39,7 +40,16 @@ SERVICES = ("ucm.v1.KVStore", "ucm.v1.Admin")
 
 def _prepare_socket(path: Path) -> None:
     """Create the socket's directory (0700) and clear a stale socket, refusing a live one."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(f"socket {path}: cannot create its directory: {exc.strerror}") from exc
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        st = path.parent.stat()
+        raise ConfigError(
+            f"socket {path}: directory {path.parent} (owner uid {st.st_uid}, mode {st.st_mode & 0o7777:o}) "
+            f"is not writable by this daemon (uid {os.geteuid()})"
+        )
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -50,6 +60,24 @@ def _prepare_socket(path: Path) -> None:
             raise ConfigError(f"socket {path}: another ucm-server is already listening there")
         finally:
             probe.close()
+
+
+def _lock_dir(path: Path) -> int:
+    """An exclusive lock on ``path/.ucm.lock`` for the daemon's lifetime: two daemons sharing a data
+    directory would each index and evict the other's files."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path / ".ucm.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"directory {path}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"directory {path} is in use by another ucm-server (lock {path / '.ucm.lock'})"
+        ) from None
+    return fd
 
 
 def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -83,9 +111,17 @@ class Daemon:
         self._stop = asyncio.Event()
         self.metrics_port: int | None = None
         self.tcp_port: int | None = None
+        self._locks: list[int] = []
 
     async def start(self) -> None:
         cfg = self.config
+        roots = {cfg.data_dir, *(cfg.posix_roots if "Posix" in cfg.tiers else [])}
+        self._locks = [_lock_dir(p) for p in sorted(roots)]
+        if cfg.metrics_address not in ("", "off"):  # bind before serving: a busy port fails cleanly
+            try:
+                self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
+            except OSError as exc:
+                raise ConfigError(f"metrics_address {cfg.metrics_address}: {exc.strerror}") from exc
         await self.engine.open()
         ucm_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.engine), self.server)
         ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
@@ -114,8 +150,6 @@ class Daemon:
             log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
-        if cfg.metrics_address not in ("", "off"):
-            self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -122,3 +122,29 @@ def test_corrupt_payload_leaves_no_bytes_in_the_destination(tmp_path: Path) -> N
         await t.close()
 
     asyncio.run(main())
+
+
+def test_blocks_of_another_format_version_are_skipped_not_quarantined(tmp_path: Path) -> None:
+    """A newer daemon on a shared mount may have written them: leave them alone."""
+
+    async def write() -> None:
+        t = _open(tmp_path)
+        await t.open()
+        await t.write_from(key(1), [memoryview(payload(1, 4096))])
+        await t.close()
+
+    asyncio.run(write())
+    (path,) = list(tmp_path.rglob("*.blk"))
+    raw = bytearray(path.read_bytes())
+    raw[4:6] = (2).to_bytes(2, "little")  # format version 2
+    path.write_bytes(raw)
+
+    async def reopen() -> None:
+        t = _open(tmp_path)
+        await t.open()
+        assert await t.lookup([key(1)]) == [None]
+        assert t.stats().corrupt == 0
+        await t.close()
+
+    asyncio.run(reopen())
+    assert path.exists()

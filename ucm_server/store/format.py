@@ -34,6 +34,11 @@ class CorruptBlock(Exception):
     """A stored object that is not a valid block; the message says which check failed."""
 
 
+class UnsupportedFormat(CorruptBlock):
+    """A valid-looking block of another format version (a newer daemon wrote it): not ours to read,
+    and not ours to quarantine either — on a shared tier another node may be serving it."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
     key: BlockKey
@@ -76,10 +81,12 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
     magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns = _FIELDS.unpack(fields)
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:  # checked before the CRC: another version may lay its header out anew
+        raise UnsupportedFormat(f"block format version {version}; this daemon reads version {FORMAT_VERSION}")
     if zlib.crc32(fields) != crc:
         raise CorruptBlock("header checksum mismatch")
-    if version != FORMAT_VERSION or header_len != HEADER_SIZE:
-        raise CorruptBlock(f"unsupported format version {version} (header {header_len} bytes)")
+    if header_len != HEADER_SIZE:
+        raise CorruptBlock(f"header length {header_len}, expected {HEADER_SIZE}")
     key = BlockKey(Namespace(ns), Digest(digest))
     if expect is not None and key != expect:
         raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")

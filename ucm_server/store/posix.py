@@ -46,6 +46,7 @@ from ucm_server.store.format import (
     HEADER_SIZE,
     BlockHeader,
     CorruptBlock,
+    UnsupportedFormat,
     decode_header,
     encode_header,
     payload_checksum,
@@ -137,6 +138,9 @@ class PosixTier(Tier):
             self._forget(key)  # evicted or deleted under us
             self._stats.misses += 1
             return MISSING
+        except UnsupportedFormat as exc:
+            self._forget(key)  # not ours to read, nor to quarantine
+            return failed(f"{self.name}: {exc}")
         except CorruptBlock as exc:
             await self._quarantine(key, str(exc))
             return failed(f"corrupt block in {self.name}: {exc}")
@@ -306,6 +310,9 @@ class PosixTier(Tier):
                 )
             if self.path_of(header.key) != path:
                 raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
+        except UnsupportedFormat as exc:
+            log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
+            return None
         except CorruptBlock as exc:
             self._move_to_quarantine(path, str(exc))
             return None
