@@ -28,11 +28,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ucm_client.types import BlockIO, TaskResult, key_digest
+from ucm_client.types import BlockIO, Segment, TaskResult, key_digest
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CudaIpcExport",
+    "CudaKVCache",
     "CudaUnavailable",
     "LayerwiseLoad",
     "export_pointer",
@@ -218,6 +219,71 @@ def producers_done(device: Any = None) -> None:
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(torch.cuda.current_stream(device))
     event.synchronize()
+
+
+# -- vLLM's GPU KV cache --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _LayerPages:
+    storage: int
+    """data_ptr of the storage holding this layer (one region per storage)."""
+    start: int
+    """Offset of block 0's page from the storage's start."""
+    stride: int
+    length: int
+
+
+class CudaKVCache:
+    """vLLM's GPU KV cache as daemon regions: each storage registered once, each block's segments.
+
+    What the connector's worker uses instead of the shared-memory staging buffer when vLLM runs on
+    CUDA: ``register`` once (and again after a daemon restart, which the client does by itself), then
+    ``segments(block_id)`` in Load/Dump. A block's bytes are every layer's page in address order, the
+    layout the staging path (``ucm_client.vllm.staging``) stores, so blocks saved either way load the
+    other way.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        unique: dict[int, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            if not tensor[0].is_contiguous():
+                raise RuntimeError(f"{name}: a block's page is not contiguous (strides {tensor.stride()})")
+            unique.setdefault(tensor.data_ptr(), tensor)
+        self._tensors = [unique[ptr] for ptr in sorted(unique)]
+        self.storages: dict[int, torch.Tensor] = {}
+        self.layers: list[_LayerPages] = []
+        for t in self._tensors:
+            storage_ptr = t.untyped_storage().data_ptr()
+            self.storages.setdefault(storage_ptr, t)
+            elem = t.element_size()
+            start = t.data_ptr() - storage_ptr
+            self.layers.append(_LayerPages(storage_ptr, start, t.stride(0) * elem, t[0].numel() * elem))
+        self.num_blocks = min(t.shape[0] for t in self._tensors)
+        self.block_bytes = sum(p.length for p in self.layers)
+        self.regions: dict[int, int] = {}
+
+    def register(self, client: UcmClient, *, label: str = "vllm-kv-cache") -> None:
+        """Register every storage once (exported in this thread, where torch's CUDA context is)."""
+        for storage_ptr, tensor in self.storages.items():
+            if storage_ptr not in self.regions:
+                self.regions[storage_ptr] = client.register_cuda(tensor, label=label)
+
+    def segments(self, block_id: int) -> tuple[Segment, ...]:
+        """The byte ranges of block ``block_id``, adjacent pages of one storage merged."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")
+        out: list[Segment] = []
+        for page in self.layers:
+            region = self.regions[page.storage]
+            offset = page.start + block_id * page.stride
+            last = out[-1] if out else None
+            if last is not None and last.region == region and last.offset + last.length == offset:
+                out[-1] = Segment(region, last.offset, last.length + page.length)
+            else:
+                out.append(Segment(region, offset, page.length))
+        return tuple(out)
+
+    def blocks(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> list[BlockIO]:
+        return [BlockIO(k, self.segments(b)) for k, b in zip(keys, block_ids, strict=True)]
 
 
 # -- layerwise loads -------------------------------------------------------------------------------------
