@@ -77,3 +77,26 @@ def test_tensor_inside_a_larger_allocation(gpu_daemon: DaemonProcess) -> None:
         assert client.wait(client.dump(NS, [BlockIO(key, (Segment(rp, BLOCK, BLOCK),))]), 30).ok
         assert client.wait(client.load(NS, [BlockIO(key, (Segment(ro, 0, BLOCK),))]), 30).ok
         assert torch.equal(out, big[4 * BLOCK : 5 * BLOCK])
+
+
+def test_vllm_style_kv_cache_round_trip(gpu_daemon: DaemonProcess) -> None:
+    """Per-layer CUDA KV tensors registered with CudaKVCache; blocks saved, wiped, loaded back."""
+    import torch
+
+    from ucm_client.gpu import CudaKVCache, producers_done
+
+    layers, blocks, shape = 4, 16, (2, 16, 8, 128)
+    caches = {f"l{i}": torch.randn(blocks, *shape, dtype=torch.float16, device="cuda") for i in range(layers)}
+    before = {name: t.clone() for name, t in caches.items()}
+    kv = CudaKVCache(caches)
+    keys = [key_digest("kv", b) for b in range(blocks)]
+    with UcmClient(gpu_daemon.target) as client:
+        kv.register(client)
+        producers_done()
+        assert client.wait(client.dump(NS, kv.blocks(keys, range(blocks))), 60).ok
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        assert client.wait(client.load(NS, kv.blocks(keys[::-1], range(blocks))), 60).ok
+        for name, t in caches.items():
+            assert torch.equal(t, before[name].flip(0)), name
