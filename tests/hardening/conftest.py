@@ -31,3 +31,15 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print how many cases each fuzzer ran (and how many hit a known bug), so reports can cite them."""
+    from hardening_helpers import FUZZ_COUNTS
+
+    if not FUZZ_COUNTS:
+        return
+    terminalreporter.section("fuzz cases run")
+    for name, count in sorted(FUZZ_COUNTS.items()):
+        terminalreporter.write_line(f"{count:6d}  {name}")
+    terminalreporter.write_line(f"{FUZZ_COUNTS.total():6d}  total")

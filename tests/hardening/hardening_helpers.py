@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -19,6 +20,9 @@ from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 FAULTS = "ucm_server.testing.faults"
 FAULT_TIER = f"{FAULTS}:FaultInjectingTier"
 SLOW_TIER = f"{FAULTS}:LatencyInjectingTier"
+
+FUZZ_COUNTS: Counter[str] = Counter()
+"""Cases the fuzzers ran, by target; the conftest prints them in the terminal summary."""
 
 
 def content(key: bytes, size: int) -> bytes:
