@@ -8,6 +8,7 @@ proto fields, the servicer, the engine, and the client's re-registration after a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -68,6 +69,10 @@ class InProcessDaemon:
         try:
             self._run(self.daemon.shutdown(1.0))
         finally:
+            # A real daemon's data-directory locks go with its process; this one's process stays.
+            for fd in getattr(self.daemon, "_locks", []):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
