@@ -186,7 +186,7 @@ def test_slow_tier_wait_times_out_cancel_is_prompt_and_lookups_stay_fast(tmp_pat
             t0 = time.monotonic()
             r = c.wait(task, 0.3)
             waited = time.monotonic() - t0
-            assert not r.done and 0.25 <= waited < 1.3, (r.done, waited)
+            assert not r.done and 0.25 <= waited < 2.0, (r.done, waited)  # margin for a busy 2-core box
 
             t0 = time.monotonic()
             answer = other.lookup(NS, keys)
@@ -198,7 +198,8 @@ def test_slow_tier_wait_times_out_cancel_is_prompt_and_lookups_stay_fast(tmp_pat
             r = c.cancel(task)
             cancel_s = time.monotonic() - t0
             assert r.done and r.cancelled
-            assert cancel_s < 2.0, f"cancel took {cancel_s:.2f}s"  # one chunk: 256 blocks / 16 at 50 ms
+            # It ends within the chunk under way: 256 blocks, 16 at a time, 50 ms each = 0.8 s.
+            assert cancel_s < 2.5, f"cancel took {cancel_s:.2f}s"
             cancelled = r.indices(BlockState.CANCELLED)
             assert cancelled, r.states
             assert set(r.states) <= {BlockState.OK, BlockState.CANCELLED}

@@ -37,12 +37,12 @@ def _posix_from_settings(name: str, settings: Mapping[str, Any], known: set[str]
     root = settings.get("root")
     if not isinstance(root, str) or not root:
         raise ConfigError(f"tier_settings.{name}.root: a directory for the wrapped Posix tier is required")
-    return PosixTier(
-        name,
-        roots=[Path(root)],
-        durable=bool(settings.get("durable", True)),
-        capacity=int(settings.get("capacity", 0)),
-    )
+    durable, capacity = settings.get("durable", True), settings.get("capacity", 0)
+    if not isinstance(durable, bool):
+        raise ConfigError(f"tier_settings.{name}.durable: expected true or false, got {durable!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ConfigError(f"tier_settings.{name}.capacity: expected bytes >= 0, got {capacity!r}")
+    return PosixTier(name, roots=[Path(root)], durable=durable, capacity=capacity)
 
 
 class _PosixWrapper(Tier):
