@@ -19,6 +19,7 @@ import torch
 
 from ucm_client import BlockIO, BlockState, UcmClient
 from ucm_client.errors import UcmError
+from ucm_client.gpu import CudaKVCache, CudaUnavailable, producers_done
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
@@ -73,7 +74,11 @@ class UcmWorker:
         self._alloc: ShmAllocation | None = None
         self._memory: KVMemory | None = None
         self._staging: StagingArea | None = None
+        self._cuda_kv: CudaKVCache | None = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self._region: int | None = None
+        """Daemon region of the shared buffer (CPU zero copy or staging); CUDA keeps its own."""
+        self._registered = False
         self._sync_loads: list[_Task] = []
         self._async_loads: dict[str, _Task] = {}
         self._saves: dict[str, _SaveState] = {}
@@ -92,22 +97,25 @@ class UcmWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Make sure the daemon can reach the KV cache, then register that memory with it once.
 
-        CPU: the KV cache itself is put in shared memory (zero copy). Otherwise (GPU, or
-        ``zero_copy: false``) blocks go through a shared-memory staging buffer.
+        CPU: the KV cache itself is put in shared memory (zero copy). CUDA: each KV storage is
+        registered by CUDA IPC and the daemon copies with ``cudaMemcpyAsync`` (zero copy). Otherwise
+        (``zero_copy: false``, or CUDA IPC refused) blocks go through a shared-memory staging buffer.
         """
         if not kv_caches:
             return
+        self._kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
-        if first.device.type != "cpu" or not self._config.zero_copy:
-            staging_bytes = int(self._config.staging_buffer_gib * (1 << 30))
-            self._staging = StagingArea(kv_caches, staging_bytes)
+        if first.device.type == "cuda" and self._config.zero_copy:
+            self._cuda_kv = CudaKVCache(kv_caches)
             logger.info(
-                "UCM worker: %s KV cache staged through %d shared-memory slots of %d bytes (%s)",
-                first.device.type,
-                self._staging.num_slots,
-                self._staging.block_bytes,
-                self._staging.buffer.name,
+                "UCM worker: CUDA KV cache (%d blocks x %d bytes) shared with the daemon by CUDA IPC",
+                self._cuda_kv.num_blocks,
+                self._cuda_kv.block_bytes,
             )
+            self._link.client()
+            return
+        if first.device.type != "cpu" or not self._config.zero_copy:
+            self._use_staging(first.device.type)
             self._link.client()
             return
         alloc = self._alloc
@@ -133,16 +141,40 @@ class UcmWorker:
         )
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
+    def _use_staging(self, device: str) -> None:
+        staging_bytes = int(self._config.staging_buffer_gib * (1 << 30))
+        self._staging = StagingArea(self._kv_caches, staging_bytes)
+        logger.info(
+            "UCM worker: %s KV cache staged through %d shared-memory slots of %d bytes (%s)",
+            device,
+            self._staging.num_slots,
+            self._staging.block_bytes,
+            self._staging.buffer.name,
+        )
+
     def _on_connect(self, client: UcmClient) -> None:
-        if self._region is not None:
+        """Register the memory the daemon copies to and from (once; the client re-registers later)."""
+        if self._registered:
             return
+        if self._cuda_kv is not None:
+            try:
+                self._cuda_kv.register(client, label="vllm-kv-cache")
+                self._registered = True
+                return
+            except CudaUnavailable as exc:
+                logger.warning("UCM worker: CUDA IPC refused (%s); using a staging buffer instead", exc)
+                self._cuda_kv = None
+                self._use_staging("cuda")
         if self._memory is not None:
             self._region = client.register(self._memory.buffer, label="vllm-kv-cache")
         elif self._staging is not None:
             self._region = client.register(self._staging.buffer, label="vllm-kv-staging")
+        self._registered = self._region is not None
 
     @property
     def _block_bytes(self) -> int:
+        if self._cuda_kv is not None:
+            return self._cuda_kv.block_bytes
         if self._memory is not None:
             return self._memory.block_bytes
         return self._staging.block_bytes if self._staging is not None else 0
@@ -159,10 +191,10 @@ class UcmWorker:
     # ------------------------------------------------------------------ per step
 
     def _client(self) -> UcmClient | None:
-        if self._memory is None and self._staging is None:
+        if not self._kv_caches:
             return None
         client = self._link.client()
-        if client is not None and self._region is None:
+        if client is not None and not self._registered:
             try:
                 self._on_connect(client)
             except UcmError as exc:
@@ -172,6 +204,8 @@ class UcmWorker:
 
     def _blocks(self, transfer: BlockTransfer, slots: list[int] | None) -> list[BlockIO]:
         """Where each block's bytes go: vLLM's own pages (zero copy) or staging slots."""
+        if self._cuda_kv is not None:
+            return self._cuda_kv.blocks(transfer.keys, transfer.block_ids)
         assert self._region is not None
         if slots is not None:
             assert self._staging is not None
@@ -202,7 +236,7 @@ class UcmWorker:
         """Hand a load or dump to the daemon; None if it could not be (the caller degrades)."""
         op = "load" if load else "save"
         client = self._client()
-        if client is None or self._region is None:
+        if client is None or not self._registered:
             self._stats.add(daemon_unavailable=1)
             return None
         slots: list[int] | None = None
@@ -297,6 +331,8 @@ class UcmWorker:
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
         if not meta.saves:
             return
+        if self._cuda_kv is not None:
+            producers_done()  # the daemon reads the blocks the forward's kernels just wrote
         for transfer in meta.saves:
             state = self._saves.setdefault(transfer.req_id, _SaveState())
             task = self._submit(transfer, load=False)
@@ -378,14 +414,21 @@ class UcmWorker:
         for task in [*self._async_loads.values(), *(t for st in self._saves.values() for t in st.pending)]:
             self._wait(task, max(task.deadline - time.monotonic(), 0.001))
         client = self._link.client()
-        if client is not None and self._region is not None:
+        regions = list(self._cuda_kv.regions.values()) if self._cuda_kv is not None else []
+        if self._region is not None:
+            regions.append(self._region)
+        if client is not None:
             try:
-                client.unregister(self._region)
+                for region in regions:
+                    client.unregister(region)
             except UcmError as exc:
                 self._link.failed(exc)
         self._region = None
+        self._registered = False
         self._memory = None
         self._staging = None
+        self._cuda_kv = None
+        self._kv_caches = {}
         self._alloc = None
 
     def shutdown(self) -> None:
