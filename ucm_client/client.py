@@ -20,8 +20,16 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
-from ucm_client.gpu import CudaIpcExport, as_export
-from ucm_client.types import KEY_BYTES, BlockIO, BlockState, LookupResult, TaskResult, as_batch
+from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
+from ucm_client.types import (
+    BlockIO,
+    BlockState,
+    LookupResult,
+    TaskResult,
+    as_batch,
+    lookup_request,
+    lookup_result,
+)
 from ucm_server.api.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -139,7 +147,7 @@ class AsyncUcmClient:
                 first = await asyncio.wait_for(stream.read(), self.connect_timeout_s)
             except grpc.RpcError as exc:
                 await self._close_channel()
-                err = _domain_error(exc)
+                err = domain_error(exc)
                 if isinstance(err, Unavailable):
                     raise Unavailable(f"ucm-server at {self.target} did not open a session: {err}") from None
                 raise err from None  # e.g. Unauthenticated: the daemon's reason, as is
@@ -189,6 +197,13 @@ class AsyncUcmClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials for a channel to the same daemon (None = plaintext / Unix socket)."""
+        ca, key, cert = self._tls
+        if ca is None:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
     def _auth_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self._token}"),) if self._token else ()
 
@@ -202,14 +217,14 @@ class AsyncUcmClient:
         try:
             return await fn()
         except grpc.RpcError as exc:
-            err = _domain_error(exc)
+            err = domain_error(exc)
         if retry and isinstance(err, Unavailable | FailedPrecondition) and _session_lost(err):
             self._session_id = None
             await self.connect()
             try:
                 return await fn()
             except grpc.RpcError as exc:
-                raise _domain_error(exc) from None
+                raise domain_error(exc) from None
         raise err
 
     @property
@@ -249,17 +264,21 @@ class AsyncUcmClient:
 
         Returns a region handle like :meth:`register`; segment offsets count from the storage's first
         byte. The daemon opens the handle once and copies with ``cudaMemcpyAsync``. Raises
-        ``CudaUnavailable`` when this process has no CUDA device, and ``FailedPrecondition`` with the
-        daemon's reason when the daemon cannot serve GPU regions (no cupy, no device). See
-        :mod:`ucm_client.gpu` for the ordering rules (``producers_done`` before a dump).
+        ``CudaUnavailable`` (a ``FailedPrecondition``) when this process has no CUDA device, or when
+        the daemon cannot serve GPU regions (no cupy, no device, ``gpu: off``: its reason is the
+        message), so a caller falls back to host memory on one exception. See :mod:`ucm_client.gpu`
+        for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)
         record = _RegionRecord(f"cuda:{export.device}", export.size, label, 0, export)
-        resp = await self._call(
-            lambda: self.kv.RegisterRegion(
-                record.request(), metadata=self._metadata(), timeout=self.rpc_timeout_s
+        try:
+            resp = await self._call(
+                lambda: self.kv.RegisterRegion(
+                    record.request(), metadata=self._metadata(), timeout=self.rpc_timeout_s
+                )
             )
-        )
+        except FailedPrecondition as exc:
+            raise CudaUnavailable(exc.message) from None
         record.server_id = resp.region_id
         handle = self._next_handle
         self._next_handle += 1
@@ -285,16 +304,12 @@ class AsyncUcmClient:
 
     # -- the store ------------------------------------------------------------------------------------
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
-        """Which keys the store holds, and how many leading ones (the hit prefix). Keys travel packed."""
-        if any(len(k) != KEY_BYTES for k in keys):  # the daemon's error names the bad index
-            request = pb.LookupRequest(namespace=namespace, keys=keys)
-        else:
-            request = pb.LookupRequest(namespace=namespace, packed_keys=b"".join(keys))
+        """Which keys the store holds, and how many leading ones (the hit prefix)."""
+        request = lookup_request(namespace, keys)
         resp = await self._call(
             lambda: self.kv.Lookup(request, metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
-        present = list(map(bool, resp.present_bytes)) if resp.present_bytes else list(resp.present)
-        return LookupResult(present=present, hit_prefix=resp.hit_prefix)
+        return lookup_result(resp)
 
     async def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
         """Start copying blocks from the store into registered memory; returns the task id."""
@@ -426,7 +441,7 @@ def _check_socket(path: Path) -> None:
         )
 
 
-def _domain_error(exc: grpc.RpcError) -> UcmError:
+def domain_error(exc: grpc.RpcError) -> UcmError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     detail = exc.details() if hasattr(exc, "details") else str(exc)
     return error_for_status(code, detail or "")

@@ -13,10 +13,13 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+import grpc
+
 from ucm_client.buffers import SharedBuffer
-from ucm_client.client import AsyncUcmClient
-from ucm_client.types import BlockIO, LookupResult, TaskResult
+from ucm_client.client import AsyncUcmClient, domain_error
+from ucm_client.types import BlockIO, LookupResult, TaskResult, lookup_request, lookup_result
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 
 T = TypeVar("T")
 
@@ -51,6 +54,8 @@ class UcmClient:
             )
         )
         self._closed = False
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -76,6 +81,8 @@ class UcmClient:
         if self._closed:
             return
         self._closed = True
+        if self._channel is not None:
+            self._channel.close()
         try:
             self._run(self._async.close(), timeout=10)
         finally:
@@ -102,7 +109,22 @@ class UcmClient:
         self._run(self._async.unregister(handle))
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
-        return self._run(self._async.lookup(namespace, keys))
+        """Answered on a plain blocking channel, not through the event-loop thread: this is the
+        scheduler's hot path (one call per request), where a thread hop would cost as much as the call."""
+        if self._stub is None:
+            creds = self._async.channel_credentials()
+            target = self._async.target
+            self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+            self._stub = rpc.KVStoreStub(self._channel)
+        try:
+            resp = self._stub.Lookup(
+                lookup_request(namespace, keys),
+                metadata=self._async._auth_metadata(),
+                timeout=self._async.rpc_timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+        return lookup_result(resp)
 
     def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
         return self._run(self._async.load(namespace, blocks))

@@ -89,6 +89,18 @@ class TaskResult:
         )
 
 
+def lookup_request(namespace: bytes, keys: Sequence[bytes]) -> pb.LookupRequest:
+    """Keys travel packed (one bytes field) unless one is malformed, so the daemon can name it."""
+    if any(len(k) != KEY_BYTES for k in keys):
+        return pb.LookupRequest(namespace=namespace, keys=keys)
+    return pb.LookupRequest(namespace=namespace, packed_keys=b"".join(keys))
+
+
+def lookup_result(resp: pb.LookupResponse) -> LookupResult:
+    present = list(map(bool, resp.present_bytes)) if resp.present_bytes else list(resp.present)
+    return LookupResult(present=present, hit_prefix=resp.hit_prefix)
+
+
 def namespace_id(**fields: str | int | float | bool) -> bytes:
     """The 16-byte namespace of everything that makes KV bytes incompatible (model, dtype, layout...).
 
