@@ -180,6 +180,9 @@ class Daemon:
         await self.engine.close(grace_s)
         with contextlib.suppress(FileNotFoundError):
             self.config.socket.unlink()
+        for fd in self._locks:  # the data directories are free for the next daemon
+            os.close(fd)
+        self._locks = []
         log.info("stopped")
 
 
