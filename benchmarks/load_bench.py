@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing as mp
+import os
+import queue
 import random
 import statistics
 import sys
@@ -127,6 +129,12 @@ class LoadReport:
             f"stale reads of a worker's own block: {self.stale_reads}; "
             f"other errors: {len(self.errors)}",
         ]
+        if self.stale_reads:
+            lines += [
+                "",
+                "A stale read is the known promotion race (a read promoted into the Cache replaced a newer "
+                "write): see `tests/hardening/test_promotion_race.py`.",
+            ]
         return "\n".join(lines)
 
 
@@ -236,6 +244,24 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
+def _await_ready(ready: Any, procs: list[Any], timeout_s: float) -> None:
+    """Wait until every worker reported ready, failing at once if one died instead."""
+    deadline = time.monotonic() + timeout_s
+    pending = len(procs)
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{pending} load workers not ready after {timeout_s:g}s")
+        try:
+            ready.get(timeout=0.5)
+            pending -= 1
+        except queue.Empty:
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(
+                    f"load workers exited before starting (worker, exit code): {dead}"
+                ) from None
+
+
 def run_load(target: str, spec: LoadSpec, seed: int = 0) -> LoadReport:
     """Start ``spec.clients`` processes against ``target``, release them together, collect reports."""
     ctx = mp.get_context("spawn")
@@ -249,8 +275,7 @@ def run_load(target: str, spec: LoadSpec, seed: int = 0) -> LoadReport:
         p.start()
     reports: list[WorkerReport] = []
     try:
-        for _ in procs:  # start-up (imports, connect) is not part of the measured time
-            ready.get(timeout=180)
+        _await_ready(ready, procs, timeout_s=180)  # start-up (imports, connect) is not measured
         t0 = time.monotonic()
         go.set()
         reports = [out.get(timeout=spec.seconds + 2 * spec.wait_timeout_s + 60) for _ in procs]
@@ -279,6 +304,20 @@ def run_load(target: str, spec: LoadSpec, seed: int = 0) -> LoadReport:
     return LoadReport(spec, wall, reports, ops)
 
 
+def _tier_notes(target: str) -> str:
+    """What the tiers did during the run: evictions, and Cache writes refused because every cached
+    block was leased by pending write-back (those dumps went straight to disk: the slow tail)."""
+    with UcmClient(target, client_name="load-bench-stats") as c:
+        stats = c.stats()
+    parts = []
+    for t in stats.tiers:
+        note = f"{t.name}: {t.evictions} evictions, {t.errors} errors"
+        if "rejected_writes" in t.extra:
+            note += f", {int(t.extra['rejected_writes'])} writes refused (all blocks leased)"
+        parts.append(note)
+    return "tiers after the run: " + "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -301,21 +340,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.target:
         report = run_load(args.target, spec)
-        where = args.target
+        where, tiers = args.target, _tier_notes(args.target)
     else:
         with tempfile.TemporaryDirectory(prefix="ucm-load-") as tmp:
             d = DaemonProcess(Path(tmp) / "ucm", args=["--cache-capacity", args.cache_capacity])
             with d:
                 report = run_load(d.target, spec)
                 healthy = d.healthy()
+                tiers = _tier_notes(d.target)
             if not healthy:
                 print("the daemon was not healthy after the run", file=sys.stderr)
-        where = f"a fresh daemon (Cache {args.cache_capacity} | Posix, write-back)"
-    table = report.markdown()
+        where = f"a fresh daemon (Cache {args.cache_capacity} | Posix, write-back, 64 KiB Cache pages)"
+    table = f"{report.markdown()}\n\n{tiers}"
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m benchmarks.load_bench", *(argv if argv is not None else sys.argv[1:])])
-    args.out.write_text(f"# Mixed load\n\n`{command}` against {where}:\n\n{table}\n")
+    machine = f"{os.cpu_count()} CPUs, shared with other work"
+    args.out.write_text(f"# Mixed load\n\n`{command}` against {where}, on {machine}:\n\n{table}\n")
     for e in [*report.errors[:10], *(s for w in report.workers for s in w.stale)][:20]:
         print(e, file=sys.stderr)
     return 1 if report.mismatches or report.stale_reads or report.errors else 0
