@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import grpc
 
@@ -21,8 +22,9 @@ FAULTS = "ucm_server.testing.faults"
 FAULT_TIER = f"{FAULTS}:FaultInjectingTier"
 SLOW_TIER = f"{FAULTS}:LatencyInjectingTier"
 
-FUZZ_COUNTS: Counter[str] = Counter()
-"""Cases the fuzzers ran, by target; the conftest prints them in the terminal summary."""
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # ``benchmarks`` (the load generator) importable under plain `pytest` too
+    sys.path.insert(0, str(REPO))
 
 
 def content(key: bytes, size: int) -> bytes:

@@ -13,8 +13,10 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,25 @@ def _metric(text: str, name: str, tier: str) -> float:
 
 
 # -- disk full, for real ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs, so ``ENOSPC`` comes from the kernel, not from a double; unmounted after."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])

@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from hardening_helpers import FUZZ_COUNTS, content
+from hardening_helpers import content
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -59,6 +60,29 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+
+FUZZ_COUNTS: Counter[str] = Counter()
+"""Cases the fuzzers ran, by target; printed in the terminal summary so reports can cite them."""
+
+
+class _FuzzCountReport:
+    """A plugin registered by this module: prints ``FUZZ_COUNTS`` in pytest's terminal summary."""
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not FUZZ_COUNTS:
+            return
+        terminalreporter.section("fuzz cases run")
+        for name, count in sorted(FUZZ_COUNTS.items()):
+            terminalreporter.write_line(f"{count:6d}  {name}")
+        terminalreporter.write_line(f"{FUZZ_COUNTS.total():6d}  total")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_fuzz_counts(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("ucm-fuzz-counts"):
+        manager.register(_FuzzCountReport(), "ucm-fuzz-counts")
+
 
 # Signatures of the known bugs (see the xfail tests at the end): inputs hitting them are counted.
 # Bytes that are not protobuf: answered UNKNOWN (INTERNAL for the streaming PutBlocks), not INVALID_ARGUMENT.

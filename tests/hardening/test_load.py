@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 from hardening_helpers import admin_stats, eventually
 
-from benchmarks.load_bench import LoadSpec, run_load
 from ucm_server.testing.daemon import DaemonProcess
 
 
 def test_sixteen_clients_mixed_load_every_byte_checked(tmp_path: Path) -> None:
+    from benchmarks.load_bench import LoadSpec, run_load  # the repo root is on sys.path via hardening_helpers
+
     spec = LoadSpec(clients=16, seconds=10.0)
     # A Cache smaller than the 64 MiB of keys, so loads are served from the Cache and from disk.
     with DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", "32MiB"]) as d:
