@@ -9,8 +9,10 @@ writes version 1 into the Cache, replacing version 2 there. Consequences:
 2. if version 2's write-back had not started yet, the flusher sees its Cache lease ``superseded`` and
    skips it while reporting OK, so a dump acknowledged with ``wait_durable`` never reaches the disk.
 
-A slow disk (``LatencyInjectingTier``: 1 s per block, reads delivering the bytes the file held when
-the read began, as a real slow read does) makes the window wide enough to be deterministic.
+A slow disk (``LatencyInjectingTier``: 1.5 s per block read, 2 s per write; a read delivers the bytes
+the file held when it began, as a real slow read does) makes the window wide enough to be
+deterministic: B's dump lands in the Cache ~1.3 s before A's promotion, and in the second test the
+write-back of K starts ~0.7 s after it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _daemon(tmp_path: Path, *, write_delay_s: float) -> DaemonProcess:
         {
             "root": str(tmp_path / "blocks"),
             "durable": False,
-            "read_delay_s": 1.0,
+            "read_delay_s": 1.5,
             "write_delay_s": write_delay_s,
         },
     )
@@ -84,7 +86,7 @@ def test_a_promoted_read_does_not_hide_a_newer_write(tmp_path: Path) -> None:
     "acknowledged with wait_durable is lost from disk",
 )
 def test_a_block_acknowledged_durable_is_on_disk(tmp_path: Path) -> None:
-    with _daemon(tmp_path, write_delay_s=1.0) as d, UcmClient(d.target) as a, UcmClient(d.target) as b:
+    with _daemon(tmp_path, write_delay_s=2.0) as d, UcmClient(d.target) as a, UcmClient(d.target) as b:
         with SharedBuffer(4 * SIZE) as abuf, SharedBuffer(4 * SIZE) as bbuf:
             acknowledged = _race(d, a, b, abuf, bbuf)
             admin_evict_all(d.target, "Cache")  # what is left is what the disk holds
