@@ -33,7 +33,7 @@ __all__ = ["UcmWorker"]
 logger = logging.getLogger(LOGGER_NAME)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: one dump may be pending for several requests
 class _Task:
     """A submitted load or dump and what it covers."""
 
@@ -54,6 +54,13 @@ class _Task:
 class _SaveState:
     pending: list[_Task] = field(default_factory=list)
     finished: bool = False
+
+
+def _per_block(states: list[BlockState], task: _Task) -> list[bool] | None:
+    """OK per block; None (all failed) if the daemon did not answer for every block."""
+    if len(states) != len(task.transfer.block_ids):
+        return None
+    return [state == BlockState.OK for state in states]
 
 
 class UcmWorker:
@@ -82,6 +89,8 @@ class UcmWorker:
         self._sync_loads: list[_Task] = []
         self._async_loads: dict[str, _Task] = {}
         self._saves: dict[str, _SaveState] = {}
+        self._save_tasks: list[_Task] = []
+        """Dumps in flight, oldest first; each may hold blocks of several requests."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
 
@@ -282,7 +291,7 @@ class UcmWorker:
             return None
         if not result.done:
             return None
-        return [state == BlockState.OK for state in result.states]
+        return _per_block(result.states, task)
 
     def _poll(self, task: _Task) -> list[bool] | bool | None:
         """Like ``_wait`` without blocking: False while still running (and before its deadline)."""
@@ -300,7 +309,7 @@ class UcmWorker:
             return None
         if not result.done:
             return False
-        return [state == BlockState.OK for state in result.states]
+        return _per_block(result.states, task)
 
     def _finish_load(self, task: _Task, ok: list[bool] | None) -> None:
         block_ids = task.transfer.block_ids
@@ -327,32 +336,47 @@ class UcmWorker:
         self._stats.add(load_failed_blocks=len(failed))
 
     def save(self, meta: UcmConnectorMetadata) -> None:
-        """Dump this step's completed blocks; returns at once (the daemon copies in the background)."""
+        """Dump this step's completed blocks in one task; returns at once (the daemon copies later).
+
+        One dump per step, not per request: each RPC costs about a millisecond, and on a busy
+        step those milliseconds are the connector's whole direct overhead.
+        """
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
         if not meta.saves:
             return
         if self._cuda_kv is not None:
             producers_done()  # the daemon reads the blocks the forward's kernels just wrote
+        combined = BlockTransfer(
+            "step-save",
+            tuple(b for t in meta.saves for b in t.block_ids),
+            tuple(k for t in meta.saves for k in t.keys),
+        )
+        task = self._submit(combined, load=False)
+        if task is None:
+            self._stats.add(save_failed_blocks=len(combined.block_ids))
+        else:
+            self._save_tasks.append(task)
         for transfer in meta.saves:
             state = self._saves.setdefault(transfer.req_id, _SaveState())
-            task = self._submit(transfer, load=False)
-            if task is None:
-                self._stats.add(save_failed_blocks=len(transfer.block_ids))
-            else:
+            if task is not None:
                 state.pending.append(task)
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
         """Blocks of preempted requests are about to be reused: their saves must finish first."""
         for req_id in meta.preempted_req_ids:
             state = self._saves.get(req_id)
-            if state is None:
-                continue
-            while state.pending:
-                task = state.pending.pop()
+            for task in list(state.pending) if state is not None else []:
                 remaining = max(task.deadline - time.monotonic(), 0.001)
-                self._finish_save(task, self._wait(task, remaining))
+                self._complete_save(task, self._wait(task, remaining))
 
-    def _finish_save(self, task: _Task, ok: list[bool] | None) -> None:
+    def _complete_save(self, task: _Task, ok: list[bool] | None) -> None:
+        """Account a finished dump once and take it off every request waiting for it."""
+        if task not in self._save_tasks:
+            return
+        self._save_tasks.remove(task)
+        for state in self._saves.values():
+            if task in state.pending:
+                state.pending.remove(task)
         if task.slots is not None and self._staging is not None:
             self._staging.release(task.slots)
         n = len(task.transfer.block_ids)
@@ -379,20 +403,19 @@ class UcmWorker:
             self._finish_load(task, outcome if isinstance(outcome, list) else None)
             recving.add(req_id)
 
+        # Dumps finish in submission order, so polling stops at the first one still running.
+        for task in list(self._save_tasks):
+            polled = self._poll(task)
+            if polled is False:
+                break
+            self._complete_save(task, polled if isinstance(polled, list) else None)
+
         for req_id in finished_req_ids:
             if req_id in self._saves:
                 self._saves[req_id].finished = True
         sending: set[str] = set()
         for req_id, state in list(self._saves.items()):
-            still: list[_Task] = []
-            for task in state.pending:
-                polled = self._poll(task)
-                if polled is False:
-                    still.append(task)
-                else:
-                    self._finish_save(task, polled if isinstance(polled, list) else None)
-            state.pending = still
-            if state.finished and not still:
+            if state.finished and not state.pending:
                 del self._saves[req_id]
                 sending.add(req_id)
         return sending or None, recving or None
@@ -411,8 +434,10 @@ class UcmWorker:
     def unregister(self) -> None:
         """Finish every transfer touching the KV memory, then forget it and its daemon region."""
         self.wait_for_layer_load()
-        for task in [*self._async_loads.values(), *(t for st in self._saves.values() for t in st.pending)]:
+        for task in list(self._async_loads.values()):
             self._wait(task, max(task.deadline - time.monotonic(), 0.001))
+        for task in list(self._save_tasks):
+            self._complete_save(task, self._wait(task, max(task.deadline - time.monotonic(), 0.001)))
         client = self._link.client()
         regions = list(self._cuda_kv.regions.values()) if self._cuda_kv is not None else []
         if self._region is not None:
@@ -434,8 +459,7 @@ class UcmWorker:
     def shutdown(self) -> None:
         """Give in-flight saves a short grace period, then let go of the daemon."""
         deadline = time.monotonic() + min(self._config.save_timeout_s, 5.0)
-        for state in self._saves.values():
-            for task in state.pending:
-                self._wait(task, max(deadline - time.monotonic(), 0.001))
+        for task in list(self._save_tasks):
+            self._complete_save(task, self._wait(task, max(deadline - time.monotonic(), 0.001)))
         self._saves.clear()
         self._link.close()
