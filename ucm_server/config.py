@@ -170,7 +170,7 @@ class ServerConfig:
 
         known = known_tiers()
         for t in tiers:
-            if t not in known and ":" not in t:
+            if t not in known and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", t):
                 raise ConfigError(
                     f"store_pipeline: unknown tier {t!r} in {self.store_pipeline!r}; "
                     f"known: {', '.join(known)}"
@@ -235,7 +235,7 @@ def _coerce(key: str, raw: object, source: str) -> Any:
     if hint in (int, float):
         try:
             return hint(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
     if hint is Path:
         return Path(os.path.expanduser(str(raw)))
@@ -246,9 +246,15 @@ def _coerce(key: str, raw: object, source: str) -> Any:
         return raw
     if get_origin(hint) is dict:
         if isinstance(raw, str):
-            raw = yaml.safe_load(raw)
+            try:
+                raw = yaml.safe_load(raw)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{where}: not valid YAML ({exc})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+        bad = [k for k, v in raw.items() if not isinstance(k, str) or not isinstance(v, dict)]
+        if bad:
+            raise ConfigError(f"{where}: expected tier name -> mapping of settings, got entry {bad[0]!r}")
         return raw
     if not isinstance(raw, str | int | float):
         raise ConfigError(f"{where}: expected a string, got {raw!r}")
@@ -269,7 +275,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         doc = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates
         raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
     if doc is None:
         return {}

@@ -11,7 +11,7 @@ Configuration: random YAML documents (flat and seed format, known and unknown ke
 YAML type, and plain random text) must either load or raise ``ConfigError`` naming what is wrong; a
 few also go through the real ``ucm-server --config`` process (exit 2 and the message on stderr).
 
-Known daemon bugs these found are reproduced deterministically as strict xfails at the end of this
+Daemon bugs these found (now fixed) are reproduced deterministically as tests at the end of this
 file; while they stand, the fuzzers count inputs that hit them (by their exact signature) instead of
 failing. Case counts are printed in the terminal summary (``FUZZ_COUNTS``).
 """
@@ -85,16 +85,9 @@ def _report_fuzz_counts(request: pytest.FixtureRequest) -> None:
         manager.register(_FuzzCountReport(), "ucm-fuzz-counts")
 
 
-# Signatures of the known bugs (see the xfail tests at the end): inputs hitting them are counted.
+# Signatures of bugs found earlier (fixed; see the tests at the end): inputs hitting them are counted.
 # Bytes that are not protobuf: answered UNKNOWN (INTERNAL for the streaming PutBlocks), not INVALID_ARGUMENT.
-UNDECODABLE = re.compile(r"DecodeError|Error parsing message")
-KNOWN_CONFIG_BUGS = (
-    (OverflowError, "cannot convert float infinity to integer"),  # int setting given .inf
-    (ValueError, "out of range"),  # YAML timestamp that is no date (2001-02-30)
-    (ValueError, "must be in"),  # same, other fields of the date
-    (TypeError, "not supported between instances"),  # tier_settings keys of mixed types
-    (yaml.YAMLError, ""),  # tier_settings given as a string that is not YAML
-)
+UNDECODABLE = re.compile(r"not a valid protobuf message")
 
 
 @dataclass
@@ -178,10 +171,9 @@ def _call(
         return OK, fn(request, metadata=md, timeout=DEADLINE_S)
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details() or ""
-    undecodable = code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and UNDECODABLE.search(details)
-    if undecodable_ok and undecodable:
-        FUZZ_COUNTS[f"{name}, of which known bug: undecodable request answered {code.name}"] += 1
-        return code, None
+    if undecodable_ok and UNDECODABLE.search(details):  # bytes that are not the method's message
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{name}: undecodable answered {code.name}"
+        FUZZ_COUNTS[f"{name}, of which undecodable (INVALID_ARGUMENT)"] += 1
     assert code in ALLOWED, f"{name}: {code.name}: {details}"
     return code, None
 
@@ -447,10 +439,7 @@ def _check_config(path: Path, text: str) -> str | None:
         named = any(f in msg for f in FIELDS) or "unknown key" in msg or msg.startswith(f"config file {path}")
         assert named, f"ConfigError names no key: {msg!r} for {text!r}"
         return msg
-    except (OverflowError, ValueError, TypeError, yaml.YAMLError) as exc:
-        if any(isinstance(exc, t) and s in str(exc) for t, s in KNOWN_CONFIG_BUGS):
-            FUZZ_COUNTS[f"config: load_config, of which known bug: {type(exc).__name__}"] += 1
-            return None
+    except Exception as exc:  # anything but ConfigError is a bug
         raise AssertionError(f"{type(exc).__name__}: {exc} for {text!r}") from exc
     return None
 
@@ -480,7 +469,7 @@ def test_fuzz_config_through_the_real_process(tmp_path_factory: pytest.TempPathF
         env={k: v for k, v in os.environ.items() if not k.startswith(("UCM_", "UNIFIED_CACHE_"))},
     )
     if msg is None:
-        assert r.returncode in (0, 1), r.stderr  # 1 only for the known bugs counted above
+        assert r.returncode == 0, r.stderr
     else:
         assert r.returncode == 2, (r.returncode, r.stderr)
         assert "configuration error" in r.stderr and msg.splitlines()[0] in r.stderr
@@ -490,12 +479,6 @@ def test_fuzz_config_through_the_real_process(tmp_path_factory: pytest.TempPathF
 
 
 @pytest.mark.parametrize("method", ["Lookup", "PutBlocks"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a request that is not valid protobuf is answered UNKNOWN ('Unexpected DecodeError'; "
-    "INTERNAL 'internal error in PutBlocks' for the streaming call) with a traceback in the daemon log, "
-    "instead of INVALID_ARGUMENT",
-)
 def test_undecodable_request_is_invalid_argument(live: Live, method: str) -> None:
     path = f"/ucm.v1.KVStore/{method}"
     with pytest.raises(grpc.RpcError) as info:
@@ -520,7 +503,6 @@ def test_undecodable_request_is_invalid_argument(live: Live, method: str) -> Non
         ("tier_settings: '{a: ['\n", "_coerce: yaml.safe_load of a tier_settings string raises YAMLError"),
     ],
 )
-@pytest.mark.xfail(strict=True, reason="bug: load_config raises something other than ConfigError")
 def test_config_errors_are_config_errors(tmp_path: Path, document: str, bug: str) -> None:
     path = tmp_path / "ucm.yaml"
     path.write_text(document)
@@ -528,11 +510,6 @@ def test_config_errors_are_config_errors(tmp_path: Path, document: str, bug: str
         load_config(path, environ={})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: store_pipeline ':Cls' passes validation, then the daemon dies at start-up with "
-    "ValueError('Empty module name') and a traceback (exit 1) instead of a configuration error (exit 2)",
-)
 def test_empty_module_tier_is_a_configuration_error(tmp_path: Path) -> None:
     (tmp_path / "ucm.yaml").write_text("store_pipeline: ':Cls'\n")
     r = subprocess.run(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from hardening_helpers import admin_stats, eventually
 
 from ucm_server.testing.daemon import DaemonProcess
@@ -42,8 +41,4 @@ def test_sixteen_clients_mixed_load_every_byte_checked(tmp_path: Path) -> None:
         assert w.blocks_verified > 0, f"worker {w.worker} verified no block"
     assert report.bytes_verified > 0
     assert {t.name: t.evictions for t in stats.tiers}["Cache"] > 0, "the Cache never overflowed"
-    if report.stale_reads:  # timing-dependent here; reproduced deterministically in test_promotion_race
-        pytest.xfail(
-            f"bug: {report.stale_reads} stale reads of a worker's own block (a promoted read replaced a "
-            "newer write in the Cache; see test_promotion_race.py)"
-        )
+    assert report.stale_reads == 0, f"{report.stale_reads} stale reads of a worker's own block"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 from hardening_helpers import SLOW_TIER, admin_evict_all, tier_env
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
@@ -68,11 +67,6 @@ def _read_k(b: UcmClient, bbuf: SharedBuffer) -> int:
     return bbuf.buf[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Pipeline._promote writes a block read from a lower tier into the Cache even when a "
-    "newer version was written meanwhile: later loads return the older version",
-)
 def test_a_promoted_read_does_not_hide_a_newer_write(tmp_path: Path) -> None:
     with _daemon(tmp_path, write_delay_s=0.0) as d, UcmClient(d.target) as a, UcmClient(d.target) as b:
         with SharedBuffer(4 * SIZE) as abuf, SharedBuffer(4 * SIZE) as bbuf:
@@ -80,11 +74,6 @@ def test_a_promoted_read_does_not_hide_a_newer_write(tmp_path: Path) -> None:
             assert _read_k(b, bbuf) == 2, "B loads the version it wrote"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a write-back superseded by a stale promotion is skipped yet reported OK, so a dump "
-    "acknowledged with wait_durable is lost from disk",
-)
 def test_a_block_acknowledged_durable_is_on_disk(tmp_path: Path) -> None:
     with _daemon(tmp_path, write_delay_s=2.0) as d, UcmClient(d.target) as a, UcmClient(d.target) as b:
         with SharedBuffer(4 * SIZE) as abuf, SharedBuffer(4 * SIZE) as bbuf:

@@ -14,13 +14,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
-from ucm_server.api.errors import PermissionDenied, UcmError
+from ucm_server.api.errors import InvalidArgument, PermissionDenied, UcmError
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+def decode(deserializer: Any, raw: bytes) -> Any:
+    """Parse a request inside the wrapped handler, so bytes that are not the message a method takes
+    are answered INVALID_ARGUMENT rather than grpc's own UNKNOWN."""
+    if deserializer is None:
+        return raw
+    try:
+        return deserializer(raw)
+    except DecodeError as exc:
+        raise InvalidArgument(f"request is not a valid protobuf message: {exc}") from None
 
 
 class ErrorMappingInterceptor(aio.ServerInterceptor):
@@ -69,47 +81,51 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
-            async def unary_unary(request: Any, context: aio.ServicerContext) -> Any:
+            decode_uu = handler.request_deserializer
+
+            async def unary_unary(raw: bytes, context: aio.ServicerContext) -> Any:
                 try:
                     admit(context)
-                    return await inner_uu(request, context)
+                    return await inner_uu(decode(decode_uu, raw), context)
                 except Exception as exc:
                     if is_abort(exc):
                         raise
                     await fail(context, exc)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
-            async def unary_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            decode_us = handler.request_deserializer
+
+            async def unary_stream(raw: bytes, context: aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
                     admit(context)
-                    async for item in inner_us(request, context):
+                    async for item in inner_us(decode(decode_us, raw), context):
                         yield item
                 except Exception as exc:
                     if is_abort(exc):
                         raise
                     await fail(context, exc)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
         if handler.stream_unary:
             inner_su = handler.stream_unary
 
-            async def stream_unary(request_iterator: Any, context: aio.ServicerContext) -> Any:
+            decode_su = handler.request_deserializer
+
+            async def stream_unary(raw_iterator: Any, context: aio.ServicerContext) -> Any:
+                async def decoded() -> AsyncIterator[Any]:
+                    async for raw in raw_iterator:
+                        yield decode(decode_su, raw)
+
                 try:
                     admit(context)
-                    return await inner_su(request_iterator, context)
+                    return await inner_su(decoded(), context)
                 except Exception as exc:
                     if is_abort(exc):
                         raise
                     await fail(context, exc)
 
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.stream_unary_rpc_method_handler(stream_unary, None, handler.response_serializer)
         return handler

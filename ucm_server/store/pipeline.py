@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 from ucm_server.keys import BlockKey, Namespace
@@ -54,6 +55,11 @@ class Pipeline:
         self._flushers: list[asyncio.Task[None]] = []
         self._pending = 0
         self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
+        # Write stamps: a read that found a block below may promote it only if nobody wrote (or
+        # deleted) that key since the read began; otherwise it would hide the newer version.
+        self._seq = 0
+        self._written: dict[BlockKey, int] = {}
+        self._reading: Counter[int] = Counter()
 
     @property
     def spec(self) -> str:
@@ -114,7 +120,25 @@ class Pipeline:
         return sizes
 
     # -- reads ----------------------------------------------------------------------------------------
+    def _stamp(self, keys: Iterable[BlockKey]) -> None:
+        self._seq += 1
+        for k in keys:
+            self._written[k] = self._seq
+        if len(self._written) > 4096:  # forget stamps no running read can be older than
+            oldest = min(self._reading) if self._reading else self._seq
+            self._written = {k: v for k, v in self._written.items() if v > oldest}
+
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        started = self._seq
+        self._reading[started] += 1
+        try:
+            return await self._read_many(items, started)
+        finally:
+            self._reading[started] -= 1
+            if not self._reading[started]:
+                del self._reading[started]
+
+    async def _read_many(self, items: Sequence[tuple[BlockKey, IoVec]], started: int) -> list[BlockResult]:
         results: list[BlockResult] = [MISSING] * len(items)
         todo = list(range(len(items)))
         failures: dict[int, BlockResult] = {}
@@ -135,22 +159,29 @@ class Pipeline:
                         failures[i] = r  # e.g. corrupt here: a lower tier may still hold a good copy
                     todo_next.append(i)
             if promote:
-                await self._promote(depth, [items[i] for i in promote])
+                await self._promote(depth, [items[i] for i in promote], started)
             todo = todo_next
         for i, r in failures.items():
             results[i] = r
         return results
 
-    async def _promote(self, depth: int, items: list[tuple[BlockKey, IoVec]]) -> None:
-        """Copy blocks read at ``depth`` into the tiers above (the memory ones; a failure is harmless)."""
+    async def _promote(self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int) -> None:
+        """Copy blocks read at ``depth`` into the memory tiers above — only blocks nobody wrote or
+        deleted since the read began, and only where the tier has no copy (a failure is harmless)."""
+        fresh = [(k, iov) for k, iov in items if self._written.get(k, 0) <= started]
         for tier in self.tiers[:depth]:
-            if not tier.persistent:
-                await tier.write_many(items)
+            if tier.persistent or not fresh:
+                continue
+            sizes = await tier.lookup([k for k, _ in fresh])
+            absent = [item for item, size in zip(fresh, sizes, strict=True) if size is None]
+            if absent:
+                await tier.write_many(absent)
 
     # -- writes ---------------------------------------------------------------------------------------
     async def write_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False
     ) -> list[BlockResult]:
+        self._stamp(k for k, _ in items)
         top_results = await self.top.write_many(items)
         if len(self.tiers) == 1:
             return top_results
@@ -197,6 +228,7 @@ class Pipeline:
         path) to the lower tiers, exactly as :meth:`write_many` does after its own top-tier write.
 
         Call it right after the commit, with no await in between, so the blocks are still cached."""
+        self._stamp(keys)
         results: list[BlockResult] = [OK] * len(keys)
         if len(self.tiers) == 1:
             return results
@@ -285,6 +317,7 @@ class Pipeline:
         # The top tier first, so queued write-backs see their block superseded and skip; then wait
         # for write-backs already under way, so none lands below after we delete there.
         present = await self.lookup(keys)
+        self._stamp(keys)
         await self.top.delete(keys)
         for k in keys:
             await self._settle(k)

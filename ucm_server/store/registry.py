@@ -52,7 +52,7 @@ def tier_class(name: str) -> type[Tier]:
     module_name, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"tier {name!r} ({target}) cannot be loaded: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Tier)):
         raise ConfigError(f"tier {name!r} ({target}) is not a Tier subclass")
