@@ -245,8 +245,8 @@ def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: 
     assert "reachable again" in report["log"]
 
 
-def test_daemon_process_helper_is_stopped(store: Store) -> None:
-    """Guard: the module's daemon is a real process that is still serving after all the runs."""
+def test_daemon_still_serving_after_all_runs(store: Store) -> None:
+    """The daemon every run above talked to is a real process, still healthy (no run broke it)."""
     assert isinstance(store.daemon, DaemonProcess) and store.daemon.healthy()
 
 
