@@ -133,6 +133,8 @@ def through_daemon(
     from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
     from ucm_server.testing.daemon import DaemonProcess
 
+    workdir.mkdir(parents=True, exist_ok=True)
+
     def config(pipeline: str, name: str) -> Path:
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"store_pipeline": pipeline, "tier_settings": {tier: settings}}))

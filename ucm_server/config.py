@@ -126,6 +126,14 @@ class ServerConfig:
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
+    shared_lookup_ttl_s: float = field(
+        default=2.0,
+        metadata=_help(
+            "How long a shared tier's lookup answer (present or absent) is reused; 0 = ask every "
+            "time. A block another node deletes may still look present this long (its load then "
+            "reports it missing)."
+        ),
+    )
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
@@ -186,6 +194,8 @@ class ServerConfig:
         for name in ("io_threads", "max_batch_blocks", "max_block_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not self.shared_lookup_ttl_s >= 0:
+            raise ConfigError(f"shared_lookup_ttl_s: must be 0 or more, got {self.shared_lookup_ttl_s}")
         for name in ("task_retention_s", "heartbeat_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

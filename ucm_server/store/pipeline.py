@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,14 @@ class _Flush:
 
 
 class Pipeline:
-    def __init__(self, tiers: Sequence[Tier], *, write_back: bool = True, flushers: int = 4) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_back: bool = True,
+        flushers: int = 4,
+        shared_lookup_ttl_s: float = 2.0,
+    ) -> None:
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
@@ -55,6 +63,10 @@ class Pipeline:
         self._flushers: list[asyncio.Task[None]] = []
         self._pending = 0
         self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
+        # What shared tiers answered recently (size or None, until when): vLLM's scheduler asks about
+        # the same prefix again and again, and a remote lookup costs milliseconds to seconds.
+        self.shared_lookup_ttl_s = shared_lookup_ttl_s
+        self._shared_seen: dict[tuple[str, BlockKey], tuple[int | None, float]] = {}
         # Write stamps: a read that found a block below may promote it only if nobody wrote (or
         # deleted) that key since the read began; otherwise it would hide the newer version.
         self._seq = 0
@@ -100,7 +112,9 @@ class Pipeline:
             todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            for i, size in zip(todo, await tier.lookup([keys[i] for i in todo]), strict=True):
+            asked = [keys[i] for i in todo]
+            found = await (self._ask_shared(tier, asked) if tier.shared else tier.lookup(asked))
+            for i, size in zip(todo, found, strict=True):
                 sizes[i] = size
         return sizes
 
@@ -114,16 +128,45 @@ class Pipeline:
             todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            found = await tier.lookup_digests(namespace, [digests[i] for i in todo])
+            if tier.shared:
+                found = await self._ask_shared(tier, [BlockKey(namespace, digests[i]) for i in todo])
+            else:
+                found = await tier.lookup_digests(namespace, [digests[i] for i in todo])
             for i, size in zip(todo, found, strict=True):
                 sizes[i] = size
         return sizes
 
+    async def _ask_shared(self, tier: Tier, keys: list[BlockKey]) -> list[int | None]:
+        """A shared tier's lookup through the short-lived answer cache (positive and negative)."""
+        now = time.monotonic()
+        seen = self._shared_seen
+        out: list[int | None] = [None] * len(keys)
+        ask: list[int] = []
+        for i, key in enumerate(keys):
+            hit = seen.get((tier.name, key))
+            if hit is not None and hit[1] > now:
+                out[i] = hit[0]
+            else:
+                ask.append(i)
+        if ask:
+            found = await tier.lookup([keys[i] for i in ask])
+            until = time.monotonic() + self.shared_lookup_ttl_s
+            if len(seen) > 200_000:
+                self._shared_seen = seen = {k: v for k, v in seen.items() if v[1] > now}
+            for i, size in zip(ask, found, strict=True):
+                out[i] = size
+                if self.shared_lookup_ttl_s > 0:
+                    seen[(tier.name, keys[i])] = (size, until)
+        return out
+
     # -- reads ----------------------------------------------------------------------------------------
     def _stamp(self, keys: Iterable[BlockKey]) -> None:
         self._seq += 1
+        shared = [t.name for t in self.tiers if t.shared] if self._shared_seen else []
         for k in keys:
             self._written[k] = self._seq
+            for name in shared:  # our own write or delete: the remote answer we cached is stale
+                self._shared_seen.pop((name, k), None)
         if len(self._written) > 4096:  # forget stamps no running read can be older than
             oldest = min(self._reading) if self._reading else self._seq
             self._written = {k: v for k, v in self._written.items() if v > oldest}

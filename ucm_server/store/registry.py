@@ -95,5 +95,8 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
 def build_pipeline(config: ServerConfig, executor: Executor) -> Pipeline:
     tiers = [build_tier(name, config, executor) for name in config.tiers]
     return Pipeline(
-        tiers, write_back=config.write_mode == "write-back", flushers=max(2, config.io_threads // 2)
+        tiers,
+        write_back=config.write_mode == "write-back",
+        flushers=max(2, config.io_threads // 2),
+        shared_lookup_ttl_s=config.shared_lookup_ttl_s,
     )
