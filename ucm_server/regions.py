@@ -70,6 +70,25 @@ def _shm_path(name: str) -> Path:
     return path
 
 
+def batch_counts(
+    counts: list[int], region_ids: list[int], offsets: list[int], lengths: list[int], nblocks: int
+) -> list[int]:
+    """Check a column-wise batch's shape; returns the segments per block (1 each when not given)."""
+    nseg = len(region_ids)
+    if not (len(offsets) == len(lengths) == nseg):
+        raise InvalidArgument(
+            "region_ids, offsets and lengths must have equal lengths, "
+            f"got {nseg}, {len(offsets)}, {len(lengths)}"
+        )
+    if not counts:
+        counts = [1] * nblocks
+    if len(counts) != nblocks:
+        raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
+    if sum(counts) != nseg:
+        raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
+    return counts
+
+
 class RegionTable:
     """All registered regions, by id, with per-session ownership."""
 
@@ -191,18 +210,7 @@ class RegionTable:
         max_block_bytes: int,
     ) -> tuple[list[IoVec], set[Region]]:
         """Turn a column-wise batch into one iovec per block, checking every segment first."""
-        nseg = len(region_ids)
-        if not (len(offsets) == len(lengths) == nseg):
-            raise InvalidArgument(
-                f"region_ids, offsets and lengths must have equal lengths, "
-                f"got {nseg}, {len(offsets)}, {len(lengths)}"
-            )
-        if not counts:
-            counts = [1] * nblocks
-        if len(counts) != nblocks:
-            raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
-        if sum(counts) != nseg:
-            raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
+        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
         cache: dict[int, Region] = {}
         iovs: list[IoVec] = []
         used: set[Region] = set()

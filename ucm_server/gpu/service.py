@@ -412,18 +412,9 @@ class GpuService:
         max_block_bytes: int,
     ) -> GpuPlan:
         """Check every segment of a GPU request up front (nothing is copied for a bad request)."""
-        nseg = len(region_ids)
-        if not (len(offsets) == len(lengths) == nseg):
-            raise InvalidArgument(
-                f"region_ids, offsets and lengths must have equal lengths, "
-                f"got {nseg}, {len(offsets)}, {len(lengths)}"
-            )
-        if not counts:
-            counts = [1] * nblocks
-        if len(counts) != nblocks:
-            raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
-        if sum(counts) != nseg:
-            raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
+        from ucm_server.regions import batch_counts  # regions imports the gpu package: not at module level
+
+        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
         found: dict[int, GpuRegion] = {}
         blocks: list[DeviceBlock] = []
         used: set[GpuRegion] = set()
