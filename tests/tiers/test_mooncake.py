@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,6 +24,7 @@ from ucm_server.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import BlockState, IoVec, Tier
 from ucm_server.store.format import HEADER_SIZE, encode_header, payload_checksum
 from ucm_server.store.mooncake import MooncakeTier
+from ucm_server.testing.shared_tier_machine import NODES, SharedTierMachine, TwoNodes
 from ucm_server.testing.tier_suite import TierSuite
 
 pytestmark = pytest.mark.services
@@ -459,80 +458,22 @@ def test_two_daemons_share_blocks_through_a_cache_mooncake_pipeline(
 
 # -- two daemons, one cluster, one model ---------------------------------------------------------------------
 
-_KEYS = keys(5)
-
-
-class _Nodes:
-    """Two tiers opened once on one event loop (opening costs ~1 s each); each example gets a fresh
-    key prefix so it starts from an empty store."""
-
-    def __init__(self, master: MooncakeMaster) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.tiers = [tier(master, n, global_segment_size=0, force_delete=True) for n in ("A", "B")]
-        for t in self.tiers:
-            self.loop.run_until_complete(t.open())
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(coro)
-
-    def close(self) -> None:
-        for t in self.tiers:
-            self.run(t.close())
-        self.loop.close()
-
-
-_NODES: list[_Nodes] = []
-
 
 @pytest.fixture(scope="module")
-def two_nodes(master: MooncakeMaster, storage_node: object) -> Iterator[_Nodes]:
-    nodes = _Nodes(master)
-    _NODES.append(nodes)
+def two_nodes(master: MooncakeMaster, storage_node: object) -> Iterator[TwoNodes]:
+    nodes = TwoNodes([tier(master, n, global_segment_size=0, force_delete=True) for n in ("A", "B")])
+    NODES.append(nodes)
     yield nodes
-    _NODES.remove(nodes)
+    NODES.remove(nodes)
     nodes.close()
 
 
-class TwoDaemonsOneCluster(RuleBasedStateMachine):
-    """Random writes, reads and deletes through two daemons, checked after every step against one
-    model: lookups ask the cluster each time, so either daemon sees every change at once. Deletes are
-    forced here, since a read lease (10 s) would otherwise keep a just-read block, by design."""
+class TwoDaemonsOneCluster(SharedTierMachine):
+    """Two daemons on one cluster. Deletes are forced here, since a read lease (10 s) would
+    otherwise keep a just-read block, by design."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.nodes = _NODES[-1]
-        prefix = f"sm-{uuid.uuid4().hex[:8]}"
-        for t in self.nodes.tiers:
-            t.key_prefix = prefix
-        self.model: dict[BlockKey, bytes] = {}
-
-    @rule(n=st.integers(0, 1), k=st.sampled_from(_KEYS), data=st.binary(min_size=1, max_size=3000))
-    def write(self, n: int, k: BlockKey, data: bytes) -> None:
-        (r,) = self.nodes.run(self.nodes.tiers[n].write_many([(k, [memoryview(data)])]))
-        assert r.ok, r.reason
-        self.model[k] = data
-
-    @rule(n=st.integers(0, 1), k=st.sampled_from(_KEYS))
-    def read(self, n: int, k: BlockKey) -> None:
-        expected = self.model.get(k)
-        out = bytearray(len(expected) if expected is not None else 7)
-        (r,) = self.nodes.run(self.nodes.tiers[n].read_many([(k, [memoryview(out)])]))
-        if expected is None:
-            assert r.state is BlockState.MISSING, r
-        else:
-            assert r.ok, r.reason
-            assert bytes(out) == expected
-
-    @rule(n=st.integers(0, 1), k=st.sampled_from(_KEYS))
-    def delete(self, n: int, k: BlockKey) -> None:
-        assert self.nodes.run(self.nodes.tiers[n].delete([k])) == (1 if k in self.model else 0)
-        self.model.pop(k, None)
-
-    @invariant()
-    def both_daemons_agree_with_the_model(self) -> None:
-        want = [len(self.model[k]) if k in self.model else None for k in _KEYS]
-        for t in self.nodes.tiers:
-            assert self.nodes.run(t.lookup(_KEYS)) == want
+    def isolate(self, tier: Tier, prefix: str) -> None:
+        tier.key_prefix = prefix  # type: ignore[attr-defined]
 
 
 TestTwoDaemonsOneCluster = pytest.mark.usefixtures("two_nodes")(TwoDaemonsOneCluster.TestCase)
