@@ -5,7 +5,7 @@ local windows, plus whatever was fetched recently); every full block's represent
 too, since representatives are what retrieval reads and they are ``block_size`` times smaller than
 the block. At each decode step ESA selects blocks from the representatives; the selected blocks that
 are not resident are fetched in one batched call through a :class:`BlockFetcher`, which the
-connector implements over ``UcmClient.load``. A block the store cannot return is reported in the
+:class:`~ucm_client.sparse.daemon_fetcher.DaemonBlockFetcher` implements over ``UcmClient.load``. A block the store cannot return is reported in the
 step's result (missing is a value) and left out of the attention, never silently replaced.
 """
 
