@@ -158,6 +158,7 @@ def child_batch(spec: dict[str, Any]) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {"active": [], "idle": []}
     hook = {"active": 0.0, "idle": 0.0}
     daemon_cpu = {"active": 0.0, "idle": 0.0}
+    vllm_cpu = {"active": 0.0, "idle": 0.0}
     pid = spec.get("daemon_pid")
     batch = 0
     for rep in range(spec["reps"]):
@@ -170,11 +171,19 @@ def child_batch(spec: dict[str, Any]) -> dict[str, Any]:
             ]
             batch += 1
             hook0, cpu0 = _metric(llm, "vllm:ucm_hook_seconds"), _daemon_cpu_s(pid)
+            own0 = time.process_time()
             seconds[name].append(_generate(llm, prompts, spec["batch_output"]))
             time.sleep(0.3)  # the daemon's write-back of this batch is counted with it
             hook[name] += _metric(llm, "vllm:ucm_hook_seconds") - hook0
             daemon_cpu[name] += _daemon_cpu_s(pid) - cpu0
-    return {"seconds": seconds, "hook_s": hook, "daemon_cpu_s": daemon_cpu, "hits": _external_hits(llm)}
+            vllm_cpu[name] += time.process_time() - own0
+    return {
+        "seconds": seconds,
+        "hook_s": hook,
+        "daemon_cpu_s": daemon_cpu,
+        "vllm_cpu_s": vllm_cpu,
+        "hits": _external_hits(llm),
+    }
 
 
 # ---------------------------------------------------------------------------- parent
@@ -233,6 +242,9 @@ def _table(args: argparse.Namespace, ttft: dict[str, Any], batch: dict[str, Any]
         f"| time vLLM spent blocked in connector calls while working | {blocked * 100:.2f}% | | |",
         f"| daemon CPU while working (saves, write-back), per second of batch | "
         f"{daemon_share * 100:.1f}% | | |",
+        f"| vLLM process CPU seconds, working vs idle (includes the client's gRPC thread) | "
+        f"{batch['vllm_cpu_active']:.2f} vs {batch['vllm_cpu_idle']:.2f} s "
+        f"({(batch['vllm_cpu_active'] / batch['vllm_cpu_idle'] - 1) * 100:+.1f}%) | | |",
         f"| best batch, connector working vs. no connector at all (separate processes) | "
         f"{min(active):.3f} vs {min(base):.3f} s ({vs_none * 100:+.1f}%) | | |",
     ]
@@ -307,6 +319,8 @@ def main() -> None:
             "none": [],
             "hook_active": 0.0,
             "daemon_cpu_active": 0.0,
+            "vllm_cpu_active": 0.0,
+            "vllm_cpu_idle": 0.0,
         }
         pid = daemon.proc.pid if daemon.proc is not None else None
         for round_ in range(args.rounds):
@@ -321,6 +335,8 @@ def main() -> None:
             batch["idle"] += result["seconds"]["idle"]
             batch["hook_active"] += result["hook_s"]["active"]
             batch["daemon_cpu_active"] += result["daemon_cpu_s"]["active"]
+            batch["vllm_cpu_active"] += result["vllm_cpu_s"]["active"]
+            batch["vllm_cpu_idle"] += result["vllm_cpu_s"]["idle"]
     table = _table(args, ttft, batch, shape)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
