@@ -111,7 +111,7 @@ def test_corrupt_payload_leaves_no_bytes_in_the_destination(tmp_path: Path) -> N
         t = _open(tmp_path)
         await t.open()
         await t.write_from(key(1), [memoryview(data)])
-        (path,) = list(tmp_path.rglob("*.blk"))
+        (path,) = list(tmp_path.rglob("*.blk"))  # noqa: ASYNC240 - a test corrupting a file on purpose
         raw = bytearray(path.read_bytes())
         raw[HEADER_SIZE + 5] ^= 0x10
         path.write_bytes(raw)

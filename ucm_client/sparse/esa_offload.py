@@ -4,9 +4,10 @@ On a long context only a few blocks stay resident next to the attention kernel (
 local windows, plus whatever was fetched recently); every full block's representative stays resident
 too, since representatives are what retrieval reads and they are ``block_size`` times smaller than
 the block. At each decode step ESA selects blocks from the representatives; the selected blocks that
-are not resident are fetched in one batched call through a :class:`BlockFetcher`, which the
-:class:`~ucm_client.sparse.daemon_fetcher.DaemonBlockFetcher` implements over ``UcmClient.load``. A block the store cannot return is reported in the
-step's result (missing is a value) and left out of the attention, never silently replaced.
+are not resident are fetched in one batched call through a :class:`BlockFetcher`, which
+:class:`~ucm_client.sparse.daemon_fetcher.DaemonBlockFetcher` implements over ``UcmClient.load``. A
+block the store cannot return is reported in the step's result (missing is a value) and left out of
+the attention, never silently replaced.
 """
 
 from __future__ import annotations
