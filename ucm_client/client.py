@@ -97,6 +97,7 @@ class AsyncUcmClient:
         self._admin: rpc.AdminStub | None = None
         self._session_id: str | None = None
         self._session_task: asyncio.Task[None] | None = None
+        self._stream: Any = None
         self._regions: dict[int, _RegionRecord] = {}
         self._next_handle = 1
         self._lock: asyncio.Lock | None = None
@@ -159,6 +160,7 @@ class AsyncUcmClient:
                 raise Unavailable(f"ucm-server at {self.target} closed the session at once")
             self._session_id = first.session_id
             self.server_version = first.server_version
+            self._stream = stream
             self._session_task = asyncio.create_task(self._watch(stream))
             for record in self._regions.values():  # after a daemon restart: register again
                 resp = await self._kv.RegisterRegion(
@@ -178,6 +180,9 @@ class AsyncUcmClient:
             self._session_id = None  # the next call reconnects
 
     async def _close_channel(self) -> None:
+        if self._stream is not None:  # end the session stream first: grpc then has no call left pending
+            self._stream.cancel()
+            self._stream = None
         if self._session_task is not None:
             self._session_task.cancel()
             await asyncio.gather(self._session_task, return_exceptions=True)
