@@ -9,6 +9,7 @@ exceptions of :mod:`ucm_client.errors`, carrying the daemon's reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -181,8 +182,10 @@ class AsyncUcmClient:
 
     async def _close_channel(self) -> None:
         if self._stream is not None:  # end the session stream first: grpc then has no call left pending
-            self._stream.cancel()
-            self._stream = None
+            stream, self._stream = self._stream, None
+            stream.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(stream.code(), 1.0)  # let grpc settle the cancelled call
         if self._session_task is not None:
             self._session_task.cancel()
             await asyncio.gather(self._session_task, return_exceptions=True)
