@@ -32,9 +32,6 @@ __all__ = ["UcmWorker"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
-SAVE_POLL_INTERVAL_S = 0.05
-"""How often pending saves are polled while no finished request is waiting for them."""
-
 
 @dataclass(slots=True, eq=False)  # identity: one dump may be pending for several requests
 class _Task:
@@ -93,7 +90,6 @@ class UcmWorker:
         self._async_loads: dict[str, _Task] = {}
         self._saves: dict[str, _SaveState] = {}
         self._save_tasks: list[_Task] = []
-        self._next_save_poll = 0.0
         """Dumps in flight, oldest first; each may hold blocks of several requests."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
@@ -407,22 +403,16 @@ class UcmWorker:
             self._finish_load(task, outcome if isinstance(outcome, list) else None)
             recving.add(req_id)
 
+        # Dumps finish in submission order, so polling stops at the first one still running.
+        for task in list(self._save_tasks):
+            polled = self._poll(task)
+            if polled is False:
+                break
+            self._complete_save(task, polled if isinstance(polled, list) else None)
+
         for req_id in finished_req_ids:
             if req_id in self._saves:
                 self._saves[req_id].finished = True
-
-        # Dumps finish in submission order, so polling stops at the first one still running. A poll
-        # is a round trip to the daemon: while no finished request waits for its saves, poll at most
-        # every SAVE_POLL_INTERVAL_S rather than every step (decode steps come every few ms).
-        now = time.monotonic()
-        waiting = any(state.finished and state.pending for state in self._saves.values())
-        if self._save_tasks and (waiting or now >= self._next_save_poll):
-            self._next_save_poll = now + SAVE_POLL_INTERVAL_S
-            for task in list(self._save_tasks):
-                polled = self._poll(task)
-                if polled is False:
-                    break
-                self._complete_save(task, polled if isinstance(polled, list) else None)
         sending: set[str] = set()
         for req_id, state in list(self._saves.items()):
             if state.finished and not state.pending:
