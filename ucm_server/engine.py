@@ -9,14 +9,12 @@ from __future__ import annotations
 import heapq
 import logging
 import operator
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TypeVar
 
 from ucm_server import __version__
 from ucm_server.api.errors import (
@@ -42,7 +40,6 @@ from ucm_server.tasks import Task, TaskKind, TaskManager
 from ucm_server.tenants import TenantLedger
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
@@ -490,7 +487,9 @@ class Engine:
         else:
             tiers = [t for t in self.pipeline.tiers if t.persistent]
         ns = Namespace(check_namespace(namespace)) if namespace else None
-        work = [(t, info.key) async for t in _aiter(tiers) async for info in t.list_blocks(ns)]
+        work: list[tuple[Tier, BlockKey]] = []
+        for tier in tiers:
+            work += [(tier, info.key) async for info in tier.list_blocks(ns)]
         total = len(work)
         bad: list[str] = []
         last = time.monotonic()
@@ -524,15 +523,6 @@ class Engine:
     @property
     def version(self) -> str:
         return __version__
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()
-
-
-async def _aiter(items: Sequence[T]) -> AsyncIterator[T]:
-    for item in items:
-        yield item
 
 
 def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:

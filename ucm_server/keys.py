@@ -33,11 +33,6 @@ class BlockKey(bytes):
     def __new__(cls, namespace: bytes, digest: bytes) -> BlockKey:
         return super().__new__(cls, bytes(namespace) + bytes(digest))
 
-    @classmethod
-    def from_raw(cls, raw: bytes) -> BlockKey:
-        """A key from its 48-byte ``namespace + digest`` form (unchecked: callers validated it)."""
-        return bytes.__new__(cls, raw)
-
     @property
     def namespace(self) -> Namespace:
         return Namespace(bytes(self[:NAMESPACE_BYTES]))

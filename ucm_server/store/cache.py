@@ -108,9 +108,6 @@ class CacheTier(Tier):
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         return self._sizes.lookup(keys)
 
-    def contains(self, key: BlockKey) -> bool:
-        return key in self._index
-
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
         return self._sizes.lookup_digests(namespace, digests)
 
