@@ -24,6 +24,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ucm_server.api.errors import InvalidArgument, NotFound, PermissionDenied
 from ucm_server.gpu.region import GpuRegion
@@ -199,6 +200,63 @@ class RegionTable:
             if r.users == 0 and r.closing:
                 r.close()
 
+    def segments(
+        self,
+        session_id: str,
+        counts: list[int],
+        region_ids: list[int],
+        offsets: list[int],
+        lengths: list[int],
+        nblocks: int,
+        max_block_bytes: int,
+        *,
+        gpu: bool,
+    ) -> tuple[list[list[tuple[Any, int, int]]], set[Any]]:
+        """Check every segment of a column-wise batch before anything is copied: each block's
+        ``(region, offset, length)`` list, and the regions used. ``gpu`` says which kind of region the
+        request must name only (one request cannot mix host and GPU memory)."""
+        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
+        found: dict[int, Any] = {}
+        blocks: list[list[tuple[Any, int, int]]] = []
+        used: set[Any] = set()
+        s = 0
+        for b, count in enumerate(counts):
+            if count == 0:
+                raise InvalidArgument(f"block {b} has no segments")
+            segs: list[tuple[Any, int, int]] = []
+            total = 0
+            for _ in range(count):
+                rid, off, length = region_ids[s], offsets[s], lengths[s]
+                region = found.get(rid)
+                if region is None:
+                    try:
+                        region = self.get(session_id, rid)
+                    except InvalidArgument:
+                        raise InvalidArgument(f"block {b}: unknown region {rid}") from None
+                    if isinstance(region, GpuRegion) != gpu:
+                        kind = "GPU memory" if not gpu else "host memory"
+                        raise InvalidArgument(
+                            f"block {b}: region {rid} is {kind}; one request cannot mix host and GPU regions"
+                        )
+                    found[rid] = region
+                if length == 0:
+                    raise InvalidArgument(f"block {b}: segment of length 0")
+                if off + length > region.size:
+                    raise InvalidArgument(
+                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
+                        f"of {region.size} bytes"
+                    )
+                segs.append((region, off, length))
+                total += length
+                used.add(region)
+                s += 1
+            if total > max_block_bytes:
+                raise InvalidArgument(
+                    f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}"
+                )
+            blocks.append(segs)
+        return blocks, used
+
     def resolve(
         self,
         session_id: str,
@@ -209,45 +267,9 @@ class RegionTable:
         nblocks: int,
         max_block_bytes: int,
     ) -> tuple[list[IoVec], set[Region]]:
-        """Turn a column-wise batch into one iovec per block, checking every segment first."""
-        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
-        cache: dict[int, Region] = {}
-        iovs: list[IoVec] = []
-        used: set[Region] = set()
-        s = 0
-        for b, count in enumerate(counts):
-            if count == 0:
-                raise InvalidArgument(f"block {b} has no segments")
-            iov: list[memoryview] = []
-            total = 0
-            for _ in range(count):
-                rid, off, length = region_ids[s], offsets[s], lengths[s]
-                region = cache.get(rid)
-                if region is None:
-                    try:
-                        found = self.get(session_id, rid)
-                    except InvalidArgument:
-                        raise InvalidArgument(f"block {b}: unknown region {rid}") from None
-                    if isinstance(found, GpuRegion):
-                        raise InvalidArgument(
-                            f"block {b}: region {rid} is GPU memory; "
-                            "one request cannot mix host and GPU regions"
-                        )
-                    region = cache[rid] = found
-                if length == 0:
-                    raise InvalidArgument(f"block {b}: segment of length 0")
-                if off + length > region.size:
-                    raise InvalidArgument(
-                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
-                        f"of {region.size} bytes"
-                    )
-                iov.append(region.view[off : off + length])
-                total += length
-                used.add(region)
-                s += 1
-            if total > max_block_bytes:
-                raise InvalidArgument(
-                    f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}"
-                )
-            iovs.append(iov)
+        """Turn a column-wise batch of host regions into one iovec per block."""
+        blocks, used = self.segments(
+            session_id, counts, region_ids, offsets, lengths, nblocks, max_block_bytes, gpu=False
+        )
+        iovs: list[IoVec] = [[r.view[o : o + n] for r, o, n in segs] for segs in blocks]
         return iovs, used

@@ -412,57 +412,20 @@ class GpuService:
         max_block_bytes: int,
     ) -> GpuPlan:
         """Check every segment of a GPU request up front (nothing is copied for a bad request)."""
-        from ucm_server.regions import batch_counts  # regions imports the gpu package: not at module level
-
-        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
-        found: dict[int, GpuRegion] = {}
+        segs_by_block, used = table.segments(
+            session_id, counts, region_ids, offsets, lengths, nblocks, max_block_bytes, gpu=True
+        )
         blocks: list[DeviceBlock] = []
-        used: set[GpuRegion] = set()
-        s = 0
-        for b, count in enumerate(counts):
-            if count == 0:
-                raise InvalidArgument(f"block {b} has no segments")
-            segments: list[tuple[int, int]] = []
-            total = 0
-            device: int | None = None
-            for _ in range(count):
-                rid, off, length = region_ids[s], offsets[s], lengths[s]
-                region = found.get(rid)
-                if region is None:
-                    try:
-                        any_region = table.get(session_id, rid)
-                    except InvalidArgument:
-                        raise InvalidArgument(f"block {b}: unknown region {rid}") from None
-                    if not isinstance(any_region, GpuRegion):
-                        raise InvalidArgument(
-                            f"block {b}: region {rid} is host memory; "
-                            "one request cannot mix host and GPU regions"
-                        )
-                    region = found[rid] = any_region
-                if length == 0:
-                    raise InvalidArgument(f"block {b}: segment of length 0")
-                if off + length > region.size:
-                    raise InvalidArgument(
-                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
-                        f"of {region.size} bytes"
-                    )
-                if device is None:
-                    device = region.device
-                elif device != region.device:
-                    raise InvalidArgument(
-                        f"block {b}: segments on devices {device} and {region.device}; "
-                        "a block lives on one device"
-                    )
-                segments.append((region.ptr + off, length))
-                total += length
-                used.add(region)
-                s += 1
-            if total > max_block_bytes:
+        for b, segs in enumerate(segs_by_block):
+            devices = list(dict.fromkeys(region.device for region, _, _ in segs))  # in request order
+            if len(devices) > 1:
                 raise InvalidArgument(
-                    f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}"
+                    f"block {b}: segments on devices {devices[0]} and {devices[1]}; "
+                    "a block lives on one device"
                 )
-            assert device is not None
-            blocks.append(DeviceBlock(device, tuple(segments), total))
+            blocks.append(
+                DeviceBlock(devices[0], tuple((r.ptr + o, n) for r, o, n in segs), sum(n for _, _, n in segs))
+            )
         return GpuPlan(blocks, used)
 
     async def run(self, task: Task, keys: Sequence[BlockKey], plan: GpuPlan, durable: bool) -> None:
