@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ucm_server.keys import BlockKey, Namespace
@@ -107,32 +107,46 @@ class Pipeline:
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        sizes: list[int | None] = [None] * len(keys)
-        for tier in sorted(self.tiers, key=lambda t: t.shared):  # local indexes first
-            todo = [i for i, s in enumerate(sizes) if s is None]
-            if not todo:
-                break
+        def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
             asked = [keys[i] for i in todo]
-            found = await (self._ask_shared(tier, asked) if tier.shared else tier.lookup(asked))
-            for i, size in zip(todo, found, strict=True):
-                sizes[i] = size
-        return sizes
+            return self._ask_shared(tier, asked) if tier.shared else tier.lookup(asked)
+
+        return await self._fill([None] * len(keys), self._lookup_order(), ask)
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
         """The Lookup RPC's path: local per-namespace maps first, shared tiers only for the misses."""
-        ordered = sorted(self.tiers, key=lambda t: t.shared)
-        sizes = await ordered[0].lookup_digests(namespace, digests)
-        if None not in sizes:
+
+        def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
+            if tier.shared:
+                return self._ask_shared(tier, [BlockKey(namespace, digests[i]) for i in todo])
+            return tier.lookup_digests(namespace, [digests[i] for i in todo])
+
+        order = self._lookup_order()
+        first = order[0]  # local: its per-namespace map takes the request's digests as they are
+        sizes = await (
+            first.lookup_digests(namespace, digests)
+            if not first.shared
+            else ask(first, list(range(len(digests))))
+        )
+        if None not in sizes:  # the common all-hit case stays in C end to end
             return sizes
-        for tier in ordered[1:]:
+        return await self._fill(sizes, order[1:], ask)
+
+    def _lookup_order(self) -> list[Tier]:
+        return sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
+
+    @staticmethod
+    async def _fill(
+        sizes: list[int | None],
+        tiers: Sequence[Tier],
+        ask: Callable[[Tier, list[int]], Awaitable[list[int | None]]],
+    ) -> list[int | None]:
+        """Ask each tier in turn only about the keys no earlier tier had."""
+        for tier in tiers:
             todo = [i for i, s in enumerate(sizes) if s is None]
             if not todo:
                 break
-            if tier.shared:
-                found = await self._ask_shared(tier, [BlockKey(namespace, digests[i]) for i in todo])
-            else:
-                found = await tier.lookup_digests(namespace, [digests[i] for i in todo])
-            for i, size in zip(todo, found, strict=True):
+            for i, size in zip(todo, await ask(tier, todo), strict=True):
                 sizes[i] = size
         return sizes
 
