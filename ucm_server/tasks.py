@@ -161,7 +161,7 @@ class TaskManager:
         pending = [t for t in self._tasks.values() if not t.done.is_set()]
         if not pending:
             return
-        _, _late = await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
+        await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
         for t in pending:
             t.cancel_requested = True
         await asyncio.gather(*(t.done.wait() for t in pending))
