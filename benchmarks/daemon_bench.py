@@ -149,7 +149,8 @@ def posix_read(workdir: Path, n: int, size: int, repeat: int) -> dict[str, float
         def raw() -> None:
             for i, f in enumerate(files):
                 fd = os.open(f, os.O_RDONLY)
-                os.preadv(fd, [view[i * size : (i + 1) * size]], 128)
+                payload_at = os.fstat(fd).st_size - size  # after a 128-byte or 4 KiB header
+                os.preadv(fd, [view[i * size : (i + 1) * size]], payload_at)
                 os.close(fd)
 
         raw()

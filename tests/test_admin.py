@@ -25,7 +25,6 @@ from ucm_server.testing.daemon import DaemonProcess
 REPO = Path(__file__).resolve().parents[1]
 OTHER_NS = namespace_id(model="pytest-admin-other", dtype="uint8")
 BLOCK = 4096
-HEADER = 128  # the Posix tier's block header, before the payload
 
 
 def admin(
@@ -210,10 +209,10 @@ def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, 
     keys = seed(client, shm, NS, 3)
     ns_hex, key_hex = keys[1].split("/")
     path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / key_hex[2:4] / f"{key_hex}.blk"
-    with path.open("r+b") as f:  # flip one payload byte behind the daemon's back
-        f.seek(HEADER + 10)
+    with path.open("r+b") as f:  # flip one payload byte (counted from the end) behind the daemon's back
+        f.seek(-10, os.SEEK_END)
         byte = f.read(1)
-        f.seek(HEADER + 10)
+        f.seek(-10, os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
     proc = admin(daemon, "--json", "verify")
     assert proc.returncode == 1
@@ -232,7 +231,7 @@ def test_verify_human_summary_names_the_key(
     ns_hex, key_hex = keys[0].split("/")
     path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / key_hex[2:4] / f"{key_hex}.blk"
     data = bytearray(path.read_bytes())
-    data[HEADER] ^= 0x01
+    data[-1] ^= 0x01  # the last payload byte
     path.write_bytes(bytes(data))
     proc = admin(daemon, "verify")
     assert proc.returncode == 1

@@ -9,6 +9,7 @@ import pytest
 from conftest import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
+from ucm_server.store.format import ALIGNED_HEADER_SIZE
 from ucm_server.testing.daemon import DaemonProcess
 
 
@@ -76,7 +77,8 @@ def test_corrupted_block_file_is_reported_never_loaded(tmp_path: Path) -> None:
         assert c.wait(c.dump(NS, blocks_in(c.register(buf), 1, size), wait_durable=True), 10).ok
     (path,) = list((d.data_dir / "blocks").rglob("*.blk"))
     raw = bytearray(path.read_bytes())
-    raw[500] ^= 0x01
+    assert len(raw) == ALIGNED_HEADER_SIZE + size  # an aligned shm block is written with O_DIRECT
+    raw[-500] ^= 0x01  # a payload byte: the header stays valid, so only the read finds it
     path.write_bytes(raw)
     with d.start(), UcmClient(d.target) as c, SharedBuffer(size) as out:
         result = c.wait(c.load(NS, blocks_in(c.register(out), 1, size)), 10)

@@ -123,6 +123,13 @@ class ServerConfig:
     durable: bool = field(
         default=True, metadata=_help("fsync block files and their directories before they become visible.")
     )
+    posix_direct_io: bool = field(
+        default=True,
+        metadata=_help(
+            "Write Posix block files with O_DIRECT when the block's buffers and the filesystem allow "
+            "it: flushing then skips the page cache and costs almost no CPU. Off: always buffered."
+        ),
+    )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))

@@ -108,8 +108,14 @@ class DS3FSTier(PosixTier):
         :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
         """
         self.mount = Path(mount)
+        # Buffered writes only: USRBIO and other nodes' readers expect the 128-byte header.
         super().__init__(
-            name, roots=[self.mount / subdir], capacity=capacity, durable=durable, executor=executor
+            name,
+            roots=[self.mount / subdir],
+            capacity=capacity,
+            durable=durable,
+            direct_io=False,
+            executor=executor,
         )
         if usrbio not in ("auto", "on", "off"):
             raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")

@@ -5,10 +5,15 @@ Any tier can verify what it returns with nothing but the stored object: the head
 length (so a torn write is caught) and an xxh3-64 checksum of the payload (so a flipped byte is caught).
 The header has its own CRC so a damaged header is not trusted to describe the payload.
 
-Layout (little endian, 128 bytes so the payload stays aligned)::
+Layout (little endian)::
 
     magic "UCMB" | version u16 | flags u16 | header_len u32 | namespace 16s | key 32s |
-    payload_len u64 | checksum u64 | created_ns u64 | header_crc u32 | zero padding
+    payload_len u64 | checksum u64 | created_ns u64 | header_crc u32 | zero padding to header_len
+
+``header_len`` is where the payload starts: 128 bytes (:data:`HEADER_SIZE`, every object tier), or
+4 KiB (:data:`ALIGNED_HEADER_SIZE`) for files the Posix tier writes with ``O_DIRECT``, which needs
+every write to start and end on a 4 KiB boundary. The padding must be zero, so no byte of a stored
+block goes unchecked: payload by its checksum, header by its CRC, padding by being zero.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from ucm_server.store.base import IoVec
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
 HEADER_SIZE = 128
+"""The smallest header: all fields, zero padded to 128 bytes."""
+ALIGNED_HEADER_SIZE = 4096
+"""A header padded so the payload starts on a 4 KiB boundary (``O_DIRECT`` files)."""
+HEADER_SIZES = (HEADER_SIZE, ALIGNED_HEADER_SIZE)
 _FIELDS = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQ")
 _CRC = struct.Struct("<I")
 
@@ -46,6 +55,13 @@ class BlockHeader:
     checksum: int
     created_ns: int
     flags: int = 0
+    header_len: int = HEADER_SIZE
+    """Offset of the payload in the stored object."""
+
+    @property
+    def stored_len(self) -> int:
+        """Bytes of the whole stored object: header, padding and payload."""
+        return self.header_len + self.payload_len
 
 
 def payload_checksum(iov: IoVec) -> int:
@@ -56,12 +72,22 @@ def payload_checksum(iov: IoVec) -> int:
     return h.intdigest()
 
 
-def encode_header(key: BlockKey, payload_len: int, checksum: int, created_ns: int | None = None) -> bytes:
+def encode_header(
+    key: BlockKey,
+    payload_len: int,
+    checksum: int,
+    created_ns: int | None = None,
+    *,
+    header_len: int = HEADER_SIZE,
+) -> bytes:
+    """The header of a block, ``header_len`` bytes long (one of :data:`HEADER_SIZES`)."""
+    if header_len not in HEADER_SIZES:
+        raise ValueError(f"header_len {header_len} is not one of {HEADER_SIZES}")
     fields = _FIELDS.pack(
         MAGIC,
         FORMAT_VERSION,
         0,
-        HEADER_SIZE,
+        header_len,
         key.namespace,
         key.digest,
         payload_len,
@@ -69,11 +95,15 @@ def encode_header(key: BlockKey, payload_len: int, checksum: int, created_ns: in
         created_ns if created_ns is not None else time.time_ns(),
     )
     crc = _CRC.pack(zlib.crc32(fields))
-    return (fields + crc).ljust(HEADER_SIZE, b"\0")
+    return (fields + crc).ljust(header_len, b"\0")
 
 
 def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> BlockHeader:
-    """Parse and check a header; ``expect`` also checks it names the block we asked for."""
+    """Parse and check a header; ``expect`` also checks it names the block we asked for.
+
+    ``raw`` is the start of the stored object: at least :data:`HEADER_SIZE` bytes. Whatever part of
+    the padding it holds must be zero (see :func:`check_padding` for readers that hold all of it).
+    """
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
     fields = bytes(raw[: _FIELDS.size])
@@ -85,14 +115,33 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
         raise UnsupportedFormat(f"block format version {version}; this daemon reads version {FORMAT_VERSION}")
     if zlib.crc32(fields) != crc:
         raise CorruptBlock("header checksum mismatch")
-    if header_len != HEADER_SIZE:
-        raise CorruptBlock(f"header length {header_len}, expected {HEADER_SIZE}")
+    if header_len not in HEADER_SIZES:
+        raise CorruptBlock(f"header length {header_len}, expected one of {HEADER_SIZES}")
     key = BlockKey(Namespace(ns), Digest(digest))
     if expect is not None and key != expect:
         raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
+    _check_zero(raw[_FIELDS.size + _CRC.size : header_len])
     return BlockHeader(
-        key=key, payload_len=payload_len, checksum=checksum, created_ns=created_ns, flags=flags
+        key=key,
+        payload_len=payload_len,
+        checksum=checksum,
+        created_ns=created_ns,
+        flags=flags,
+        header_len=header_len,
     )
+
+
+def check_padding(raw: bytes | memoryview, header: BlockHeader) -> None:
+    """Raise :class:`CorruptBlock` unless ``raw`` holds the header's whole padding, all zero."""
+    if len(raw) < header.header_len:
+        raise CorruptBlock(f"header truncated: {len(raw)} of {header.header_len} bytes")
+    _check_zero(raw[_FIELDS.size + _CRC.size : header.header_len])
+
+
+def _check_zero(padding: bytes | memoryview) -> None:
+    data = bytes(padding)
+    if data.count(0) != len(data):
+        raise CorruptBlock("header padding is not zero")
 
 
 def verify_payload(header: BlockHeader, iov: IoVec) -> None:

@@ -82,6 +82,7 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
             roots=config.posix_roots,
             capacity=config.posix_capacity,
             durable=config.durable,
+            direct_io=config.posix_direct_io,
             executor=executor,
         )
     cls = tier_class(name)
