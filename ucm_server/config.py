@@ -110,6 +110,14 @@ class ServerConfig:
         default=64 << 10,
         metadata=_help("Allocation unit of the Cache arena; a block uses whole pages.", size=True),
     )
+    cache_prefault: bool = field(
+        default=True,
+        metadata=_help(
+            "Fault the Cache arena's memory in after start-up, in a background thread at the lowest CPU "
+            "priority, so storing a block never pays first-touch page faults (~8x a memcpy). The "
+            "daemon's memory use reaches cache_capacity shortly after start."
+        ),
+    )
     posix_capacity: int = field(
         default=0, metadata=_help("Bytes the Posix tier may hold before it evicts (0 = no limit).", size=True)
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 
 from ucm_server.store.base import BlockState, Tier
@@ -13,6 +15,54 @@ from ucm_server.testing.tier_suite import TierSuite, key, payload
 class TestCacheConformance(TierSuite):
     async def make_tier(self, path: Path) -> Tier:
         return CacheTier(capacity=16 << 20, page_size=4096)
+
+
+class TestPrefaultingCacheConformance(TierSuite):
+    """The same suite while the arena is being faulted in underneath: no block's bytes may change."""
+
+    async def make_tier(self, path: Path) -> Tier:
+        return CacheTier(capacity=64 << 20, page_size=4096, prefault=True)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _wait_prefaulted(tier: CacheTier, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while tier.arena.prefaulted < tier.arena.capacity and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_prefault_faults_the_whole_arena_in_and_keeps_written_bytes() -> None:
+    capacity = 256 << 20
+
+    async def main() -> None:
+        t = CacheTier(capacity=capacity, page_size=64 << 10, prefault=True)
+        before = _rss()
+        data = payload(1, 1 << 20)
+        await t.open()
+        assert (await t.write_from(key(1), [memoryview(data)])).ok  # while the prefault runs
+        await asyncio.to_thread(_wait_prefaulted, t, 30)
+        assert t.arena.prefaulted == capacity
+        assert _rss() - before >= capacity * 0.9  # resident now, not on first use
+        out = bytearray(len(data))
+        assert (await t.read_into(key(1), [memoryview(out)])).ok and out == data
+        await t.close()
+
+    asyncio.run(main())
+
+
+def test_close_during_prefault_stops_it() -> None:
+    async def main() -> None:
+        t = CacheTier(capacity=4 << 30, page_size=64 << 10, prefault=True)
+        await t.open()
+        started = time.monotonic()
+        await t.close()
+        assert time.monotonic() - started < 5
+        assert t.arena.prefaulted < 4 << 30
+
+    asyncio.run(main())
 
 
 def test_lru_evicts_least_recently_used() -> None:

@@ -92,7 +92,8 @@ class CacheTier(Tier):
         prefault: bool = False,
     ) -> None:
         super().__init__(name)
-        self.arena = Arena(capacity, page_size, prefault=prefault)
+        self.arena = Arena(capacity, page_size)
+        self._prefault = prefault
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._sizes = SizeIndex()
         self._executor = executor
@@ -100,6 +101,10 @@ class CacheTier(Tier):
         self._rejected = 0
 
     # -- primitives -----------------------------------------------------------------------------------
+    async def open(self) -> None:
+        if self._prefault:
+            self.arena.prefault()
+
     async def close(self) -> None:
         self._index.clear()
         self._sizes.clear()

@@ -74,7 +74,12 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
     if name == "Cache":
         from ucm_server.store.cache import CacheTier
 
-        return CacheTier(capacity=config.cache_capacity, page_size=config.cache_page_size, executor=executor)
+        return CacheTier(
+            capacity=config.cache_capacity,
+            page_size=config.cache_page_size,
+            executor=executor,
+            prefault=config.cache_prefault,
+        )
     if name == "Posix":
         from ucm_server.store.posix import PosixTier
 
