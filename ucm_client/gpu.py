@@ -16,6 +16,8 @@ Ordering is the caller's half of the contract (the daemon cannot see this proces
 
 * before a **dump**, call :func:`producers_done` (it records an event after the kernels queued so far
   on the current stream and waits for it), so the daemon never reads a block before it is written;
+  or record a :class:`StreamMark` and submit the dump once it is ``ready()`` (no host stall, what the
+  connector's per-layer dumps do);
 * a **load** is complete when its task reports OK — the daemon has waited for its copies — so kernels
   launched after ``wait`` returns read the loaded bytes.
 
@@ -45,6 +47,7 @@ __all__ = [
     "CudaKVCache",
     "CudaUnavailable",
     "LayerwiseLoad",
+    "StreamMark",
     "export_pointer",
     "export_tensor",
     "layer_key",
@@ -221,6 +224,26 @@ def producers_done(device: Any = None) -> None:
     event.synchronize()
 
 
+class StreamMark:
+    """An event recorded after the kernels queued so far on the current stream.
+
+    ``producers_done`` without the wait: a layer's dump may be submitted once ``ready()`` says that
+    layer's kernels finished, while the host keeps launching the next layers; ``wait()`` blocks.
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        import torch
+
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(device))
+
+    def ready(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
 # -- vLLM's GPU KV cache --------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _LayerPages:
@@ -239,7 +262,8 @@ class CudaKVCache:
     CUDA: ``register`` once (and again after a daemon restart, which the client does by itself), then
     ``segments(block_id)`` in Load/Dump. A block's bytes are every layer's page in address order, the
     layout the staging path (``ucm_client.vllm.staging``) stores, so blocks saved either way load the
-    other way.
+    other way. Stored per layer (``use_layerwise``), one layer's object of a block is that layer's
+    page alone (``layer_blocks``).
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -251,12 +275,17 @@ class CudaKVCache:
         self._tensors = [unique[ptr] for ptr in sorted(unique)]
         self.storages: dict[int, torch.Tensor] = {}
         self.layers: list[_LayerPages] = []
+        by_ptr: dict[int, _LayerPages] = {}
         for t in self._tensors:
             storage_ptr = t.untyped_storage().data_ptr()
             self.storages.setdefault(storage_ptr, t)
             elem = t.element_size()
             start = t.data_ptr() - storage_ptr
-            self.layers.append(_LayerPages(storage_ptr, start, t.stride(0) * elem, t[0].numel() * elem))
+            page = _LayerPages(storage_ptr, start, t.stride(0) * elem, t[0].numel() * elem)
+            self.layers.append(page)
+            by_ptr[t.data_ptr()] = page
+        self.pages_by_name = {name: by_ptr[t.data_ptr()] for name, t in kv_caches.items()}
+        """Each layer name's pages (layers sharing one KV cache share the entry)."""
         self.num_blocks = min(t.shape[0] for t in self._tensors)
         self.block_bytes = sum(p.length for p in self.layers)
         self.regions: dict[int, int] = {}
@@ -267,10 +296,13 @@ class CudaKVCache:
             if storage_ptr not in self.regions:
                 self.regions[storage_ptr] = client.register_cuda(tensor, label=label)
 
-    def segments(self, block_id: int) -> tuple[Segment, ...]:
-        """The byte ranges of block ``block_id``, adjacent pages of one storage merged."""
+    def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")
+
+    def segments(self, block_id: int) -> tuple[Segment, ...]:
+        """The byte ranges of block ``block_id``, adjacent pages of one storage merged."""
+        self._check_block(block_id)
         out: list[Segment] = []
         for page in self.layers:
             region = self.regions[page.storage]
@@ -284,6 +316,16 @@ class CudaKVCache:
 
     def blocks(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> list[BlockIO]:
         return [BlockIO(k, self.segments(b)) for k, b in zip(keys, block_ids, strict=True)]
+
+    def layer_segments(self, layer_name: str, block_id: int) -> tuple[Segment, ...]:
+        """Layer ``layer_name``'s page of block ``block_id``."""
+        self._check_block(block_id)
+        page = self.pages_by_name[layer_name]
+        return (Segment(self.regions[page.storage], page.start + block_id * page.stride, page.length),)
+
+    def layer_blocks(self, layer_name: str, keys: Sequence[bytes], block_ids: Sequence[int]) -> list[BlockIO]:
+        """One layer's objects of the blocks ``block_ids``, stored under ``keys`` (``layer_key``s)."""
+        return [BlockIO(k, self.layer_segments(layer_name, b)) for k, b in zip(keys, block_ids, strict=True)]
 
 
 # -- layerwise loads -------------------------------------------------------------------------------------

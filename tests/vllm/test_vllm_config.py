@@ -66,6 +66,15 @@ def test_env_file_wins_over_extra_config_file(tmp_path: Path) -> None:
     assert config.load_async
 
 
+def test_use_layerwise_is_accepted_from_every_source(tmp_path: Path) -> None:
+    path = tmp_path / "ucm.yaml"
+    path.write_text("use_layerwise: true\n")
+    assert load_config({}, environ={"UCM_CONFIG_FILE": str(path)}).use_layerwise
+    assert load_config({"use_layerwise": True}, environ={}).use_layerwise
+    assert load_config({}, environ={"UCM_USE_LAYERWISE": "true"}).use_layerwise
+    assert not load_config({"use_layerwise": True}, environ={"UCM_USE_LAYERWISE": "0"}).use_layerwise
+
+
 def test_socket_env_sets_the_target() -> None:
     assert load_config({"target": "/x.sock"}, environ={"UCM_SOCKET": "/y.sock"}).target == "/y.sock"
     assert load_config({"target": "/x.sock"}, environ={}).target == "/x.sock"
@@ -79,7 +88,8 @@ def test_socket_env_sets_the_target() -> None:
         ({}, {"UCM_LOAD_ASYNC": "maybe"}, "environment UCM_LOAD_ASYNC: load_async"),
         ({"load_timeout_s": -1}, {}, "load_timeout_s: expected a positive number"),
         ({"weight_fingerprint": "md5"}, {}, "expected one of sampled, full, off"),
-        ({"use_layerwise": True}, {}, "use_layerwise: true is not supported"),
+        ({"use_layerwise": True, "zero_copy": False}, {}, "use_layerwise: true needs zero_copy: true"),
+        ({}, {"UCM_USE_LAYERWISE": "1", "UCM_ZERO_COPY": "0"}, "use_layerwise: true needs zero_copy: true"),
         ({"load_only_first_rank": True}, {}, "load_only_first_rank: true is not supported"),
         ({"ucm_connectors": "Cache|Posix"}, {}, "ucm_connectors: expected a list of mappings"),
     ],

@@ -14,10 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from ucm_client import BlockIO, SharedBuffer, UcmClient, namespace_id
+from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, namespace_id
+from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import ConfigError, ConnectorConfig
 from ucm_client.vllm.connector import check_vllm_version
-from ucm_client.vllm.identity import block_keys, check_hash_stability, weight_fingerprint
+from ucm_client.vllm.identity import (
+    KeySpace,
+    block_keys,
+    check_hash_stability,
+    layer_order,
+    weight_fingerprint,
+)
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.scheduler import hit_tokens
@@ -61,6 +68,36 @@ def test_unstable_hashes_are_refused_with_the_fix() -> None:
     check_hash_stability("xxhash", config, environ={"PYTHONHASHSEED": "0"})
     check_hash_stability("sha256", config, environ={})
     check_hash_stability("xxhash_cbor", ConnectorConfig(allow_unstable_hashes=True), environ={})
+
+
+def test_layer_order_is_numeric_and_independent_of_listing_order() -> None:
+    names = ["m.layers.10.attn", "m.layers.9.attn", "m.layers.0.attn", "m.layers.9.attn", "m.mtp.0.attn"]
+    expected = ("m.layers.0.attn", "m.layers.9.attn", "m.layers.10.attn", "m.mtp.0.attn")
+    assert layer_order(names) == expected
+    assert layer_order(reversed(names)) == expected
+
+
+def test_layerwise_keyspace_has_its_own_namespace(tiny_model: Path) -> None:
+    """Built from vLLM's own config objects: the layers in order, a namespace apart from whole blocks."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(tiny_model), dtype="float32"),
+        cache_config=CacheConfig(block_size=128),
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]  # as listed, in any order
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv_config = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
+    whole = KeySpace.from_vllm(vllm_config, kv_config, ConnectorConfig())
+    layered = KeySpace.from_vllm(vllm_config, kv_config, ConnectorConfig(use_layerwise=True))
+    assert (whole.layerwise, layered.layerwise) == (False, True)
+    assert layered.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10))
+    assert whole.namespace(0) != layered.namespace(0)
+    # The whole-block namespace is built from exactly the fields it always was.
+    assert whole.fields == tuple((k, v) for k, v in layered.fields if k != "layerwise")
 
 
 def test_vllm_version_gate() -> None:
@@ -131,6 +168,13 @@ def test_segments_per_layer_and_merged_when_contiguous() -> None:
     assert [(s.offset, s.length) for s in merged.segments(0, 2)] == [(2 * 2 * PAGE, 2 * PAGE)]
     with pytest.raises(IndexError):
         memory.segments(0, BLOCKS)
+    # Layerwise, a block's object for one layer is that layer's page, merged layouts or not.
+    assert memory.layer_segments(7, "model.layers.1.self_attn.attn", 2) == (
+        Segment(7, (BLOCKS + 2) * PAGE, PAGE),
+    )
+    assert merged.layer_segments(7, "l1", 2) == (Segment(7, (2 * 2 + 1) * PAGE, PAGE),)
+    with pytest.raises(IndexError):
+        memory.layer_segments(0, "model.layers.0.self_attn.attn", BLOCKS)
 
 
 def test_adopt_repoints_every_view_and_keeps_contents() -> None:
@@ -321,4 +365,33 @@ def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_pat
         assert (save.block_ids, save.keys) == ((10,), (keys[3],))
         assert scheduler.request_finished(second) == (True, None)  # held until the save is reported
         assert scheduler.request_finished(first) == (False, None)
+        scheduler.shutdown()
+
+
+def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_path: Path) -> None:
+    from vllm.config import CacheConfig, VllmConfig
+
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    layers = ("attn.0", "attn.1", "attn.2")
+    keyspace = KeySpace(fields=(("model", "parts-layerwise"),), tp_size=2, layer_names=layers, layerwise=True)
+    request = _request("a", list(range(100, 170)))  # 4 full blocks of 16 + 6 tokens
+    keys = block_keys(request.block_hashes, 16, 16)
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+
+        def put(rank: int, blocks: range, layer_ids: tuple[int, ...]) -> None:
+            items = [(layer_key(keys[b], layer), b"x" * 64) for b in blocks for layer in layer_ids]
+            client.put_blocks(keyspace.namespace(rank), items)
+
+        put(0, range(4), (0, 1, 2))
+        put(1, range(2), (0, 1, 2))
+        put(1, range(2, 4), (0, 2))  # blocks 2 and 3 lack their middle layer on rank 1
+        client.put_blocks(keyspace.namespace(1), [(k, b"w" * 64) for k in keys])  # whole blocks: no use
+        config = ConnectorConfig(target=daemon.target, use_layerwise=True)
+        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+        stats = scheduler.take_stats()
+        assert stats is not None and stats.data["lookups"] == 2  # one batched Lookup per rank
+        put(1, range(2, 4), (1,))
+        assert scheduler.get_num_new_matched_tokens(_request("b", list(range(100, 170))), 0) == (64, False)
         scheduler.shutdown()

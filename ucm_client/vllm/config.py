@@ -101,7 +101,11 @@ class ConnectorConfig:
     ``PYTHONHASHSEED``): stored blocks will then never be hit by another process."""
 
     use_layerwise: bool = False
-    """Seed option for per-layer keys. Only ``false`` is supported: blocks are stored whole."""
+    """Store each block as one object per attention layer, and load layer by layer: all layers'
+    loads start before the forward, and each attention layer waits only for its own, so the copy of
+    layer L+1 overlaps the compute of layer L; each layer's dump starts right after that layer has
+    written its KV. Needs zero copy (``zero_copy: true``; the staging buffer moves whole blocks).
+    Its blocks live in their own namespace: a whole-block store never hits for it, nor it for one."""
 
     load_only_first_rank: bool = False
     """Seed option where rank 0 loads for everyone. Only ``false`` is supported: each TP rank loads
@@ -222,10 +226,10 @@ def _yaml_layer(path: Path) -> dict[str, Any]:
 
 
 def _check(config: ConnectorConfig) -> ConnectorConfig:
-    if config.use_layerwise:
+    if config.use_layerwise and not config.zero_copy:
         raise ConfigError(
-            "use_layerwise: true is not supported by UCMConnector: each stored block holds all "
-            "layers under one key (set it to false)"
+            "use_layerwise: true needs zero_copy: true: the staging buffer used with zero_copy: false "
+            "moves whole blocks only (set one of them the other way)"
         )
     if config.load_only_first_rank:
         raise ConfigError(

@@ -130,10 +130,14 @@ class UCMConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
             with self._worker.stats.timed():
-                self._worker.wait_for_layer_load()
+                self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: a block is stored whole (all layers) once the forward has written it."""
+        """Layerwise: dump this layer of the step's completed blocks now (whole blocks: at step end)."""
+        meta = self._meta()
+        if self._worker is not None and meta is not None and meta.saves:
+            with self._worker.stats.timed():
+                self._worker.save_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._meta()

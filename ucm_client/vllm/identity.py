@@ -6,7 +6,9 @@ name, multimodal hashes, prompt embeddings), so two requests share a key only wh
 share the block. Everything else that makes bytes incompatible goes into the namespace: model
 identity (path or name plus a weight fingerprint or revision), KV dtype and quantization, memory
 layout, block size, head geometry, layer count, and the TP rank and size whose shard the bytes are.
-A lookup under a different namespace is a miss, never a wrong load.
+A lookup under a different namespace is a miss, never a wrong load. With ``use_layerwise`` each block
+is stored as one object per attention layer (``layer_key(key, index)``, the index being the layer's
+place in ``layer_order``), and the namespace says so: whole-block and layerwise stores never mix.
 
 The hashes are only useful if another process computes the same ones: vLLM's ``xxhash`` variants
 seed themselves randomly per process unless ``PYTHONHASHSEED`` is set, so that setting is refused.
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -28,6 +31,7 @@ __all__ = [
     "KeySpace",
     "block_keys",
     "check_hash_stability",
+    "layer_order",
     "model_identity",
     "weight_fingerprint",
 ]
@@ -67,6 +71,21 @@ def block_keys(block_hashes: Sequence[bytes], block_size: int, hash_block_size: 
     ratio = block_size // hash_block_size
     picked = block_hashes[ratio - 1 :: ratio]
     return [bytes(h) if len(h) == KEY_BYTES else _widen(bytes(h)) for h in picked]
+
+
+def layer_order(layer_names: Iterable[str]) -> tuple[str, ...]:
+    """Attention layer names in layer order: numbers inside names compare as numbers.
+
+    The index of a name here is the layer index of its per-layer keys: the scheduler (which looks
+    them up) and every worker (which loads and dumps them), and any later vLLM process, must agree
+    without exchanging anything. A sort of the names alone gives that, whatever order vLLM lists them
+    in; ``model.layers.10.self_attn.attn`` sorts after ``model.layers.9.self_attn.attn``.
+    """
+
+    def natural(name: str) -> tuple[tuple[int, int | str], ...]:
+        return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
+
+    return tuple(sorted(set(layer_names), key=natural))
 
 
 def _widen(digest: bytes) -> bytes:
@@ -138,6 +157,14 @@ class KeySpace:
 
     fields: tuple[tuple[str, str], ...]
     tp_size: int
+    layer_names: tuple[str, ...] = ()
+    """The KV cache's attention layers in ``layer_order``: layer ``i``'s keys are ``layer_key(key, i)``."""
+    layerwise: bool = False
+    """Blocks are stored per layer (``use_layerwise``); part of ``fields`` too, so namespaces differ."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> KeySpace:
@@ -164,11 +191,14 @@ class KeySpace:
             num_layers=str(len(groups[0].layer_names)),
             hash_algo=str(cache_config.prefix_caching_hash_algo),
         )
+        if config.use_layerwise:  # only then: whole-block namespaces stay what they always were
+            fields["layerwise"] = "one object per layer"
         if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)) != 1:
             raise ConfigError("UCMConnector does not support pipeline parallelism yet (use TP only)")
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         fields["tp_size"] = str(tp_size)
-        return cls(tuple(sorted(fields.items())), tp_size)
+        layers = layer_order(groups[0].layer_names)
+        return cls(tuple(sorted(fields.items())), tp_size, layers, config.use_layerwise)
 
     def namespace(self, tp_rank: int) -> bytes:
         from ucm_client import namespace_id

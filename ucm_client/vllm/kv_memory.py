@@ -119,7 +119,8 @@ class KVMemory:
 
     A block's stored bytes are its pages of every layer, in address order (deterministic for a
     given layout, which is part of the namespace). Adjacent pages merge into one segment, so a
-    block-outermost layout yields one segment per block.
+    block-outermost layout yields one segment per block. Stored per layer (``use_layerwise``), a
+    block's object for one layer is just that layer's page (``layer_segments``).
     """
 
     def __init__(self, buffer: SharedBuffer, raw: torch.Tensor, kv_caches: Mapping[str, torch.Tensor]):
@@ -127,6 +128,8 @@ class KVMemory:
         self.raw = raw
         self.base = raw.data_ptr()
         pages: dict[int, LayerPages] = {}
+        self.pages_by_name: dict[str, LayerPages] = {}
+        """Each layer name's pages (layers sharing one KV cache share the entry)."""
         for name, tensor in kv_caches.items():
             elem = tensor.element_size()
             start = tensor.data_ptr() - self.base
@@ -139,15 +142,19 @@ class KVMemory:
                     f"{name}: KV cache tensor is not inside the shared buffer "
                     f"(offset {start}..{end}, buffer {buffer.size} bytes)"
                 )
-            pages.setdefault(start, LayerPages(start, tensor.stride(0) * elem, length))
+            page = pages.setdefault(start, LayerPages(start, tensor.stride(0) * elem, length))
+            self.pages_by_name[name] = page
         self.layers = [pages[k] for k in sorted(pages)]
         self.num_blocks = min(t.shape[0] for t in kv_caches.values())
         self.block_bytes = sum(p.length for p in self.layers)
 
-    def segments(self, region: int, block_id: int) -> tuple[Segment, ...]:
-        """The byte ranges of block ``block_id`` in registered region ``region``, merged."""
+    def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")
+
+    def segments(self, region: int, block_id: int) -> tuple[Segment, ...]:
+        """The byte ranges of block ``block_id`` in registered region ``region``, merged."""
+        self._check_block(block_id)
         out: list[Segment] = []
         for page in self.layers:
             offset = page.start + block_id * page.stride
@@ -157,6 +164,12 @@ class KVMemory:
             else:
                 out.append(Segment(region, offset, page.length))
         return tuple(out)
+
+    def layer_segments(self, region: int, layer_name: str, block_id: int) -> tuple[Segment, ...]:
+        """Layer ``layer_name``'s page of block ``block_id``: one layer's object of a layerwise block."""
+        self._check_block(block_id)
+        page = self.pages_by_name[layer_name]
+        return (Segment(region, page.start + block_id * page.stride, page.length),)
 
     def block_view(self, block_id: int) -> bytes:
         """A copy of a block's bytes as the daemon stores them (for tests and diagnostics)."""

@@ -6,6 +6,11 @@ Runs once, in vLLM's EngineCore process. For each new request it asks the daemon
 request waits for memory), and grants vLLM the part beyond its own prefix cache. Each step it turns
 the scheduler output into the worker metadata: the granted hits to load into the blocks vLLM just
 allocated, and the full blocks the step completes, to save.
+
+With ``use_layerwise`` a block is one object per attention layer, and the lookup asks for all of
+them (still one batched ``Lookup`` per rank, the keys block by block, layer by layer): a block is
+granted only if every layer of it is stored, so a missing layer shortens the hit instead of
+failing a load. A layer that disappears between lookup and load is a load error like any other.
 """
 
 from __future__ import annotations
@@ -16,15 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ucm_client.errors import UcmError
+from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, block_keys
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.stats import UcmConnectorStats
 
-__all__ = ["UcmScheduler", "hit_tokens"]
+__all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
 
 logger = logging.getLogger(LOGGER_NAME)
+
+MAX_LOOKUP_KEYS = 65536
+"""Keys in one Lookup at most (the daemon's default ``max_batch_blocks``). Only layerwise lookups
+(blocks x layers keys) come near it; they ask for the longest prefix that fits, which at most
+shortens a hit on a very long prompt."""
 
 
 def hit_tokens(stored_blocks: int, block_size: int, num_tokens: int, num_computed_tokens: int) -> int:
@@ -86,6 +97,14 @@ class UcmScheduler:
             state.hashed = len(hashes)
         return state.keys
 
+    def _stored_keys(self, keys: list[bytes]) -> tuple[list[bytes], int]:
+        """The keys the blocks are stored under, and how many of them make one block."""
+        layers = self._keyspace.num_layers if self._keyspace.layerwise else 0
+        if not layers:
+            return keys, 1
+        fit = keys[: max(MAX_LOOKUP_KEYS // layers, 1)]
+        return [layer_key(key, layer) for key in fit for layer in range(layers)], layers
+
     def _lookup(self, keys: list[bytes]) -> int:
         """Stored prefix length (blocks) present for every TP rank; 0 when the daemon is down."""
         if not keys:
@@ -95,10 +114,12 @@ class UcmScheduler:
             self._stats.add(daemon_unavailable=1)
             return 0
         started = time.monotonic()
-        prefix = len(keys)
+        stored, per_block = self._stored_keys(keys)
+        prefix = len(stored) // per_block
         try:
             for namespace in self._namespaces:
-                prefix = min(prefix, client.lookup(namespace, keys[:prefix]).hit_prefix)
+                hit = client.lookup(namespace, stored[: prefix * per_block]).hit_prefix
+                prefix = min(prefix, hit // per_block)
                 self._stats.add(lookups=1)
                 if prefix == 0:
                     break

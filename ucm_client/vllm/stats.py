@@ -29,6 +29,7 @@ COUNTERS: dict[str, str] = {
     "load_blocks": "Blocks loaded from the daemon.",
     "load_bytes": "Bytes loaded from the daemon into vLLM's KV cache.",
     "load_seconds": "Time from load submission to completion.",
+    "load_wait_seconds": "Time the forward waited for this step's loads (layerwise: summed over layers).",
     "load_failed_blocks": "Blocks whose load failed (missing, corrupt, timeout); vLLM recomputes them.",
     "save_blocks": "Blocks stored in the daemon.",
     "save_bytes": "Bytes stored in the daemon.",

@@ -5,6 +5,15 @@ blocks to load and which to save; it never decides. Loads that feed this step's 
 for at the first attention layer; async loads and all saves are polled each step and never block
 decode. Failures are data: a block that did not load is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it; a save that failed is a future miss.
+
+With ``use_layerwise`` every block is one object per attention layer. All layers' loads are
+submitted before the forward (one task per layer), each attention layer waits for its own layer only,
+so the copy of layer L+1 overlaps the compute of layer L; each layer's dump is submitted right after
+its attention wrote the layer. A block counts as loaded only if every layer of it loaded.
+
+Known, as on the whole-block path: when a full hit leaves the prompt's last token to recompute, the
+forward writes that token's slot in the last loaded block while the daemon may still be copying the
+same block. Both write the KV of the same token after the same prefix, so either value is right.
 """
 
 from __future__ import annotations
@@ -17,11 +26,12 @@ from typing import Any
 
 import torch
 
-from ucm_client import BlockIO, BlockState, UcmClient
+from ucm_client import BlockIO, UcmClient
 from ucm_client.errors import UcmError
-from ucm_client.gpu import CudaKVCache, CudaUnavailable, producers_done
+from ucm_client.gpu import CudaKVCache, CudaUnavailable, StreamMark, layer_key, producers_done
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace
+from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
@@ -33,34 +43,20 @@ __all__ = ["UcmWorker"]
 logger = logging.getLogger(LOGGER_NAME)
 
 
-@dataclass(slots=True, eq=False)  # identity: one dump may be pending for several requests
-class _Task:
-    """A submitted load or dump and what it covers."""
-
-    task_id: int | None
-    transfer: BlockTransfer
-    started: float
-    deadline: float
-    block_bytes: int
-    slots: list[int] | None = None
-    """Staging slots holding this task's bytes (staging path only), released when it ends."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.block_bytes * len(self.transfer.block_ids)
-
-
 @dataclass(slots=True)
 class _SaveState:
-    pending: list[_Task] = field(default_factory=list)
+    pending: list[TransferJob] = field(default_factory=list)
     finished: bool = False
 
 
-def _per_block(states: list[BlockState], task: _Task) -> list[bool] | None:
-    """OK per block; None (all failed) if the daemon did not answer for every block."""
-    if len(states) != len(task.transfer.block_ids):
-        return None
-    return [state == BlockState.OK for state in states]
+def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
+    """Several requests' blocks as one transfer (one daemon task per step, or per layer)."""
+    transfers = list(transfers)
+    return BlockTransfer(
+        req_id,
+        tuple(b for t in transfers for b in t.block_ids),
+        tuple(k for t in transfers for k in t.keys),
+    )
 
 
 class UcmWorker:
@@ -70,6 +66,10 @@ class UcmWorker:
         self._vllm_config = vllm_config
         self._config = config
         self._namespace = keyspace.namespace(tp_rank)
+        self._layerwise = keyspace.layerwise
+        self._layers = keyspace.layer_names if keyspace.layerwise else ()
+        """Layer names by layer index (layerwise only): layer ``i``'s objects are ``layer_key(key, i)``."""
+        self._layer_index = {name: i for i, name in enumerate(self._layers)}
         self._link = DaemonLink(
             config.target,
             reconnect_interval_s=config.reconnect_interval_s,
@@ -86,11 +86,17 @@ class UcmWorker:
         self._region: int | None = None
         """Daemon region of the shared buffer (CPU zero copy or staging); CUDA keeps its own."""
         self._registered = False
-        self._sync_loads: list[_Task] = []
-        self._async_loads: dict[str, _Task] = {}
+        self._io_off: str | None = None
+        """Why this worker moves no bytes at all (set once, logged once); None normally."""
+        self._sync_loads: list[TransferJob] = []
+        self._async_loads: dict[str, TransferJob] = {}
         self._saves: dict[str, _SaveState] = {}
-        self._save_tasks: list[_Task] = []
+        self._save_jobs: list[TransferJob] = []
         """Dumps in flight, oldest first; each may hold blocks of several requests."""
+        self._layer_save: tuple[UcmConnectorMetadata, TransferJob] | None = None
+        """This step's layerwise dump, filled layer by layer until ``save`` seals it."""
+        self._layer_marks: list[tuple[int, StreamMark | None]] = []
+        """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
 
@@ -112,6 +118,8 @@ class UcmWorker:
         """
         if not kv_caches:
             return
+        if missing := [name for name in self._layers if name not in kv_caches]:
+            raise RuntimeError(f"use_layerwise: no KV cache tensor for layers {missing} of the KV config")
         self._kv_caches = dict(kv_caches)
         first = next(iter(kv_caches.values()))
         if first.device.type == "cuda" and self._config.zero_copy:
@@ -151,6 +159,13 @@ class UcmWorker:
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
     def _use_staging(self, device: str) -> None:
+        if self._layerwise:
+            self._io_off = (
+                f"use_layerwise needs the daemon to reach the {device} KV cache directly (zero copy), "
+                "the staging buffer moves whole blocks only; loads and saves are off, prefixes are recomputed"
+            )
+            logger.error("UCM worker: %s", self._io_off)
+            return
         staging_bytes = int(self._config.staging_buffer_gib * (1 << 30))
         self._staging = StagingArea(self._kv_caches, staging_bytes)
         logger.info(
@@ -211,8 +226,8 @@ class UcmWorker:
                 return None
         return client
 
-    def _blocks(self, transfer: BlockTransfer, slots: list[int] | None) -> list[BlockIO]:
-        """Where each block's bytes go: vLLM's own pages (zero copy) or staging slots."""
+    def _whole_blocks(self, transfer: BlockTransfer, slots: list[int] | None) -> list[BlockIO]:
+        """Where each whole block's bytes go: vLLM's own pages (zero copy) or staging slots."""
         if self._cuda_kv is not None:
             return self._cuda_kv.blocks(transfer.keys, transfer.block_ids)
         assert self._region is not None
@@ -228,187 +243,301 @@ class UcmWorker:
             for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True)
         ]
 
-    def start_load(self, meta: UcmConnectorMetadata) -> None:
-        for transfer in meta.loads:
-            task = self._submit(transfer, load=True)
-            if task is None:
-                self._fail_load(transfer.block_ids)
-                if transfer.is_async:
-                    # Still report it as received, so vLLM moves on and recomputes.
-                    self._async_loads[transfer.req_id] = _Task(None, transfer, 0.0, 0.0, 0)
-            elif transfer.is_async:
-                self._async_loads[transfer.req_id] = task
-            else:
-                self._sync_loads.append(task)
+    def _layer_blocks(self, layer: int, transfer: BlockTransfer) -> list[BlockIO]:
+        """Layer ``layer``'s object of each block: its page, under ``layer_key(key, layer)``."""
+        name = self._layers[layer]
+        keys = [layer_key(key, layer) for key in transfer.keys]
+        if self._cuda_kv is not None:
+            return self._cuda_kv.layer_blocks(name, keys, transfer.block_ids)
+        assert self._memory is not None and self._region is not None
+        return [
+            BlockIO(key=key, segments=self._memory.layer_segments(self._region, name, block_id))
+            for key, block_id in zip(keys, transfer.block_ids, strict=True)
+        ]
 
-    def _submit(self, transfer: BlockTransfer, *, load: bool) -> _Task | None:
-        """Hand a load or dump to the daemon; None if it could not be (the caller degrades)."""
-        op = "load" if load else "save"
-        client = self._client()
-        if client is None or not self._registered:
-            self._stats.add(daemon_unavailable=1)
-            return None
-        slots: list[int] | None = None
-        if self._staging is not None:
-            slots = self._staging.acquire(len(transfer.block_ids))
-            if slots is None:
-                logger.warning("UCM worker: staging buffer full, %s of %s skipped", op, transfer.req_id)
-                return None
-            if not load:  # the daemon reads finished bytes; vLLM may reuse its blocks at once
-                self._staging.from_kv(slots, transfer.block_ids)
+    def _part_bytes(self, layer: int | None) -> int:
+        """Bytes one part moves per block: a whole block, or layer ``layer``'s page."""
+        if layer is None:
+            return self._block_bytes
+        source = self._cuda_kv or self._memory
+        return source.pages_by_name[self._layers[layer]].length if source is not None else 0
+
+    def _new_job(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         now = time.monotonic()
         timeout = self._config.load_timeout_s if load else self._config.save_timeout_s
+        return TransferJob(transfer, load, now, now + timeout)
+
+    def _start(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
+        """A job with every part submitted now: whole blocks, or all layers at once (layerwise)."""
+        job = self._new_job(transfer, load=load)
+        layers: list[int | None] = list(range(len(self._layers))) if self._layerwise else [None]
+        job.parts = [self._submit_part(job, layer) for layer in layers]
+        return job
+
+    def _submit_part(self, job: TransferJob, layer: int | None) -> PartTask:
+        """Hand one part (whole blocks, or one layer) to the daemon; a failed part if it could not be."""
+        transfer, op = job.transfer, ("load" if job.load else "save")
+        part = PartTask(None, self._part_bytes(layer))
+        client = None if self._io_off else self._client()
+        if client is None or not self._registered:
+            if not self._io_off:
+                self._stats.add(daemon_unavailable=1)
+            self._end_part(job, part, None)
+            return part
+        if layer is None and self._staging is not None:
+            part.slots = self._staging.acquire(job.count)
+            if part.slots is None:
+                logger.warning("UCM worker: staging buffer full, %s of %s skipped", op, transfer.req_id)
+                self._end_part(job, part, None)
+                return part
+            if not job.load:  # the daemon reads finished bytes; vLLM may reuse its blocks at once
+                self._staging.from_kv(part.slots, transfer.block_ids)
         try:
-            blocks = self._blocks(transfer, slots)
-            task_id = client.load(self._namespace, blocks) if load else client.dump(self._namespace, blocks)
+            if layer is None:
+                blocks = self._whole_blocks(transfer, part.slots)
+            else:
+                blocks = self._layer_blocks(layer, transfer)
+            submit = client.load if job.load else client.dump
+            part.task_id = submit(self._namespace, blocks)
         except UcmError as exc:
-            if slots is not None and self._staging is not None:
-                self._staging.release(slots)
             if self._link.failed(exc):
                 self._stats.add(daemon_unavailable=1)
             else:
                 logger.warning("UCM worker: %s of %s refused: %s", op, transfer.req_id, exc)
-            return None
+            self._end_part(job, part, None)
+            return part
         self._link.succeeded()
-        return _Task(task_id, transfer, now, now + timeout, self._block_bytes, slots)
+        return part
 
-    def wait_for_layer_load(self) -> None:
-        """Finish this step's sync loads before the first attention layer reads the cache."""
-        while self._sync_loads:
-            task = self._sync_loads.pop()
-            remaining = max(task.deadline - time.monotonic(), 0.001)
-            self._finish_load(task, self._wait(task, remaining))
+    def _end_part(self, job: TransferJob, part: PartTask, ok: list[bool] | None) -> None:
+        """Record a part's outcome: its failed loads become load errors, its staging slots are freed."""
+        flags = part.end(ok, job.count)
+        block_ids = job.transfer.block_ids
+        if part.slots is not None and self._staging is not None:
+            if job.load:
+                good = [(slot, b) for slot, b, g in zip(part.slots, block_ids, flags, strict=True) if g]
+                if good:
+                    self._staging.to_kv([slot for slot, _ in good], [b for _, b in good])
+            self._staging.release(part.slots)
+            part.slots = None
+        if job.load:
+            self._load_errors.update(b for b, good in zip(block_ids, flags, strict=True) if not good)
 
-    def _wait(self, task: _Task, timeout_s: float) -> list[bool] | None:
+    def _account(self, job: TransferJob) -> None:
+        """Count an ended job once: a block counts as moved only if every part (layer) moved it."""
+        if job.accounted:
+            return
+        job.accounted = True
+        good = sum(job.block_ok())
+        nbytes, seconds = good * job.block_bytes, time.monotonic() - job.started
+        if job.load:
+            self._stats.add(
+                load_blocks=good, load_bytes=nbytes, load_seconds=seconds, load_failed_blocks=job.count - good
+            )
+        else:
+            self._stats.add(
+                save_blocks=good, save_bytes=nbytes, save_seconds=seconds, save_failed_blocks=job.count - good
+            )
+
+    def start_load(self, meta: UcmConnectorMetadata) -> None:
+        """Submit this step's loads; sync ones are waited for by the attention layers that read them.
+
+        Layerwise, the step's sync loads are combined into one task per layer (all submitted now,
+        before the forward), so a step costs one submission per layer however many requests hit.
+        """
+        layerwise_sync: list[BlockTransfer] = []
+        for transfer in meta.loads:
+            if transfer.is_async:
+                self._async_loads[transfer.req_id] = self._start(transfer, load=True)
+            elif self._layerwise:
+                layerwise_sync.append(transfer)
+            else:
+                self._sync_loads.append(self._start(transfer, load=True))
+        if layerwise_sync:
+            self._sync_loads.append(self._start(_combine("step-load", layerwise_sync), load=True))
+
+    @property
+    def sync_loads(self) -> tuple[TransferJob, ...]:
+        """This step's sync loads not yet waited for to the end (for tests and diagnostics)."""
+        return tuple(self._sync_loads)
+
+    def wait_for_layer_load(self, layer_name: str | None = None) -> None:
+        """Before an attention layer reads the KV cache: finish the loads it needs.
+
+        Whole blocks: every sync load, at the first layer. Layerwise: only ``layer_name``'s tasks,
+        while the daemon goes on copying the following layers. ``None`` (end of step), or a layer
+        without KV of its own (it shares another layer's), finishes every load.
+        """
+        if not self._sync_loads:
+            return
+        layer = self._layer_index.get(layer_name) if layer_name is not None else None
+        started = time.monotonic()
+        for job in list(self._sync_loads):
+            self._wait_job(job, layer)
+            if job.ended:
+                self._sync_loads.remove(job)
+                self._account(job)
+        self._stats.add(load_wait_seconds=time.monotonic() - started)
+
+    def _wait_job(self, job: TransferJob, layer: int | None = None, deadline: float | None = None) -> None:
+        """Wait for a job's parts (only layer ``layer``'s when given and the job is layerwise)."""
+        parts = job.parts if layer is None or len(job.parts) == 1 else [job.parts[layer]]
+        for part in parts:
+            if part is None or part.ended:
+                continue
+            remaining = max((deadline or job.deadline) - time.monotonic(), 0.001)
+            self._end_part(job, part, self._wait(part.task_id, job.count, remaining))
+
+    def _poll_job(self, job: TransferJob) -> bool:
+        """Collect the parts that ended, without blocking; True once the whole job has ended.
+
+        Stops at the first part still running: later ones are asked next step (each ask is an RPC).
+        """
+        for part in job.parts:
+            if part is None or part.ended:
+                continue
+            outcome = self._poll(part.task_id, job.count, job.deadline)
+            if outcome is False:
+                break
+            self._end_part(job, part, outcome if isinstance(outcome, list) else None)
+        return job.ended
+
+    def _wait(self, task_id: int | None, count: int, timeout_s: float) -> list[bool] | None:
         """Per-block success once the task is done; None if it failed as a whole or timed out."""
         client = self._link.client()
-        if client is None or task.task_id is None:
+        if client is None or task_id is None:
             return None
         try:
-            result = client.wait(task.task_id, timeout_s, cancel_on_timeout=True)
+            result = client.wait(task_id, timeout_s, cancel_on_timeout=True)
         except UcmError as exc:
             self._link.failed(exc)
             return None
         if not result.done:
             return None
-        return _per_block(result.states, task)
+        return per_block(result.states, count)
 
-    def _poll(self, task: _Task) -> list[bool] | bool | None:
+    def _poll(self, task_id: int | None, count: int, deadline: float) -> list[bool] | bool | None:
         """Like ``_wait`` without blocking: False while still running (and before its deadline)."""
-        if task.task_id is None:
+        if task_id is None:
             return None
-        if time.monotonic() >= task.deadline:
-            return self._wait(task, 0.001)
+        if time.monotonic() >= deadline:
+            return self._wait(task_id, count, 0.001)
         client = self._link.client()
         if client is None:
             return None
         try:
-            result = client.check(task.task_id)
+            result = client.check(task_id)
         except UcmError as exc:
             self._link.failed(exc)
             return None
         if not result.done:
             return False
-        return _per_block(result.states, task)
-
-    def _finish_load(self, task: _Task, ok: list[bool] | None) -> None:
-        block_ids = task.transfer.block_ids
-        if ok is None:
-            ok = [False] * len(block_ids)
-        failed = [b for b, good in zip(block_ids, ok, strict=True) if not good]
-        loaded = len(block_ids) - len(failed)
-        if task.slots is not None and self._staging is not None:
-            good = [(slot, b) for slot, b, g in zip(task.slots, block_ids, ok, strict=True) if g]
-            if good:
-                self._staging.to_kv([slot for slot, _ in good], [b for _, b in good])
-            self._staging.release(task.slots)
-        self._stats.add(
-            load_blocks=loaded,
-            load_bytes=loaded * task.block_bytes,
-            load_seconds=time.monotonic() - task.started,
-        )
-        if failed:
-            self._fail_load(failed)
-
-    def _fail_load(self, block_ids: Iterable[int]) -> None:
-        failed = set(block_ids)
-        self._load_errors |= failed
-        self._stats.add(load_failed_blocks=len(failed))
+        return per_block(result.states, count)
 
     def save(self, meta: UcmConnectorMetadata) -> None:
-        """Dump this step's completed blocks in one task; returns at once (the daemon copies later).
+        """End of the step: dump its completed blocks; returns at once (the daemon copies later).
 
-        One dump per step, not per request: each RPC costs about a millisecond, and on a busy
-        step those milliseconds are the connector's whole direct overhead.
+        One dump per step (per layer, layerwise), not per request: each RPC costs about a
+        millisecond, and on a busy step those milliseconds are the connector's whole direct overhead.
         """
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
+        if self._layerwise:
+            self._seal_layer_saves()
+            return
         if not meta.saves:
             return
         if self._cuda_kv is not None:
             producers_done()  # the daemon reads the blocks the forward's kernels just wrote
-        combined = BlockTransfer(
-            "step-save",
-            tuple(b for t in meta.saves for b in t.block_ids),
-            tuple(k for t in meta.saves for k in t.keys),
-        )
-        task = self._submit(combined, load=False)
-        if task is None:
-            self._stats.add(save_failed_blocks=len(combined.block_ids))
-        else:
-            self._save_tasks.append(task)
-        for transfer in meta.saves:
-            state = self._saves.setdefault(transfer.req_id, _SaveState())
-            if task is not None:
-                state.pending.append(task)
+        self._track_save(self._start(_combine("step-save", meta.saves), load=False), meta.saves)
+
+    def save_layer(self, meta: UcmConnectorMetadata, layer_name: str) -> None:
+        """Layerwise: dump ``layer_name``'s page of the step's completed blocks, now that it is written.
+
+        vLLM calls this right after the layer's attention. On CUDA the dump is submitted once a mark
+        recorded after the layer's kernels is reached (checked again at every later layer, waited for
+        at the end of the step): the daemon never reads a page before the forward finished writing
+        it, and the host is not stalled to get there.
+        """
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
+        job = self._layer_save_job(meta)
+        if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
+            self._layer_marks.append((layer, StreamMark() if self._cuda_kv is not None else None))
+        self._flush_layer_saves(job, block=False)
+
+    def _layer_save_job(self, meta: UcmConnectorMetadata) -> TransferJob:
+        """This step's layerwise dump (one part per layer, submitted as the layers are written)."""
+        if self._layer_save is not None and self._layer_save[0] is not meta:
+            self._seal_layer_saves()  # a step that ended without wait_for_save
+        if self._layer_save is None:
+            job = self._new_job(_combine("step-save", meta.saves), load=False)
+            job.parts = [None] * len(self._layers)
+            self._layer_save = (meta, job)
+        return self._layer_save[1]
+
+    def _flush_layer_saves(self, job: TransferJob, *, block: bool) -> None:
+        """Submit the layer dumps whose pages are written, in call order (all of them if ``block``)."""
+        while self._layer_marks:
+            layer, mark = self._layer_marks[0]
+            if mark is not None and not mark.ready():
+                if not block:
+                    return
+                mark.wait()
+            self._layer_marks.pop(0)
+            job.parts[layer] = self._submit_part(job, layer)
+
+    def _seal_layer_saves(self) -> None:
+        """End of step: submit what is left (layers whose attention did not run) and track the dump."""
+        if self._layer_save is None:
+            return
+        meta, job = self._layer_save
+        self._flush_layer_saves(job, block=True)
+        if self._cuda_kv is not None and None in job.parts:
+            producers_done()
+        job.parts = [part or self._submit_part(job, layer) for layer, part in enumerate(job.parts)]
+        self._layer_save = None
+        self._track_save(job, meta.saves)
+
+    def _track_save(self, job: TransferJob, transfers: Iterable[BlockTransfer]) -> None:
+        self._save_jobs.append(job)
+        for transfer in transfers:
+            self._saves.setdefault(transfer.req_id, _SaveState()).pending.append(job)
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
         """Blocks of preempted requests are about to be reused: their saves must finish first."""
         for req_id in meta.preempted_req_ids:
             state = self._saves.get(req_id)
-            for task in list(state.pending) if state is not None else []:
-                remaining = max(task.deadline - time.monotonic(), 0.001)
-                self._complete_save(task, self._wait(task, remaining))
+            for job in list(state.pending) if state is not None else []:
+                self._wait_job(job)
+                self._complete_save(job)
 
-    def _complete_save(self, task: _Task, ok: list[bool] | None) -> None:
-        """Account a finished dump once and take it off every request waiting for it."""
-        if task not in self._save_tasks:
+    def _complete_save(self, job: TransferJob) -> None:
+        """Account an ended dump once and take it off every request waiting for it."""
+        if job not in self._save_jobs:
             return
-        self._save_tasks.remove(task)
+        self._save_jobs.remove(job)
         for state in self._saves.values():
-            if task in state.pending:
-                state.pending.remove(task)
-        if task.slots is not None and self._staging is not None:
-            self._staging.release(task.slots)
-        n = len(task.transfer.block_ids)
-        done = sum(ok) if ok else 0
-        self._stats.add(
-            save_blocks=done,
-            save_bytes=done * task.block_bytes,
-            save_seconds=time.monotonic() - task.started,
-            save_failed_blocks=n - done,
-        )
+            if job in state.pending:
+                state.pending.remove(job)
+        self._account(job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose delayed free may happen now (saves done) and whose async loads are done."""
         recving: set[str] = set()
-        for req_id, task in list(self._async_loads.items()):
-            if task.task_id is None:  # never submitted: its blocks are already reported failed
+        for req_id, job in list(self._async_loads.items()):
+            if self._poll_job(job):
                 del self._async_loads[req_id]
+                self._account(job)
                 recving.add(req_id)
-                continue
-            outcome: list[bool] | bool | None = self._poll(task)
-            if outcome is False:
-                continue
-            del self._async_loads[req_id]
-            self._finish_load(task, outcome if isinstance(outcome, list) else None)
-            recving.add(req_id)
 
         # Dumps finish in submission order, so polling stops at the first one still running.
-        for task in list(self._save_tasks):
-            polled = self._poll(task)
-            if polled is False:
-                break
-            self._complete_save(task, polled if isinstance(polled, list) else None)
+        running = False
+        for job in list(self._save_jobs):
+            if not running and not job.ended:
+                running = not self._poll_job(job)
+            if job.ended:
+                self._complete_save(job)
 
         for req_id in finished_req_ids:
             if req_id in self._saves:
@@ -434,10 +563,12 @@ class UcmWorker:
     def unregister(self) -> None:
         """Finish every transfer touching the KV memory, then forget it and its daemon region."""
         self.wait_for_layer_load()
-        for task in list(self._async_loads.values()):
-            self._wait(task, max(task.deadline - time.monotonic(), 0.001))
-        for task in list(self._save_tasks):
-            self._complete_save(task, self._wait(task, max(task.deadline - time.monotonic(), 0.001)))
+        for job in self._async_loads.values():
+            self._wait_job(job)  # reported by the next get_finished
+        self._seal_layer_saves()
+        for job in list(self._save_jobs):
+            self._wait_job(job)
+            self._complete_save(job)
         client = self._link.client()
         regions = list(self._cuda_kv.regions.values()) if self._cuda_kv is not None else []
         if self._region is not None:
@@ -459,7 +590,9 @@ class UcmWorker:
     def shutdown(self) -> None:
         """Give in-flight saves a short grace period, then let go of the daemon."""
         deadline = time.monotonic() + min(self._config.save_timeout_s, 5.0)
-        for task in list(self._save_tasks):
-            self._complete_save(task, self._wait(task, max(deadline - time.monotonic(), 0.001)))
+        self._seal_layer_saves()
+        for job in list(self._save_jobs):
+            self._wait_job(job, deadline=deadline)
+            self._complete_save(job)
         self._saves.clear()
         self._link.close()
