@@ -395,3 +395,76 @@ def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_
         put(1, range(2, 4), (1,))
         assert scheduler.get_num_new_matched_tokens(_request("b", list(range(100, 170))), 0) == (64, False)
         scheduler.shutdown()
+
+
+def test_connector_overrides_accept_what_vllm_passes() -> None:
+    """Every base-class method UCMConnector overrides takes the installed vLLM's arguments.
+
+    vLLM 0.33 calls ``unregister_kv_caches()`` and ``restore_kv_caches()`` with no argument.
+    """
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from ucm_client.vllm.connector import UCMConnector
+
+    for name, base in vars(KVConnectorBase_V1).items():
+        ours = vars(UCMConnector).get(name)
+        if not callable(base) or ours is None or not callable(ours):
+            continue
+        params = inspect.signature(base).parameters.values()
+        wanted = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        mine = inspect.signature(ours)
+        try:
+            mine.bind(*(None for _ in wanted))
+        except TypeError as exc:
+            raise AssertionError(f"UCMConnector.{name}{mine} cannot take {[p.name for p in wanted]}") from exc
+        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in mine.parameters.values())
+        required = [
+            p.name
+            for p in mine.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        assert has_var_kw or set(required) <= {p.name for p in wanted}, (name, required)
+
+
+def test_worker_registers_again_after_sleep(tmp_path: Path) -> None:
+    """vLLM 0.33 sleep mode: ``unregister_kv_caches()`` drops the daemon registration,
+    ``restore_kv_caches()`` (vLLM passes no argument) brings it back, and saves work again."""
+    import time
+    from types import SimpleNamespace
+
+    from ucm_client.vllm.connector import UCMConnector
+    from ucm_client.vllm.identity import KeySpace
+    from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm_client.vllm.worker import UcmWorker
+
+    views = _layer_views(torch.zeros(RAW_BYTES, dtype=torch.int8))
+    for i, view in enumerate(views.values()):
+        view[1].copy_(torch.randn(view[1].shape, generator=torch.Generator().manual_seed(20 + i)))
+    keyspace = KeySpace(fields=(("model", "sleep-test"),), tp_size=1)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        config = ConnectorConfig(target=daemon.target, zero_copy=False, staging_buffer_gib=0.001)
+        worker = UcmWorker(vllm_config, keyspace, config, tp_rank=0)
+
+        def save(key: bytes) -> None:
+            worker.save(UcmConnectorMetadata(saves=[BlockTransfer("r", (1,), (key,))]))
+            deadline = time.monotonic() + 10
+            while client.lookup(keyspace.namespace(0), [key]).hit_prefix != 1:
+                assert time.monotonic() < deadline, f"{key!r} was not saved"
+                worker.get_finished(set())
+                time.sleep(0.02)
+
+        worker.register_kv_caches(views)
+        save(b"a" * 32)
+        shell: Any = SimpleNamespace(_worker=worker)  # the connector's worker-role state
+        UCMConnector.unregister_kv_caches(shell)  # exactly as vLLM 0.33's Worker.sleep calls it
+        assert worker.staging is None
+        UCMConnector.restore_kv_caches(shell)  # and Worker.wake_up
+        assert worker.staging is not None
+        save(b"b" * 32)
+        assert client.get_blocks(keyspace.namespace(0), [b"b" * 32]) == client.get_blocks(
+            keyspace.namespace(0), [b"a" * 32]
+        )
+        worker.shutdown()

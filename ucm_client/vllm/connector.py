@@ -106,16 +106,16 @@ class UCMConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
 
-    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM 0.33 (sleep mode): the KV memory is about to go away; stop using it first."""
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 (sleep, discard): the KV memory is about to be unmapped; stop using it first."""
         if self._worker is not None:
             self._worker.unregister()
 
-    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM 0.33: KV memory is back; register what we are given (the next step's loads use it)."""
-        kv_caches = kwargs.get("kv_caches", args[0] if args else None)
-        if self._worker is not None and isinstance(kv_caches, dict):
-            self._worker.register_kv_caches(kv_caches)
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 (wake-up): the KV memory is mapped again at the same addresses, and vLLM passes
+        nothing; register the KV caches we had again (the next step's loads and saves use them)."""
+        if self._worker is not None:
+            self._worker.restore()
 
     def _meta(self) -> UcmConnectorMetadata | None:
         meta = self._connector_metadata

@@ -83,6 +83,8 @@ class UcmWorker:
         self._staging: StagingArea | None = None
         self._cuda_kv: CudaKVCache | None = None
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._suspended: tuple[dict[str, torch.Tensor], KVMemory | None] | None = None
+        """What ``unregister`` dropped (sleep mode), for ``restore`` to register again."""
         self._region: int | None = None
         """Daemon region of the shared buffer (CPU zero copy or staging); CUDA keeps its own."""
         self._registered = False
@@ -579,6 +581,8 @@ class UcmWorker:
                     client.unregister(region)
             except UcmError as exc:
                 self._link.failed(exc)
+        if self._kv_caches:
+            self._suspended = (self._kv_caches, self._memory)
         self._region = None
         self._registered = False
         self._memory = None
@@ -586,6 +590,18 @@ class UcmWorker:
         self._cuda_kv = None
         self._kv_caches = {}
         self._alloc = None
+
+    def restore(self) -> None:
+        """Register the KV caches ``unregister`` dropped again (vLLM woke up; same addresses)."""
+        suspended, self._suspended = self._suspended, None
+        if suspended is None or self._kv_caches:
+            return
+        kv_caches, memory = suspended
+        if memory is not None:  # CPU zero copy: the same shared buffer, registered anew on next use
+            self._kv_caches, self._memory = kv_caches, memory
+            self._link.client()
+        else:  # CUDA IPC or staging: new handles / staging area for the remapped memory
+            self.register_kv_caches(kv_caches)
 
     def shutdown(self) -> None:
         """Give in-flight saves a short grace period, then let go of the daemon."""
