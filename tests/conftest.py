@@ -6,9 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.blocks import NS, blocks_in
 
-from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
+
+__all__ = ["NS", "blocks_in", "client", "daemon", "shm"]
 
 
 @pytest.fixture
@@ -28,14 +31,3 @@ def client(daemon: DaemonProcess) -> Iterator[UcmClient]:
 def shm() -> Iterator[SharedBuffer]:
     with SharedBuffer(16 << 20, label="test") as buf:
         yield buf
-
-
-def blocks_in(region: int, count: int, size: int, *, first: int = 0, offset: int = 0) -> list[BlockIO]:
-    """``count`` consecutive blocks of ``size`` bytes in one region, keyed by their index."""
-    return [
-        BlockIO(key_digest("block", first + i), (Segment(region, offset + i * size, size),))
-        for i in range(count)
-    ]
-
-
-NS = namespace_id(model="pytest", dtype="uint8")

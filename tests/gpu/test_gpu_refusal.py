@@ -10,7 +10,7 @@ import importlib.util
 import os
 
 import pytest
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export, export_pointer

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NS
 from fake_cuda import FakeCuda
+from support.blocks import NS
 from test_gpu_grpc import InProcessDaemon, export
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient
