@@ -11,7 +11,8 @@
 #   2. throughput of dump and load against plain cudaMemcpyAsync device <-> pinned host of the same blocks
 #      in the client process, in the same run; prints JSON and a markdown table, writes them to $OUT
 #      (or --out) as gpu_check.json / gpu_check.md.
-# Then it runs `pytest tests/gpu` (log in pytest-gpu.log). Options go to gpu_check.py (--blocks N,
+# Then it runs `pytest tests/gpu` (log in pytest-gpu.log), which on a GPU includes the real-CUDA
+# round trips of tests/gpu/test_gpu_cuda.py (whole blocks, a vLLM-style KV cache, layerwise loads). Options go to gpu_check.py (--blocks N,
 # --rounds R); see --help. Whole run: well under 10 minutes, each step under `timeout`.
 #
 # What it needs beyond the GPU image (torch, cupy, grpcio, protobuf, uvloop, prometheus-client, pyyaml,

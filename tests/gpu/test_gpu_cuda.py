@@ -100,3 +100,37 @@ def test_vllm_style_kv_cache_round_trip(gpu_daemon: DaemonProcess) -> None:
         assert client.wait(client.load(NS, kv.blocks(keys[::-1], range(blocks))), 60).ok
         for name, t in caches.items():
             assert torch.equal(t, before[name].flip(0)), name
+
+
+def test_layerwise_round_trip_layer_by_layer(gpu_daemon: DaemonProcess) -> None:
+    """``use_layerwise`` on a real GPU: per-layer objects dumped, then loaded one task per layer, each
+    layer's bytes in place once its own wait returns (the later layers may still be in flight)."""
+    import torch
+
+    from ucm_client.gpu import CudaKVCache, LayerwiseLoad, layer_key, producers_done
+
+    layers, blocks, shape = 4, 16, (2, 16, 8, 128)
+    caches = {f"l{i}": torch.randn(blocks, *shape, dtype=torch.float16, device="cuda") for i in range(layers)}
+    before = {name: t.clone() for name, t in caches.items()}
+    kv = CudaKVCache(caches)
+    keys = [key_digest("kv-layerwise", b) for b in range(blocks)]
+    names = list(caches)
+
+    def per_layer(ids: list[int]) -> list[list[BlockIO]]:
+        return [
+            kv.layer_blocks(name, [layer_key(keys[b], i) for b in ids], ids) for i, name in enumerate(names)
+        ]
+
+    with UcmClient(gpu_daemon.target) as client:
+        kv.register(client)
+        producers_done()
+        for layer_blocks in per_layer(list(range(blocks))):
+            assert client.wait(client.dump(NS, layer_blocks), 60).ok
+        for t in caches.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        load = LayerwiseLoad(client, NS, per_layer(list(range(blocks))))
+        for i, name in enumerate(names):
+            result = load.wait_layer(i, 60)
+            assert result is not None and result.ok, (name, result)
+            assert torch.equal(caches[name], before[name]), name
