@@ -12,8 +12,8 @@
 #      in the client process, in the same run; prints JSON and a markdown table, writes them to $OUT
 #      (or --out) as gpu_check.json / gpu_check.md.
 # Then it runs `pytest tests/gpu` (log in pytest-gpu.log), which on a GPU includes the real-CUDA
-# round trips of tests/gpu/test_gpu_cuda.py (whole blocks, a vLLM-style KV cache, layerwise loads). Options go to gpu_check.py (--blocks N,
-# --rounds R); see --help. Whole run: well under 10 minutes, each step under `timeout`.
+# round trips of tests/gpu/test_gpu_cuda.py (whole blocks, a vLLM-style KV cache, layerwise loads).
+# Options go to gpu_check.py (--blocks N, --rounds R); see --help. Whole run: well under 10 minutes, each step under `timeout`.
 #
 # What it needs beyond the GPU image (torch, cupy, grpcio, protobuf, uvloop, prometheus-client, pyyaml,
 # xxhash, rich): grpcio-health-checking and grpcio-reflection, and grpcio/protobuf at least as new as the
