@@ -6,12 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
-
-__all__ = ["NS", "blocks_in", "client", "daemon", "shm"]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient, namespace_id
 from ucm_server.testing.daemon import DaemonProcess

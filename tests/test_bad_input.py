@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import InvalidArgument, NotFound, PermissionDenied

@@ -9,9 +9,9 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from conftest import NS, blocks_in
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess

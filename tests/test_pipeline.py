@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.store.format import ALIGNED_HEADER_SIZE

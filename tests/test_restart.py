@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_client.errors import PermissionDenied, Unauthenticated, Unavailable

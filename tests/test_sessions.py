@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from conftest import NS, blocks_in
+from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess

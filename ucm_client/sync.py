@@ -85,6 +85,7 @@ class UcmClient:
             self._channel.close()
         try:
             self._run(self._async.close(), timeout=10)
+            self._run(_finish_leftover_tasks(), timeout=5)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -159,3 +160,13 @@ class UcmClient:
 
 async def _make(target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
     return AsyncUcmClient(target, **kwargs)  # built on the loop it will run on
+
+
+async def _finish_leftover_tasks() -> None:
+    """Cancel and reap what gRPC left on the loop (a call's status handler can outlive its channel by a
+    moment), as ``asyncio.run`` does, so closing never prints "Task was destroyed but it is pending"."""
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in leftover:
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
