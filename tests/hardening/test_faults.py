@@ -34,7 +34,7 @@ from hardening_helpers import (
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import UcmError
-from ucm_server.store.posix import read_block_header
+from ucm_server.store.posix import block_file_header
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(test="hardening-faults")
@@ -122,7 +122,7 @@ def test_disk_full_fails_per_block_and_keeps_what_was_stored(
         assert not [p for p in names if ".tmp." in p.name], "a temp file was left behind"
         blk = [p for p in names if p.name.endswith(".blk")]
         assert len(blk) == n_first + len(stored)
-        assert all(_stored_payload_len(p) == size for p in blk)
+        assert all(block_file_header(p).payload_len == size for p in blk)  # size checked too
 
         # What was stored (before and during the overflow) loads from disk, byte for byte.
         if pipeline.startswith("Cache"):
@@ -393,12 +393,3 @@ def test_daemon_kill_9_under_concurrent_durable_dumps_loses_nothing(tmp_path: Pa
         ]
         assert not bad, f"{len(bad)} durable blocks came back wrong"
         d.stop()
-
-
-def _stored_payload_len(path: Path) -> int:
-    """The payload length of a complete block file (its header checks the file's size too)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return read_block_header(fd).payload_len
-    finally:
-        os.close(fd)

@@ -18,7 +18,7 @@ import pytest
 
 from ucm_server.store.base import BlockState
 from ucm_server.store.format import ALIGNED_HEADER_SIZE, HEADER_SIZE
-from ucm_server.store.posix import QUARANTINE, PosixTier, read_block_header
+from ucm_server.store.posix import QUARANTINE, PosixTier, block_file_header
 from ucm_server.testing.tier_suite import key, payload
 
 SIZE = 64 << 10
@@ -33,14 +33,6 @@ def aligned() -> Iterator[memoryview]:
     yield view
     view.release()
     page.close()
-
-
-def _header_len(path: Path) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return read_block_header(fd).header_len
-    finally:
-        os.close(fd)
 
 
 def _write(root: Path, items: list[tuple[int, memoryview]], **kw: Any) -> None:
@@ -73,7 +65,7 @@ def _file(root: Path, i: int) -> Path:
 def test_aligned_block_is_written_direct_with_a_4k_header(tmp_path: Path, aligned: memoryview) -> None:
     _write(tmp_path, [(1, aligned)])
     path = _file(tmp_path, 1)
-    assert _header_len(path) == ALIGNED_HEADER_SIZE
+    assert block_file_header(path).header_len == ALIGNED_HEADER_SIZE
     assert path.stat().st_size == ALIGNED_HEADER_SIZE + SIZE
     assert _read(tmp_path, 1) == (BlockState.OK, "", bytes(aligned))
 
@@ -86,13 +78,13 @@ def test_unaligned_or_odd_sized_or_read_only_sources_are_written_buffered(
     read_only = memoryview(bytes(aligned))
     _write(tmp_path, [(1, odd_address), (2, odd_length), (3, read_only)])
     for i, src in [(1, odd_address), (2, odd_length), (3, read_only)]:
-        assert _header_len(_file(tmp_path, i)) == HEADER_SIZE
+        assert block_file_header(_file(tmp_path, i)).header_len == HEADER_SIZE
         assert _read(tmp_path, i, src.nbytes)[2] == bytes(src)
 
 
 def test_direct_io_off_writes_buffered(tmp_path: Path, aligned: memoryview) -> None:
     _write(tmp_path, [(1, aligned)], direct_io=False)
-    assert _header_len(_file(tmp_path, 1)) == HEADER_SIZE
+    assert block_file_header(_file(tmp_path, 1)).header_len == HEADER_SIZE
     assert _read(tmp_path, 1)[2] == bytes(aligned)
 
 
@@ -157,6 +149,6 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered__fault_injected(
     monkeypatch.undo()
     assert len(refused) == 1  # the root is remembered: the second block does not try again
     for i in (1, 2):
-        assert _header_len(_file(tmp_path, i)) == HEADER_SIZE
+        assert block_file_header(_file(tmp_path, i)).header_len == HEADER_SIZE
         assert _read(tmp_path, i)[2] == bytes(aligned)
     assert not [p for p in tmp_path.rglob("*") if ".tmp." in p.name]

@@ -8,41 +8,29 @@ would have computed. Block size is vLLM's CPU default, 128 tokens.
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.tiny_llama import build_tiny_llama
-from vllm_helpers import copy_model, run_vllm, start_daemon
+from vllm_helpers import (
+    BLOCK,
+    P1,
+    P_FULL,
+    P_SHARED,
+    copy_model,
+    last_metric,
+    metric_deltas,
+    run_vllm,
+    start_daemon,
+)
 
 from ucm_server.testing.daemon import DaemonProcess
 
 pytestmark = pytest.mark.vllm
 
-BLOCK = 128
 HITS = "vllm:external_prefix_cache_hits"
-
-
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-P1 = _tokens(1, 600)  # 4 full blocks + 88 tokens
-P_FULL = _tokens(2, 4 * BLOCK)  # exactly 4 blocks: a full hit must still recompute one token
-P_SHARED = P1[:300] + _tokens(3, 300)  # shares P1's first 2 full blocks only
-
-
-def _delta(report: dict[str, Any], name: str) -> list[float]:
-    """Per-prompt increase of a cumulative metric."""
-    values = [m.get(name, 0) for m in report["metrics"]]
-    return [b - a for a, b in zip([0, *values], values, strict=False)]
-
-
-def _last(report: dict[str, Any], name: str) -> float:
-    return float(report["metrics"][-1].get(name, 0))
 
 
 class Store:
@@ -83,9 +71,9 @@ def store(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
 
 def test_fill_run_saves_and_matches_baseline(store: Store) -> None:
     assert store.fill["outputs"] == [store.expected(P1), store.expected(P_FULL)]
-    assert _last(store.fill, HITS) == 0
-    assert _last(store.fill, "vllm:ucm_save_blocks") == 8  # 4 full blocks of each prompt
-    assert _last(store.fill, "vllm:ucm_save_failed_blocks") == 0
+    assert last_metric(store.fill, HITS) == 0
+    assert last_metric(store.fill, "vllm:ucm_save_blocks") == 8  # 4 full blocks of each prompt
+    assert last_metric(store.fill, "vllm:ucm_save_failed_blocks") == 0
 
 
 def test_fresh_process_hits_shared_prefix_only(store: Store, tmp_path: Path) -> None:
@@ -102,16 +90,16 @@ def test_fresh_process_hits_shared_prefix_only(store: Store, tmp_path: Path) -> 
     )
     # A different cache_salt hits nothing; a shared 2-block prefix hits 2 blocks; P1 then finds its
     # first 2 blocks in vLLM's own cache and the next 2 in the daemon; a full hit leaves 1 token.
-    assert _delta(report, HITS) == [0, 2 * BLOCK, 2 * BLOCK, 4 * BLOCK - 1]
+    assert metric_deltas(report, HITS) == [0, 2 * BLOCK, 2 * BLOCK, 4 * BLOCK - 1]
     assert report["outputs"] == [
         store.expected(P1),
         store.expected(P_SHARED),
         store.expected(P1),
         store.expected(P_FULL),
     ]
-    assert _last(report, "vllm:ucm_load_blocks") == 2 + 2 + 4
-    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
-    assert _last(report, "vllm:ucm_load_bytes") == 8 * report["shm"]["block_bytes"]
+    assert last_metric(report, "vllm:ucm_load_blocks") == 2 + 2 + 4
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") == 0
+    assert last_metric(report, "vllm:ucm_load_bytes") == 8 * report["shm"]["block_bytes"]
     # vLLM computes in the shared memory the daemon copies into: every layer's KV lies inside it.
     assert report["shm"]["layers"] and all(report["shm"]["layers"].values())
 
@@ -121,14 +109,14 @@ def test_different_weights_same_path_hit_nothing(store: Store, tmp_path: Path, m
     first = run_vllm(
         tmp_path / "a", {"model": str(model), "prompts": [P1], "connector": True}, socket=store.daemon.socket
     )
-    assert _last(first, HITS) == 0
+    assert last_metric(first, HITS) == 0
     other = build_tiny_llama(models_dir, seed=1)
     shutil.copy(other / "model.safetensors", model / "model.safetensors")  # same path, new weights
     second = run_vllm(
         tmp_path / "b", {"model": str(model), "prompts": [P1], "connector": True}, socket=store.daemon.socket
     )
-    assert _last(second, "vllm:ucm_lookups") == 1
-    assert _last(second, HITS) == 0
+    assert last_metric(second, "vllm:ucm_lookups") == 1
+    assert last_metric(second, HITS) == 0
 
 
 def test_different_kv_dtype_hits_nothing(store: Store, tmp_path: Path) -> None:
@@ -137,8 +125,8 @@ def test_different_kv_dtype_hits_nothing(store: Store, tmp_path: Path) -> None:
         {"model": str(store.model), "prompts": [P1], "connector": True, "kv_cache_dtype": "bfloat16"},
         socket=store.daemon.socket,
     )
-    assert _last(report, "vllm:ucm_lookups") == 1
-    assert _last(report, HITS) == 0
+    assert last_metric(report, "vllm:ucm_lookups") == 1
+    assert last_metric(report, HITS) == 0
 
 
 def test_daemon_killed_between_runs_recomputes(store: Store, tmp_path: Path) -> None:
@@ -150,8 +138,8 @@ def test_daemon_killed_between_runs_recomputes(store: Store, tmp_path: Path) -> 
         socket=daemon.socket,
     )
     assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
-    assert _last(report, HITS) == 0
-    assert _last(report, "vllm:ucm_daemon_unavailable") >= 1
+    assert last_metric(report, HITS) == 0
+    assert last_metric(report, "vllm:ucm_daemon_unavailable") >= 1
     assert report["log"].count("is unavailable") == 1  # one clear warning, not one per step
 
 
@@ -167,10 +155,10 @@ def test_async_load_hits_and_matches_baseline(store: Store, tmp_path: Path) -> N
         },
         socket=store.daemon.socket,
     )
-    assert _delta(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
+    assert metric_deltas(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
     assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
-    assert _last(report, "vllm:ucm_load_blocks") == 8
-    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
+    assert last_metric(report, "vllm:ucm_load_blocks") == 8
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") == 0
 
 
 def test_staging_path_loads_zero_copy_blocks(store: Store, tmp_path: Path) -> None:
@@ -185,9 +173,9 @@ def test_staging_path_loads_zero_copy_blocks(store: Store, tmp_path: Path) -> No
         },
         socket=store.daemon.socket,
     )
-    assert _delta(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
+    assert metric_deltas(report, HITS) == [4 * BLOCK, 4 * BLOCK - 1]
     assert report["outputs"] == [store.expected(P1), store.expected(P_FULL)]
-    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") == 0
     assert "staged through" in report["log"]
 
 
@@ -212,7 +200,7 @@ def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Pa
         report = run_vllm(tmp_path / "run", spec, socket=daemon.socket)
     finally:
         daemon.stop()
-    assert _last(report, "vllm:ucm_load_failed_blocks") >= 1
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") >= 1
     assert report["outputs"] == [store.expected(P1)]
 
 
@@ -240,7 +228,7 @@ def test_daemon_started_mid_run_is_used_after_reconnect(store: Store, tmp_path: 
     )
     assert report["outputs"] == [store.expected(P1)] * 3
     # Down at start: no hit. Back: the second run saves, the third loads what it saved.
-    assert _delta(report, HITS) == [0, 0, 4 * BLOCK]
+    assert metric_deltas(report, HITS) == [0, 0, 4 * BLOCK]
     assert report["log"].count("is unavailable") == 1
     assert "reachable again" in report["log"]
 

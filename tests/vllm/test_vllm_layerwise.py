@@ -13,7 +13,6 @@ Two levels, both against real ``ucm-server`` processes:
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,7 +21,17 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import copy_model, run_vllm, start_daemon
+from vllm_helpers import (
+    BLOCK,
+    P1,
+    P_FULL,
+    P_SHARED,
+    copy_model,
+    last_metric,
+    metric_deltas,
+    run_vllm,
+    start_daemon,
+)
 
 from ucm_client import UcmClient
 from ucm_client.gpu import layer_key
@@ -184,29 +193,11 @@ def test_daemon_down_fails_every_layerwise_load_without_raising(tmp_path: Path) 
 
 # ---------------------------------------------------------------- real vLLM processes
 
-BLOCK = 128
 HITS = "vllm:external_prefix_cache_hits"
 LAYERWISE = {"use_layerwise": True}
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-P1 = _tokens(1, 600)  # 4 full blocks + 88 tokens
-P_FULL = _tokens(2, 4 * BLOCK)
-P_SHARED = P1[:300] + _tokens(3, 300)  # shares P1's first 2 full blocks only
 PROMPTS = [P1, P_SHARED, P_FULL]
-
-
-def _delta(report: dict[str, Any], name: str) -> list[float]:
-    values = [m.get(name, 0) for m in report["metrics"]]
-    return [b - a for a, b in zip([0, *values], values, strict=False)]
-
-
-def _last(report: dict[str, Any], name: str) -> float:
-    return float(report["metrics"][-1].get(name, 0))
 
 
 class Store:
@@ -247,9 +238,9 @@ def store(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
 @pytest.mark.vllm
 def test_layerwise_fill_stores_one_object_per_layer(store: Store) -> None:
     assert store.fill["outputs"] == store.expected(P1, P_FULL)
-    assert _last(store.fill, HITS) == 0
-    assert _last(store.fill, "vllm:ucm_save_blocks") == 8  # blocks, each of 2 layer objects
-    assert _last(store.fill, "vllm:ucm_save_failed_blocks") == 0
+    assert last_metric(store.fill, HITS) == 0
+    assert last_metric(store.fill, "vllm:ucm_save_blocks") == 8  # blocks, each of 2 layer objects
+    assert last_metric(store.fill, "vllm:ucm_save_failed_blocks") == 0
     files = [
         len(store.layer_files(store.daemon.data_dir, prompt, block, layer))
         for prompt in (0, 1)
@@ -269,11 +260,11 @@ def test_fresh_layerwise_process_hits_and_matches_no_connector(store: Store, tmp
     )
     # P_SHARED: the 2 blocks it shares with P1; P1: those 2 are in vLLM's own cache now, the other
     # 2 come from the daemon; P_FULL: a full hit, the last token recomputed.
-    assert _delta(report, HITS) == [2 * BLOCK, 2 * BLOCK, 4 * BLOCK - 1]
+    assert metric_deltas(report, HITS) == [2 * BLOCK, 2 * BLOCK, 4 * BLOCK - 1]
     assert report["outputs"] == store.expected(*prompts)
-    assert _last(report, "vllm:ucm_load_blocks") == 8
-    assert _last(report, "vllm:ucm_load_failed_blocks") == 0
-    assert _last(report, "vllm:ucm_lookups") == 3  # one batched Lookup per request (TP 1)
+    assert last_metric(report, "vllm:ucm_load_blocks") == 8
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") == 0
+    assert last_metric(report, "vllm:ucm_lookups") == 3  # one batched Lookup per request (TP 1)
 
 
 @pytest.mark.vllm
@@ -283,8 +274,8 @@ def test_whole_block_connector_does_not_hit_a_layerwise_store(store: Store, tmp_
         {"model": str(store.model), "prompts": [P_SHARED, P1], "connector": True},
         socket=store.daemon.socket,
     )
-    assert _last(report, "vllm:ucm_lookups") == 2
-    assert _delta(report, HITS) == [0, 0]
+    assert last_metric(report, "vllm:ucm_lookups") == 2
+    assert metric_deltas(report, HITS) == [0, 0]
     assert report["outputs"] == store.expected(P_SHARED, P1)
 
 
@@ -305,6 +296,6 @@ def test_corrupt_layer_object_is_a_load_error_and_recomputed(store: Store, tmp_p
         )
     finally:
         daemon.stop()
-    assert _last(report, "vllm:ucm_load_failed_blocks") == 1  # that block only, not its layer-0 part
-    assert _last(report, "vllm:ucm_load_blocks") == 3
+    assert last_metric(report, "vllm:ucm_load_failed_blocks") == 1  # that block only, not its layer-0 part
+    assert last_metric(report, "vllm:ucm_load_blocks") == 3
     assert report["outputs"] == store.expected(P1)

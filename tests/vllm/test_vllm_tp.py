@@ -13,22 +13,16 @@ OpenMP threads to a NUMA node of its own unless told not to; ``nobind`` lets TP=
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import REPO, copy_model, start_daemon
+from vllm_helpers import BLOCK, copy_model, last_metric, metric_deltas, run_vllm, start_daemon, tokens
 
 from ucm_client import UcmClient
 
 pytestmark = pytest.mark.vllm
 
-BLOCK = 128
 TP = 2
 HITS = "vllm:external_prefix_cache_hits"
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
@@ -69,53 +63,27 @@ Path(sys.argv[2]).write_text(json.dumps(report))
 """
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-P1 = _tokens(11, 600)  # 4 full blocks + 88 tokens
-P2 = _tokens(12, 600)  # 4 full blocks: rank 1's copy is deleted before the check run
-P_SHARED = P1[:300] + _tokens(13, 300)  # shares P1's first 2 full blocks only
+P1 = tokens(11, 600)  # 4 full blocks + 88 tokens
+P2 = tokens(12, 600)  # 4 full blocks: rank 1's copy is deleted before the check run
+P_SHARED = P1[:300] + tokens(13, 300)  # shares P1's first 2 full blocks only
 
 
 def run_tp(
     workdir: Path, spec: dict[str, Any], *, socket: Path | None, timeout_s: float = 300
 ) -> dict[str, Any]:
     """One fresh TP=2 vLLM process (``vllm_runner.py`` through ``WRAPPER``); its JSON report."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = workdir / "spec.json", workdir / "result.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_") and k != "PYTHONHASHSEED"}
-    env.update(TP_ENV)
-    if socket is not None:
-        env["UCM_SOCKET"] = str(socket)
-    args = [str(spec_path), str(result_path), str(Path(__file__).parent), str(TP)]
-    proc = subprocess.run(
-        [sys.executable, "-c", WRAPPER, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout_s,
-        check=False,
+    wrapper_args = (str(Path(__file__).parent), str(TP))
+    report = run_vllm(
+        workdir,
+        spec,
+        socket=socket,
+        env=TP_ENV,
+        timeout_s=timeout_s,
+        wrapper=WRAPPER,
+        wrapper_args=wrapper_args,
     )
-    (workdir / "log.txt").write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise AssertionError(f"TP={TP} vLLM run failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
-    report: dict[str, Any] = json.loads(result_path.read_text())
     assert report["tp_size"] == TP
     return report
-
-
-def _delta(report: dict[str, Any], name: str) -> list[float]:
-    values = [m.get(name, 0) for m in report["metrics"]]
-    return [b - a for a, b in zip([0, *values], values, strict=False)]
-
-
-def _last(report: dict[str, Any], name: str) -> float:
-    return float(report["metrics"][-1].get(name, 0))
 
 
 def _stored(client: UcmClient, namespace: str, keys: list[str]) -> int:
@@ -138,9 +106,9 @@ def test_tp2_fill_then_fresh_process_hits_every_rank(tmp_path: Path, tiny_model:
             socket=daemon.socket,
         )
         assert fill["outputs"] == baseline["outputs"][1:]
-        assert _last(fill, HITS) == 0
-        assert _last(fill, "vllm:ucm_save_blocks") == TP * 8  # 4 full blocks of each prompt, per rank
-        assert _last(fill, "vllm:ucm_save_failed_blocks") == 0
+        assert last_metric(fill, HITS) == 0
+        assert last_metric(fill, "vllm:ucm_save_blocks") == TP * 8  # 4 full blocks of each prompt, per rank
+        assert last_metric(fill, "vllm:ucm_save_failed_blocks") == 0
 
         namespaces = fill["namespaces"]
         assert len(namespaces) == TP and len(set(namespaces)) == TP
@@ -165,8 +133,8 @@ def test_tp2_fill_then_fresh_process_hits_every_rank(tmp_path: Path, tiny_model:
     assert check["namespaces"] == namespaces  # a fresh process derives the same namespaces
     # P_SHARED: its 2 shared blocks from the daemon. P1: 2 blocks from vLLM's own cache, 2 from the
     # daemon. P2: rank 1's shard is gone, so nothing, even though rank 0 still holds all 4 blocks.
-    assert _delta(check, HITS) == [2 * BLOCK, 2 * BLOCK, 0]
+    assert metric_deltas(check, HITS) == [2 * BLOCK, 2 * BLOCK, 0]
     assert check["outputs"] == baseline["outputs"]
-    assert _last(check, "vllm:ucm_lookups") == TP * 3  # one Lookup per rank for each request
-    assert _last(check, "vllm:ucm_load_blocks") == TP * 4  # each rank loads its own shard
-    assert _last(check, "vllm:ucm_load_failed_blocks") == 0
+    assert last_metric(check, "vllm:ucm_lookups") == TP * 3  # one Lookup per rank for each request
+    assert last_metric(check, "vllm:ucm_load_blocks") == TP * 4  # each rank loads its own shard
+    assert last_metric(check, "vllm:ucm_load_failed_blocks") == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,29 @@ from ucm_server.testing.daemon import DaemonProcess
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 REPO = Path(__file__).resolve().parents[2]
+BLOCK = 128
+"""vLLM's CPU block size, in tokens: the unit of every hit count below."""
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` reproducible token ids inside the tiny model's vocabulary."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+P1 = tokens(1, 600)  # 4 full blocks + 88 tokens
+P_FULL = tokens(2, 4 * BLOCK)  # exactly 4 blocks: a full hit must still recompute one token
+P_SHARED = P1[:300] + tokens(3, 300)  # shares P1's first 2 full blocks only
+
+
+def metric_deltas(report: dict[str, Any], name: str) -> list[float]:
+    """Per-prompt increase of a cumulative metric (the runner records them after every prompt)."""
+    values = [m.get(name, 0) for m in report["metrics"]]
+    return [b - a for a, b in zip([0, *values], values, strict=False)]
+
+
+def last_metric(report: dict[str, Any], name: str) -> float:
+    return float(report["metrics"][-1].get(name, 0))
 
 
 def copy_model(src: Path, dst: Path) -> Path:
@@ -34,8 +58,14 @@ def run_vllm(
     env: dict[str, str] | None = None,
     expect_failure: bool = False,
     timeout_s: float = 240,
+    wrapper: str | None = None,
+    wrapper_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Run one fresh vLLM process (``vllm_runner.py``) and return its JSON report."""
+    """Run one fresh vLLM process (``vllm_runner.py``) and return its JSON report.
+
+    ``wrapper``: Python source run with ``-c`` instead, given spec path, result path and
+    ``wrapper_args`` (it calls ``vllm_runner.main`` itself, after changing what it needs).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = workdir / "spec.json", workdir / "result.json"
     spec_path.write_text(json.dumps(spec))
@@ -44,8 +74,9 @@ def run_vllm(
     if socket is not None:
         run_env["UCM_SOCKET"] = str(socket)
     run_env.update(env or {})
+    script = ["-c", wrapper] if wrapper is not None else [str(RUNNER)]
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(spec_path), str(result_path)],
+        [sys.executable, *script, str(spec_path), str(result_path), *wrapper_args],
         cwd=REPO,
         env=run_env,
         stdout=subprocess.PIPE,

@@ -310,11 +310,7 @@ class PosixTier(Tier):
             raise
 
     def _read_header(self, path: Path, key: BlockKey) -> BlockHeader:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return read_block_header(fd, expect=key)
-        finally:
-            os.close(fd)
+        return block_file_header(path, expect=key)
 
     def _scan(self) -> list[tuple[BlockKey, _Entry]]:
         found: list[tuple[BlockKey, _Entry]] = []
@@ -337,11 +333,7 @@ class PosixTier(Tier):
 
     def _check_file(self, path: Path) -> tuple[BlockKey, _Entry] | None:
         try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                header = read_block_header(fd)
-            finally:
-                os.close(fd)
+            header = block_file_header(path)
             if self.path_of(header.key) != path:
                 raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
         except UnsupportedFormat as exc:
@@ -401,6 +393,15 @@ def read_block_header(fd: int, expect: BlockKey | None = None) -> BlockHeader:
     if size != header.stored_len:
         raise CorruptBlock(f"file is {size} bytes, header promises {header.stored_len}")
     return header
+
+
+def block_file_header(path: Path, expect: BlockKey | None = None) -> BlockHeader:
+    """:func:`read_block_header` of the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_block_header(fd, expect=expect)
+    finally:
+        os.close(fd)
 
 
 def _address(view: memoryview) -> int | None:
