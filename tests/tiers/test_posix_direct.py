@@ -152,3 +152,15 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered__fault_injected(
         assert block_file_header(_file(tmp_path, i)).header_len == HEADER_SIZE
         assert _read(tmp_path, i)[2] == bytes(aligned)
     assert not [p for p in tmp_path.rglob("*") if ".tmp." in p.name]
+
+
+def test_stats_count_direct_and_buffered_writes(tmp_path: Path, aligned: memoryview) -> None:
+    async def main() -> dict[str, float]:
+        t = PosixTier(roots=[tmp_path])
+        await t.open()
+        await t.write_many([(key(1), [aligned]), (key(2), [aligned[: SIZE - 100]])])
+        extra = dict(t.stats().extra)
+        await t.close()
+        return extra
+
+    assert asyncio.run(main()) == {"direct_writes": 1.0, "buffered_writes": 1.0}

@@ -180,13 +180,15 @@ class PosixTier(Tier):
         if self.capacity:
             await self._make_room(size)
         try:
-            await self._run(self._write_file, self.path_of(key), key, src)
+            direct = await self._run(self._write_file, self.path_of(key), key, src)
         except OSError as exc:
             self._stats.errors += 1
             return failed(f"{self.name} write error: {exc.strerror or exc}")
         self._forget(key)
         self._remember(key, _Entry(size=size, stored_at=time.time()))
         self._stats.write_bytes += size
+        kind = "direct_writes" if direct else "buffered_writes"  # so an operator can see O_DIRECT at work
+        self._stats.extra[kind] = self._stats.extra.get(kind, 0.0) + 1
         return OK
 
     async def delete(self, keys: Sequence[BlockKey]) -> int:
@@ -255,7 +257,8 @@ class PosixTier(Tier):
         return OK
 
     # -- blocking file I/O (runs in the executor) -----------------------------------------------------
-    def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> None:
+    def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> bool:
+        """Write one block file durably; True if it went out with ``O_DIRECT``."""
         size, checksum = iov_len(src), payload_checksum(src)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
@@ -280,6 +283,7 @@ class PosixTier(Tier):
             raise
         if self.durable:
             _fsync_dir(path.parent)
+        return direct
 
     def _create(self, tmp: Path, root: Path, *, want_direct: bool) -> tuple[int, bool]:
         """A new temporary file, opened ``O_DIRECT`` if wanted and the root's filesystem allows it."""
