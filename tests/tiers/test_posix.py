@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from ucm_server.store.base import BlockState, Tier
-from ucm_server.store.format import HEADER_SIZE
+from ucm_server.store.format import FORMAT_VERSION, HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, PosixTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload
 
@@ -136,7 +136,7 @@ def test_blocks_of_another_format_version_are_skipped_not_quarantined(tmp_path: 
     asyncio.run(write())
     (path,) = list(tmp_path.rglob("*.blk"))
     raw = bytearray(path.read_bytes())
-    raw[4:6] = (2).to_bytes(2, "little")  # format version 2
+    raw[4:6] = (FORMAT_VERSION + 1).to_bytes(2, "little")  # a format this daemon does not know
     path.write_bytes(raw)
 
     async def reopen() -> None:

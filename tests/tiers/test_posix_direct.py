@@ -10,6 +10,7 @@ import asyncio
 import errno
 import mmap
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,15 @@ from typing import Any
 import pytest
 
 from ucm_server.store.base import BlockState
-from ucm_server.store.format import ALIGNED_HEADER_SIZE, HEADER_SIZE
+from ucm_server.store.format import (
+    ALIGNED_HEADER_SIZE,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    CorruptBlock,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
 from ucm_server.store.posix import QUARANTINE, PosixTier, block_file_header
 from ucm_server.testing.tier_suite import key, payload
 
@@ -164,3 +173,19 @@ def test_stats_count_direct_and_buffered_writes(tmp_path: Path, aligned: memoryv
         return extra
 
     assert asyncio.run(main()) == {"direct_writes": 1.0, "buffered_writes": 1.0}
+
+
+def test_format_versions_direct_files_are_2_buffered_files_stay_1(
+    tmp_path: Path, aligned: memoryview
+) -> None:
+    """A daemon of the previous release (version 1 only) reads every buffered file and skips the rest."""
+    _write(tmp_path, [(1, aligned), (2, aligned[: SIZE - 100])])
+    direct, buffered = _file(tmp_path, 1).read_bytes(), _file(tmp_path, 2).read_bytes()
+    assert int.from_bytes(direct[4:6], "little") == FORMAT_VERSION == 2
+    assert int.from_bytes(buffered[4:6], "little") == 1
+    checksum = payload_checksum([aligned])
+    forged = bytearray(encode_header(key(3), SIZE, checksum, header_len=ALIGNED_HEADER_SIZE))
+    forged[4:6] = (1).to_bytes(2, "little")  # a version-1 header cannot have a 4 KiB header
+    forged[84:88] = zlib.crc32(bytes(forged[:84])).to_bytes(4, "little")  # a valid CRC over the fields
+    with pytest.raises(CorruptBlock, match="not valid in format version 1"):
+        decode_header(bytes(forged))

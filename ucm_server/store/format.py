@@ -14,6 +14,10 @@ Layout (little endian)::
 4 KiB (:data:`ALIGNED_HEADER_SIZE`) for files the Posix tier writes with ``O_DIRECT``, which needs
 every write to start and end on a 4 KiB boundary. The padding must be zero, so no byte of a stored
 block goes unchecked: payload by its checksum, header by its CRC, padding by being zero.
+
+Versions: 1 had only the 128-byte header. 2 allows the 4 KiB one. A 128-byte header is still written
+as version 1, so the previous release reads those blocks; it skips version-2 files (an unknown version
+is skipped, never quarantined), which therefore survive a downgrade and serve again after re-upgrade.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namesp
 from ucm_server.store.base import IoVec
 
 MAGIC = b"UCMB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest layout this daemon writes: 2 = ``header_len`` may be 4 KiB (``O_DIRECT`` files)."""
+READABLE_VERSIONS = (1, 2)
+"""Version 1 is version 2 with a 128-byte header; blocks with that header are still written as 1, so a
+daemon of the previous release reads them, and skips (never quarantines) the 4 KiB-header ones."""
 HEADER_SIZE = 128
 """The smallest header: all fields, zero padded to 128 bytes."""
 ALIGNED_HEADER_SIZE = 4096
@@ -85,7 +93,7 @@ def encode_header(
         raise ValueError(f"header_len {header_len} is not one of {HEADER_SIZES}")
     fields = _FIELDS.pack(
         MAGIC,
-        FORMAT_VERSION,
+        1 if header_len == HEADER_SIZE else FORMAT_VERSION,
         0,
         header_len,
         key.namespace,
@@ -111,12 +119,13 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
     magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns = _FIELDS.unpack(fields)
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:  # checked before the CRC: another version may lay its header out anew
-        raise UnsupportedFormat(f"block format version {version}; this daemon reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:  # before the CRC: another version may lay its header out anew
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise UnsupportedFormat(f"block format version {version}; this daemon reads versions {readable}")
     if zlib.crc32(fields) != crc:
         raise CorruptBlock("header checksum mismatch")
-    if header_len not in HEADER_SIZES:
-        raise CorruptBlock(f"header length {header_len}, expected one of {HEADER_SIZES}")
+    if header_len not in (HEADER_SIZES if version >= 2 else (HEADER_SIZE,)):
+        raise CorruptBlock(f"header length {header_len} is not valid in format version {version}")
     key = BlockKey(Namespace(ns), Digest(digest))
     if expect is not None and key != expect:
         raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
