@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
 from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
+from ucm_client.task_events import FinishedTasks
 from ucm_client.types import (
     BlockIO,
     BlockState,
@@ -102,6 +104,7 @@ class AsyncUcmClient:
         self._regions: dict[int, _RegionRecord] = {}
         self._next_handle = 1
         self._lock: asyncio.Lock | None = None
+        self._finished = FinishedTasks()
         self.server_version = ""
 
     # -- connection -----------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class AsyncUcmClient:
             self._kv = rpc.KVStoreStub(channel)
             self._admin = rpc.AdminStub(channel)
             stream = self._kv.Attach(
-                pb.AttachRequest(client_name=self.client_name, pid=os.getpid()),
+                pb.AttachRequest(client_name=self.client_name, pid=os.getpid(), task_events=True),
                 metadata=self._auth_metadata(),
             )
             try:
@@ -162,6 +165,7 @@ class AsyncUcmClient:
             self._session_id = first.session_id
             self.server_version = first.server_version
             self._stream = stream
+            self._finished.reset(enabled=True)  # task ids restart with a restarted daemon
             self._session_task = asyncio.create_task(self._watch(stream))
             for record in self._regions.values():  # after a daemon restart: register again
                 resp = await self._kv.RegisterRegion(
@@ -172,13 +176,18 @@ class AsyncUcmClient:
                 record.server_id = resp.region_id
 
     async def _watch(self, stream: Any) -> None:
+        """Read the session stream: heartbeats, and the results of this session's tasks as they end."""
         try:
-            while await stream.read() is not aio.EOF:
-                pass  # heartbeats
+            while (event := await stream.read()) is not aio.EOF:
+                for status in event.finished:
+                    self._finished.deliver(TaskResult.from_pb(status))
+                if event.task_events_stopped:
+                    self._finished.reset(enabled=False)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         finally:
             self._session_id = None  # the next call reconnects
+            self._finished.reset(enabled=False)
 
     async def _close_channel(self) -> None:
         if self._stream is not None:  # end the session stream first: grpc then has no call left pending
@@ -354,18 +363,32 @@ class AsyncUcmClient:
         return int(resp.task_id)
 
     async def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
-        """Wait up to ``timeout_s`` (may be called again); ``done`` is False if it timed out."""
+        """Wait up to ``timeout_s`` (may be called again); ``done`` is False if it timed out.
+
+        The daemon pushes each finished task's result on the session stream, so a task that ends
+        within the timeout is answered without a ``Wait`` call; otherwise (timeout, events lost)
+        the daemon is asked, and it also applies ``cancel_on_timeout``.
+        """
+        deadline = time.monotonic() + timeout_s
+        pushed = await self._finished.wait(task_id, timeout_s)
+        if pushed is not None:
+            return pushed
+        remaining = max(deadline - time.monotonic(), 0.0)
         resp = await self._call(
             lambda: self.kv.Wait(
-                pb.WaitRequest(task_id=task_id, timeout_s=timeout_s, cancel_on_timeout=cancel_on_timeout),
+                pb.WaitRequest(task_id=task_id, timeout_s=remaining, cancel_on_timeout=cancel_on_timeout),
                 metadata=self._metadata(),
-                timeout=timeout_s + self.rpc_timeout_s,
+                timeout=remaining + self.rpc_timeout_s,
             ),
             retry=False,
         )
         return TaskResult.from_pb(resp)
 
     async def check(self, task_id: int) -> TaskResult:
+        """Where the task stands now, without waiting (answered from a pushed result if it ended)."""
+        pushed = self._finished.peek(task_id)
+        if pushed is not None:
+            return pushed
         resp = await self._call(
             lambda: self.kv.Check(
                 pb.TaskHandle(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s

@@ -36,6 +36,7 @@ from ucm_server.regions import Region, RegionTable
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
+from ucm_server.task_events import TaskEvents
 from ucm_server.tasks import Task, TaskKind, TaskManager
 from ucm_server.tenants import TenantLedger
 
@@ -77,6 +78,8 @@ class Engine:
         self.metrics = Metrics()
         self.metrics.attach_engine(self)
         self.tasks.on_finish.append(self._observe)
+        self.task_events = TaskEvents()
+        self.tasks.on_finish.append(self.task_events.publish)
         self.started = time.monotonic()
         self.lookups = self.lookup_keys = self.lookup_hits = 0
         self.closing = False
@@ -108,13 +111,16 @@ class Engine:
         self.metrics.close()
 
     # -- sessions -------------------------------------------------------------------------------------
-    def attach(self, client_name: str, pid: int) -> Session:
+    def attach(self, client_name: str, pid: int, *, task_events: bool = False) -> Session:
         s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time(), current_principal.get().tenant)
         self.sessions[s.session_id] = s
+        if task_events:
+            self.task_events.open(s.session_id)
         log.info("session %s attached (%s, pid %d)", s.session_id[:8], s.client_name, pid)
         return s
 
     async def detach(self, session_id: str) -> None:
+        self.task_events.close(session_id)
         if self.sessions.pop(session_id, None) is None:
             return
         ntasks = await self.tasks.release_session(session_id)

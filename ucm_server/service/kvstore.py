@@ -49,7 +49,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def Attach(
         self, request: pb.AttachRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
-        session = self.engine.attach(request.client_name, request.pid)
+        session = self.engine.attach(request.client_name, request.pid, task_events=request.task_events)
         interval = self.engine.config.heartbeat_interval_s
         try:
             yield pb.SessionEvent(
@@ -57,9 +57,14 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 heartbeat_interval_s=interval,
                 server_version=self.engine.version,
             )
-            while True:
-                await asyncio.sleep(interval)
-                yield pb.SessionEvent(session_id=session.session_id, heartbeat_interval_s=interval)
+            while True:  # a heartbeat every interval, or sooner with the statuses of tasks that ended
+                finished, stopped = await self.engine.task_events.next(session.session_id, interval)
+                yield pb.SessionEvent(
+                    session_id=session.session_id,
+                    heartbeat_interval_s=interval,
+                    finished=[task_status(task) for task in finished],
+                    task_events_stopped=stopped,
+                )
         finally:
             # Runs when the client closes the stream, dies (socket closed) or the server stops.
             await asyncio.shield(self.engine.detach(session.session_id))

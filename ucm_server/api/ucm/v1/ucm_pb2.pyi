@@ -45,22 +45,28 @@ TASK_DONE: TaskState
 TASK_CANCELLED: TaskState
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "pid")
+    __slots__ = ("client_name", "pid", "task_events")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    TASK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    task_events: bool
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., task_events: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "heartbeat_interval_s", "server_version")
+    __slots__ = ("session_id", "heartbeat_interval_s", "server_version", "finished", "task_events_stopped")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TASK_EVENTS_STOPPED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     heartbeat_interval_s: float
     server_version: str
-    def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ...) -> None: ...
+    finished: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    task_events_stopped: bool
+    def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., task_events_stopped: _Optional[bool] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("shm_name", "size", "label", "cuda_ipc_handle", "cuda_offset", "cuda_device", "cuda_device_uuid")
