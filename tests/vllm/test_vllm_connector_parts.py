@@ -397,6 +397,40 @@ def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_
         scheduler.shutdown()
 
 
+def test_layerwise_lookup_longer_than_one_call_is_asked_in_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More keys than one Lookup may carry: asked block-aligned, in order, until a part misses."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    from ucm_client.vllm import scheduler as scheduler_module
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    monkeypatch.setattr(scheduler_module, "MAX_LOOKUP_KEYS", 7)  # 2 blocks of 3 layers per Lookup
+    layers = ("attn.0", "attn.1", "attn.2")
+    keyspace = KeySpace(fields=(("model", "parts-chunked"),), tp_size=1, layer_names=layers, layerwise=True)
+    tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
+    keys = block_keys(_request("a", tokens).block_hashes, 16, 16)
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        namespace = keyspace.namespace(0)
+        client.put_blocks(namespace, [(layer_key(k, layer), b"x" * 64) for k in keys for layer in range(3)])
+        config = ConnectorConfig(target=daemon.target, use_layerwise=True)
+        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+
+        def ask(req_id: str) -> tuple[tuple[int | None, bool], float]:
+            granted = scheduler.get_num_new_matched_tokens(_request(req_id, tokens), 0)
+            stats = scheduler.take_stats()
+            assert stats is not None
+            return granted, stats.data["lookups"]
+
+        assert ask("all") == ((64, False), 2)  # 12 keys in 2 Lookups, the whole prefix found
+        client.delete(namespace, [layer_key(keys[2], 1)])
+        assert ask("third-block-torn") == ((32, False), 2)
+        client.delete(namespace, [layer_key(keys[1], 0)])
+        assert ask("second-block-torn") == ((16, False), 1)  # the first part misses: no second Lookup
+        scheduler.shutdown()
+
+
 def test_connector_overrides_accept_what_vllm_passes() -> None:
     """Every base-class method UCMConnector overrides takes the installed vLLM's arguments.
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ucm_client import UcmClient
 from ucm_client.errors import UcmError
 from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
@@ -34,8 +35,8 @@ logger = logging.getLogger(LOGGER_NAME)
 
 MAX_LOOKUP_KEYS = 65536
 """Keys in one Lookup at most (the daemon's default ``max_batch_blocks``). Only layerwise lookups
-(blocks x layers keys) come near it; they ask for the longest prefix that fits, which at most
-shortens a hit on a very long prompt."""
+(blocks x layers keys) come near it: a longer prefix is asked in several Lookups, in order, stopping
+at the first one that does not hit in full."""
 
 
 def hit_tokens(stored_blocks: int, block_size: int, num_tokens: int, num_computed_tokens: int) -> int:
@@ -102,8 +103,21 @@ class UcmScheduler:
         layers = self._keyspace.num_layers if self._keyspace.layerwise else 0
         if not layers:
             return keys, 1
-        fit = keys[: max(MAX_LOOKUP_KEYS // layers, 1)]
-        return [layer_key(key, layer) for key in fit for layer in range(layers)], layers
+        return [layer_key(key, layer) for key in keys for layer in range(layers)], layers
+
+    def _stored_prefix(self, client: UcmClient, namespace: bytes, keys: list[bytes], per_block: int) -> int:
+        """How many whole blocks of ``keys`` are stored as a prefix, asked in Lookups of at most
+        ``MAX_LOOKUP_KEYS`` keys (whole blocks each), in order, until one does not hit in full."""
+        step = max(MAX_LOOKUP_KEYS // per_block, 1) * per_block
+        found = 0
+        for start in range(0, len(keys), step):
+            part = keys[start : start + step]
+            hit = client.lookup(namespace, part).hit_prefix
+            self._stats.add(lookups=1)
+            found += hit
+            if hit < len(part):
+                break
+        return found // per_block
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Stored prefix length (blocks) present for every TP rank; 0 when the daemon is down."""
@@ -118,9 +132,7 @@ class UcmScheduler:
         prefix = len(stored) // per_block
         try:
             for namespace in self._namespaces:
-                hit = client.lookup(namespace, stored[: prefix * per_block]).hit_prefix
-                prefix = min(prefix, hit // per_block)
-                self._stats.add(lookups=1)
+                prefix = self._stored_prefix(client, namespace, stored[: prefix * per_block], per_block)
                 if prefix == 0:
                     break
         except UcmError as exc:
