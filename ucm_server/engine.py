@@ -32,7 +32,7 @@ from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuService
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
-from ucm_server.regions import Region, RegionTable
+from ucm_server.regions import Region, RegionTable, SegmentColumns
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
@@ -224,21 +224,6 @@ class Engine:
         return await self.pipeline.delete(keys)
 
     # -- tasks ----------------------------------------------------------------------------------------
-    def _resolve(
-        self,
-        session: Session,
-        keys: list[BlockKey],
-        counts: list[int],
-        region_ids: list[int],
-        offsets: list[int],
-        lengths: list[int],
-    ) -> tuple[list[IoVec], set[Region]]:
-        if not keys:
-            raise InvalidArgument("empty batch: no keys given")
-        return self.regions.resolve(
-            session.session_id, counts, region_ids, offsets, lengths, len(keys), self.config.max_block_bytes
-        )
-
     async def submit_io(
         self,
         kind: TaskKind,
@@ -257,9 +242,12 @@ class Engine:
         keys = self._keys(namespace, digests)
         if kind is TaskKind.LOAD:
             await self._check_load_sizes(keys, counts, lengths)
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+        columns = SegmentColumns(counts, region_ids, offsets, lengths)
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
-            return self._submit_gpu(kind, session, keys, counts, region_ids, offsets, lengths, durable)
-        iovs, used = self._resolve(session, keys, counts, region_ids, offsets, lengths)
+            return self._submit_gpu(kind, session, keys, columns, durable)
+        iovs, used = self.regions.resolve(session.session_id, columns, len(keys), self.config.max_block_bytes)
         self.regions.pin(used)
 
         async def body(task: Task) -> None:
@@ -286,27 +274,10 @@ class Engine:
                 raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
 
     def _submit_gpu(
-        self,
-        kind: TaskKind,
-        session: Session,
-        keys: list[BlockKey],
-        counts: list[int],
-        region_ids: list[int],
-        offsets: list[int],
-        lengths: list[int],
-        durable: bool,
+        self, kind: TaskKind, session: Session, keys: list[BlockKey], columns: SegmentColumns, durable: bool
     ) -> Task:
-        if not keys:
-            raise InvalidArgument("empty batch: no keys given")
         plan = self.gpu.plan(
-            self.regions,
-            session.session_id,
-            counts,
-            region_ids,
-            offsets,
-            lengths,
-            len(keys),
-            self.config.max_block_bytes,
+            self.regions, session.session_id, columns, len(keys), self.config.max_block_bytes
         )
         self.regions.pin(plan.regions)
 

@@ -71,23 +71,30 @@ def _shm_path(name: str) -> Path:
     return path
 
 
-def batch_counts(
-    counts: list[int], region_ids: list[int], offsets: list[int], lengths: list[int], nblocks: int
-) -> list[int]:
-    """Check a column-wise batch's shape; returns the segments per block (1 each when not given)."""
-    nseg = len(region_ids)
-    if not (len(offsets) == len(lengths) == nseg):
-        raise InvalidArgument(
-            "region_ids, offsets and lengths must have equal lengths, "
-            f"got {nseg}, {len(offsets)}, {len(lengths)}"
-        )
-    if not counts:
-        counts = [1] * nblocks
-    if len(counts) != nblocks:
-        raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
-    if sum(counts) != nseg:
-        raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
-    return counts
+@dataclass(frozen=True, slots=True)
+class SegmentColumns:
+    """A request's segments, column-wise as on the wire: block ``b`` is the next ``counts[b]``
+    entries of ``region_ids`` / ``offsets`` / ``lengths`` (no ``counts``: one segment per block)."""
+
+    counts: list[int]
+    region_ids: list[int]
+    offsets: list[int]
+    lengths: list[int]
+
+    def block_counts(self, nblocks: int) -> list[int]:
+        """Check the columns' shape against ``nblocks`` keys; the segments per block."""
+        nseg = len(self.region_ids)
+        if not (len(self.offsets) == len(self.lengths) == nseg):
+            raise InvalidArgument(
+                "region_ids, offsets and lengths must have equal lengths, "
+                f"got {nseg}, {len(self.offsets)}, {len(self.lengths)}"
+            )
+        counts = self.counts or [1] * nblocks
+        if len(counts) != nblocks:
+            raise InvalidArgument(f"segment_counts has {len(counts)} entries for {nblocks} keys")
+        if sum(counts) != nseg:
+            raise InvalidArgument(f"segment_counts add up to {sum(counts)}, but {nseg} segments were given")
+        return counts
 
 
 class RegionTable:
@@ -201,21 +208,13 @@ class RegionTable:
                 r.close()
 
     def segments(
-        self,
-        session_id: str,
-        counts: list[int],
-        region_ids: list[int],
-        offsets: list[int],
-        lengths: list[int],
-        nblocks: int,
-        max_block_bytes: int,
-        *,
-        gpu: bool,
+        self, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int, *, gpu: bool
     ) -> tuple[list[list[tuple[Any, int, int]]], set[Any]]:
         """Check every segment of a column-wise batch before anything is copied: each block's
         ``(region, offset, length)`` list, and the regions used. ``gpu`` says which kind of region the
         request must name only (one request cannot mix host and GPU memory)."""
-        counts = batch_counts(counts, region_ids, offsets, lengths, nblocks)
+        counts = columns.block_counts(nblocks)
+        region_ids, offsets, lengths = columns.region_ids, columns.offsets, columns.lengths
         found: dict[int, Any] = {}
         blocks: list[list[tuple[Any, int, int]]] = []
         used: set[Any] = set()
@@ -258,18 +257,9 @@ class RegionTable:
         return blocks, used
 
     def resolve(
-        self,
-        session_id: str,
-        counts: list[int],
-        region_ids: list[int],
-        offsets: list[int],
-        lengths: list[int],
-        nblocks: int,
-        max_block_bytes: int,
+        self, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int
     ) -> tuple[list[IoVec], set[Region]]:
         """Turn a column-wise batch of host regions into one iovec per block."""
-        blocks, used = self.segments(
-            session_id, counts, region_ids, offsets, lengths, nblocks, max_block_bytes, gpu=False
-        )
+        blocks, used = self.segments(session_id, columns, nblocks, max_block_bytes, gpu=False)
         iovs: list[IoVec] = [[r.view[o : o + n] for r, o, n in segs] for segs in blocks]
         return iovs, used

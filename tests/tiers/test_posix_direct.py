@@ -189,3 +189,19 @@ def test_format_versions_direct_files_are_2_buffered_files_stay_1(
     forged[84:88] = zlib.crc32(bytes(forged[:84])).to_bytes(4, "little")  # a valid CRC over the fields
     with pytest.raises(CorruptBlock, match="not valid in format version 1"):
         decode_header(bytes(forged))
+
+
+def test_a_direct_file_cut_inside_its_header_is_quarantined(tmp_path: Path, aligned: memoryview) -> None:
+    _write(tmp_path, [(1, aligned)])
+    path = _file(tmp_path, 1)
+    path.write_bytes(path.read_bytes()[:2000])  # valid fields, part of the padding, nothing more
+
+    async def main() -> None:
+        t = PosixTier(roots=[tmp_path])
+        await t.open()
+        assert await t.lookup([key(1)]) == [None]
+        assert t.stats().corrupt == 1
+        await t.close()
+
+    asyncio.run(main())
+    assert not path.exists()

@@ -59,7 +59,7 @@ from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
 
 if TYPE_CHECKING:
-    from ucm_server.regions import RegionTable
+    from ucm_server.regions import RegionTable, SegmentColumns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -401,20 +401,10 @@ class GpuService:
 
     # -- requests -------------------------------------------------------------------------------------
     def plan(
-        self,
-        table: RegionTable,
-        session_id: str,
-        counts: list[int],
-        region_ids: list[int],
-        offsets: list[int],
-        lengths: list[int],
-        nblocks: int,
-        max_block_bytes: int,
+        self, table: RegionTable, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int
     ) -> GpuPlan:
         """Check every segment of a GPU request up front (nothing is copied for a bad request)."""
-        segs_by_block, used = table.segments(
-            session_id, counts, region_ids, offsets, lengths, nblocks, max_block_bytes, gpu=True
-        )
+        segs_by_block, used = table.segments(session_id, columns, nblocks, max_block_bytes, gpu=True)
         blocks: list[DeviceBlock] = []
         for b, segs in enumerate(segs_by_block):
             devices = list(dict.fromkeys(region.device for region, _, _ in segs))  # in request order

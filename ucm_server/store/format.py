@@ -110,7 +110,8 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
     """Parse and check a header; ``expect`` also checks it names the block we asked for.
 
     ``raw`` is the start of the stored object: at least :data:`HEADER_SIZE` bytes. Whatever part of
-    the padding it holds must be zero (see :func:`check_padding` for readers that hold all of it).
+    the padding it holds must be zero; a reader holding less than ``header_len`` bytes learns from
+    the object's size (``stored_len``) that the rest is missing.
     """
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
@@ -138,13 +139,6 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
         flags=flags,
         header_len=header_len,
     )
-
-
-def check_padding(raw: bytes | memoryview, header: BlockHeader) -> None:
-    """Raise :class:`CorruptBlock` unless ``raw`` holds the header's whole padding, all zero."""
-    if len(raw) < header.header_len:
-        raise CorruptBlock(f"header truncated: {len(raw)} of {header.header_len} bytes")
-    _check_zero(raw[_FIELDS.size + _CRC.size : header.header_len])
 
 
 def _check_zero(padding: bytes | memoryview) -> None:

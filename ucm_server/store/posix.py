@@ -59,7 +59,6 @@ from ucm_server.store.format import (
     BlockHeader,
     CorruptBlock,
     UnsupportedFormat,
-    check_padding,
     decode_header,
     encode_header,
     payload_checksum,
@@ -391,9 +390,8 @@ class PosixTier(Tier):
 def read_block_header(fd: int, expect: BlockKey | None = None) -> BlockHeader:
     """The checked header of an open block file: valid, padding zero, file size as it promises."""
     raw = os.pread(fd, ALIGNED_HEADER_SIZE, 0)
-    header = decode_header(raw, expect=expect)
-    check_padding(raw, header)
-    size = os.fstat(fd).st_size
+    header = decode_header(raw, expect=expect)  # checks all the padding read; a file too short to
+    size = os.fstat(fd).st_size  # hold the rest fails the size check
     if size != header.stored_len:
         raise CorruptBlock(f"file is {size} bytes, header promises {header.stored_len}")
     return header
