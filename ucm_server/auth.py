@@ -59,6 +59,8 @@ class Principal:
 
 
 ANONYMOUS = Principal()
+NETWORK_ANONYMOUS = Principal(admin=False)
+"""A TCP peer that showed no credentials (``allow_anonymous_tcp``): the default tenant, never admin."""
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
     "ucm_principal", default=ANONYMOUS
 )
