@@ -54,8 +54,23 @@ class Principal:
         """The namespace as stored: private to the tenant (unchanged for the default tenant)."""
         if not self.tenant or not namespace:
             return Namespace(bytes(namespace))
-        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=self.tenant.encode()[:64])
+        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=tenant_key(self.tenant))
         return Namespace(mac.digest())
+
+
+def tenant_key(tenant: str) -> bytes:
+    """The key that makes ``tenant``'s namespaces private, distinct for every distinct name.
+
+    A name of at most 64 UTF-8 bytes is its own key (blake2b's key size), exactly as in 0.1, so the
+    blocks those tenants stored keep their namespaces. keyed blake2b mixes the key's length in, so
+    ``"a"`` and ``"a\0"`` differ. A longer name (0.1 cut it to 64 bytes, so two names sharing their
+    first 64 bytes shared one namespace) is keyed by a domain-separated 64-byte digest of the whole
+    name; :meth:`Authenticator.from_file` refuses a tokens file where two tenants' keys coincide.
+    """
+    raw = tenant.encode()
+    if len(raw) <= 64:
+        return raw
+    return hashlib.blake2b(raw, digest_size=64, person=b"ucm-tenant-key").digest()
 
 
 ANONYMOUS = Principal()
@@ -86,6 +101,7 @@ class Authenticator:
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")
         principals: dict[bytes, Principal] = {}
+        keys: dict[bytes, str] = {}
         for i, entry in enumerate(entries):
             where = f"auth_tokens_file {path}: tokens[{i}]"
             if not isinstance(entry, dict):
@@ -114,6 +130,8 @@ class Authenticator:
             quota = parse_size(entry.get("quota", 0), f"{where}.quota")
             if digest in principals:
                 raise ConfigError(f"{where}: the same token appears twice")
+            if tenant and keys.setdefault(tenant_key(tenant), tenant) != tenant:
+                raise ConfigError(f"{where}.tenant: its namespaces would be another tenant's; rename it")
             principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota)
         return cls(principals)
 

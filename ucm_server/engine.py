@@ -23,8 +23,10 @@ from ucm_server.api.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unavailable,
 )
+from ucm_server.api.text import printable
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
@@ -86,7 +88,7 @@ class Engine:
         self.ledger: TenantLedger | None = None
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
-            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas)
+            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -102,6 +104,8 @@ class Engine:
                     seen.setdefault(info.key, info)
             for info in sorted(seen.values(), key=lambda i: i.stored_at):
                 self.ledger.stored(info.key, info.size)
+            # One snapshot of the namespaces that still hold blocks: the journal stays bounded.
+            await self.ledger.compact({key.namespace for key in seen})
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
@@ -183,11 +187,25 @@ class Engine:
     # -- lookups and deletes --------------------------------------------------------------------------
     def _scope(self, namespace: bytes) -> Namespace:
         """The caller's namespace as stored: checked, then made private to the caller's tenant."""
-        who = current_principal.get()
-        ns = who.scope(check_namespace(namespace))
-        if self.ledger is not None and who.tenant:
-            self.ledger.claim(who.tenant, ns)
-        return ns
+        return current_principal.get().scope(check_namespace(namespace))
+
+    async def _claim_for_write(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:
+        """Before a tenant writes: refuse a block its quota could never hold (it would stay over the
+        quota, as the newest block is never the one evicted), and record the namespace as the tenant's
+        (durably, off the event loop, once per namespace) so what is written is accounted. Only
+        writes do this; lookups and loads change no state on disk."""
+        tenant = current_principal.get().tenant
+        if self.ledger is None or not tenant or not keys:
+            return
+        quota = self.ledger.quota(tenant)
+        biggest = max(sizes, default=0)
+        if quota and biggest > quota:
+            raise ResourceExhausted(
+                f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
+                f"({quota} bytes)"
+            )
+        for ns in {key.namespace for key in keys}:
+            await self.ledger.claim(tenant, ns)
 
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
@@ -246,8 +264,10 @@ class Engine:
             raise InvalidArgument("empty batch: no keys given")
         columns = SegmentColumns(counts, region_ids, offsets, lengths)
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
-            return self._submit_gpu(kind, session, keys, columns, durable)
+            return await self._submit_gpu(kind, session, keys, columns, durable)
         iovs, used = self.regions.resolve(session.session_id, columns, len(keys), self.config.max_block_bytes)
+        if kind is TaskKind.DUMP:
+            await self._claim_for_write(keys, [iov_len(iov) for iov in iovs])
         self.regions.pin(used)
 
         async def body(task: Task) -> None:
@@ -273,12 +293,14 @@ class Engine:
             if have is not None and have != want:
                 raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
 
-    def _submit_gpu(
+    async def _submit_gpu(
         self, kind: TaskKind, session: Session, keys: list[BlockKey], columns: SegmentColumns, durable: bool
     ) -> Task:
         plan = self.gpu.plan(
             self.regions, session.session_id, columns, len(keys), self.config.max_block_bytes
         )
+        if kind is TaskKind.DUMP:
+            await self._claim_for_write(keys, [block.nbytes for block in plan.blocks])
         self.regions.pin(plan.regions)
 
         async def body(task: Task) -> None:
@@ -323,7 +345,8 @@ class Engine:
         victims = [v for k, iov in done for v in self.ledger.stored(k, iov_len(iov))]
         if victims:
             await self.pipeline.delete(victims)
-            log.info("quota: evicted %d blocks of tenant %s", len(victims), self.ledger.owner(victims[0]))
+            owner = self.ledger.owner(victims[0]) or ""
+            log.info("quota: evicted %d blocks of tenant %s", len(victims), printable(owner, 64))
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)
@@ -372,7 +395,11 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        (r,) = await self.pipeline.write_many([(key, [memoryview(data)])])
+        await self._claim_for_write([key], [len(data)])
+        item = (key, [memoryview(data)])
+        (r,) = await self.pipeline.write_many([item])
+        if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first
+            await self._account(TaskKind.DUMP, [item], [r])
         return r
 
     # -- admin ----------------------------------------------------------------------------------------
