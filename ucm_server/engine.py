@@ -11,7 +11,7 @@ import logging
 import operator
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
@@ -189,23 +189,26 @@ class Engine:
         """The caller's namespace as stored: checked, then made private to the caller's tenant."""
         return current_principal.get().scope(check_namespace(namespace))
 
-    async def _claim_for_write(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> None:
-        """Before a tenant writes: refuse a block its quota could never hold (it would stay over the
-        quota, as the newest block is never the one evicted), and record the namespace as the tenant's
-        (durably, off the event loop, once per namespace) so what is written is accounted. Only
-        writes do this; lookups and loads change no state on disk."""
+    async def _claim_for_write(self, keys: Sequence[BlockKey]) -> None:
+        """Before a tenant writes: record the namespace as the tenant's (durably, off the event loop,
+        once per namespace) so what is written is accounted. Only writes do this; lookups and loads
+        change no state on disk."""
         tenant = current_principal.get().tenant
-        if self.ledger is None or not tenant or not keys:
-            return
-        quota = self.ledger.quota(tenant)
-        biggest = max(sizes, default=0)
-        if quota and biggest > quota:
+        if self.ledger is not None and tenant:
+            for ns in {key.namespace for key in keys}:
+                await self.ledger.claim(tenant, ns)
+
+    def _check_quota(self, sizes: Iterable[int]) -> None:
+        """Refuse a block the tenant's quota could never hold: it would stay over the quota, as the
+        block just written is never the one evicted."""
+        tenant = current_principal.get().tenant
+        quota = self.ledger.quota(tenant) if self.ledger is not None else 0
+        biggest = max(sizes, default=0) if quota else 0
+        if biggest > quota:
             raise ResourceExhausted(
                 f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
                 f"({quota} bytes)"
             )
-        for ns in {key.namespace for key in keys}:
-            await self.ledger.claim(tenant, ns)
 
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
@@ -262,12 +265,14 @@ class Engine:
             await self._check_load_sizes(keys, counts, lengths)
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
+        if kind is TaskKind.DUMP:
+            await self._claim_for_write(keys)  # before resolving: no await between resolve and pin
         columns = SegmentColumns(counts, region_ids, offsets, lengths)
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
-            return await self._submit_gpu(kind, session, keys, columns, durable)
+            return self._submit_gpu(kind, session, keys, columns, durable)
         iovs, used = self.regions.resolve(session.session_id, columns, len(keys), self.config.max_block_bytes)
         if kind is TaskKind.DUMP:
-            await self._claim_for_write(keys, [iov_len(iov) for iov in iovs])
+            self._check_quota(map(iov_len, iovs))
         self.regions.pin(used)
 
         async def body(task: Task) -> None:
@@ -293,14 +298,14 @@ class Engine:
             if have is not None and have != want:
                 raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
 
-    async def _submit_gpu(
+    def _submit_gpu(
         self, kind: TaskKind, session: Session, keys: list[BlockKey], columns: SegmentColumns, durable: bool
     ) -> Task:
         plan = self.gpu.plan(
             self.regions, session.session_id, columns, len(keys), self.config.max_block_bytes
         )
         if kind is TaskKind.DUMP:
-            await self._claim_for_write(keys, [block.nbytes for block in plan.blocks])
+            self._check_quota(block.nbytes for block in plan.blocks)
         self.regions.pin(plan.regions)
 
         async def body(task: Task) -> None:
@@ -395,7 +400,8 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        await self._claim_for_write([key], [len(data)])
+        self._check_quota([len(data)])
+        await self._claim_for_write([key])
         item = (key, [memoryview(data)])
         (r,) = await self.pipeline.write_many([item])
         if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.blocks import NS
+from support.blocks import NS, blocks_in
 
-from ucm_client import UcmClient, key_digest, namespace_id
+from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import ResourceExhausted
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
@@ -121,6 +121,10 @@ def test_put_blocks_counts_against_the_quota(tenants: DaemonProcess) -> None:
         with pytest.raises(ResourceExhausted, match="larger than the quota"):
             alice.put_blocks(NS, [(key_digest("too-big", 0), os.urandom(2 << 20))])
         assert alice.lookup(NS, [key_digest("too-big", 0)]).hit_prefix == 0
+        assert sum(alice.lookup(NS, keys).present) == 15
+        with SharedBuffer(2 << 20) as buf:  # the same through Dump (shared memory)
+            with pytest.raises(ResourceExhausted, match="larger than the quota"):
+                alice.dump(NS, blocks_in(alice.register(buf), 1, 2 << 20, first=5000))
         assert sum(alice.lookup(NS, keys).present) == 15
     assert len(_stored_namespaces(tenants)) == 2  # alice's and bob's, nothing else was touched
     _alive(tenants)
