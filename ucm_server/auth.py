@@ -4,7 +4,8 @@ With ``auth_tokens_file`` set, every KVStore and Admin call must carry ``authori
 metadata (health and reflection stay open, for probes). Each token names a tenant; a tenant's
 namespaces are mapped to private ones (a digest of the namespace keyed by the tenant's whole name,
 see :func:`tenant_key`), so two tenants never see or touch each other's blocks even if they use the
-same namespace, and nothing a tenant sends can name another tenant's namespace. Admin calls need a token with ``admin: true``.
+same namespace, and nothing a tenant sends can name another tenant's namespace. Admin calls need a
+token with ``admin: true``.
 
 The tokens file stores SHA-256 digests of tokens, not the tokens (``token`` in clear is accepted for
 tests and small setups, with a warning)::

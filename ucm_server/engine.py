@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
+CLIENT_NAME_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -116,7 +117,9 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------------------------------
     def attach(self, client_name: str, pid: int, *, task_events: bool = False) -> Session:
-        s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time(), current_principal.get().tenant)
+        # Kept and logged escaped and capped: a client name is the client's text (issue #11, section 11).
+        name = printable(client_name or "?", CLIENT_NAME_CHARS)
+        s = Session(uuid.uuid4().hex, name, pid, time.time(), current_principal.get().tenant)
         self.sessions[s.session_id] = s
         if task_events:
             self.task_events.open(s.session_id)

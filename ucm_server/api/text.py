@@ -13,17 +13,20 @@ DEFAULT_LIMIT = 256
 """Characters kept of one client-supplied string (a client name, a label, a path)."""
 
 
-def printable(text: str | bytes, limit: int = DEFAULT_LIMIT) -> str:
+def printable(text: str | bytes, limit: int = DEFAULT_LIMIT, *, backslashes: bool = True) -> str:
     """``text`` with every control, format, separator (other than a plain space) and unassigned
     character escaped (``\\n``, ``\\x1b``, ``\\u202e``), cut to ``limit`` characters of the original
-    with a note of how many were dropped. Backslashes are doubled so an escape cannot be faked."""
+    with a note of how many were dropped. Backslashes are doubled (``backslashes``) so a client cannot
+    fake an escape; a whole message that may already hold escaped parts passes ``backslashes=False``."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     cut = len(text) - limit if limit >= 0 and len(text) > limit else 0
     head = text[:limit] if cut else text
+    if not cut and head.isprintable() and (not backslashes or "\\" not in head):
+        return head  # the common case, checked in C
     out = []
     for ch in head:
-        if ch == "\\":
+        if ch == "\\" and backslashes:
             out.append("\\\\")
         elif ch.isprintable():  # false for controls, format characters, separators but " ", unassigned
             out.append(ch)

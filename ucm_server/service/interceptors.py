@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from ucm_server.api.errors import InvalidArgument, PermissionDenied, UcmError
+from ucm_server.api.text import printable
 from ucm_server.auth import NETWORK_ANONYMOUS, Authenticator, current_principal
 from ucm_server.metrics import Metrics
 
@@ -33,6 +34,15 @@ def decode(deserializer: Any, raw: bytes) -> Any:
         return deserializer(raw)
     except DecodeError as exc:
         raise InvalidArgument(f"request is not a valid protobuf message: {exc}") from None
+
+
+MAX_DETAIL_CHARS = 4096
+
+
+def detail(message: str) -> str:
+    """A status detail as sent: one line, capped, as error messages may echo client input (names,
+    paths, labels) that ends up in logs and on terminals on the client's side."""
+    return printable(message, MAX_DETAIL_CHARS, backslashes=False)
 
 
 def is_local(context: aio.ServicerContext) -> bool:
@@ -88,11 +98,11 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):
                 metrics.rpc_errors.labels(method, exc.code.name).inc()
-                await context.abort(exc.code, exc.message)
+                await context.abort(exc.code, detail(exc.message))
             log.exception("internal error in %s", method)
             metrics.rpc_errors.labels(method, "INTERNAL").inc()
             await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+                grpc.StatusCode.INTERNAL, detail(f"internal error in {method}: {type(exc).__name__}: {exc}")
             )
 
         def is_abort(exc: BaseException) -> bool:
