@@ -25,6 +25,7 @@ admin of the default (unmapped) tenant.
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import hmac
 import logging
@@ -59,6 +60,7 @@ class Principal:
         return Namespace(mac.digest())
 
 
+@functools.lru_cache(maxsize=1024)  # tenants come from the tokens file: a handful
 def tenant_key(tenant: str) -> bytes:
     """The key that makes ``tenant``'s namespaces private, distinct for every distinct name.
 

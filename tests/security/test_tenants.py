@@ -162,7 +162,9 @@ def test_quota_accounting_survives_a_restart_and_a_torn_ledger_append(tmp_path: 
         assert alice.lookup(NS, keys[:16]).hit_prefix == 16
         assert alice.put_blocks(NS, [(keys[16], os.urandom(KIB64))]).ok
         present = alice.lookup(NS, keys).present
-        assert present == [False] + [True] * 16  # the pre-restart blocks still counted
+        # The pre-restart blocks still count: one of them made room (which one follows the tiers'
+        # stored_at, and write-back writes a batch's files in parallel).
+        assert sum(present) == 16 and present[16]
         _alive(d)
     assert ledger.read_bytes().endswith(b"\n") and b"00ff" not in ledger.read_bytes()  # compacted
 
@@ -182,7 +184,8 @@ def test_a_ledger_in_the_0_1_format_is_read(tmp_path: Path) -> None:
     ledger.write_text(json.dumps({"namespaces": owned}))
     with d, _client(d, ALICE) as alice:
         assert alice.put_blocks(NS, [(keys[16], os.urandom(KIB64))]).ok
-        assert alice.lookup(NS, keys).present == [False] + [True] * 16
+        present = alice.lookup(NS, keys).present
+        assert sum(present) == 16 and present[16]  # the 0.1 ledger's namespace still counts
 
 
 NS_HEX = "00" * 16
