@@ -161,6 +161,7 @@ def _tcp_port(d: DaemonProcess) -> int:
 def test_tls_listener(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     args = ["--listen", "localhost:0", "--tls-cert", str(cert), "--tls-key", str(key)]
+    args.append("--allow-anonymous-tcp")  # no tokens, no client CA: see tests/security/test_network_admin.py
     with DaemonProcess(tmp_path / "ucm", args=args) as d, SharedBuffer(4096) as buf:
         target = f"localhost:{_tcp_port(d)}"
         with UcmClient(target, tls_ca=cert) as c:
@@ -174,7 +175,8 @@ def test_tls_listener(tmp_path: Path) -> None:
 def test_tcp_without_tls_needs_explicit_insecure(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="needs tls_cert and tls_key, or insecure"):
         DaemonProcess(tmp_path / "a", args=["--listen", "127.0.0.1:0"]).start(timeout_s=20)
-    with DaemonProcess(tmp_path / "b", args=["--listen", "127.0.0.1:0", "--insecure"]) as d:
+    args = ["--listen", "127.0.0.1:0", "--insecure", "--allow-anonymous-tcp"]
+    with DaemonProcess(tmp_path / "b", args=args) as d:
         assert "has no TLS" in d.log()
         with UcmClient(f"127.0.0.1:{_tcp_port(d)}") as c:
             assert c.lookup(NS, []).hit_prefix == 0

@@ -2,9 +2,10 @@
 
 With ``auth_tokens_file`` set, every KVStore and Admin call must carry ``authorization: Bearer <token>``
 metadata (health and reflection stay open, for probes). Each token names a tenant; a tenant's
-namespaces are mapped to private ones (a keyed digest of tenant + namespace), so two tenants never
-see or touch each other's blocks even if they use the same namespace, and nothing a tenant sends can
-name another tenant's namespace. Admin calls need a token with ``admin: true``.
+namespaces are mapped to private ones (a digest of the namespace keyed by the tenant's whole name,
+see :func:`tenant_key`), so two tenants never see or touch each other's blocks even if they use the
+same namespace, and nothing a tenant sends can name another tenant's namespace. Admin calls need a
+token with ``admin: true``.
 
 The tokens file stores SHA-256 digests of tokens, not the tokens (``token`` in clear is accepted for
 tests and small setups, with a warning)::
@@ -24,6 +25,7 @@ admin of the default (unmapped) tenant.
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import hmac
 import logging
@@ -54,11 +56,29 @@ class Principal:
         """The namespace as stored: private to the tenant (unchanged for the default tenant)."""
         if not self.tenant or not namespace:
             return Namespace(bytes(namespace))
-        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=self.tenant.encode()[:64])
+        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=tenant_key(self.tenant))
         return Namespace(mac.digest())
 
 
+@functools.lru_cache(maxsize=1024)  # tenants come from the tokens file: a handful
+def tenant_key(tenant: str) -> bytes:
+    """The key that makes ``tenant``'s namespaces private, distinct for every distinct name.
+
+    A name of at most 64 UTF-8 bytes is its own key (blake2b's key size), exactly as in 0.1, so the
+    blocks those tenants stored keep their namespaces. keyed blake2b mixes the key's length in, so
+    ``"a"`` and ``"a\0"`` differ. A longer name (0.1 cut it to 64 bytes, so two names sharing their
+    first 64 bytes shared one namespace) is keyed by a domain-separated 64-byte digest of the whole
+    name; :meth:`Authenticator.from_file` refuses a tokens file where two tenants' keys coincide.
+    """
+    raw = tenant.encode()
+    if len(raw) <= 64:
+        return raw
+    return hashlib.blake2b(raw, digest_size=64, person=b"ucm-tenant-key").digest()
+
+
 ANONYMOUS = Principal()
+NETWORK_ANONYMOUS = Principal(admin=False)
+"""A TCP peer that showed no credentials (``allow_anonymous_tcp``): the default tenant, never admin."""
 current_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar(
     "ucm_principal", default=ANONYMOUS
 )
@@ -84,6 +104,7 @@ class Authenticator:
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")
         principals: dict[bytes, Principal] = {}
+        keys: dict[bytes, str] = {}
         for i, entry in enumerate(entries):
             where = f"auth_tokens_file {path}: tokens[{i}]"
             if not isinstance(entry, dict):
@@ -112,6 +133,8 @@ class Authenticator:
             quota = parse_size(entry.get("quota", 0), f"{where}.quota")
             if digest in principals:
                 raise ConfigError(f"{where}: the same token appears twice")
+            if tenant and keys.setdefault(tenant_key(tenant), tenant) != tenant:
+                raise ConfigError(f"{where}.tenant: its namespaces would be another tenant's; rename it")
             principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota)
         return cls(principals)
 

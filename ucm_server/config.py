@@ -74,6 +74,14 @@ class ServerConfig:
     insecure: bool = field(
         default=False, metadata=_help("Allow a TCP listener without TLS (logs a warning).")
     )
+    allow_anonymous_tcp: bool = field(
+        default=False,
+        metadata=_help(
+            "Let TCP peers in with neither a token (auth_tokens_file) nor a client certificate "
+            "(tls_client_ca): they may read, write and delete the default tenant's blocks but never "
+            "call Admin. Without it such a listener refuses to start. Logs a warning."
+        ),
+    )
     tls_cert: str = field(default="", metadata=_help("PEM server certificate for the TCP listener."))
     tls_key: str = field(default="", metadata=_help("PEM private key for tls_cert."))
     tls_client_ca: str = field(
@@ -187,6 +195,12 @@ class ServerConfig:
             return [self.data_dir / "blocks"]
         return [Path(p) for p in self.storage_backends.split(":") if p]
 
+    @property
+    def tcp_anonymous(self) -> bool:
+        """A TCP listener that checks no credentials: no tokens and no client certificates (which
+        need TLS); its peers are anonymous and never admins (see ``allow_anonymous_tcp``)."""
+        return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
+
     def validate(self) -> ServerConfig:
         tiers = self.tiers
         from ucm_server.store.registry import known_tiers
@@ -222,6 +236,15 @@ class ServerConfig:
                 raise ConfigError(
                     "listen: a TCP listener needs tls_cert and tls_key, or insecure: true to run without TLS"
                 )
+            if self.tcp_anonymous and not self.allow_anonymous_tcp:
+                raise ConfigError(
+                    f"listen: the TCP listener {self.listen} would let any peer that reaches it in "
+                    "without credentials: set auth_tokens_file (tokens) or tls_client_ca (client "
+                    "certificates, with tls_cert), or allow_anonymous_tcp: true to accept anonymous "
+                    "peers (never admins)"
+                )
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca: client certificates need TLS: set tls_cert and tls_key too")
         if self.metrics_address not in ("", "off"):
             _check_host_port("metrics_address", self.metrics_address)
         unknown = set(self.tier_settings) - set(tiers)

@@ -11,7 +11,7 @@ import logging
 import operator
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
@@ -23,8 +23,10 @@ from ucm_server.api.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unavailable,
 )
+from ucm_server.api.text import printable
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
+CLIENT_NAME_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -86,7 +89,7 @@ class Engine:
         self.ledger: TenantLedger | None = None
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
-            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas)
+            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -102,6 +105,8 @@ class Engine:
                     seen.setdefault(info.key, info)
             for info in sorted(seen.values(), key=lambda i: i.stored_at):
                 self.ledger.stored(info.key, info.size)
+            # One snapshot of the namespaces that still hold blocks: the journal stays bounded.
+            await self.ledger.compact({key.namespace for key in seen})
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
@@ -112,7 +117,9 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------------------------------
     def attach(self, client_name: str, pid: int, *, task_events: bool = False) -> Session:
-        s = Session(uuid.uuid4().hex, client_name or "?", pid, time.time(), current_principal.get().tenant)
+        # Kept and logged escaped and capped: a client name is the client's text (issue #11, section 11).
+        name = printable(client_name or "?", CLIENT_NAME_CHARS)
+        s = Session(uuid.uuid4().hex, name, pid, time.time(), current_principal.get().tenant)
         self.sessions[s.session_id] = s
         if task_events:
             self.task_events.open(s.session_id)
@@ -183,11 +190,28 @@ class Engine:
     # -- lookups and deletes --------------------------------------------------------------------------
     def _scope(self, namespace: bytes) -> Namespace:
         """The caller's namespace as stored: checked, then made private to the caller's tenant."""
-        who = current_principal.get()
-        ns = who.scope(check_namespace(namespace))
-        if self.ledger is not None and who.tenant:
-            self.ledger.claim(who.tenant, ns)
-        return ns
+        return current_principal.get().scope(check_namespace(namespace))
+
+    async def _claim_for_write(self, keys: Sequence[BlockKey]) -> None:
+        """Before a tenant writes: record the namespace as the tenant's (durably, off the event loop,
+        once per namespace) so what is written is accounted. Only writes do this; lookups and loads
+        change no state on disk."""
+        tenant = current_principal.get().tenant
+        if self.ledger is not None and tenant:
+            for ns in {key.namespace for key in keys}:
+                await self.ledger.claim(tenant, ns)
+
+    def _check_quota(self, sizes: Iterable[int]) -> None:
+        """Refuse a block the tenant's quota could never hold: it would stay over the quota, as the
+        block just written is never the one evicted."""
+        tenant = current_principal.get().tenant
+        quota = self.ledger.quota(tenant) if self.ledger is not None else 0
+        biggest = max(sizes, default=0) if quota else 0
+        if biggest > quota:
+            raise ResourceExhausted(
+                f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
+                f"({quota} bytes)"
+            )
 
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
@@ -244,10 +268,14 @@ class Engine:
             await self._check_load_sizes(keys, counts, lengths)
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
+        if kind is TaskKind.DUMP:
+            await self._claim_for_write(keys)  # before resolving: no await between resolve and pin
         columns = SegmentColumns(counts, region_ids, offsets, lengths)
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
             return self._submit_gpu(kind, session, keys, columns, durable)
         iovs, used = self.regions.resolve(session.session_id, columns, len(keys), self.config.max_block_bytes)
+        if kind is TaskKind.DUMP:
+            self._check_quota(map(iov_len, iovs))
         self.regions.pin(used)
 
         async def body(task: Task) -> None:
@@ -279,6 +307,8 @@ class Engine:
         plan = self.gpu.plan(
             self.regions, session.session_id, columns, len(keys), self.config.max_block_bytes
         )
+        if kind is TaskKind.DUMP:
+            self._check_quota(block.nbytes for block in plan.blocks)
         self.regions.pin(plan.regions)
 
         async def body(task: Task) -> None:
@@ -323,7 +353,8 @@ class Engine:
         victims = [v for k, iov in done for v in self.ledger.stored(k, iov_len(iov))]
         if victims:
             await self.pipeline.delete(victims)
-            log.info("quota: evicted %d blocks of tenant %s", len(victims), self.ledger.owner(victims[0]))
+            owner = self.ledger.owner(victims[0]) or ""
+            log.info("quota: evicted %d blocks of tenant %s", len(victims), printable(owner, 64))
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)
@@ -372,7 +403,12 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        (r,) = await self.pipeline.write_many([(key, [memoryview(data)])])
+        self._check_quota([len(data)])
+        await self._claim_for_write([key])
+        item = (key, [memoryview(data)])
+        (r,) = await self.pipeline.write_many([item])
+        if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first
+            await self._account(TaskKind.DUMP, [item], [r])
         return r
 
     # -- admin ----------------------------------------------------------------------------------------

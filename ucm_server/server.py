@@ -100,7 +100,11 @@ class Daemon:
         )
         self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
-            interceptors=[ErrorMappingInterceptor(self.engine.metrics, self.authenticator)],
+            interceptors=[
+                ErrorMappingInterceptor(
+                    self.engine.metrics, self.authenticator, tcp_anonymous=config.tcp_anonymous
+                )
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -146,6 +150,13 @@ class Daemon:
                     cfg.listen,
                 )
                 self.tcp_port = self.server.add_insecure_port(cfg.listen)
+            if cfg.tcp_anonymous:
+                log.warning(
+                    "TCP listener %s accepts anonymous peers (allow_anonymous_tcp: true): anyone who can "
+                    "reach it can read, overwrite and delete the default tenant's blocks (Admin calls are "
+                    "refused to them); set auth_tokens_file or tls_client_ca to require credentials",
+                    cfg.listen,
+                )
             host = cfg.listen.rpartition(":")[0]
             log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
         await self.server.start()

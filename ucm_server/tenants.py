@@ -2,46 +2,95 @@
 
 The ledger knows which (private) namespace belongs to which tenant — persisted in
 ``<data_dir>/tenants.json`` so usage can be rebuilt from the persistent tiers after a restart — and
-how many bytes each tenant keeps. A dump that takes a tenant over its quota evicts that tenant's
+how many bytes each tenant keeps. A write that takes a tenant over its quota evicts that tenant's
 oldest blocks, never another tenant's.
+
+The file is a journal, one JSON document per line: a snapshot ``{"namespaces": {hex: tenant}}`` first
+(the whole file written by 0.1 is such a line, without the newline), then one
+``{"ns": hex, "tenant": name}`` line per namespace claimed since. Only writes claim a namespace (a
+Lookup never writes anything); a claim appends one line and fsyncs it in a worker thread before the
+first block of that namespace is written, so a crash can lose at most a line that no block depends
+on, and such a torn last line is skipped at start. Start-up rewrites the file as one snapshot of the
+namespaces that still hold blocks (temp file, fsync, rename, fsync of the directory), which keeps it
+bounded by what is stored. A file that is damaged in any other way stops start-up with a message
+naming the file and the damage: the daemon does not guess who owns what.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import stat
+import threading
 from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Executor
 from pathlib import Path
 
-from ucm_server.keys import BlockKey
+from ucm_server.api.errors import ConfigError, Unavailable
+from ucm_server.api.text import printable
+from ucm_server.keys import NAMESPACE_BYTES, BlockKey
 
 log = logging.getLogger(__name__)
 
+_FIX = (
+    "fix the file, or move it aside to start with an empty ledger (blocks stay readable by their "
+    "tenants; quotas then count only blocks written from then on)"
+)
+_MAX_LEDGER_BYTES = 1 << 30
+
 
 class TenantLedger:
-    def __init__(self, path: Path, quotas: dict[str, int]) -> None:
+    def __init__(self, path: Path, quotas: dict[str, int], executor: Executor | None = None) -> None:
         self.path = path
         self.quotas = quotas
-        self._owner: dict[bytes, str] = {}
+        self._executor = executor
+        self._owner: dict[bytes, str] = read_ledger(path)
         self._blocks: dict[str, OrderedDict[BlockKey, int]] = {}
         self._bytes: dict[str, int] = {}
-        if path.exists():
-            raw = json.loads(path.read_text())
-            self._owner = {bytes.fromhex(ns): tenant for ns, tenant in raw.get("namespaces", {}).items()}
+        self._pending: dict[bytes, asyncio.Future[None]] = {}
+        self._file_lock = threading.Lock()  # appends and the rewrite never interleave
 
     def usage(self, tenant: str) -> int:
         return self._bytes.get(tenant, 0)
 
-    def claim(self, tenant: str, namespace: bytes) -> None:
-        """Remember that ``namespace`` is ``tenant``'s (persisted on first sight)."""
-        if not tenant or self._owner.get(namespace) == tenant:
+    def quota(self, tenant: str) -> int:
+        return self.quotas.get(tenant, 0) if tenant else 0
+
+    async def claim(self, tenant: str, namespace: bytes) -> None:
+        """Record, durably and off the event loop, that ``namespace`` is ``tenant``'s; call before its
+        first block is written. Concurrent claims of one namespace share one append."""
+        if not tenant or namespace in self._owner:
             return
-        self._owner[namespace] = tenant
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"namespaces": {ns.hex(): t for ns, t in self._owner.items()}}))
-        os.replace(tmp, self.path)
+        pending = self._pending.get(namespace)
+        if pending is None:
+            line = (json.dumps({"ns": namespace.hex(), "tenant": tenant}) + "\n").encode()
+            loop = asyncio.get_running_loop()
+            pending = loop.run_in_executor(self._executor, self._append, line)
+            self._pending[namespace] = pending
+
+            def settled(fut: asyncio.Future[None], ns: bytes = namespace) -> None:
+                self._pending.pop(ns, None)
+                if not fut.cancelled() and fut.exception() is None:
+                    self._owner[ns] = tenant
+
+            pending.add_done_callback(settled)
+        try:
+            await asyncio.shield(pending)
+        except OSError as exc:
+            raise Unavailable(
+                f"tenant ledger {self.path}: cannot record a new namespace: {exc.strerror or exc}"
+            ) from None
+
+    async def compact(self, keep: Iterable[bytes] | None = None) -> None:
+        """Rewrite the file as one snapshot (of the namespaces in ``keep`` only, when given)."""
+        if keep is not None:
+            wanted = set(keep)
+            self._owner = {ns: t for ns, t in self._owner.items() if ns in wanted}
+        snapshot = dict(self._owner)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._rewrite, snapshot)
 
     def owner(self, key: BlockKey) -> str | None:
         return self._owner.get(key.namespace)
@@ -79,3 +128,130 @@ class TenantLedger:
             blocks = self._blocks.get(tenant) if tenant else None
             if blocks is not None and (size := blocks.pop(key, None)) is not None:
                 self._bytes[tenant] -= size  # type: ignore[index]
+
+    # -- the file (worker threads) ----------------------------------------------------------------------
+    def _append(self, line: bytes) -> None:
+        with self._file_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o600)
+            try:
+                created = os.fstat(fd).st_size == 0
+                _write_all(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if created:
+                _fsync_dir(self.path.parent)
+
+    def _rewrite(self, owner: dict[bytes, str]) -> None:
+        data = (json.dumps({"namespaces": {ns.hex(): t for ns, t in owner.items()}}) + "\n").encode()
+        with self._file_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.unlink(missing_ok=True)  # left by a crash mid-rewrite
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+
+
+def read_ledger(path: Path) -> dict[bytes, str]:
+    """The namespace -> tenant map in ``path`` ({} when there is none); :class:`ConfigError` naming the
+    file, the line and the damage otherwise."""
+    data = _read_regular(path)
+    if data is None:
+        return {}
+    if not data:
+        raise ConfigError(f"tenant ledger {path}: the file is empty (it is never written empty); {_FIX}")
+    lines = data.split(b"\n")
+    tail = lines.pop()  # what follows the last newline: b"" in a complete file
+    owner: dict[bytes, str] = {}
+    for number, line in enumerate(lines, start=1):
+        owner.update(_parse_line(path, number, line))
+    if tail and not lines:  # one line and no newline: the 0.1 format, or a cut snapshot
+        owner.update(_parse_line(path, 1, tail))
+    elif tail:
+        log.warning(
+            "tenant ledger %s: skipping a torn last line (%d bytes, an append cut by a crash; no block "
+            "was written after it)",
+            path,
+            len(tail),
+        )
+    return owner
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """The file's bytes, or None if absent; a FIFO, device or symlink is refused, never opened blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"tenant ledger {path}: cannot open it: {exc.strerror}; {_FIX}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"tenant ledger {path}: not a regular file; {_FIX}")
+        if st.st_size > _MAX_LEDGER_BYTES:
+            raise ConfigError(f"tenant ledger {path}: {st.st_size} bytes is not a ledger; {_FIX}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise ConfigError(f"tenant ledger {path}: cannot read it: {exc.strerror}; {_FIX}") from None
+    finally:
+        os.close(fd)
+
+
+def _parse_line(path: Path, number: int, line: bytes) -> dict[bytes, str]:
+    where = f"tenant ledger {path}: line {number}"
+    try:
+        doc = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"{where} is not valid JSON ({exc}); {_FIX}") from None
+    if isinstance(doc, dict) and set(doc) == {"namespaces"} and number == 1:
+        entries = doc["namespaces"]
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{where}: 'namespaces' must map namespace hex to tenant; {_FIX}")
+    elif isinstance(doc, dict) and set(doc) == {"ns", "tenant"}:
+        entries = {doc["ns"]: doc["tenant"]}
+    else:
+        raise ConfigError(
+            f"{where}: expected {{'namespaces': {{...}}}} (first line only) or "
+            f"{{'ns': ..., 'tenant': ...}}, got a {type(doc).__name__}; {_FIX}"
+        )
+    out: dict[bytes, str] = {}
+    for ns_hex, tenant in entries.items():
+        try:
+            ns = bytes.fromhex(ns_hex) if isinstance(ns_hex, str) else b""
+        except ValueError:
+            ns = b""
+        if len(ns) != NAMESPACE_BYTES:
+            raise ConfigError(
+                f"{where}: {printable(str(ns_hex), 40)!r} is not a {NAMESPACE_BYTES}-byte namespace "
+                f"in hex; {_FIX}"
+            )
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"{where}: the tenant of namespace {ns_hex} must be a non-empty string; {_FIX}")
+        out[ns] = tenant
+    return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -175,7 +175,7 @@ def verify(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
             table.add_column("KEY (namespace/key)", no_wrap=True, overflow="fold")
             table.add_column("REASON")
             for c in corrupt:
-                table.add_row(c.tier, c.key, c.reason)
+                table.add_row(render.shown(c.tier), render.shown(c.key), render.shown(c.reason, 1024))
             console.print(table)
             console.print(
                 "corrupt blocks are never served; the daemon moves them aside (a miss, then recompute)"

@@ -18,6 +18,8 @@ from typing import IO, Any, Protocol
 
 from rich.console import Console, RenderableType
 
+from ucm_server.api.text import printable
+
 Json = Any  # what json.dumps accepts; kept loose on purpose (nested dicts of scalars)
 
 # Wide enough that a full block key (97 characters) never folds when stdout is a file or a pipe.
@@ -89,7 +91,8 @@ class Output:
     def error(self, message: str, *, exit_code: int, label: str) -> None:
         """Report a failure: always on stderr; with ``--json`` also on stdout unless a result is there."""
         if message:
-            self.err_console.print(f"[bold red]error:[/] {_escape(message)}", highlight=False)
+            shown = printable(message, 4096, backslashes=False)  # may echo a client's text
+            self.err_console.print(f"[bold red]error:[/] {_escape(shown)}", highlight=False)
         if self.mode is Mode.JSON and not self.emitted:
             self.result({"error": {"type": label, "message": message, "exit_code": exit_code}})
 

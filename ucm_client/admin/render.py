@@ -12,7 +12,10 @@ import datetime as dt
 from typing import Any
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
+
+from ucm_server.api.text import printable
 
 Json = dict[str, Any]
 
@@ -45,6 +48,13 @@ def percent(ratio: float | None) -> str:
 
 def ratio(part: int, whole: int) -> float | None:
     return part / whole if whole else None
+
+
+def shown(text: str, limit: int = 256) -> str:
+    """A string the daemon sent, ready for a rich console: control characters escaped (no ANSI
+    sequence from a client reaches the terminal), capped, and rich markup escaped. Human mode only;
+    ``--json`` keeps the data as it came."""
+    return escape(printable(text, limit, backslashes=False))
 
 
 # -- stats ------------------------------------------------------------------------------------------
@@ -91,8 +101,8 @@ def stats_dict(resp: Any, target: str) -> Json:
 
 def stats_summary(stats: Json) -> str:
     return (
-        f"[bold]ucm-server {stats['version']}[/] at {stats['target']}"
-        f" · up {human_duration(stats['uptime_s'])} · pipeline [cyan]{stats['store_pipeline']}[/]\n"
+        f"[bold]ucm-server {shown(stats['version'])}[/] at {shown(stats['target'])}"
+        f" · up {human_duration(stats['uptime_s'])} · pipeline [cyan]{shown(stats['store_pipeline'])}[/]\n"
         f"sessions {stats['sessions']} · regions {stats['regions']} ({human_bytes(stats['region_bytes'])})"
         f" · tasks {stats['tasks_running']} running, {stats['tasks_queued']} queued"
         f" · lookups {stats['lookups']} ({stats['lookup_keys']} keys,"
@@ -115,7 +125,7 @@ def stats_table(stats: Json, rates: dict[str, tuple[float, float]] | None = None
         table.add_column(name, justify="left" if name == "TIER" else "right", no_wrap=True)
     for t in stats["tiers"]:
         cap = t["capacity_bytes"]
-        name = t["name"] if t["name"] == t["kind"] else f"{t['name']} ({t['kind']})"
+        name = shown(t["name"] if t["name"] == t["kind"] else f"{t['name']} ({t['kind']})")
         row = [
             name,
             f"{t['blocks']:,}",

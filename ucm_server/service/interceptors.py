@@ -18,7 +18,8 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from ucm_server.api.errors import InvalidArgument, PermissionDenied, UcmError
-from ucm_server.auth import Authenticator, current_principal
+from ucm_server.api.text import printable
+from ucm_server.auth import NETWORK_ANONYMOUS, Authenticator, current_principal
 from ucm_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,29 @@ def decode(deserializer: Any, raw: bytes) -> Any:
         raise InvalidArgument(f"request is not a valid protobuf message: {exc}") from None
 
 
+MAX_DETAIL_CHARS = 4096
+
+
+def detail(message: str) -> str:
+    """A status detail as sent: one line, capped, as error messages may echo client input (names,
+    paths, labels) that ends up in logs and on terminals on the client's side."""
+    return printable(message, MAX_DETAIL_CHARS, backslashes=False)
+
+
+def is_local(context: aio.ServicerContext) -> bool:
+    """The peer came in over the Unix socket (whose 0600 mode is its access control), not TCP."""
+    return str(context.peer()).startswith("unix:")
+
+
 class ErrorMappingInterceptor(aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics, authenticator: Authenticator | None = None) -> None:
+    def __init__(
+        self, metrics: Metrics, authenticator: Authenticator | None = None, *, tcp_anonymous: bool = False
+    ) -> None:
+        """``tcp_anonymous``: the TCP listener checks no credentials, so its peers are
+        :data:`~ucm_server.auth.NETWORK_ANONYMOUS` (never admin); Unix-socket peers keep full rights."""
         self._metrics = metrics
         self._auth = authenticator
+        self._tcp_anonymous = tcp_anonymous
 
     async def intercept_service(
         self,
@@ -52,12 +72,23 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         method = full_method.rsplit("/", 1)[-1]
         metrics = self._metrics
         auth = self._auth
+        tcp_anonymous = self._tcp_anonymous
         guarded = full_method.startswith(("/ucm.v1.KVStore/", "/ucm.v1.Admin/"))
         admin_only = full_method.startswith("/ucm.v1.Admin/")
 
         def admit(context: aio.ServicerContext) -> None:
             """Authenticate and authorize the call; the principal is visible to this task only."""
-            if not guarded or auth is None:
+            if not guarded:
+                return
+            if auth is None:
+                if tcp_anonymous and not is_local(context):
+                    if admin_only:
+                        raise PermissionDenied(
+                            f"{method} is an Admin call: not allowed to an anonymous TCP peer "
+                            "(the daemon needs auth_tokens_file or tls_client_ca for remote admins; "
+                            "or use the Unix socket)"
+                        )
+                    current_principal.set(NETWORK_ANONYMOUS)
                 return
             principal = auth.authenticate(context.invocation_metadata())
             if admin_only and not principal.admin:
@@ -67,11 +98,11 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):
                 metrics.rpc_errors.labels(method, exc.code.name).inc()
-                await context.abort(exc.code, exc.message)
+                await context.abort(exc.code, detail(exc.message))
             log.exception("internal error in %s", method)
             metrics.rpc_errors.labels(method, "INTERNAL").inc()
             await context.abort(
-                grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+                grpc.StatusCode.INTERNAL, detail(f"internal error in {method}: {type(exc).__name__}: {exc}")
             )
 
         def is_abort(exc: BaseException) -> bool:
