@@ -266,15 +266,21 @@ class AsyncUcmClient:
         return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
-        """Run one RPC; map errors; on a lost daemon or session reconnect once and retry."""
-        if self._session_id is None:
+        """Run one RPC; map errors; on a lost daemon or session reconnect once and retry.
+
+        A call made while another coroutine reconnects waits for it (regions are being registered
+        again); a failed call only drops the session it ran in, never a newer one.
+        """
+        if self._session_id is None or (self._lock is not None and self._lock.locked()):
             await self.connect()
+        session = self._session_id
         try:
             return await self._rpc(fn)
         except (Unavailable, FailedPrecondition) as err:
             if not (retry and _session_lost(err)):
                 raise
-        self._session_id = None
+        if self._session_id == session:
+            self._session_id = None
         await self.connect()
         return await self._rpc(fn)
 
