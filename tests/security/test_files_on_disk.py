@@ -288,3 +288,47 @@ def test_ds3fs_shares_the_protections(tmp_path: Path) -> None:
         await tier.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("resolver", ["openat2", "component_walk_fault_injected"])
+def test_posix_tier_refuses_planted_files_with_either_resolver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resolver: str
+) -> None:
+    """The same refusals whether paths resolve by ``openat2`` or, on kernels without it (simulated
+    here by hiding it), by walking components: symlinked file, symlinked directory, FIFO."""
+    from ucm_server.store import confined
+
+    if resolver != "openat2":
+        monkeypatch.setattr(confined, "_syscall", None)
+    elif confined._syscall is None:
+        pytest.skip("this kernel has no openat2")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"s" * 4096)
+
+    async def main() -> None:
+        root = tmp_path / "root"
+        tier = PosixTier(roots=[root], direct_io=False)
+        await tier.open()
+        data = memoryview(bytearray(os.urandom(4096)))
+        good, link, fifo = (BlockKey(Namespace(NS), Digest(key_digest("r", i))) for i in range(3))
+        for k in (good, link, fifo):
+            assert (await tier.write_from(k, [data])).ok
+        tier.path_of(link).unlink()
+        tier.path_of(link).symlink_to(outside / "secret")
+        tier.path_of(fifo).unlink()
+        os.mkfifo(tier.path_of(fifo))
+        dest = memoryview(bytearray(4096))
+        assert (await tier.read_into(good, [dest])).ok and bytes(dest) == bytes(data)
+        for k in (link, fifo):
+            r = await tier.read_into(k, [dest])
+            assert not r.ok and "not a regular file" in r.reason, r
+        assert tier.stats().extra["skipped_files"] == 2
+        evil_ns = Namespace(key_digest("evil")[:16])
+        (root / evil_ns.hex()).symlink_to(outside, target_is_directory=True)
+        r = await tier.write_from(BlockKey(evil_ns, Digest(key_digest("w"))), [data])
+        assert not r.ok and "symlink" in r.reason, r
+        assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+        await tier.close()
+
+    asyncio.run(main())

@@ -63,7 +63,7 @@ from ucm_server.store.base import (
     failed,
     iov_len,
 )
-from ucm_server.store.confined import NotRegularFile, open_regular, parent_dir
+from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     BlockHeader,
@@ -329,27 +329,35 @@ class PosixTier(Tier):
 
     # -- confined file access (see ucm_server.store.confined) -----------------------------------------
     def _root_for(self, path: Path) -> Path:
+        return self._split(path)[0]
+
+    def _split(self, path: Path) -> tuple[Path, list[str]]:
+        """The root holding ``path`` and the components below it (string work: on the data path,
+        pathlib's ``relative_to`` would cost more than the opens)."""
+        text = os.fspath(path)
         for root in self.roots:
-            if path.is_relative_to(root):
-                return root
-        raise OSError(errno.EXDEV, "path is outside the tier's roots", str(path))
+            prefix = os.fspath(root).rstrip("/") + "/"
+            if text.startswith(prefix):
+                return root, text[len(prefix) :].split("/")
+        raise OSError(errno.EXDEV, "path is outside the tier's roots", text)
 
     @contextlib.contextmanager
     def _parent(self, path: Path, *, create: bool = False) -> Iterator[int]:
         """The directory holding ``path``, reached without following symlinks below its root; with
         ``create``, missing directories are made and (durable tiers) fsynced into their parents."""
-        with parent_dir(self._root_for(path), path, create=create, sync_created=self.durable) as dfd:
+        root, parts = self._split(path)
+        with parent_dir(root, parts, create=create, sync_created=self.durable) as dfd:
             yield dfd
 
     def _open_block(self, path: Path) -> int:
         """``path`` opened read-only if it is a regular file reached without symlinks; anything else
         is counted and reported as skipped and raises :class:`NotRegularFile` (an ``OSError``)."""
-        with self._parent(path) as dfd:
-            try:
-                return open_regular(path.name, os.O_RDONLY, dir_fd=dfd, shown=str(path))
-            except NotRegularFile as exc:
-                self._skip(path, exc.kind)
-                raise
+        root, parts = self._split(path)
+        try:
+            return open_block(root, parts, os.O_RDONLY)
+        except NotRegularFile as exc:
+            self._skip(path, exc.kind)
+            raise
 
     def _skip(self, path: Path, kind: str) -> None:
         """Count a non-regular file; warn once per kind (at start-up: once per kind, with a count)."""
