@@ -2,18 +2,27 @@
 
 The client holds one gRPC channel and one session (the ``Attach`` stream). Regions are registered
 through it and remembered, so when the daemon restarts the client attaches again and re-registers every
-region on the next call — callers keep using the same region handles. Errors arrive as the domain
-exceptions of :mod:`ucm_client.errors`, carrying the daemon's reason.
+region on the next call — callers keep using the same region handles.
+
+A region handle is the client's own id, never reused within a client, mapped to the daemon's current
+region id. After a reconnect every mapping is dropped before anything is registered again, and a handle
+whose re-registration fails is dead for good (:class:`~ucm_client.errors.RegionLost` on every use): a
+handle can never name a region id the new daemon gave to another buffer.
+
+Every RPC goes through one wrapper (:meth:`AsyncUcmClient._rpc`), so errors always arrive as the domain
+exceptions of :mod:`ucm_client.errors` carrying the daemon's reason — never a raw ``grpc`` error, also
+while the daemon shuts down or restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +31,7 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
+from ucm_client.errors import RegionLost
 from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.task_events import FinishedTasks
 from ucm_client.types import (
@@ -35,6 +45,7 @@ from ucm_client.types import (
 )
 from ucm_server.api.errors import (
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     PermissionDenied,
     UcmError,
@@ -54,11 +65,16 @@ MAX_MESSAGE_BYTES = 512 << 20
 
 @dataclass(slots=True)
 class _RegionRecord:
+    """What the client knows of one region handle, to register its memory again after a restart."""
+
     shm_name: str
     size: int
     label: str
-    server_id: int
+    server_id: int | None
+    """The daemon's id for this memory now; None while not (yet) registered with the current daemon."""
     cuda: CudaIpcExport | None = None
+    lost: str | None = None
+    """Why the handle is dead (its re-registration failed); it then never maps to a region id again."""
 
     def request(self) -> pb.RegisterRegionRequest:
         if self.cuda is None:
@@ -167,13 +183,35 @@ class AsyncUcmClient:
             self._stream = stream
             self._finished.reset(enabled=True)  # task ids restart with a restarted daemon
             self._session_task = asyncio.create_task(self._watch(stream))
-            for record in self._regions.values():  # after a daemon restart: register again
-                resp = await self._kv.RegisterRegion(
+            await self._register_again()
+
+    async def _register_again(self) -> None:
+        """After a reconnect (a restarted daemon, a lost session): register every live region again.
+
+        Every old mapping is dropped first, so no handle keeps an id the new daemon may hand to other
+        memory. A region the daemon refuses now (its memory is gone, say) is marked lost for good; if
+        the daemon goes away again meanwhile, the session is closed and the next call starts over.
+        """
+        live = [(h, r) for h, r in self._regions.items() if r.lost is None]
+        for _, record in live:
+            record.server_id = None
+        for handle, record in live:
+            try:
+                call = functools.partial(
+                    self.kv.RegisterRegion,
                     record.request(),
                     metadata=self._metadata(),
                     timeout=self.rpc_timeout_s,
                 )
-                record.server_id = resp.region_id
+                resp = await self._rpc(call)
+            except Unavailable:
+                await self._close_channel()
+                raise
+            except UcmError as exc:
+                record.lost = f"registering it again with the restarted daemon failed: {exc}"
+                log.warning("ucm client %s: region handle %d is lost: %s", self.client_name, handle, exc)
+                continue
+            record.server_id = resp.region_id
 
     async def _watch(self, stream: Any) -> None:
         """Read the session stream: heartbeats, and the results of this session's tasks as they end."""
@@ -228,25 +266,46 @@ class AsyncUcmClient:
         return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
-        """Run one RPC; map errors; on a lost daemon or session reconnect once and retry."""
-        if self._session_id is None:
+        """Run one RPC; map errors; on a lost daemon or session reconnect once and retry.
+
+        A call made while another coroutine reconnects waits for it (regions are being registered
+        again); a failed call only drops the session it ran in, never a newer one.
+        """
+        if self._session_id is None or (self._lock is not None and self._lock.locked()):
             await self.connect()
+        session = self._session_id
+        try:
+            return await self._rpc(fn)
+        except (Unavailable, FailedPrecondition) as err:
+            if not (retry and _session_lost(err)):
+                raise
+        if self._session_id == session:
+            self._session_id = None
+        await self.connect()
+        return await self._rpc(fn)
+
+    async def _rpc(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Await one RPC, turning every gRPC failure into a :class:`UcmError` (the single place where
+        gRPC errors are mapped: a channel closed under the call or a daemon going away included)."""
         try:
             return await fn()
         except grpc.RpcError as exc:
             err = domain_error(exc)
-        if retry and isinstance(err, Unavailable | FailedPrecondition) and _session_lost(err):
-            self._session_id = None
-            await self.connect()
-            try:
-                return await fn()
-            except grpc.RpcError as exc:
-                raise domain_error(exc) from None
-        raise err
+            if isinstance(err, Unavailable):
+                raise Unavailable(
+                    f"ucm-server at {self.target} is unavailable ({err.message}); "
+                    "it may be restarting: the next call reconnects"
+                ) from None
+            raise err from None
+        except aio.UsageError as exc:  # the channel was closed under the call (a reconnect, close())
+            raise Unavailable(f"connection to ucm-server at {self.target} was closed: {exc}") from None
+        except aio.BaseError as exc:
+            raise Internal(f"gRPC failed talking to ucm-server at {self.target}: {exc}") from None
 
     @property
     def kv(self) -> rpc.KVStoreStub:
-        assert self._kv is not None
+        if self._kv is None:
+            raise Unavailable(f"not connected to ucm-server at {self.target}")
         return self._kv
 
     @property
@@ -303,21 +362,33 @@ class AsyncUcmClient:
         return handle
 
     async def unregister(self, handle: int) -> None:
+        """Forget a handle (it is never valid again); a lost one needs no word to the daemon."""
         record = self._regions.pop(handle, None)
         if record is None:
             raise InvalidArgument(f"region handle {handle} is not registered")
-        if self._session_id is not None:
+        region_id = record.server_id
+        if self._session_id is not None and region_id is not None:
             await self._call(
                 lambda: self.kv.UnregisterRegion(
-                    pb.UnregisterRegionRequest(region_id=record.server_id),
+                    pb.UnregisterRegionRequest(region_id=region_id),
                     metadata=self._metadata(),
                     timeout=self.rpc_timeout_s,
                 ),
                 retry=False,
             )
 
-    def _server_ids(self) -> dict[int, int]:
-        return {h: r.server_id for h, r in self._regions.items()}
+    def _server_ids(self) -> Mapping[int, int]:
+        return _HandleMap(self._regions)
+
+    @property
+    def kept_results(self) -> int:
+        """How many pushed task results are kept for tasks nobody waited on yet (oldest dropped first;
+        waiting on a dropped one asks the daemon at once). Settable, e.g. lower in tests."""
+        return self._finished.keep
+
+    @kept_results.setter
+    def kept_results(self, value: int) -> None:
+        self._finished.keep = max(1, int(value))
 
     # -- the store ------------------------------------------------------------------------------------
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
@@ -337,7 +408,7 @@ class AsyncUcmClient:
                 timeout=self.rpc_timeout_s,
             )
         )
-        return int(resp.task_id)
+        return self._finished.expect(int(resp.task_id))
 
     async def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
         """Start storing blocks from registered memory; returns the task id."""
@@ -350,7 +421,7 @@ class AsyncUcmClient:
                 timeout=self.rpc_timeout_s,
             )
         )
-        return int(resp.task_id)
+        return self._finished.expect(int(resp.task_id))
 
     async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         resp = await self._call(
@@ -360,14 +431,15 @@ class AsyncUcmClient:
                 timeout=self.rpc_timeout_s,
             )
         )
-        return int(resp.task_id)
+        return self._finished.expect(int(resp.task_id))
 
     async def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
         """Wait up to ``timeout_s`` (may be called again); ``done`` is False if it timed out.
 
         The daemon pushes each finished task's result on the session stream, so a task that ends
-        within the timeout is answered without a ``Wait`` call; otherwise (timeout, events lost)
-        the daemon is asked, and it also applies ``cancel_on_timeout``.
+        within the timeout is answered without a ``Wait`` call; otherwise (timeout, events lost, a
+        task this client is not waiting for, or one whose result was dropped long ago) the daemon is
+        asked, and it also applies ``cancel_on_timeout``.
         """
         deadline = time.monotonic() + timeout_s
         pushed = await self._finished.wait(task_id, timeout_s)
@@ -458,6 +530,28 @@ class AsyncUcmClient:
         return await self._call(
             lambda: self.admin.Stats(pb.StatsRequest(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
+
+
+class _HandleMap(Mapping[int, int]):
+    """Client region handles -> the daemon's region ids now; a lost or not yet re-registered handle
+    raises a typed error naming it instead of resolving to any id."""
+
+    def __init__(self, regions: dict[int, _RegionRecord]) -> None:
+        self._regions = regions
+
+    def __getitem__(self, handle: int) -> int:
+        record = self._regions[handle]  # KeyError: never registered (or unregistered)
+        if record.lost is not None:
+            raise RegionLost(handle, record.lost)
+        if record.server_id is None:
+            raise Unavailable(f"region handle {handle} is not registered with the daemon yet (reconnecting)")
+        return record.server_id
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._regions)
+
+    def __len__(self) -> int:
+        return len(self._regions)
 
 
 def _check_socket(path: Path) -> None:

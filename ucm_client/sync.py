@@ -18,6 +18,7 @@ import grpc
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient, domain_error
 from ucm_client.types import BlockIO, LookupResult, TaskResult, lookup_request, lookup_result
+from ucm_server.api.errors import FailedPrecondition, Unavailable
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 
@@ -41,7 +42,8 @@ class UcmClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
         self._thread.start()
-        self._async = self._run(
+        self._closed = False
+        self._async = self._on_loop(
             _make(
                 target,
                 client_name=client_name,
@@ -53,11 +55,18 @@ class UcmClient:
                 tls_key=tls_key,
             )
         )
-        self._closed = False
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the client's loop; a closed client says so (a typed error), rather than
+        asyncio's "Event loop is closed" and a coroutine reported as never awaited."""
+        if self._closed:
+            coro.close()
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+        return self._on_loop(coro, timeout)
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     @property
@@ -84,8 +93,8 @@ class UcmClient:
         if self._channel is not None:
             self._channel.close()
         try:
-            self._run(self._async.close(), timeout=10)
-            self._run(_finish_leftover_tasks(), timeout=5)
+            self._on_loop(self._async.close(), timeout=10)
+            self._on_loop(_finish_leftover_tasks(), timeout=5)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -124,7 +133,12 @@ class UcmClient:
                 timeout=self._async.rpc_timeout_s,
             )
         except grpc.RpcError as exc:
-            raise domain_error(exc) from None
+            err = domain_error(exc)
+            if isinstance(err, Unavailable):
+                raise Unavailable(f"ucm-server at {self.target} is unavailable ({err.message})") from None
+            raise err from None
+        except ValueError as exc:  # "Cannot invoke RPC on closed channel!": closed by another thread
+            raise FailedPrecondition(f"this UcmClient is closed: {exc}") from None
         return lookup_result(resp)
 
     def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucm_server.api.errors import InvalidArgument
@@ -120,8 +120,9 @@ def key_digest(*parts: bytes | str | int) -> bytes:
     return h.digest()
 
 
-def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: dict[int, int]) -> pb.BlockBatch:
-    """Column-wise protobuf batch, translating client region handles to the daemon's ids."""
+def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: Mapping[int, int]) -> pb.BlockBatch:
+    """Column-wise protobuf batch, translating client region handles to the daemon's ids (a handle
+    the mapping does not know is refused here; the mapping may raise its own error for a dead one)."""
     counts: list[int] = []
     regions: list[int] = []
     offsets: list[int] = []

@@ -24,8 +24,11 @@ in ``stats().errors``, not a stuck daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -47,6 +50,7 @@ from ucm_server.store.base import (
     failed,
     iov_len,
 )
+from ucm_server.store.confined import NotRegularFile
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,
@@ -55,7 +59,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _fsync_dir
+from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _unlink_at
 from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
@@ -257,15 +261,23 @@ class DS3FSTier(PosixTier):
         found: dict[BlockKey, _Entry] = {}
         for key in keys:
             path = self.path_of(key)
+            try:  # the Posix tier's confined open: no symlink followed, regular files only
+                fd = self._open_block(path)
+            except (FileNotFoundError, NotRegularFile):
+                continue  # absent, or not a block (counted in skipped_files)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    continue  # a symlinked directory on the way: not followed, so not there
+                raise
             try:
-                with path.open("rb") as f:
-                    header = decode_header(f.read(HEADER_SIZE), expect=key)
-                    size = os.fstat(f.fileno()).st_size
-            except FileNotFoundError:
-                continue
+                raw = os.pread(fd, HEADER_SIZE, 0)
+                header = decode_header(raw, expect=key, max_payload=self.max_block_bytes)
+                size = os.fstat(fd).st_size
             except CorruptBlock as exc:
                 self._move_to_quarantine(path, str(exc))
                 continue
+            finally:
+                os.close(fd)
             if size == HEADER_SIZE + header.payload_len:
                 found[key] = _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
         return found
@@ -319,7 +331,7 @@ class DS3FSTier(PosixTier):
         )
         out: list[BlockInfo] = []
         for top in tops:
-            if top.name == QUARANTINE or not top.is_dir():
+            if top.name == QUARANTINE or top.is_symlink() or not top.is_dir():
                 continue
             try:
                 ns = bytes.fromhex(top.name)
@@ -331,9 +343,11 @@ class DS3FSTier(PosixTier):
                         continue
                     try:
                         digest = bytes.fromhex(fname[: -len(SUFFIX)])
-                        st = (Path(dirpath) / fname).stat()
+                        st = (Path(dirpath) / fname).lstat()
                     except (ValueError, OSError):
                         continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue  # a symlink or FIFO is not a block (reads refuse it too)
                     if len(ns) != NAMESPACE_BYTES or len(digest) != KEY_BYTES or st.st_size < HEADER_SIZE:
                         continue
                     key = BlockKey(Namespace(ns), Digest(digest))
@@ -427,7 +441,7 @@ class DS3FSTier(PosixTier):
         assert self._usrbio is not None
         paths = [self.path_of(k) for k, _ in chunk]
         sizes = [HEADER_SIZE + iov_len(d) for _, d in chunk]
-        outcome = self._usrbio.read(paths, sizes)
+        outcome = self._usrbio.read(paths, sizes, self._open_block)
         results: list[BlockResult] = []
         for (key, dest), (view, err) in zip(chunk, outcome, strict=True):
             if isinstance(err, FileNotFoundError):
@@ -463,19 +477,21 @@ class DS3FSTier(PosixTier):
         for key, src in chunk:
             n = iov_len(src)
             blobs.append([memoryview(encode_header(key, n, payload_checksum(src))), *src])
-        errors = self._usrbio.write(tmps, blobs, durable=self.durable)
+        errors = self._usrbio.write(tmps, blobs, durable=self.durable, create=self._create_tmp)
         results: list[BlockResult] = []
         for (key, src), tmp, final, write_err in zip(chunk, tmps, finals, errors, strict=True):
             err = write_err
             if err is None:
                 try:
-                    tmp.replace(final)
-                    if self.durable:
-                        _fsync_dir(final.parent)
+                    with self._parent(final) as dfd:
+                        os.replace(tmp.name, final.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        if self.durable:
+                            os.fsync(dfd)
                 except OSError as exc:
                     err = exc
             if err is not None:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError), self._parent(tmp) as dfd:
+                    _unlink_at(dfd, tmp.name)
                 self._stats.errors += 1
                 results.append(failed(f"{self.name} write error: {err}"))
                 continue
@@ -487,6 +503,13 @@ class DS3FSTier(PosixTier):
         return results
 
     # -- helpers ----------------------------------------------------------------------------------------
+    def _create_tmp(self, tmp: Path) -> int:
+        """A new temporary block file, created like the Posix tier does: its directories made and
+        fsynced without following symlinks, the file itself ``O_EXCL | O_NOFOLLOW``."""
+        with self._parent(tmp, create=True) as dfd:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return os.open(tmp.name, flags, 0o600, dir_fd=dfd)
+
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """The Posix tier's executor hop, bounded by ``timeout_s`` (a hung mount must not hang us).
         ``TimeoutError`` is an ``OSError``, so the Posix code paths report it per block."""
@@ -524,14 +547,17 @@ class _Usrbio:
             except BufferError:  # the binding may still hold a view; the mapping goes with the process
                 log.debug("USRBIO shared memory still referenced at close")
 
-    def read(self, paths: Sequence[Path], sizes: Sequence[int]) -> list[tuple[memoryview, OSError | None]]:
-        """Read whole files into consecutive slices of the iovec with one submit."""
+    def read(
+        self, paths: Sequence[Path], sizes: Sequence[int], opener: Callable[[Path], int]
+    ) -> list[tuple[memoryview, OSError | None]]:
+        """Read whole files (opened by ``opener``: the tier's confined open) into consecutive slices
+        of the iovec with one submit."""
         with self.lock:
             fds: list[int | None] = []
             errs: list[OSError | None] = []
             for p in paths:
                 try:
-                    fd = os.open(p, os.O_RDONLY)
+                    fd = opener(p)
                 except OSError as exc:
                     fds.append(None)
                     errs.append(exc)
@@ -547,9 +573,15 @@ class _Usrbio:
             return [(self._buf[o : o + s], e) for o, s, e in zip(offsets, sizes, errs, strict=True)]
 
     def write(
-        self, paths: Sequence[Path], blobs: Sequence[Sequence[memoryview]], *, durable: bool
+        self,
+        paths: Sequence[Path],
+        blobs: Sequence[Sequence[memoryview]],
+        *,
+        durable: bool,
+        create: Callable[[Path], int],
     ) -> list[OSError | None]:
-        """Create each file and write its blob through the ring with one submit, then fsync."""
+        """Create each file (by ``create``: the tier's confined create) and write its blob through
+        the ring with one submit, then fsync."""
         with self.lock:
             assert self._buf is not None
             fds: list[int | None] = []
@@ -562,8 +594,7 @@ class _Usrbio:
                 off += n
                 sizes.append(n)
                 try:
-                    p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    fd = create(p)
                 except OSError as exc:
                     fds.append(None)
                     errs.append(exc)

@@ -106,8 +106,13 @@ def encode_header(
     return (fields + crc).ljust(header_len, b"\0")
 
 
-def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> BlockHeader:
+def decode_header(
+    raw: bytes | memoryview, expect: BlockKey | None = None, *, max_payload: int | None = None
+) -> BlockHeader:
     """Parse and check a header; ``expect`` also checks it names the block we asked for.
+
+    ``max_payload`` (the daemon's ``max_block_bytes``) makes a larger claimed payload corrupt: a
+    valid CRC proves only that the header was written whole, not that its length deserves memory.
 
     ``raw`` is the start of the stored object: at least :data:`HEADER_SIZE` bytes. Whatever part of
     the padding it holds must be zero; a reader holding less than ``header_len`` bytes learns from
@@ -130,6 +135,10 @@ def decode_header(raw: bytes | memoryview, expect: BlockKey | None = None) -> Bl
     key = BlockKey(Namespace(ns), Digest(digest))
     if expect is not None and key != expect:
         raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
+    if max_payload is not None and payload_len > max_payload:
+        raise CorruptBlock(
+            f"header claims a {payload_len}-byte payload, more than max_block_bytes {max_payload}"
+        )
     _check_zero(raw[_FIELDS.size + _CRC.size : header_len])
     return BlockHeader(
         key=key,

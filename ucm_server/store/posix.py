@@ -19,13 +19,22 @@ power loss may then lose recent blocks, but still never exposes a torn one: the 
 checksum are verified on every read).
 
 The index of what is stored lives in memory and is rebuilt at :meth:`open` by reading every header
-(not every payload), so a lookup never touches the disk. A file whose header or size is wrong is moved
-to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
+(not every payload), so a lookup never touches the disk. A file whose header or size is wrong, or
+whose header claims a payload above ``max_block_bytes``, is moved to ``<root>/.quarantine/`` and never
+served; so is one whose payload checksum fails on read.
+
+Files on disk are data, not instructions (:mod:`ucm_server.store.confined`): below a root no symlink
+is followed (a symlinked directory fails that block's write or read, nothing is written outside the
+roots), only regular files are opened (a FIFO, socket, device or symlink where a block file should be
+is skipped, logged once per kind and counted in the tier's ``skipped_files`` stats), and every
+directory created on the way to a block file is fsynced into its parent before the block counts as
+durable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -34,8 +43,8 @@ import mmap
 import os
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +63,7 @@ from ucm_server.store.base import (
     failed,
     iov_len,
 )
+from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     BlockHeader,
@@ -73,6 +83,8 @@ TMP_MARK = ".tmp."
 QUARANTINE = ".quarantine"
 DIRECT_ALIGN = 4096
 """Alignment of buffers, offsets and lengths for ``O_DIRECT`` (the common logical block size)."""
+DEFAULT_MAX_BLOCK_BYTES = 256 << 20
+"""The daemon's default ``max_block_bytes``; the daemon passes its own setting to its tiers."""
 
 
 @dataclass(slots=True)
@@ -96,7 +108,10 @@ class PosixTier(Tier):
         durable: bool = True,
         direct_io: bool = True,
         executor: Executor | None = None,
+        max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
+        """``max_block_bytes``: a stored header claiming a larger payload is corrupt (quarantined,
+        never allocated for), whatever its CRC says."""
         super().__init__(name)
         if not roots:
             raise ValueError("PosixTier needs at least one root directory")
@@ -111,6 +126,11 @@ class PosixTier(Tier):
         self._sizes = SizeIndex()
         self._bytes = 0
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
+        self.max_block_bytes = max_block_bytes
+        self._skipped: Counter[str] = Counter()
+        """Non-regular files met where block files should be, by kind (fifo, symlink, ...)."""
+        self._skip_examples: dict[str, str] = {}
+        self._scanning = False
 
     # -- layout ---------------------------------------------------------------------------------------
     def root_of(self, key: BlockKey) -> Path:
@@ -123,7 +143,12 @@ class PosixTier(Tier):
     # -- primitives -----------------------------------------------------------------------------------
     async def open(self) -> None:
         started = time.monotonic()
-        found = await self._run(self._scan)
+        self._scanning = True
+        try:
+            found = await self._run(self._scan)
+        finally:
+            self._scanning = False
+        self._report_skipped()
         found.sort(key=lambda item: item[1].stored_at)  # least recently stored first = LRU order
         for key, entry in found:
             self._remember(key, entry)
@@ -194,7 +219,7 @@ class PosixTier(Tier):
         present = [k for k in keys if k in self._index]
         for k in present:
             self._forget(k)
-        await self._run(_unlink_all, [self.path_of(k) for k in present])
+        await self._run(self._unlink_all, [self.path_of(k) for k in present])
         return len(present)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
@@ -205,6 +230,8 @@ class PosixTier(Tier):
     def stats(self) -> TierStats:
         s = self._stats
         s.blocks, s.bytes = len(self._index), self._bytes
+        if self._skipped:
+            s.extra["skipped_files"] = float(sum(self._skipped.values()))
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
     async def evict(self, nbytes: int) -> int:
@@ -259,49 +286,118 @@ class PosixTier(Tier):
     def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> bool:
         """Write one block file durably; True if it went out with ``O_DIRECT``."""
         size, checksum = iov_len(src), payload_checksum(src)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
-        fd, direct = self._create(tmp, self.root_of(key), want_direct=self.direct_io and _direct_ready(src))
-        try:
-            if direct:
-                header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
-                direct = _write_direct(fd, header, src)
-            if not direct:
-                _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
-            if self.durable:
-                os.fsync(fd)
-        except BaseException:
+        root = self.root_of(key)
+        with self._parent(path, create=True) as dfd:
+            tmp = f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+            fd, direct = self._create(dfd, tmp, root, want_direct=self.direct_io and _direct_ready(src))
+            try:
+                if direct:
+                    header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
+                    direct = _write_direct(fd, header, src)
+                if not direct:
+                    _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
+                if self.durable:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                _unlink_at(dfd, tmp)
+                raise
             os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        if self.durable:
-            _fsync_dir(path.parent)
+            try:
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                _unlink_at(dfd, tmp)
+                raise
+            if self.durable:
+                os.fsync(dfd)
         return direct
 
-    def _create(self, tmp: Path, root: Path, *, want_direct: bool) -> tuple[int, bool]:
-        """A new temporary file, opened ``O_DIRECT`` if wanted and the root's filesystem allows it."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    def _create(self, dfd: int, tmp: str, root: Path, *, want_direct: bool) -> tuple[int, bool]:
+        """A new temporary file in ``dfd``, opened ``O_DIRECT`` if wanted and the root's filesystem
+        allows it (``O_EXCL`` with ``O_NOFOLLOW``: never through a planted symlink)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         if want_direct and root not in self._no_direct:
             try:
-                return os.open(tmp, flags | os.O_DIRECT, 0o600), True
+                return os.open(tmp, flags | os.O_DIRECT, 0o600, dir_fd=dfd), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                tmp.unlink(missing_ok=True)  # some filesystems create the file before refusing the flag
+                _unlink_at(dfd, tmp)  # some filesystems create the file before refusing the flag
                 self._no_direct.add(root)
                 log.info("posix tier %s: %s refuses O_DIRECT; writing buffered", self.name, root)
-        return os.open(tmp, flags, 0o600), False
+        return os.open(tmp, flags, 0o600, dir_fd=dfd), False
+
+    # -- confined file access (see ucm_server.store.confined) -----------------------------------------
+    def _root_for(self, path: Path) -> Path:
+        return self._split(path)[0]
+
+    def _split(self, path: Path) -> tuple[Path, list[str]]:
+        """The root holding ``path`` and the components below it (string work: on the data path,
+        pathlib's ``relative_to`` would cost more than the opens)."""
+        text = os.fspath(path)
+        for root in self.roots:
+            prefix = os.fspath(root).rstrip("/") + "/"
+            if text.startswith(prefix):
+                return root, text[len(prefix) :].split("/")
+        raise OSError(errno.EXDEV, "path is outside the tier's roots", text)
+
+    @contextlib.contextmanager
+    def _parent(self, path: Path, *, create: bool = False) -> Iterator[int]:
+        """The directory holding ``path``, reached without following symlinks below its root; with
+        ``create``, missing directories are made and (durable tiers) fsynced into their parents."""
+        root, parts = self._split(path)
+        with parent_dir(root, parts, create=create, sync_created=self.durable) as dfd:
+            yield dfd
+
+    def _open_block(self, path: Path) -> int:
+        """``path`` opened read-only if it is a regular file reached without symlinks; anything else
+        is counted and reported as skipped and raises :class:`NotRegularFile` (an ``OSError``)."""
+        root, parts = self._split(path)
+        try:
+            return open_block(root, parts, os.O_RDONLY)
+        except NotRegularFile as exc:
+            self._skip(path, exc.kind)
+            raise
+
+    def _skip(self, path: Path, kind: str) -> None:
+        """Count a non-regular file; warn once per kind (at start-up: once per kind, with a count)."""
+        first = kind not in self._skipped
+        self._skipped[kind] += 1
+        self._skip_examples.setdefault(kind, str(path))
+        if first and not self._scanning:
+            log.warning(
+                "posix tier %s: skipping %s: a %s, not a regular block file (counted in skipped_files; "
+                "further ones are not logged)",
+                self.name,
+                path,
+                kind,
+            )
+
+    def _report_skipped(self) -> None:
+        for kind, count in sorted(self._skipped.items()):
+            log.warning(
+                "posix tier %s: skipped %d %s file(s) where block files should be (e.g. %s); "
+                "only regular files are read",
+                self.name,
+                count,
+                kind,
+                self._skip_examples[kind],
+            )
+
+    def _unlink_all(self, paths: list[Path]) -> None:
+        for p in paths:
+            try:
+                with self._parent(p) as dfd:
+                    _unlink_at(dfd, p.name)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # a symlinked directory: nothing outside the roots is touched
+                log.warning("posix tier %s: not deleting %s: %s", self.name, p, exc)
 
     def _read_file(self, path: Path, key: BlockKey, dest: IoVec) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = self._open_block(path)
         try:
-            header = read_block_header(fd, expect=key)
+            header = read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
             _preadv_all(fd, dest, header.header_len)
         finally:
             os.close(fd)
@@ -312,8 +408,12 @@ class PosixTier(Tier):
                 seg[:] = bytes(seg.nbytes)
             raise
 
-    def _read_header(self, path: Path, key: BlockKey) -> BlockHeader:
-        return block_file_header(path, expect=key)
+    def _read_header(self, path: Path, key: BlockKey | None = None) -> BlockHeader:
+        fd = self._open_block(path)
+        try:
+            return read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
+        finally:
+            os.close(fd)
 
     def _scan(self) -> list[tuple[BlockKey, _Entry]]:
         found: list[tuple[BlockKey, _Entry]] = []
@@ -336,7 +436,7 @@ class PosixTier(Tier):
 
     def _check_file(self, path: Path) -> tuple[BlockKey, _Entry] | None:
         try:
-            header = block_file_header(path)
+            header = self._read_header(path)
             if self.path_of(header.key) != path:
                 raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
         except UnsupportedFormat as exc:
@@ -345,21 +445,31 @@ class PosixTier(Tier):
         except CorruptBlock as exc:
             self._move_to_quarantine(path, str(exc))
             return None
+        except NotRegularFile:
+            return None  # counted and reported by _open_block
         except OSError as exc:
             log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
             return None
         return header.key, _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
 
     def _move_to_quarantine(self, path: Path, reason: str) -> None:
-        root = next((r for r in self.roots if path.is_relative_to(r)), self.roots[0])
-        qdir = root / QUARANTINE
-        qdir.mkdir(exist_ok=True, mode=0o700)
-        target = qdir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        """Move a bad block file into ``<root>/.quarantine`` by directory descriptors: neither the
+        file's directories nor the quarantine directory is followed if it is a symlink."""
+        root = self._root_for(path)
+        target = f"{path.name}.{uuid.uuid4().hex[:8]}"
         try:
-            os.replace(path, target)
+            with self._parent(path) as src, self._parent(root / QUARANTINE / target, create=True) as qdir:
+                os.replace(path.name, target, src_dir_fd=src, dst_dir_fd=qdir)
+                if self.durable:
+                    os.fsync(qdir)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            self._stats.errors += 1
+            log.error("posix tier %s: cannot quarantine %s (%s): %s", self.name, path, reason, exc)
+            return
         self._stats.corrupt += 1
+        target = str(root / QUARANTINE / target)
         log.error("posix tier %s: quarantined %s -> %s: %s", self.name, path, target, reason)
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -387,21 +497,31 @@ class PosixTier(Tier):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
 
-def read_block_header(fd: int, expect: BlockKey | None = None) -> BlockHeader:
-    """The checked header of an open block file: valid, padding zero, file size as it promises."""
+def read_block_header(fd: int, expect: BlockKey | None = None, max_payload: int | None = None) -> BlockHeader:
+    """The checked header of an open block file: valid, padding zero, file size as it promises, and
+    (``max_payload``) a payload no larger than the daemon accepts."""
     raw = os.pread(fd, ALIGNED_HEADER_SIZE, 0)
-    header = decode_header(raw, expect=expect)  # checks all the padding read; a file too short to
+    header = decode_header(
+        raw, expect=expect, max_payload=max_payload
+    )  # checks the padding read; a file too short to
     size = os.fstat(fd).st_size  # hold the rest fails the size check
     if size != header.stored_len:
         raise CorruptBlock(f"file is {size} bytes, header promises {header.stored_len}")
     return header
 
 
-def block_file_header(path: Path, expect: BlockKey | None = None) -> BlockHeader:
-    """:func:`read_block_header` of the file at ``path``."""
-    fd = os.open(path, os.O_RDONLY)
+def block_file_header(
+    path: Path, expect: BlockKey | None = None, max_payload: int | None = None
+) -> BlockHeader:
+    """:func:`read_block_header` of the regular file at ``path`` (a symlink or FIFO there raises
+    :class:`~ucm_server.store.confined.NotRegularFile`)."""
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return read_block_header(fd, expect=expect)
+        fd = open_regular(path.name, os.O_RDONLY, dir_fd=dfd, shown=str(path))
+    finally:
+        os.close(dfd)
+    try:
+        return read_block_header(fd, expect=expect, max_payload=max_payload)
     finally:
         os.close(fd)
 
@@ -485,6 +605,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _unlink_all(paths: list[Path]) -> None:
-    for p in paths:
-        p.unlink(missing_ok=True)
+def _unlink_at(dfd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)

@@ -89,12 +89,17 @@ def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
             durable=config.durable,
             direct_io=config.posix_direct_io,
             executor=executor,
+            max_block_bytes=config.max_block_bytes,
         )
     cls = tier_class(name)
     from_settings = getattr(cls, "from_settings", None)
     if from_settings is None:
         raise ConfigError(f"tier {name!r} cannot be built from configuration (no from_settings)")
     tier: Tier = from_settings(name, settings)
+    from ucm_server.store.posix import PosixTier
+
+    if isinstance(tier, PosixTier):  # DS3FS and other file tiers: headers above it are corrupt
+        tier.max_block_bytes = config.max_block_bytes
     return tier
 
 
