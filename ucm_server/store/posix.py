@@ -450,31 +450,38 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
-def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+IOV_MAX = 1024
+"""Most segments one ``preadv``/``pwritev`` call takes (Linux ``IOV_MAX``)."""
+
+
+def _pwritev_all(fd: int, iov: IoVec, offset: int) -> None:
     """``pwritev`` until every byte is written (it may write less than asked)."""
-    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    while views:
-        n = os.pwritev(fd, views[:1024], offset)
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    _vector_io(os.pwritev, fd, iov, offset, short="")
 
 
 def _preadv_all(fd: int, iov: IoVec, offset: int) -> None:
+    """``preadv`` until every byte is read; a file that ends first is corrupt."""
+    _vector_io(os.preadv, fd, iov, offset, short="file ended before the payload did")
+
+
+def _vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, short: str) -> None:
+    """Run ``call`` over ``iov`` at most :data:`IOV_MAX` segments at a time, resuming after short
+    transfers. Linear in the number of segments: a cursor moves along the list (a block may have
+    hundreds of thousands of segments; removing each from the front made it quadratic)."""
     views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    while views:
-        n = os.preadv(fd, views[:1024], offset)
+    i, count = 0, len(views)
+    while i < count:
+        n = call(fd, views[i : i + IOV_MAX], offset)
         if n == 0:
-            raise CorruptBlock("file ended before the payload did")
+            if short:
+                raise CorruptBlock(short)
+            raise OSError(errno.EIO, "pwritev made no progress")
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        while i < count and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if i < count and n:
+            views[i] = views[i][n:]
 
 
 def _fsync_dir(path: Path) -> None:
