@@ -1,10 +1,12 @@
 """A pipeline of tiers (``"Cache|Posix"``, ``"Cache|Posix|DS3FS"``...): one store made of several.
 
 Reads go top-down; a block found lower is promoted into the top tier, so the next read is served
-from memory. Client memory is never trusted (:mod:`ucm_server.store.staging`): a lower tier reads
-into daemon-owned memory (the Cache pages the block is promoted into, or the staging pool), verifies
-the block there, and only then is it copied to the caller; a write the Cache does not hold is copied
-into staging first, so its checksum and its stored bytes come from one copy. Callers that pass
+from memory. Client memory is never trusted (:mod:`ucm_server.store.staging`): a block to promote
+is read into the Cache pages it is promoted into, verified there, and only then copied to the caller;
+a block read straight into the caller's memory is never judged by what it holds there (a mismatch
+means "read it again into the staging pool", where a mismatch is corruption); a write the Cache
+does not hold is copied into staging first, so its checksum and its stored bytes come from one
+copy. Callers that pass
 memory of the daemon's own (``owned=True``: the GPU path's pinned buffers, the byte-streaming RPCs,
 scratch buffers) skip the extra copy. Writes land in the top tier and reach
 the lower tiers either in the background (write-back, the default: the Cache keeps a lease on the
@@ -36,6 +38,7 @@ from ucm_server.store.base import (
     BlockState,
     IoVec,
     Tier,
+    bounded_gather,
     failed,
     iov_len,
 )
@@ -259,9 +262,12 @@ class Pipeline:
     async def _read_group(
         self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
     ) -> list[BlockResult]:
-        """One group of :meth:`_read_staged`: each block is read into the Cache pages reserved for
-        its promotion, or else into the staging pool; the tier verifies it there; only a verified
-        block is copied to the caller, and only then is its promotion published."""
+        """One group of :meth:`_read_staged`. A block to promote is read into the Cache pages
+        reserved for it, verified there, copied to the caller, and only then published. Any other
+        block is read straight into the caller's memory where the tier can check it there without
+        deciding anything from it (:meth:`Tier.read_checked`: the one-copy path of a Posix-only
+        daemon); one whose bytes there do not match, or whose tier cannot, is read again into the
+        staging pool, verified there (a mismatch there is corruption), and copied."""
         tier = self.tiers[depth]
         top = self.top if depth > 0 and isinstance(self.top, CacheTier) else None
         reservations: dict[int, Reservation] = {}
@@ -271,7 +277,15 @@ class Pipeline:
                     reservation = top.reserve(key, iov_len(dest))
                     if reservation is not None:
                         reservations[j] = reservation
-        bounced = [j for j in range(len(batch)) if j not in reservations]
+        got: list[BlockResult | None] = [None] * len(batch)
+        direct = [j for j in range(len(batch)) if j not in reservations]
+        if direct:  # not promoted: straight into the caller's memory where the tier checks it there
+            checked = [tier.read_checked(batch[j][0], batch[j][1]) for j in direct]
+            for j, r in zip(direct, await bounded_gather(tier.max_concurrency, checked), strict=True):
+                got[j] = r
+        bounced = [j for j in direct if got[j] is None]
+        if not reservations and not bounced:
+            return [r for r in got if r is not None]
         staged = await self.staging.take([iov_len(batch[j][1]) for j in bounced])
         try:
             mine: list[IoVec] = [[] for _ in batch]
@@ -280,10 +294,16 @@ class Pipeline:
                 mine[j] = top.views(reservation)
             for j, iov in zip(bounced, staged.iovs, strict=True):
                 mine[j] = iov
-            got = await tier.read_many([(key, mine[j]) for j, (key, _) in enumerate(batch)])
-            ok = [j for j, r in enumerate(got) if r.ok]
-            if ok:
-                await self._run(copy_pairs, [(batch[j][1], mine[j]) for j in ok])
+            todo = [*reservations, *bounced]
+            for j, r in zip(todo, await tier.read_many([(batch[j][0], mine[j]) for j in todo]), strict=True):
+                got[j] = r
+            ok = [j for j in todo if (r := got[j]) is not None and r.ok]
+            # A block read straight into the caller's memory that then failed here: none of the
+            # bytes that first read left there may stay (copies from zeroed staging pages).
+            unread = [j for j in bounced if not (r := got[j]) or not r.ok]
+            if ok or unread:
+                pairs = [(batch[j][1], mine[j]) for j in ok]
+                await self._run(_copy_and_clear, pairs, [batch[j][1] for j in unread])
                 await self._promote_between(depth, [(batch[j][0], mine[j]) for j in ok], started)
             for j in ok:
                 reservation = reservations.pop(j, None)
@@ -295,7 +315,7 @@ class Pipeline:
                     top.commit(reservation)  # nobody wrote, deleted or promoted it meanwhile
                 else:
                     top.abort(reservation)
-            return got
+            return [r if r is not None else failed("not read") for r in got]
         finally:
             for reservation in reservations.values():  # failed reads, or an error on the way
                 assert top is not None
@@ -565,3 +585,11 @@ class Pipeline:
         for t in tiers:
             async for info in t.list_blocks(namespace):
                 yield info
+
+
+def _copy_and_clear(pairs: list[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
+    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
+    copy_pairs(pairs)
+    for iov in clear:
+        for seg in iov:
+            seg[:] = bytes(seg.nbytes)

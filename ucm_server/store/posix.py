@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -86,6 +86,8 @@ class PosixTier(Tier):
     persistent = True
     shared = False
     max_concurrency = 16
+    client_reads: ClassVar[bool] = True
+    """:meth:`read_checked` reads into client memory (subclasses with their own read path say no)."""
 
     def __init__(
         self,
@@ -167,6 +169,38 @@ class PosixTier(Tier):
         except OSError as exc:
             self._stats.errors += 1
             return failed(f"{self.name} read error: {exc.strerror or exc}")
+        self._index.move_to_end(key)
+        self._stats.hits += 1
+        self._stats.read_bytes += entry.size
+        return OK
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        if not self.client_reads:
+            return None
+        entry = self._index.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return MISSING
+        want = iov_len(dest)
+        if want != entry.size:
+            return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        try:
+            matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
+        except FileNotFoundError:
+            self._forget(key)
+            self._stats.misses += 1
+            return MISSING
+        except UnsupportedFormat as exc:
+            self._forget(key)
+            return failed(f"{self.name}: {exc}")
+        except CorruptBlock as exc:  # header or file length: read into daemon memory, so it is the file
+            await self._quarantine(key, str(exc))
+            return failed(f"corrupt block in {self.name}: {exc}")
+        except OSError as exc:
+            self._stats.errors += 1
+            return failed(f"{self.name} read error: {exc.strerror or exc}")
+        if not matched:
+            return None
         self._index.move_to_end(key)
         self._stats.hits += 1
         self._stats.read_bytes += entry.size
@@ -308,9 +342,24 @@ class PosixTier(Tier):
         try:
             verify_payload(header, dest)
         except CorruptBlock:
-            for seg in dest:  # the block failed: leave no trace of its bytes in the reader's memory
-                seg[:] = bytes(seg.nbytes)
+            _zero(dest)  # the block failed: leave no trace of its bytes in the reader's memory
             raise
+
+    def _read_file_checked(self, path: Path, key: BlockKey, dest: IoVec) -> bool:
+        """Read a block into client memory; whether the bytes there match the header's checksum.
+        On an error ``dest`` is zeroed (the block fails: none of its bytes stay there); on a
+        mismatch the caller reads the block again and overwrites or zeroes ``dest``."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            header = read_block_header(fd, expect=key)
+            try:
+                _preadv_all(fd, dest, header.header_len)
+                return bool(payload_checksum(dest) == header.checksum)
+            except BaseException:
+                _zero(dest)
+                raise
+        finally:
+            os.close(fd)
 
     def _read_header(self, path: Path, key: BlockKey) -> BlockHeader:
         return block_file_header(path, expect=key)
@@ -482,6 +531,11 @@ def _vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, sh
             i += 1
         if i < count and n:
             views[i] = views[i][n:]
+
+
+def _zero(dest: IoVec) -> None:
+    for seg in dest:
+        seg[:] = bytes(seg.nbytes)
 
 
 def _fsync_dir(path: Path) -> None:
