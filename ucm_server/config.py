@@ -160,8 +160,8 @@ class ServerConfig:
         default=256 << 20,
         metadata=_help(
             "Daemon-owned memory that blocks read from lower tiers (and dumps the Cache does not "
-            "hold) pass through, so nothing about a stored block is decided from bytes in client memory. Faulted in on "
-            "first use; more concurrent traffic than this waits for it.",
+            "hold) pass through, so nothing about a stored block is decided from bytes in client "
+            "memory. Faulted in on first use; more concurrent traffic than this waits for it.",
             size=True,
         ),
     )
