@@ -305,3 +305,66 @@ def test_racing_loads_never_return_wrong_bytes_nor_quarantine(
             assert len(set(views)) <= 1
         assert not _quarantined(d), _quarantined(d)
         assert d.healthy()
+
+
+@pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+def test_two_clients_loading_into_the_same_bytes_never_quarantine(
+    tmp_path: Path, pipeline: str, private: SharedBuffer
+) -> None:
+    """Two clients load different keys into the same 16 blocks of one buffer, round after round.
+    Whatever the shared bytes end up holding, no good file is quarantined, no load fails, and every
+    key still loads exactly right into memory nobody else touches."""
+    rounds = 30
+    with _daemon(tmp_path, pipeline) as d, UcmClient(d.target) as c, SharedBuffer(16 * BLOCK) as shared:
+        own = c.register(private)
+        _store_all(c, private, own)
+        failures: list[str] = []
+
+        def loader(keys: range) -> None:
+            with UcmClient(d.target) as mine:
+                region = mine.register(shared)
+                blocks = [BlockIO(_key(k), (Segment(region, j * BLOCK, BLOCK),)) for j, k in enumerate(keys)]
+                for _ in range(rounds):
+                    r = mine.wait(mine.load(NS, blocks), 60)
+                    if not r.ok:
+                        failures.append(f"{r.states} {r.reasons}")
+
+        threads = [threading.Thread(target=loader, args=(keys,)) for keys in (range(0, 16), range(16, 32))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures[:3]
+        assert not _quarantined(d), _quarantined(d)
+        for first in range(0, NKEYS, 8):
+            _check_private(c, private, own, list(range(first, first + 8)))
+        assert d.healthy()
+
+
+@pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+def test_a_dump_of_memory_rewritten_meanwhile_stores_a_consistent_block(
+    tmp_path: Path, pipeline: str
+) -> None:
+    """A client keeps rewriting a block while it is being dumped. It may store any mix of its bytes,
+    but what is stored agrees with its checksum: it loads OK (from disk too) and nothing is
+    quarantined. The block is larger than the Cache, so even ``Cache|Posix`` writes it down from a
+    copy of the daemon's own rather than from the Cache."""
+    big = 32 * BLOCK  # 2 MiB: more than the 8-block Cache
+    with _daemon(tmp_path, pipeline) as d, UcmClient(d.target) as c:
+        with SharedBuffer(big) as src, SharedBuffer(big) as dst:
+            rs, rd = c.register(src), c.register(dst)
+            rnd = random.Random(SEED)
+            for g in range(6):
+                src.buf[:] = rnd.randbytes(big)
+                task = c.dump(NS, [BlockIO(_garbage_key(100 + g), (Segment(rs, 0, big),))])
+                r = c.wait(task, 0)
+                while not r.done:  # scribble all over the source until the dump is done
+                    at = rnd.randrange(0, big - 4096)
+                    src.buf[at : at + 4096] = rnd.randbytes(4096)
+                    r = c.wait(task, 0.0002)
+                assert r.ok, (r.states, r.reasons)
+            for g in range(6):
+                r = c.wait(c.load(NS, [BlockIO(_garbage_key(100 + g), (Segment(rd, 0, big),))]), 30)
+                assert r.ok, f"a scribbled dump stored a block that does not load: {r.states} {r.reasons}"
+        assert not _quarantined(d), _quarantined(d)
+        assert d.healthy()
