@@ -149,6 +149,47 @@ class ServerConfig:
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
+    max_segments_per_block: int = field(
+        default=4096,
+        metadata=_help(
+            "Most (region, offset, length) segments one block may be made of. vLLM sends one per "
+            "layer (two where K and V sit apart), a few hundred at most; beyond it a Load/Dump is "
+            "refused with RESOURCE_EXHAUSTED."
+        ),
+    )
+    max_segments_per_request: int = field(
+        default=1 << 20,
+        metadata=_help(
+            "Most segments one Load/Dump may carry in all (4,096 blocks of 256 segments); bounds "
+            "the work of validating a request. Beyond it the request is refused with RESOURCE_EXHAUSTED."
+        ),
+    )
+    staging_bytes: int = field(
+        default=256 << 20,
+        metadata=_help(
+            "Daemon-owned memory that blocks read from lower tiers (and dumps the Cache does not "
+            "hold) pass through, so nothing about a stored block is decided from bytes in client "
+            "memory. Faulted in on first use; more concurrent traffic than this waits for it.",
+            size=True,
+        ),
+    )
+    max_sessions: int = field(
+        default=1024, metadata=_help("Most sessions (attached clients) the daemon holds at once.")
+    )
+    max_sessions_per_peer: int = field(
+        default=256,
+        metadata=_help(
+            "Most sessions one tenant (token) or one TCP peer address may hold at once; local "
+            "clients without tokens share only max_sessions."
+        ),
+    )
+    max_tasks_per_session: int = field(
+        default=1024,
+        metadata=_help(
+            "Most Load/Dump/Prefetch tasks one session may have running or queued; more are "
+            "refused with RESOURCE_EXHAUSTED until some finish."
+        ),
+    )
     shared_lookup_ttl_s: float = field(
         default=2.0,
         metadata=_help(
@@ -220,7 +261,17 @@ class ServerConfig:
             raise ConfigError(f"cache_page_size: must be a power of two >= 4096, got {self.cache_page_size}")
         if "Cache" in tiers and self.cache_capacity < self.cache_page_size:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
-        for name in ("io_threads", "max_batch_blocks", "max_block_bytes"):
+        for name in (
+            "io_threads",
+            "max_batch_blocks",
+            "max_block_bytes",
+            "max_segments_per_block",
+            "max_segments_per_request",
+            "staging_bytes",
+            "max_sessions",
+            "max_sessions_per_peer",
+            "max_tasks_per_session",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.shared_lookup_ttl_s >= 0:

@@ -6,15 +6,18 @@ The gRPC servicers only translate protobuf to these calls and back; everything t
 
 from __future__ import annotations
 
+import asyncio
 import heapq
+import itertools
 import logging
 import operator
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
+from typing import TypeVar
 
 from ucm_server import __version__
 from ucm_server.api.errors import (
@@ -31,10 +34,17 @@ from ucm_server.auth import Authenticator, current_principal
 from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
-from ucm_server.gpu.service import GpuService
+from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
-from ucm_server.regions import Region, RegionTable, SegmentColumns
+from ucm_server.regions import (
+    Region,
+    RegionTable,
+    SegmentColumns,
+    check_disjoint,
+    check_segments,
+    host_iovecs,
+)
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
@@ -47,6 +57,9 @@ log = logging.getLogger(__name__)
 CHUNK_BLOCKS = 256
 CHUNK_BYTES = 64 << 20
 CLIENT_NAME_CHARS = 256
+INLINE_SEGMENTS = 4096
+"""Requests with more segments than this are validated in a worker thread, not on the event loop."""
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -56,6 +69,8 @@ class Session:
     pid: int
     attached_at: float
     tenant: str = ""
+    owner: str = ""
+    """Who the per-peer session cap counts this session against ("" = nobody: local, no token)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +131,35 @@ class Engine:
         self.metrics.close()
 
     # -- sessions -------------------------------------------------------------------------------------
-    def attach(self, client_name: str, pid: int, *, task_events: bool = False) -> Session:
+    def attach(self, client_name: str, pid: int, *, task_events: bool = False, peer: str = "") -> Session:
+        """A new session; ``peer`` is gRPC's peer string (``ipv4:10.0.0.5:41234``, ``unix:...``)."""
         # Kept and logged escaped and capped: a client name is the client's text (issue #11, section 11).
         name = printable(client_name or "?", CLIENT_NAME_CHARS)
-        s = Session(uuid.uuid4().hex, name, pid, time.time(), current_principal.get().tenant)
+        tenant = current_principal.get().tenant
+        owner = _session_owner(tenant, peer)
+        self._check_session_caps(owner)
+        s = Session(uuid.uuid4().hex, name, pid, time.time(), tenant, owner)
         self.sessions[s.session_id] = s
         if task_events:
             self.task_events.open(s.session_id)
         log.info("session %s attached (%s, pid %d)", s.session_id[:8], s.client_name, pid)
         return s
+
+    def _check_session_caps(self, owner: str) -> None:
+        """One client (or tenant, or TCP host) cannot take every session the daemon can hold."""
+        cap = self.config.max_sessions
+        if len(self.sessions) >= cap:
+            raise ResourceExhausted(
+                f"the daemon holds {len(self.sessions)} sessions; the limit is {cap} (setting max_sessions)"
+            )
+        if not owner:
+            return
+        cap = self.config.max_sessions_per_peer
+        mine = sum(1 for s in self.sessions.values() if s.owner == owner)
+        if mine >= cap:
+            raise ResourceExhausted(
+                f"{owner} holds {mine} sessions; the limit is {cap} (setting max_sessions_per_peer)"
+            )
 
     async def detach(self, session_id: str) -> None:
         self.task_events.close(session_id)
@@ -261,22 +296,36 @@ class Engine:
         *,
         durable: bool = False,
     ) -> Task:
-        """Validate everything up front (nothing is copied for a bad request), then run as a task."""
+        """Validate everything up front (nothing is copied for a bad request), then run as a task.
+
+        Validation costs time linear in the segments, which the caps bound; a request with more
+        than :data:`INLINE_SEGMENTS` segments is checked in a worker thread (its regions pinned), so
+        other clients are answered meanwhile."""
         session = self.session(session_id)
+        self._check_task_slot(session)
         keys = self._keys(namespace, digests)
+        columns = SegmentColumns(counts, region_ids, offsets, lengths)
+        self._check_segment_caps(columns)
         if kind is TaskKind.LOAD:
             await self._check_load_sizes(keys, counts, lengths)
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
         if kind is TaskKind.DUMP:
-            await self._claim_for_write(keys)  # before resolving: no await between resolve and pin
-        columns = SegmentColumns(counts, region_ids, offsets, lengths)
+            await self._claim_for_write(keys)  # before the regions are found and pinned
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
-            return self._submit_gpu(kind, session, keys, columns, durable)
-        iovs, used = self.regions.resolve(session.session_id, columns, len(keys), self.config.max_block_bytes)
-        if kind is TaskKind.DUMP:
-            self._check_quota(map(iov_len, iovs))
+            return await self._submit_gpu(kind, session, keys, columns, durable)
+        block_counts = columns.block_counts(len(keys))
+        found = self.regions.regions_for(session.session_id, columns, block_counts, gpu=False)
+        used: set[Region] = set(found.values())
         self.regions.pin(used)
+        try:
+            iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
+            self._still_valid(session, used)
+            if kind is TaskKind.DUMP:
+                self._check_quota(map(iov_len, iovs))
+        except BaseException:
+            self.regions.unpin(used)
+            raise
 
         async def body(task: Task) -> None:
             try:
@@ -284,32 +333,105 @@ class Engine:
             finally:
                 self.regions.unpin(used)
 
-        return self.tasks.submit(kind, session.session_id, len(keys), body)
+        return self._start(kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used))
+
+    def _host_plan(
+        self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
+    ) -> list[IoVec]:
+        """Every segment checked, overlapping Load destinations refused, one iovec per block (no
+        event-loop state: may run in a worker thread)."""
+        blocks = check_segments(columns, counts, found, self.config.max_block_bytes)
+        if kind is TaskKind.LOAD:
+            check_disjoint(columns, counts)
+        return host_iovecs(blocks)
+
+    async def _off_loop(self, nsegments: int, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` inline for a small request, in a worker thread for a large one."""
+        if nsegments <= INLINE_SEGMENTS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _still_valid(self, session: Session, regions: Iterable[Region | GpuRegion]) -> None:
+        """After an off-loop check: the session and its regions did not go away meanwhile."""
+        if session.session_id not in self.sessions:
+            raise FailedPrecondition(f"session {session.session_id[:8]} ended while its request was checked")
+        for r in regions:
+            if r.closing:
+                raise InvalidArgument(f"region {r.region_id} was unregistered while the request was checked")
+
+    def _check_segment_caps(self, columns: SegmentColumns) -> None:
+        """The caps that bound a request's cost (RESOURCE_EXHAUSTED, naming the setting)."""
+        nseg = len(columns.region_ids)
+        cap = self.config.max_segments_per_request
+        if nseg > cap:
+            raise ResourceExhausted(
+                f"{nseg} segments in one request; the limit is {cap} (setting max_segments_per_request)"
+            )
+        cap = self.config.max_segments_per_block
+        most = max(columns.counts) if columns.counts else 1
+        if most > cap:
+            b = columns.counts.index(most)
+            raise ResourceExhausted(
+                f"block {b} has {most} segments; the limit is {cap} (setting max_segments_per_block)"
+            )
+
+    def _check_task_slot(self, session: Session) -> None:
+        cap = self.config.max_tasks_per_session
+        active = self.tasks.active(session.session_id)
+        if active >= cap:
+            raise ResourceExhausted(
+                f"session {session.session_id[:8]} has {active} tasks running or queued; the limit is "
+                f"{cap} (setting max_tasks_per_session): wait for some to finish"
+            )
+
+    def _start(
+        self,
+        kind: TaskKind,
+        session: Session,
+        nblocks: int,
+        body: Callable[[Task], Awaitable[None]],
+        on_refused: Callable[[], None] | None = None,
+    ) -> Task:
+        """Submit a task body, re-checking the session's task slots (validation may have awaited)."""
+        try:
+            self._check_task_slot(session)
+        except ResourceExhausted:
+            if on_refused is not None:
+                on_refused()
+            raise
+        return self.tasks.submit(kind, session.session_id, nblocks, body)
 
     async def _check_load_sizes(self, keys: list[BlockKey], counts: list[int], lengths: list[int]) -> None:
         """A load into a destination of the wrong size is the caller's mistake: refuse it whole
         (``INVALID_ARGUMENT``, nothing copied) rather than fail blocks one by one."""
         sizes = await self.pipeline.lookup(keys)
-        if counts:
-            wanted, pos = [], 0
-            for c in counts:
-                wanted.append(sum(lengths[pos : pos + c]))
-                pos += c
+        if counts:  # per-block sums from prefix sums: linear in C, whatever the segments per block
+            prefix = list(itertools.accumulate(lengths, initial=0))
+            bounds = list(itertools.accumulate(counts, initial=0))
+            if bounds[-1] != len(lengths):
+                return  # a malformed batch: the shape check names what is wrong
+            wanted = [prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds)]
         else:
             wanted = lengths
         for i, (have, want) in enumerate(zip(sizes, wanted, strict=False)):
             if have is not None and have != want:
                 raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
 
-    def _submit_gpu(
+    async def _submit_gpu(
         self, kind: TaskKind, session: Session, keys: list[BlockKey], columns: SegmentColumns, durable: bool
     ) -> Task:
-        plan = self.gpu.plan(
-            self.regions, session.session_id, columns, len(keys), self.config.max_block_bytes
-        )
-        if kind is TaskKind.DUMP:
-            self._check_quota(block.nbytes for block in plan.blocks)
-        self.regions.pin(plan.regions)
+        counts = columns.block_counts(len(keys))
+        held = set(self.regions.regions_for(session.session_id, columns, counts, gpu=True).values())
+        self.regions.pin(held)  # while the plan is made, perhaps in a worker thread
+        try:
+            nseg = len(columns.region_ids)
+            plan = await self._off_loop(nseg, self._gpu_plan, kind, session, columns, counts)
+            self._still_valid(session, held)
+            if kind is TaskKind.DUMP:
+                self._check_quota(block.nbytes for block in plan.blocks)
+            self.regions.pin(plan.regions)
+        finally:
+            self.regions.unpin(held)
 
         async def body(task: Task) -> None:
             try:
@@ -325,7 +447,19 @@ class Engine:
                 if victims:
                     await self.pipeline.delete(victims)
 
-        return self.tasks.submit(kind, session.session_id, len(keys), body)
+        return self._start(
+            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(plan.regions)
+        )
+
+    def _gpu_plan(
+        self, kind: TaskKind, session: Session, columns: SegmentColumns, counts: list[int]
+    ) -> GpuPlan:
+        """:meth:`GpuService.plan`, and overlapping Load destinations refused (thread-safe)."""
+        max_bytes = self.config.max_block_bytes
+        plan = self.gpu.plan(self.regions, session.session_id, columns, len(counts), max_bytes)
+        if kind is TaskKind.LOAD:
+            check_disjoint(columns, counts)
+        return plan
 
     async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
         for start, stop in _chunks(iovs):
@@ -358,6 +492,7 @@ class Engine:
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)
+        self._check_task_slot(session)
         keys = self._keys(namespace, digests)
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
@@ -392,7 +527,7 @@ class Engine:
                 yield i, BlockResult(BlockState.MISSING), b""
                 continue
             buf = bytearray(size)
-            (r,) = await self.pipeline.read_many([(key, [memoryview(buf)])])
+            (r,) = await self.pipeline.read_many([(key, [memoryview(buf)])], owned=True)
             yield i, r, bytes(buf) if r.ok else b""
 
     async def put_bytes(self, namespace: bytes, digest: bytes, data: bytes) -> BlockResult:
@@ -406,7 +541,7 @@ class Engine:
         self._check_quota([len(data)])
         await self._claim_for_write([key])
         item = (key, [memoryview(data)])
-        (r,) = await self.pipeline.write_many([item])
+        (r,) = await self.pipeline.write_many([item], owned=True)
         if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first
             await self._account(TaskKind.DUMP, [item], [r])
         return r
@@ -536,6 +671,19 @@ class Engine:
     @property
     def version(self) -> str:
         return __version__
+
+
+def _session_owner(tenant: str, peer: str) -> str:
+    """What ``max_sessions_per_peer`` counts by: the tenant when tokens name one, else the TCP
+    peer's address without its port. Local Unix-socket peers all look alike to gRPC, so they share
+    only the global ``max_sessions``."""
+    if tenant:
+        return f"tenant {tenant!r}"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and rest:
+        host = rest.rsplit(":", 1)[0] if kind == "ipv4" or rest.startswith("[") else rest
+        return f"peer {kind}:{host}"
+    return ""
 
 
 def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ the GPU copy path, and a request mixing host and GPU regions is refused.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import mmap
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ucm_server.api.errors import InvalidArgument, NotFound, PermissionDenied
 from ucm_server.gpu.region import GpuRegion
@@ -214,52 +217,105 @@ class RegionTable:
         ``(region, offset, length)`` list, and the regions used. ``gpu`` says which kind of region the
         request must name only (one request cannot mix host and GPU memory)."""
         counts = columns.block_counts(nblocks)
-        region_ids, offsets, lengths = columns.region_ids, columns.offsets, columns.lengths
+        found = self.regions_for(session_id, columns, counts, gpu=gpu)
+        return check_segments(columns, counts, found, max_block_bytes), set(found.values())
+
+    def regions_for(
+        self, session_id: str, columns: SegmentColumns, counts: list[int], *, gpu: bool
+    ) -> dict[int, Any]:
+        """The regions a batch names, by id: each must exist, be the session's, and be of the one
+        kind (host or GPU) the request copies. Cheap (one lookup per distinct region), so it runs on
+        the event loop; :func:`check_segments` then checks every segment against them."""
         found: dict[int, Any] = {}
-        blocks: list[list[tuple[Any, int, int]]] = []
-        used: set[Any] = set()
-        s = 0
-        for b, count in enumerate(counts):
-            if count == 0:
-                raise InvalidArgument(f"block {b} has no segments")
-            segs: list[tuple[Any, int, int]] = []
-            total = 0
-            for _ in range(count):
-                rid, off, length = region_ids[s], offsets[s], lengths[s]
-                region = found.get(rid)
-                if region is None:
-                    try:
-                        region = self.get(session_id, rid)
-                    except InvalidArgument:
-                        raise InvalidArgument(f"block {b}: unknown region {rid}") from None
-                    if isinstance(region, GpuRegion) != gpu:
-                        kind = "GPU memory" if not gpu else "host memory"
-                        raise InvalidArgument(
-                            f"block {b}: region {rid} is {kind}; one request cannot mix host and GPU regions"
-                        )
-                    found[rid] = region
-                if length == 0:
-                    raise InvalidArgument(f"block {b}: segment of length 0")
-                if off + length > region.size:
-                    raise InvalidArgument(
-                        f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
-                        f"of {region.size} bytes"
-                    )
-                segs.append((region, off, length))
-                total += length
-                used.add(region)
-                s += 1
-            if total > max_block_bytes:
+        for rid in dict.fromkeys(columns.region_ids):  # first-use order: errors name the first block
+            try:
+                region = self.get(session_id, rid)
+            except InvalidArgument:
+                b = _block_of(counts, columns.region_ids.index(rid))
+                raise InvalidArgument(f"block {b}: unknown region {rid}") from None
+            except PermissionDenied:
+                b = _block_of(counts, columns.region_ids.index(rid))
+                raise PermissionDenied(f"block {b}: region {rid} belongs to another session") from None
+            if isinstance(region, GpuRegion) != gpu:
+                kind = "GPU memory" if not gpu else "host memory"
+                b = _block_of(counts, columns.region_ids.index(rid))
                 raise InvalidArgument(
-                    f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}"
+                    f"block {b}: region {rid} is {kind}; one request cannot mix host and GPU regions"
                 )
-            blocks.append(segs)
-        return blocks, used
+            found[rid] = region
+        return found
 
     def resolve(
         self, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int
     ) -> tuple[list[IoVec], set[Region]]:
         """Turn a column-wise batch of host regions into one iovec per block."""
         blocks, used = self.segments(session_id, columns, nblocks, max_block_bytes, gpu=False)
-        iovs: list[IoVec] = [[r.view[o : o + n] for r, o, n in segs] for segs in blocks]
-        return iovs, used
+        return host_iovecs(blocks), used
+
+
+def host_iovecs(blocks: list[list[tuple[Any, int, int]]]) -> list[IoVec]:
+    """Checked host segments as one iovec (memoryviews into the regions' mappings) per block."""
+    return [[r.view[o : o + n] for r, o, n in segs] for segs in blocks]
+
+
+def check_segments(
+    columns: SegmentColumns, counts: list[int], found: dict[int, Any], max_block_bytes: int
+) -> list[list[tuple[Any, int, int]]]:
+    """Each block's ``(region, offset, length)`` list, every segment checked against its region
+    (``found``, from :meth:`RegionTable.regions_for`). Linear in the segments and free of event-loop
+    state, so a large request is checked in a worker thread while the regions are pinned."""
+    region_ids, offsets, lengths = columns.region_ids, columns.offsets, columns.lengths
+    blocks: list[list[tuple[Any, int, int]]] = []
+    pos = 0
+    for b, count in enumerate(counts):
+        if count == 0:
+            raise InvalidArgument(f"block {b} has no segments")
+        segs: list[tuple[Any, int, int]] = []
+        total = 0
+        for s in range(pos, pos + count):
+            rid, off, length = region_ids[s], offsets[s], lengths[s]
+            region = found[rid]
+            if length == 0:
+                raise InvalidArgument(f"block {b}: segment of length 0")
+            if off + length > region.size:
+                raise InvalidArgument(
+                    f"block {b}: segment [{off}, {off + length}) is outside region {rid} "
+                    f"of {region.size} bytes"
+                )
+            segs.append((region, off, length))
+            total += length
+        pos += count
+        if total > max_block_bytes:
+            raise InvalidArgument(f"block {b} is {total} bytes, more than max_block_bytes {max_block_bytes}")
+        blocks.append(segs)
+    return blocks
+
+
+def check_disjoint(columns: SegmentColumns, counts: list[int]) -> None:
+    """Refuse a Load whose destination segments overlap (two blocks, or two segments of one block,
+    naming the same bytes): the result would depend on which copy lands last. Sorts the segments by
+    region and offset, O(n log n); call it after :func:`check_segments` (offsets are then in range)."""
+    n = len(columns.offsets)
+    if n < 2:
+        return
+    rid = np.asarray(columns.region_ids, dtype=np.int64)
+    start = np.asarray(columns.offsets, dtype=np.int64)
+    end = start + np.asarray(columns.lengths, dtype=np.int64)
+    order = np.lexsort((start, rid))
+    same = rid[order][1:] == rid[order][:-1]
+    clash = np.flatnonzero(same & (start[order][1:] < end[order][:-1]))
+    if clash.size == 0:
+        return
+    first, second = sorted((int(order[clash[0]]), int(order[clash[0] + 1])))
+    b1, b2 = _block_of(counts, first), _block_of(counts, second)
+    where = f"block {b1}" if b1 == b2 else f"blocks {b1} and {b2}"
+    raise InvalidArgument(
+        f"{where}: destination segments [{start[first]}, {end[first]}) and "
+        f"[{start[second]}, {end[second]}) of region {rid[first]} overlap; a Load must write "
+        "each byte at most once"
+    )
+
+
+def _block_of(counts: list[int], segment: int) -> int:
+    """The block that segment number ``segment`` belongs to."""
+    return bisect.bisect_right(list(itertools.accumulate(counts)), segment)

@@ -85,6 +85,7 @@ class TaskManager:
         self._ids = itertools.count(1)
         self._slots = asyncio.Semaphore(max_running)
         self._queued = 0
+        self._active: dict[str, int] = {}  # running or queued tasks per session (the per-session cap)
         self.on_finish: list[Callable[[Task], None]] = []
 
     @property
@@ -95,10 +96,15 @@ class TaskManager:
     def queued(self) -> int:
         return self._queued
 
+    def active(self, session_id: str) -> int:
+        """Tasks of ``session_id`` submitted and not yet finished."""
+        return self._active.get(session_id, 0)
+
     def submit(self, kind: TaskKind, session_id: str, nblocks: int, body: TaskBody) -> Task:
         self._reap()
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
+        self._active[session_id] = self._active.get(session_id, 0) + 1
         self._runners[task.task_id] = asyncio.create_task(
             self._run(task, body), name=f"ucm-task-{task.task_id}"
         )
@@ -119,6 +125,11 @@ class TaskManager:
                     task.reasons[i] = f"internal error: {exc}"
         finally:
             self._runners.pop(task.task_id, None)
+            left = self._active.get(task.session_id, 1) - 1
+            if left > 0:
+                self._active[task.session_id] = left
+            else:
+                self._active.pop(task.session_id, None)
             task.finish()
             for hook in self.on_finish:
                 hook(task)

@@ -486,7 +486,7 @@ class GpuService:
                     offset += blocks[j].nbytes
                 if load:
                     items = [(keys[j], [pinned.view[o : o + blocks[j].nbytes]]) for j, o in flight.staged]
-                    got = await self.pipeline.read_many(items)
+                    got = await self.pipeline.read_many(items, owned=True)  # the pinned pool is ours
                     for (j, o), r in zip(flight.staged, got, strict=True):
                         if r.ok:
                             runs = [(pinned.ptr + o, blocks[j].nbytes)]
@@ -570,6 +570,6 @@ class GpuService:
             items = [
                 (flight.keys[j], [pinned.view[o : o + flight.blocks[j].nbytes]]) for j, o in flight.staged
             ]
-            results = await self.pipeline.write_many(items, durable=durable)
+            results = await self.pipeline.write_many(items, durable=durable, owned=True)
             for (j, _), r in zip(flight.staged, results, strict=True):
                 flight.results[j] = r

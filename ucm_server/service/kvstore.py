@@ -49,7 +49,9 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def Attach(
         self, request: pb.AttachRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
-        session = self.engine.attach(request.client_name, request.pid, task_events=request.task_events)
+        session = self.engine.attach(
+            request.client_name, request.pid, task_events=request.task_events, peer=context.peer() or ""
+        )
         interval = self.engine.config.heartbeat_interval_s
         try:
             yield pb.SessionEvent(

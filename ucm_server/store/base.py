@@ -217,6 +217,16 @@ class Tier(abc.ABC):
         """Write a batch. Default: ``write_from`` per block, ``max_concurrency`` at a time."""
         return await bounded_gather(self.max_concurrency, [self.write_from(k, s) for k, s in items])
 
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        """Read a block straight into memory the daemon does not own (a client's region) and check
+        it there, deciding nothing about the stored copy from what ``dest`` holds: OK when the bytes
+        in ``dest`` match the stored checksum; MISSING or FAILED for what reading found without
+        looking at ``dest`` (absent, unreadable, a bad header); ``None`` when ``dest`` did not match:
+        the caller reads the block again into its own memory, where a mismatch does mean corruption,
+        and overwrites ``dest`` with the verified block or zeroes it. It saves a copy on the common
+        path. Default: ``None``, always read through daemon memory."""
+        return None
+
     async def info(self, key: BlockKey) -> BlockInfo | None:
         """Metadata of one block. Default: a lookup (no checksum known)."""
         (size,) = await self.lookup([key])

@@ -261,6 +261,17 @@ class CacheTier(Tier):
         entry.leases = 1
         return Reservation(entry)
 
+    def views(self, reservation: Reservation) -> list[memoryview]:
+        """A reservation's pages as memoryviews, for a tier to read a block into (promotion)."""
+        entry = reservation._entry
+        if entry is None:
+            raise ValueError("the reservation was already committed or aborted")
+        return self.arena.views(entry.extents, entry.size)
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the block is cached now (no LRU touch)."""
+        return key in self._index
+
     def commit(self, reservation: Reservation) -> None:
         """Publish a filled reservation (replacing any older version of the key)."""
         entry, reservation._entry = reservation._entry, None

@@ -74,6 +74,7 @@ class DS3FSTier(PosixTier):
     kind: ClassVar[str] = "DS3FS"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    client_reads: ClassVar[bool] = False  # its own read path (USRBIO, negative lookups) decides
 
     def __init__(
         self,

@@ -1,7 +1,14 @@
 """A pipeline of tiers (``"Cache|Posix"``, ``"Cache|Posix|DS3FS"``...): one store made of several.
 
-Reads go top-down; a block found lower is promoted into the top tier from the bytes just read (the
-caller's destination), so the next read is served from memory. Writes land in the top tier and reach
+Reads go top-down; a block found lower is promoted into the top tier, so the next read is served
+from memory. Client memory is never trusted (:mod:`ucm_server.store.staging`): a block to promote
+is read into the Cache pages it is promoted into, verified there, and only then copied to the caller;
+a block read straight into the caller's memory is never judged by what it holds there (a mismatch
+means "read it again into the staging pool", where a mismatch is corruption); a write the Cache
+does not hold is copied into staging first, so its checksum and its stored bytes come from one
+copy. Callers that pass
+memory of the daemon's own (``owned=True``: the GPU path's pinned buffers, the byte-streaming RPCs,
+scratch buffers) skip the extra copy. Writes land in the top tier and reach
 the lower tiers either in the background (write-back, the default: the Cache keeps a lease on the
 block until every lower tier has it, so it cannot be evicted before it is safe) or before the write
 completes (write-through). A write the top tier cannot take (Cache full of in-use blocks) goes
@@ -19,6 +26,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from ucm_server.keys import BlockKey, Namespace
@@ -30,9 +38,12 @@ from ucm_server.store.base import (
     BlockState,
     IoVec,
     Tier,
+    bounded_gather,
     failed,
+    iov_len,
 )
-from ucm_server.store.cache import CacheTier, Lease
+from ucm_server.store.cache import CacheTier, Lease, Reservation
+from ucm_server.store.staging import StagingPool, copy_pairs
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,8 @@ class Pipeline:
         write_back: bool = True,
         flushers: int = 4,
         shared_lookup_ttl_s: float = 2.0,
+        staging: StagingPool | None = None,
+        executor: Executor | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
@@ -59,6 +72,8 @@ class Pipeline:
         self.top = self.tiers[0]
         self.write_back = write_back and isinstance(self.top, CacheTier) and len(self.tiers) > 1
         self._nflushers = flushers
+        self.staging = staging or StagingPool()
+        self._executor = executor
         self._queue: asyncio.Queue[_Flush | None] = asyncio.Queue()
         self._flushers: list[asyncio.Task[None]] = []
         self._pending = 0
@@ -101,6 +116,7 @@ class Pipeline:
         await asyncio.gather(*self._flushers, return_exceptions=True)
         for t in reversed(self.tiers):
             await t.close()
+        self.staging.close()
 
     async def drain(self) -> None:
         await self._queue.join()
@@ -185,31 +201,40 @@ class Pipeline:
             oldest = min(self._reading) if self._reading else self._seq
             self._written = {k: v for k, v in self._written.items() if v > oldest}
 
-    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+    async def read_many(
+        self, items: Sequence[tuple[BlockKey, IoVec]], *, owned: bool = False
+    ) -> list[BlockResult]:
+        """Read a batch into ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
         started = self._seq
         self._reading[started] += 1
         try:
-            return await self._read_many(items, started)
+            return await self._read_many(items, started, owned)
         finally:
             self._reading[started] -= 1
             if not self._reading[started]:
                 del self._reading[started]
 
-    async def _read_many(self, items: Sequence[tuple[BlockKey, IoVec]], started: int) -> list[BlockResult]:
+    async def _read_many(
+        self, items: Sequence[tuple[BlockKey, IoVec]], started: int, owned: bool
+    ) -> list[BlockResult]:
         results: list[BlockResult] = [MISSING] * len(items)
         todo = list(range(len(items)))
         failures: dict[int, BlockResult] = {}
         for depth, tier in enumerate(self.tiers):
             if not todo:
                 break
-            got = await tier.read_many([items[i] for i in todo])
+            batch = [items[i] for i in todo]
+            if owned or (depth == 0 and isinstance(tier, CacheTier)):  # no checksum over client memory
+                got = await tier.read_many(batch)
+            else:
+                got = await self._read_staged(depth, batch, started)
             todo_next: list[int] = []
             promote: list[int] = []
             for i, r in zip(todo, got, strict=True):
                 if r.ok:
                     results[i] = r
                     failures.pop(i, None)
-                    if depth > 0:
+                    if depth > 0 and owned:
                         promote.append(i)
                 else:
                     if r.state is BlockState.FAILED:
@@ -222,11 +247,99 @@ class Pipeline:
             results[i] = r
         return results
 
-    async def _promote(self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int) -> None:
+    async def _read_staged(
+        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
+    ) -> list[BlockResult]:
+        """Read ``batch`` from the tier at ``depth`` through daemon memory, promoting as it goes."""
+        results: list[BlockResult] = [MISSING] * len(batch)
+        sizes = [iov_len(dest) for _, dest in batch]
+        for group in self.staging.groups(sizes):
+            got = await self._read_group(depth, [batch[i] for i in group], started)
+            for i, r in zip(group, got, strict=True):
+                results[i] = r
+        return results
+
+    async def _read_group(
+        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
+    ) -> list[BlockResult]:
+        """One group of :meth:`_read_staged`. A block to promote is read into the Cache pages
+        reserved for it, verified there, copied to the caller, and only then published. Any other
+        block is read straight into the caller's memory where the tier can check it there without
+        deciding anything from it (:meth:`Tier.read_checked`: the one-copy path of a Posix-only
+        daemon); one whose bytes there do not match, or whose tier cannot, is read again into the
+        staging pool, verified there (a mismatch there is corruption), and copied."""
+        tier = self.tiers[depth]
+        top = self.top if depth > 0 and isinstance(self.top, CacheTier) else None
+        reservations: dict[int, Reservation] = {}
+        if top is not None:
+            for j, (key, dest) in enumerate(batch):
+                if self._written.get(key, 0) <= started and not top.holds(key):
+                    reservation = top.reserve(key, iov_len(dest))
+                    if reservation is not None:
+                        reservations[j] = reservation
+        got: list[BlockResult | None] = [None] * len(batch)
+        direct = [j for j in range(len(batch)) if j not in reservations]
+        if direct:  # not promoted: straight into the caller's memory where the tier checks it there
+            checked = [tier.read_checked(batch[j][0], batch[j][1]) for j in direct]
+            for j, r in zip(direct, await bounded_gather(tier.max_concurrency, checked), strict=True):
+                got[j] = r
+        bounced = [j for j in direct if got[j] is None]
+        if not reservations and not bounced:
+            return [r for r in got if r is not None]
+        staged = await self.staging.take([iov_len(batch[j][1]) for j in bounced])
+        try:
+            mine: list[IoVec] = [[] for _ in batch]
+            for j, reservation in reservations.items():
+                assert top is not None
+                mine[j] = top.views(reservation)
+            for j, iov in zip(bounced, staged.iovs, strict=True):
+                mine[j] = iov
+            todo = [*reservations, *bounced]
+            for j, r in zip(todo, await tier.read_many([(batch[j][0], mine[j]) for j in todo]), strict=True):
+                got[j] = r
+            ok = [j for j in todo if (r := got[j]) is not None and r.ok]
+            # A block read straight into the caller's memory that then failed here: none of the
+            # bytes that first read left there may stay (copies from zeroed staging pages).
+            unread = [j for j in bounced if not (r := got[j]) or not r.ok]
+            if ok or unread:
+                pairs = [(batch[j][1], mine[j]) for j in ok]
+                await self._run(_copy_and_clear, pairs, [batch[j][1] for j in unread])
+                await self._promote_between(depth, [(batch[j][0], mine[j]) for j in ok], started)
+            for j in ok:
+                reservation = reservations.pop(j, None)
+                if reservation is None:
+                    continue
+                assert top is not None
+                key = batch[j][0]
+                if self._written.get(key, 0) <= started and not top.holds(key):
+                    top.commit(reservation)  # nobody wrote, deleted or promoted it meanwhile
+                else:
+                    top.abort(reservation)
+            return [r if r is not None else failed("not read") for r in got]
+        finally:
+            for reservation in reservations.values():  # failed reads, or an error on the way
+                assert top is not None
+                top.abort(reservation)
+            self.staging.give(staged)
+
+    async def _promote_between(self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int) -> None:
+        """Promotion into memory tiers above ``depth`` other than a top Cache (which publishes the
+        reservation the block was read into), from the daemon-owned copy just verified."""
+        first = 1 if isinstance(self.top, CacheTier) else 0
+        if any(not t.persistent for t in self.tiers[first:depth]):
+            await self._promote(depth, items, started, first=first)
+
+    async def _run(self, fn: Callable[..., None], *args: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _promote(
+        self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int, *, first: int = 0
+    ) -> None:
         """Copy blocks read at ``depth`` into the memory tiers above — only blocks nobody wrote or
-        deleted since the read began, and only where the tier has no copy (a failure is harmless)."""
+        deleted since the read began, and only where the tier has no copy (a failure is harmless).
+        ``items`` must be daemon memory."""
         fresh = [(k, iov) for k, iov in items if self._written.get(k, 0) <= started]
-        for tier in self.tiers[:depth]:
+        for tier in self.tiers[first:depth]:
             if tier.persistent or not fresh:
                 continue
             sizes = await tier.lookup([k for k, _ in fresh])
@@ -236,7 +349,15 @@ class Pipeline:
 
     # -- writes ---------------------------------------------------------------------------------------
     async def write_many(
-        self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False
+        self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False, owned: bool = False
+    ) -> list[BlockResult]:
+        """Store a batch from ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
+        if not owned and not isinstance(self.top, CacheTier):  # no Cache copy: checksum a copy of ours
+            return await self._staged_writes(items, lambda mine: self._write_many(mine, durable, True))
+        return await self._write_many(items, durable, owned)
+
+    async def _write_many(
+        self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
     ) -> list[BlockResult]:
         self._stamp(k for k, _ in items)
         top_results = await self.top.write_many(items)
@@ -263,20 +384,74 @@ class Pipeline:
                     waits.append((i, fut))
         else:
             direct = list(range(len(items)))
-        if direct:
-            refused = [items[i][0] for i in direct if not top_results[i].ok]
-            if refused:  # an older version may still sit in the top tier: it must not shadow this one
-                await self.top.delete(refused)
-            for i in direct:  # and an older write-back must not land below after this one
-                await self._settle(items[i][0])
-            lower = await self._write_down([items[i] for i in direct])
-            # What the lower tiers say decides: stored there is stored (even if the top refused it),
-            # and a write-through that fails below has failed.
-            for i, r in zip(direct, lower, strict=True):
-                results[i] = r
+        # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
+        # before any await) or from a staging copy, never from the client's region.
+        held: dict[int, Lease] = {}
+        if not owned and isinstance(self.top, CacheTier):
+            for i in direct:
+                lease = self.top.lease(items[i][0]) if top_results[i].ok else None
+                if lease is not None:
+                    held[i] = lease
+        try:
+            if direct:
+                refused = [items[i][0] for i in direct if not top_results[i].ok]
+                if refused:  # an older version may still sit in the top tier: it must not shadow this one
+                    await self.top.delete(refused)
+                for i in direct:  # and an older write-back must not land below after this one
+                    await self._settle(items[i][0])
+                lower = await self._write_direct(items, direct, held, owned)
+                # What the lower tiers say decides: stored there is stored (even if the top refused it),
+                # and a write-through that fails below has failed.
+                for i, r in zip(direct, lower, strict=True):
+                    results[i] = r
+        finally:
+            for lease in held.values():
+                lease.release()
         for i, fut in waits:
             r = await asyncio.shield(fut)
             if not r.ok:
+                results[i] = r
+        return results
+
+    async def _write_direct(
+        self,
+        items: Sequence[tuple[BlockKey, IoVec]],
+        direct: list[int],
+        held: dict[int, Lease],
+        owned: bool,
+    ) -> list[BlockResult]:
+        """Write ``items[direct]`` below the top: from ``held`` Cache copies, the caller's memory
+        when it is ``owned``, else through staging."""
+        if owned:
+            return await self._write_down([items[i] for i in direct])
+        out: dict[int, BlockResult] = {}
+        cached = [i for i in direct if i in held]
+        if cached:
+            got = await self._write_down([(items[i][0], held[i].iov) for i in cached])
+            out.update(zip(cached, got, strict=True))
+        copied = [i for i in direct if i not in held]
+        if copied:
+            got = await self._staged_writes([items[i] for i in copied], self._write_down)
+            out.update(zip(copied, got, strict=True))
+        return [out[i] for i in direct]
+
+    async def _staged_writes(
+        self,
+        items: Sequence[tuple[BlockKey, IoVec]],
+        write: Callable[[list[tuple[BlockKey, IoVec]]], Awaitable[list[BlockResult]]],
+    ) -> list[BlockResult]:
+        """Copy client blocks into staging (one copy each, group by group) and ``write`` that copy."""
+        results: list[BlockResult] = [MISSING] * len(items)
+        sizes = [iov_len(src) for _, src in items]
+        for group in self.staging.groups(sizes):
+            staged = await self.staging.take([sizes[i] for i in group])
+            try:
+                pairs = list(zip(group, staged.iovs, strict=True))
+                await self._run(copy_pairs, [(mine, items[i][1]) for i, mine in pairs])
+                got = await write([(items[i][0], mine) for i, mine in pairs])
+            finally:
+                self.staging.give(staged)
+            for i, r in zip(group, got, strict=True):
                 results[i] = r
         return results
 
@@ -410,3 +585,11 @@ class Pipeline:
         for t in tiers:
             async for info in t.list_blocks(namespace):
                 yield info
+
+
+def _copy_and_clear(pairs: list[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
+    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
+    copy_pairs(pairs)
+    for iov in clear:
+        for seg in iov:
+            seg[:] = bytes(seg.nbytes)

@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -98,6 +98,8 @@ class PosixTier(Tier):
     persistent = True
     shared = False
     max_concurrency = 16
+    client_reads: ClassVar[bool] = True
+    """:meth:`read_checked` reads into client memory (subclasses with their own read path say no)."""
 
     def __init__(
         self,
@@ -192,6 +194,38 @@ class PosixTier(Tier):
         except OSError as exc:
             self._stats.errors += 1
             return failed(f"{self.name} read error: {exc.strerror or exc}")
+        self._index.move_to_end(key)
+        self._stats.hits += 1
+        self._stats.read_bytes += entry.size
+        return OK
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        if not self.client_reads:
+            return None
+        entry = self._index.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            return MISSING
+        want = iov_len(dest)
+        if want != entry.size:
+            return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        try:
+            matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
+        except FileNotFoundError:
+            self._forget(key)
+            self._stats.misses += 1
+            return MISSING
+        except UnsupportedFormat as exc:
+            self._forget(key)
+            return failed(f"{self.name}: {exc}")
+        except CorruptBlock as exc:  # header or file length: read into daemon memory, so it is the file
+            await self._quarantine(key, str(exc))
+            return failed(f"corrupt block in {self.name}: {exc}")
+        except OSError as exc:
+            self._stats.errors += 1
+            return failed(f"{self.name} read error: {exc.strerror or exc}")
+        if not matched:
+            return None
         self._index.move_to_end(key)
         self._stats.hits += 1
         self._stats.read_bytes += entry.size
@@ -404,9 +438,24 @@ class PosixTier(Tier):
         try:
             verify_payload(header, dest)
         except CorruptBlock:
-            for seg in dest:  # the block failed: leave no trace of its bytes in the reader's memory
-                seg[:] = bytes(seg.nbytes)
+            _zero(dest)  # the block failed: leave no trace of its bytes in the reader's memory
             raise
+
+    def _read_file_checked(self, path: Path, key: BlockKey, dest: IoVec) -> bool:
+        """Read a block into client memory; whether the bytes there match the header's checksum.
+        On an error ``dest`` is zeroed (the block fails: none of its bytes stay there); on a
+        mismatch the caller reads the block again and overwrites or zeroes ``dest``."""
+        fd = self._open_block(path)
+        try:
+            header = read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
+            try:
+                _preadv_all(fd, dest, header.header_len)
+                return bool(payload_checksum(dest) == header.checksum)
+            except BaseException:
+                _zero(dest)
+                raise
+        finally:
+            os.close(fd)
 
     def _read_header(self, path: Path, key: BlockKey | None = None) -> BlockHeader:
         fd = self._open_block(path)
@@ -570,31 +619,43 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
-def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+IOV_MAX = 1024
+"""Most segments one ``preadv``/``pwritev`` call takes (Linux ``IOV_MAX``)."""
+
+
+def _pwritev_all(fd: int, iov: IoVec, offset: int) -> None:
     """``pwritev`` until every byte is written (it may write less than asked)."""
-    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    while views:
-        n = os.pwritev(fd, views[:1024], offset)
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    _vector_io(os.pwritev, fd, iov, offset, short="")
 
 
 def _preadv_all(fd: int, iov: IoVec, offset: int) -> None:
+    """``preadv`` until every byte is read; a file that ends first is corrupt."""
+    _vector_io(os.preadv, fd, iov, offset, short="file ended before the payload did")
+
+
+def _vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, short: str) -> None:
+    """Run ``call`` over ``iov`` at most :data:`IOV_MAX` segments at a time, resuming after short
+    transfers. Linear in the number of segments: a cursor moves along the list (a block may have
+    hundreds of thousands of segments; removing each from the front made it quadratic)."""
     views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    while views:
-        n = os.preadv(fd, views[:1024], offset)
+    i, count = 0, len(views)
+    while i < count:
+        n = call(fd, views[i : i + IOV_MAX], offset)
         if n == 0:
-            raise CorruptBlock("file ended before the payload did")
+            if short:
+                raise CorruptBlock(short)
+            raise OSError(errno.EIO, "pwritev made no progress")
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        while i < count and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if i < count and n:
+            views[i] = views[i][n:]
+
+
+def _zero(dest: IoVec) -> None:
+    for seg in dest:
+        seg[:] = bytes(seg.nbytes)
 
 
 def _fsync_dir(path: Path) -> None:

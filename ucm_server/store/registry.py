@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ucm_server.api.errors import ConfigError
 from ucm_server.store.base import Tier
 from ucm_server.store.pipeline import Pipeline
+from ucm_server.store.staging import StagingPool
 
 if TYPE_CHECKING:
     from ucm_server.config import ServerConfig
@@ -110,4 +111,6 @@ def build_pipeline(config: ServerConfig, executor: Executor) -> Pipeline:
         write_back=config.write_mode == "write-back",
         flushers=max(2, config.io_threads // 2),
         shared_lookup_ttl_s=config.shared_lookup_ttl_s,
+        staging=StagingPool(config.staging_bytes),
+        executor=executor,
     )
