@@ -35,6 +35,7 @@ _CLIENT_ENV = {
     "UCM_TARGET",
     "UCM_CONNECTOR_STRICT",
     "UCM_EXIT_WITH_PARENT",
+    "UCM_DAEMON_UID",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -149,6 +150,28 @@ class ServerConfig:
             "reports it missing)."
         ),
     )
+    max_session_regions: int = field(
+        default=4096,
+        metadata=_help(
+            "Most memory regions (host or GPU) one client session may have registered at once; "
+            "RESOURCE_EXHAUSTED beyond."
+        ),
+    )
+    max_session_region_bytes: int = field(
+        default=1 << 40,
+        metadata=_help(
+            "Most bytes of memory one client session may have registered at once (e.g. '1TiB'); "
+            "RESOURCE_EXHAUSTED beyond.",
+            size=True,
+        ),
+    )
+    max_pending_handovers: int = field(
+        default=256,
+        metadata=_help(
+            "Most memfds handed over on the fd socket and not yet registered (each holds a file "
+            "descriptor for up to 60 s); one process may hold a quarter of them."
+        ),
+    )
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
@@ -206,7 +229,14 @@ class ServerConfig:
             raise ConfigError(f"cache_page_size: must be a power of two >= 4096, got {self.cache_page_size}")
         if "Cache" in tiers and self.cache_capacity < self.cache_page_size:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
-        for name in ("io_threads", "max_batch_blocks", "max_block_bytes"):
+        for name in (
+            "io_threads",
+            "max_batch_blocks",
+            "max_block_bytes",
+            "max_session_regions",
+            "max_session_region_bytes",
+            "max_pending_handovers",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.shared_lookup_ttl_s >= 0:
