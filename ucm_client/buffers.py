@@ -43,6 +43,7 @@ class SharedMemoryError(ResourceExhausted, MemoryError):
 def _allocate(fd: int, size: int, label: str) -> None:
     """Allocate every page now, so a too-small limit fails here with a clear message."""
     try:
+        os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         what = f" ({label})" if label else ""
@@ -66,7 +67,6 @@ class SharedBuffer:
         self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size)
             _allocate(fd, size, label)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
