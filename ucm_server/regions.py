@@ -19,10 +19,14 @@ the GPU copy path, and a request mixing host and GPU regions is refused.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import itertools
 import logging
 import mmap
+import os
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +45,6 @@ class Region:
     name: str
     size: int
     label: str
-    _map: mmap.mmap
     view: memoryview
     users: int = 0
     closing: bool = False
@@ -51,11 +54,45 @@ class Region:
     owner_pid: int = 0
 
     def close(self) -> None:
-        self.view.release()
         try:
-            self._map.close()
+            self.view.release()
         except BufferError:
             pass  # a finished task's views are still referenced; the mapping goes with them
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _munmap(address: int, size: int) -> None:
+    _libc().munmap(address, size)
+
+
+def map_shared(fd: int, size: int) -> memoryview:
+    """Map ``size`` bytes of ``fd`` read-write and shared, as a byte memoryview that holds no file
+    descriptor (Python's ``mmap`` keeps a duplicate of the fd open per mapping, so a client registering
+    many regions would exhaust the daemon's descriptors). The mapping is removed when the last view of
+    it (the region's, and any slice a task still holds) is gone."""
+    address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages: Any = type("ClientPages", (ctypes.c_char * size,), {})  # a subclass: weakly referenceable
+    array = pages.from_address(address)
+    weakref.finalize(array, _munmap, address, size)
+    return memoryview(array).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +147,7 @@ class RegionTable:
             raise InvalidArgument(f"region size must be positive, got {size}")
         self.check_limits(session_id, size)
         try:
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view = map_shared(fd, size)
         except OSError as exc:
             if exc.errno == errno.ENOMEM:
                 raise ResourceExhausted(
@@ -125,8 +162,7 @@ class RegionTable:
             name=name or f"memfd:{pid}",
             size=size,
             label=label,
-            _map=m,
-            view=memoryview(m),
+            view=view,
             owner_uid=uid,
             owner_pid=pid,
         )

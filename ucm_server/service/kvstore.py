@@ -94,8 +94,8 @@ class KVStoreServicer(rpc.KVStoreServicer):
             return pb.RegisterRegionResponse(region_id=gpu.region_id)
         if request.shm_name:
             raise PermissionDenied(
-                f"registration by name ({request.shm_name[:200]!r}) is not accepted; hand the memory over "
-                "as a sealed memfd through the client library (ucm_client.SharedBuffer)"
+                "registration by name is not accepted (shm_name); hand the memory over as a sealed "
+                "memfd through the client library (ucm_client.SharedBuffer)"
             )
         if not request.memfd_token:
             raise InvalidArgument(
