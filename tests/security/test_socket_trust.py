@@ -333,3 +333,21 @@ def test_a_configured_daemon_uid_is_trusted(
     finally:
         c.close()
     assert any(n > 0 for n, _, _ in fake_nobody.connections()), "the client never spoke to the trusted daemon"
+
+
+def test_admin_tool_refuses_a_daemon_of_another_uid(fake_nobody: FakeDaemon) -> None:
+    env = {**os.environ, "UCM_TOKEN": "ADMIN-SECRET"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ucm_client.admin",
+        "--socket",
+        str(fake_nobody.path),
+        "--timeout",
+        "2",
+        "stats",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and f"uid {NOBODY}" in proc.stderr, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert all(n == 0 for n, _, _ in fake_nobody.connections()), "ucm-admin sent bytes to the fake daemon"
