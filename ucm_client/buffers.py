@@ -83,6 +83,12 @@ class SharedBuffer:
         self._finalizer = weakref.finalize(self, os.close, fd)
         self.buf = memoryview(self._map)
 
+    @property
+    def path(self) -> str:
+        """A path that opens this same memory (``/proc/<pid>/fd/<fd>``), for tools; "" once closed."""
+        fd = self.fileno()
+        return f"/proc/{os.getpid()}/fd/{fd}" if fd >= 0 else ""
+
     def fileno(self) -> int:
         """The memfd, which the client hands to the daemon; -1 once closed."""
         return self._fd if self._finalizer.alive else -1

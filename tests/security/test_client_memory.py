@@ -106,8 +106,10 @@ def test_shared_buffer_is_a_sealed_preallocated_memfd_and_leaves_nothing_in_dev_
     for bad_size in (0, 4096, 16 << 20):  # shrinking and growing are both refused by the seals
         with pytest.raises(PermissionError):
             os.ftruncate(fd, bad_size)
-    with pytest.raises(PermissionError):  # and so is reopening it with O_TRUNC
+    with pytest.raises(PermissionError):  # and so is reopening it with O_TRUNC, or truncating by path
         os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_TRUNC)
+    with pytest.raises(PermissionError):
+        os.truncate(buf.path, 0)
     with pytest.raises(PermissionError):  # the seals themselves are sealed
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
     buf.close()
