@@ -453,3 +453,22 @@ def test_handover_wire_format_is_what_the_client_sends() -> None:
     """The stdlib attacker scripts above speak the real format (so their refusals are real ones)."""
     assert struct.pack("!4sB3xQ", b"UCMF", 1, 4096) == REQUEST.pack(b"UCMF", 1, 4096)
     assert REPLY.size == 7
+
+
+def test_pending_handovers_expire_and_close_their_descriptor() -> None:
+    """The pending table on its own (the daemon's TTL is 60 s, too long for a test): an unclaimed
+    handover is dropped after its TTL and its descriptor closed; a token then fails clearly."""
+    from ucm_server.api.errors import FailedPrecondition
+    from ucm_server.api.fdpass import PeerCredentials
+    from ucm_server.handover import HandoverTable
+
+    table = HandoverTable(8, ttl_s=0.2)
+    fd = _memfd(4096, fcntl.F_SEAL_SHRINK)
+    token = table.add(fd, 4096, PeerCredentials(os.getpid(), os.getuid(), os.getgid()))
+    assert len(table) == 1
+    time.sleep(0.3)
+    with pytest.raises(FailedPrecondition, match="unknown or expired"):
+        table.take(token)
+    assert len(table) == 0
+    with pytest.raises(OSError):  # the table closed it
+        os.fstat(fd)
