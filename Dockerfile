@@ -6,10 +6,10 @@
 #   docker run -d --name ucm --ipc=host --stop-timeout 60 \
 #       -v /run/ucm:/run/ucm -v /var/lib/ucm:/var/lib/ucm -p 127.0.0.1:9464:9464 ucm-server:0.1.0
 #
-# The daemon runs as uid/gid 10001. Clients (vLLM) must run as the same uid: the socket is 0600 and the
-# daemon maps only shared memory (/dev/shm/ucm-*) owned by its own uid. They must also see the same
-# /dev/shm (--ipc=host, or the same host /dev/shm mounted in both containers). Host directories
-# bind-mounted on /run/ucm and /var/lib/ucm must belong to 10001 (chown 10001:10001 them once).
+# The daemon runs as uid/gid 10001. Clients (vLLM) must run as the same uid: the socket is 0600, and
+# client memory (sealed memfds) is handed over through the socket directory only by peers of the
+# daemon's uid; no shared /dev/shm is needed. Host directories bind-mounted on /run/ucm and
+# /var/lib/ucm must belong to 10001 (chown 10001:10001 them once; /run/ucm must also be mode 0700).
 #
 # Settings come from UCM_* variables (set below), an optional YAML file (--config /etc/ucm/ucm.yaml,
 # e.g. mounted from a ConfigMap) and flags; see docs/operations.md. Not built in CI here: no Docker

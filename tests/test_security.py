@@ -165,9 +165,11 @@ def test_tls_listener(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm", args=args) as d, SharedBuffer(4096) as buf:
         target = f"localhost:{_tcp_port(d)}"
         with UcmClient(target, tls_ca=cert) as c:
-            region = c.register(buf)
-            buf.buf[:] = os.urandom(4096)
-            assert c.wait(c.dump(NS, blocks_in(region, 1, 4096)), 10).ok
+            with pytest.raises(PermissionDenied, match="local Unix-socket"):  # memory is local-only
+                c.register(buf)
+            data = os.urandom(4096)
+            assert c.put_blocks(NS, [(b"\1" * 32, data)]).ok  # the streaming path works over TLS
+            assert c.get_blocks(NS, [b"\1" * 32]) == [data]
         with pytest.raises(Unavailable):
             UcmClient(target, connect_timeout_s=1).connect()  # plaintext against TLS: refused
 

@@ -9,7 +9,7 @@ with UcmClient() as client, SharedBuffer(64 << 20) as buf:
     assert client.wait(task, timeout_s=10).ok
 """
 
-from ucm_client.buffers import SharedBuffer
+from ucm_client.buffers import SharedBuffer, SharedMemoryError
 from ucm_client.client import AsyncUcmClient
 from ucm_client.sync import UcmClient
 from ucm_client.types import BlockIO, BlockState, LookupResult, Segment, TaskResult, key_digest, namespace_id
@@ -21,6 +21,7 @@ __all__ = [
     "LookupResult",
     "Segment",
     "SharedBuffer",
+    "SharedMemoryError",
     "TaskResult",
     "UcmClient",
     "key_digest",

@@ -1,58 +1,97 @@
 """Shared memory the daemon can copy into and out of directly.
 
-A :class:`SharedBuffer` is a POSIX shared-memory object under ``/dev/shm`` created with mode 0600 (only
-this user — and so the daemon running as this user — can open it), mapped into this process. Register
-it with the client once; then Load/Dump name offsets in it and no KV byte crosses the socket.
+A :class:`SharedBuffer` is an anonymous ``memfd`` (nothing under ``/dev/shm``, nothing left behind when
+the process ends), mapped into this process. Register it with the client once: the client passes the
+file descriptor itself to the daemon over its Unix socket (``SCM_RIGHTS``); no other process can name
+it. Then Load/Dump name offsets in it and no KV byte crosses the socket.
 
-The object is unlinked when the buffer is closed or garbage-collected, or at interpreter exit. A process
-killed with ``kill -9`` leaves its object behind (the daemon has already unmapped it when the session
-ended); ``ucm-admin`` lists such leftovers by their ``ucm-`` prefix.
+Two properties protect both sides:
+
+- every page is allocated up front (``posix_fallocate``), so the memory is billed to this process's
+  cgroup, not to the daemon's when it first writes a page, and a memory limit that is too small fails
+  here, with :class:`SharedMemoryError` naming the size, instead of as a ``SIGBUS`` later;
+- the file is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then
+  ``F_SEAL_SEAL``): nothing this process does to it can pull pages from under the daemon's mapping
+  (which would crash the daemon with ``SIGBUS``). The daemon refuses memory without ``F_SEAL_SHRINK``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import secrets
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ucm_server.api.errors import ResourceExhausted
+
 if TYPE_CHECKING:
     import torch
 
-SHM_DIR = Path("/dev/shm")
 PREFIX = "ucm-"
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+class SharedMemoryError(ResourceExhausted, MemoryError):
+    """The memory for a :class:`SharedBuffer` could not be allocated (a cgroup / container limit)."""
+
+
+def _allocate(fd: int, size: int, label: str) -> None:
+    """Allocate every page now, so a too-small limit fails here with a clear message."""
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        what = f" ({label})" if label else ""
+        raise SharedMemoryError(
+            f"could not allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory for the KV "
+            f"buffer{what}: {exc.strerror or exc}. The process's memory limit is too small for it: "
+            "raise the memory limit of this process/container (cgroup memory.max, docker --memory, "
+            "Kubernetes resources.limits.memory) or make the KV buffer smaller"
+        ) from None
 
 
 class SharedBuffer:
-    """``size`` bytes of owner-only shared memory, zero-filled."""
+    """``size`` bytes of sealed, preallocated, zero-filled shared memory (a memfd)."""
 
     def __init__(self, size: int, *, label: str = "") -> None:
         if size <= 0:
             raise ValueError(f"SharedBuffer size must be positive, got {size}")
         self.size = size
         self.label = label
-        fname = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        self.path = str(SHM_DIR / fname)
-        self.name = "/" + fname
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        # Diagnostics only (it shows in /proc/<pid>/maps as /memfd:NAME); the daemon never sees names.
+        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask says
-            os.ftruncate(fd, size)
+            _allocate(fd, size, label)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except OSError as exc:
             os.close(fd)
+            if exc.errno == errno.ENOMEM:
+                msg = f"could not map {size} bytes of shared memory: {exc.strerror}"
+                raise SharedMemoryError(msg) from None
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
         self.buf = memoryview(self._map)
+
+    @property
+    def path(self) -> str:
+        """A path that opens this same memory (``/proc/<pid>/fd/<fd>``), for tools; "" once closed."""
+        fd = self.fileno()
+        return f"/proc/{os.getpid()}/fd/{fd}" if fd >= 0 else ""
+
+    def fileno(self) -> int:
+        """The memfd, which the client hands to the daemon; -1 once closed."""
+        return self._fd if self._finalizer.alive else -1
 
     def array(self, dtype: Any = np.uint8, shape: tuple[int, ...] | None = None) -> np.ndarray[Any, Any]:
         """A numpy view (no copy) of the whole buffer, or of its first ``prod(shape)`` items."""
@@ -70,7 +109,10 @@ class SharedBuffer:
         return t if dtype is None else t.view(dtype)
 
     def close(self) -> None:
-        """Unmap and unlink. Views obtained from :meth:`array`/:meth:`torch` must be dropped first."""
+        """Unmap and close. Views obtained from :meth:`array`/:meth:`torch` must be dropped first.
+
+        The daemon keeps its own mapping of a registered buffer until the region is unregistered or the
+        session ends, so closing here never affects the daemon."""
         self.buf.release()
         try:
             self._map.close()
@@ -85,4 +127,5 @@ class SharedBuffer:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SharedBuffer({self.name!r}, size={self.size})"
+        label = f", label={self.label!r}" if self.label else ""
+        return f"SharedBuffer({self.name!r}, size={self.size}{label})"

@@ -33,7 +33,9 @@ from grpc import aio
 from ucm_client.buffers import SharedBuffer
 from ucm_client.errors import RegionLost
 from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
+from ucm_client.handover import hand_over
 from ucm_client.task_events import FinishedTasks
+from ucm_client.trust import trusted_uids, verify_daemon
 from ucm_client.types import (
     BlockIO,
     BlockState,
@@ -67,7 +69,6 @@ MAX_MESSAGE_BYTES = 512 << 20
 class _RegionRecord:
     """What the client knows of one region handle, to register its memory again after a restart."""
 
-    shm_name: str
     size: int
     label: str
     server_id: int | None
@@ -75,10 +76,12 @@ class _RegionRecord:
     cuda: CudaIpcExport | None = None
     lost: str | None = None
     """Why the handle is dead (its re-registration failed); it then never maps to a region id again."""
+    buffer: SharedBuffer | None = None
+    """Host memory: kept so that a restarted daemon can be handed the same memfd again."""
 
-    def request(self) -> pb.RegisterRegionRequest:
+    def request(self, memfd_token: bytes = b"") -> pb.RegisterRegionRequest:
         if self.cuda is None:
-            return pb.RegisterRegionRequest(shm_name=self.shm_name, size=self.size, label=self.label)
+            return pb.RegisterRegionRequest(memfd_token=memfd_token, size=self.size, label=self.label)
         c = self.cuda
         return pb.RegisterRegionRequest(
             size=c.size,
@@ -102,10 +105,14 @@ class AsyncUcmClient:
         tls_ca: str | os.PathLike[str] | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        daemon_uid: int | None = None,
     ) -> None:
         """``token`` (default ``$UCM_TOKEN``) is sent as ``authorization: Bearer``; ``tls_ca`` (PEM)
-        makes a TLS connection to a TCP target, with ``tls_cert``/``tls_key`` as client certificate."""
+        makes a TLS connection to a TCP target, with ``tls_cert``/``tls_key`` as client certificate.
+        On a Unix socket nothing is sent before the daemon proves to run as this process's uid, root,
+        or ``daemon_uid`` (default ``$UCM_DAEMON_UID``), see :mod:`ucm_client.trust`."""
         self.target = target_for(target)
+        self._trusted = trusted_uids(daemon_uid)
         self._token = token if token is not None else os.environ.get("UCM_TOKEN") or None
         self._tls = tuple(None if p is None else Path(p).read_bytes() for p in (tls_ca, tls_key, tls_cert))
         self.client_name = client_name
@@ -148,8 +155,13 @@ class AsyncUcmClient:
                 channel = aio.secure_channel(self.target, creds, options=options)
             else:
                 channel = aio.insecure_channel(self.target, options=options)
-            if self.target.startswith("unix://"):
-                _check_socket(Path(self.target.removeprefix("unix://")))
+            if (path := self.socket_path) is not None:
+                try:
+                    _check_socket(path)
+                    await asyncio.to_thread(verify_daemon, path, self._trusted, self.connect_timeout_s)
+                except BaseException:
+                    await channel.close()
+                    raise
             try:
                 await asyncio.wait_for(channel.channel_ready(), self.connect_timeout_s)
             except (TimeoutError, asyncio.CancelledError, grpc.RpcError):
@@ -197,13 +209,7 @@ class AsyncUcmClient:
             record.server_id = None
         for handle, record in live:
             try:
-                call = functools.partial(
-                    self.kv.RegisterRegion,
-                    record.request(),
-                    metadata=self._metadata(),
-                    timeout=self.rpc_timeout_s,
-                )
-                resp = await self._rpc(call)
+                server_id = await self._register_record(record)
             except Unavailable:
                 await self._close_channel()
                 raise
@@ -211,7 +217,7 @@ class AsyncUcmClient:
                 record.lost = f"registering it again with the restarted daemon failed: {exc}"
                 log.warning("ucm client %s: region handle %d is lost: %s", self.client_name, handle, exc)
                 continue
-            record.server_id = resp.region_id
+            record.server_id = server_id
 
     async def _watch(self, stream: Any) -> None:
         """Read the session stream: heartbeats, and the results of this session's tasks as they end."""
@@ -303,6 +309,20 @@ class AsyncUcmClient:
             raise Internal(f"gRPC failed talking to ucm-server at {self.target}: {exc}") from None
 
     @property
+    def socket_path(self) -> Path | None:
+        """The daemon's Unix socket, or None for a TCP target."""
+        if self.target.startswith("unix://"):
+            return Path(self.target.removeprefix("unix://"))
+        if self.target.startswith("unix:"):
+            return Path(self.target.removeprefix("unix:"))
+        return None
+
+    def verify_daemon(self) -> None:
+        """Blocking: check who serves the Unix socket (no-op for TCP); see :mod:`ucm_client.trust`."""
+        if (path := self.socket_path) is not None:
+            verify_daemon(path, self._trusted, self.connect_timeout_s)
+
+    @property
     def kv(self) -> rpc.KVStoreStub:
         if self._kv is None:
             raise Unavailable(f"not connected to ucm-server at {self.target}")
@@ -315,25 +335,56 @@ class AsyncUcmClient:
         return self._admin
 
     # -- regions --------------------------------------------------------------------------------------
-    async def register(self, buffer: SharedBuffer | str, size: int | None = None, *, label: str = "") -> int:
-        """Register shared memory; returns a handle for :class:`~ucm_client.types.Segment` ``region``."""
-        if isinstance(buffer, SharedBuffer):
-            shm_name, size, label = buffer.name, buffer.size, label or buffer.label
-        else:
-            shm_name = buffer
-            if size is None:
-                raise InvalidArgument("register(name) needs the region size")
-        resp = await self._call(
-            lambda: self.kv.RegisterRegion(
-                pb.RegisterRegionRequest(shm_name=shm_name, size=size, label=label),
-                metadata=self._metadata(),
-                timeout=self.rpc_timeout_s,
+    async def register(self, buffer: SharedBuffer, size: int | None = None, *, label: str = "") -> int:
+        """Register a :class:`SharedBuffer` (its first ``size`` bytes, default all); returns a handle for
+        :class:`~ucm_client.types.Segment` ``region``.
+
+        The buffer's memfd itself is handed to the daemon over its fd socket; nothing is named, so only
+        memory this process owns can be registered, and only over a local Unix socket."""
+        if not isinstance(buffer, SharedBuffer):
+            raise InvalidArgument(
+                f"register() takes a ucm_client.SharedBuffer, got {type(buffer).__name__}: memory is handed "
+                "to the daemon as a sealed memfd, never registered by name"
             )
-        )
+        size = buffer.size if size is None else size
+        if not 0 < size <= buffer.size:
+            raise InvalidArgument(f"register(size={size}): the buffer holds {buffer.size} bytes")
+        if buffer.fileno() < 0:
+            raise InvalidArgument(f"{buffer!r} is closed")
+        if self.socket_path is None:
+            raise PermissionDenied(
+                f"memory registration needs a local Unix-socket client; {self.target} is TCP: "
+                "use put_blocks/get_blocks"
+            )
+        record = _RegionRecord(size, label or buffer.label, 0, buffer=buffer)
+
+        async def call() -> int:
+            return await self._register_record(record)
+
+        record.server_id = await self._call(call)
         handle = self._next_handle
         self._next_handle += 1
-        self._regions[handle] = _RegionRecord(shm_name, size, label, resp.region_id)
+        self._regions[handle] = record
         return handle
+
+    async def _register_record(self, record: _RegionRecord) -> int:
+        """One RegisterRegion for ``record`` (host memory: handed over first); the daemon's region id."""
+        token = b""
+        if record.cuda is None:
+            path = self.socket_path
+            assert record.buffer is not None and path is not None
+            fd = record.buffer.fileno()
+            if fd < 0:
+                raise InvalidArgument(f"{record.buffer!r} was closed; it cannot be registered again")
+            token = await asyncio.to_thread(
+                hand_over, path, fd, record.size, self._trusted, timeout_s=self.rpc_timeout_s
+            )
+        request = record.request(token)
+        call = functools.partial(
+            self.kv.RegisterRegion, request, metadata=self._metadata(), timeout=self.rpc_timeout_s
+        )
+        resp = await self._rpc(call)
+        return int(resp.region_id)
 
     async def register_cuda(self, target: Any, *, label: str = "") -> int:
         """Register GPU memory (a torch CUDA tensor's storage, or a :class:`CudaIpcExport`) by CUDA IPC.
@@ -346,7 +397,7 @@ class AsyncUcmClient:
         for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)
-        record = _RegionRecord(f"cuda:{export.device}", export.size, label, 0, export)
+        record = _RegionRecord(export.size, label, 0, export)
         try:
             resp = await self._call(
                 lambda: self.kv.RegisterRegion(

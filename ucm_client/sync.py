@@ -37,6 +37,7 @@ class UcmClient:
         tls_ca: str | os.PathLike[str] | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
+        daemon_uid: int | None = None,
     ) -> None:
         """Same arguments as :class:`AsyncUcmClient`."""
         self._loop = asyncio.new_event_loop()
@@ -53,6 +54,7 @@ class UcmClient:
                 tls_ca=tls_ca,
                 tls_cert=tls_cert,
                 tls_key=tls_key,
+                daemon_uid=daemon_uid,
             )
         )
         self._channel: grpc.Channel | None = None
@@ -106,7 +108,7 @@ class UcmClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def register(self, buffer: SharedBuffer | str, size: int | None = None, *, label: str = "") -> int:
+    def register(self, buffer: SharedBuffer, size: int | None = None, *, label: str = "") -> int:
         return self._run(self._async.register(buffer, size, label=label))
 
     def register_cuda(self, target: Any, *, label: str = "") -> int:
@@ -122,6 +124,7 @@ class UcmClient:
         """Answered on a plain blocking channel, not through the event-loop thread: this is the
         scheduler's hot path (one call per request), where a thread hop would cost as much as the call."""
         if self._stub is None:
+            self._async.verify_daemon()  # who serves the socket, before the token goes out
             creds = self._async.channel_credentials()
             target = self._async.target
             self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)

@@ -35,6 +35,7 @@ _CLIENT_ENV = {
     "UCM_TARGET",
     "UCM_CONNECTOR_STRICT",
     "UCM_EXIT_WITH_PARENT",
+    "UCM_DAEMON_UID",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
@@ -198,6 +199,28 @@ class ServerConfig:
             "reports it missing)."
         ),
     )
+    max_session_regions: int = field(
+        default=4096,
+        metadata=_help(
+            "Most memory regions (host or GPU) one client session may have registered at once; "
+            "RESOURCE_EXHAUSTED beyond."
+        ),
+    )
+    max_session_region_bytes: int = field(
+        default=1 << 40,
+        metadata=_help(
+            "Most bytes of memory one client session may have registered at once (e.g. '1TiB'); "
+            "RESOURCE_EXHAUSTED beyond.",
+            size=True,
+        ),
+    )
+    max_pending_handovers: int = field(
+        default=256,
+        metadata=_help(
+            "Most memfds handed over on the fd socket and not yet registered (each holds a file "
+            "descriptor for up to 60 s); one process may hold a quarter of them."
+        ),
+    )
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
@@ -271,6 +294,9 @@ class ServerConfig:
             "max_sessions",
             "max_sessions_per_peer",
             "max_tasks_per_session",
+            "max_session_regions",
+            "max_session_region_bytes",
+            "max_pending_handovers",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

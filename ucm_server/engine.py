@@ -35,6 +35,7 @@ from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
+from ucm_server.handover import HandoverTable
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
 from ucm_server.regions import (
@@ -89,7 +90,10 @@ class Engine:
         self.config = config
         self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
         self.pipeline = pipeline or build_pipeline(config, self.executor)
-        self.regions = RegionTable()
+        self.regions = RegionTable(
+            max_regions=config.max_session_regions, max_bytes=config.max_session_region_bytes
+        )
+        self.handovers = HandoverTable(config.max_pending_handovers)
         self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.sessions: dict[str, Session] = {}
@@ -127,6 +131,7 @@ class Engine:
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()
+        self.handovers.close()
         self.executor.shutdown(wait=True)
         self.metrics.close()
 
@@ -186,9 +191,23 @@ class Engine:
         return s
 
     # -- regions --------------------------------------------------------------------------------------
-    def register_region(self, session_id: str | None, shm_name: str, size: int, label: str) -> Region:
+    def register_region(self, session_id: str | None, memfd_token: bytes, size: int, label: str) -> Region:
+        """Map the memfd handed over on the fd socket under ``memfd_token`` (once) as a new region."""
         s = self.session(session_id)
-        return self.regions.register(s.session_id, shm_name, size, label)
+        if size <= 0:
+            raise InvalidArgument(f"region size must be positive, got {size}")
+        self.regions.check_limits(s.session_id, size)  # before the token is spent
+        handover = self.handovers.take(memfd_token)
+        try:
+            if size > handover.size:
+                raise InvalidArgument(
+                    f"region size {size} is larger than the memory handed over ({handover.size} bytes)"
+                )
+            return self.regions.register_fd(
+                s.session_id, handover.fd, size, label, uid=handover.uid, pid=handover.pid
+            )
+        finally:
+            handover.close()  # the mapping keeps the memory; the descriptor is not needed any more
 
     async def register_cuda_region(
         self,
@@ -203,6 +222,7 @@ class Engine:
     ) -> GpuRegion:
         """A GPU region from a CUDA IPC handle; ``GpuUnavailable`` (FAILED_PRECONDITION) says why not."""
         s = self.session(session_id)
+        self.regions.check_limits(s.session_id, size)
         region = await self.gpu.register(
             self.regions,
             s.session_id,

@@ -1,8 +1,11 @@
-"""Client memory the daemon copies into and out of: POSIX shared-memory regions.
+"""Client memory the daemon copies into and out of: memfd regions handed over by file descriptor.
 
-A client creates a shared-memory object (mode 0600), registers it once, and from then on names
-``(region, offset, length)`` segments in Load/Dump. The daemon maps the object and copies between
-its tiers and that mapping directly — bulk bytes never cross the socket.
+A client creates a memfd sealed against shrinking, hands the descriptor over (:mod:`ucm_server.handover`),
+registers it once, and from then on names ``(region, offset, length)`` segments in Load/Dump. The
+daemon maps the memory and copies between its tiers and that mapping directly — bulk bytes never
+cross the socket. Because the memory cannot shrink, nothing the client does to its own copy can take
+pages from under the mapping. A session may hold at most ``max_regions`` regions of at most
+``max_bytes`` bytes in all (``RESOURCE_EXHAUSTED`` beyond).
 
 Every segment is checked against its region before anything is copied; a bad one fails the whole
 request with ``INVALID_ARGUMENT`` naming the block and the bounds. A region belongs to the session that
@@ -17,25 +20,25 @@ the GPU copy path, and a request mixing host and GPU regions is refused.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
+import functools
 import itertools
 import logging
 import mmap
 import os
-import stat
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ucm_server.api.errors import InvalidArgument, NotFound, PermissionDenied
+from ucm_server.api.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.store.base import IoVec
 
 log = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
 
 
 @dataclass(slots=True, eq=False)  # identity: regions are pinned in sets
@@ -45,33 +48,54 @@ class Region:
     name: str
     size: int
     label: str
-    _map: mmap.mmap
     view: memoryview
     users: int = 0
     closing: bool = False
     extra: dict[str, object] = field(default_factory=dict)
+    owner_uid: int = -1
+    """uid and pid of the process that handed the memory over (``SO_PEERCRED``)."""
+    owner_pid: int = 0
 
     def close(self) -> None:
-        self.view.release()
         try:
-            self._map.close()
+            self.view.release()
         except BufferError:
             pass  # a finished task's views are still referenced; the mapping goes with them
 
 
-def _shm_path(name: str) -> Path:
-    if name.startswith(str(SHM_DIR) + "/"):
-        path = Path(name)
-    else:
-        stripped = name.removeprefix("/")
-        if not stripped or "/" in stripped or stripped in (".", ".."):
-            raise InvalidArgument(
-                f"shm_name {name!r}: expected a shm_open name like '/ucm-1234' or a /dev/shm path"
-            )
-        path = SHM_DIR / stripped
-    if path.resolve().parent != SHM_DIR.resolve():
-        raise InvalidArgument(f"shm_name {name!r}: must name an object directly under {SHM_DIR}")
-    return path
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _munmap(address: int, size: int) -> None:
+    _libc().munmap(address, size)
+
+
+def map_shared(fd: int, size: int) -> memoryview:
+    """Map ``size`` bytes of ``fd`` read-write and shared, as a byte memoryview that holds no file
+    descriptor (Python's ``mmap`` keeps a duplicate of the fd open per mapping, so a client registering
+    many regions would exhaust the daemon's descriptors). The mapping is removed when the last view of
+    it (the region's, and any slice a task still holds) is gone."""
+    address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    pages: Any = type("ClientPages", (ctypes.c_char * size,), {})  # a subclass: weakly referenceable
+    array = pages.from_address(address)
+    weakref.finalize(array, _munmap, address, size)
+    return memoryview(array).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +127,13 @@ class SegmentColumns:
 class RegionTable:
     """All registered regions, by id, with per-session ownership."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_regions: int = 4096, max_bytes: int = 1 << 40) -> None:
         self._regions: dict[int, Region | GpuRegion] = {}
         self._ids = itertools.count(1)
         self._gpu = 0  # GPU regions registered: host-only daemons skip the GPU check entirely
+        self._usage: dict[str, tuple[int, int]] = {}  # session -> (regions, bytes)
+        self.max_regions = max_regions
+        self.max_bytes = max_bytes
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -115,57 +142,71 @@ class RegionTable:
     def total_bytes(self) -> int:
         return sum(r.size for r in self._regions.values())
 
-    def register(self, session_id: str, shm_name: str, size: int, label: str = "") -> Region:
-        path = _shm_path(shm_name)
+    def register_fd(
+        self, session_id: str, fd: int, size: int, label: str, *, uid: int = -1, pid: int = 0, name: str = ""
+    ) -> Region:
+        """Map ``size`` bytes of a checked, sealed memfd (the caller keeps and closes ``fd``)."""
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size}")
+        self.check_limits(session_id, size)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise NotFound(f"shared memory {shm_name!r} does not exist") from None
-        except PermissionError:
-            raise PermissionDenied(f"shared memory {shm_name!r}: permission denied") from None
+            view = map_shared(fd, size)
         except OSError as exc:
-            raise InvalidArgument(f"shared memory {shm_name!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidArgument(f"shared memory {shm_name!r} is not a regular object")
-            if st.st_mode & 0o077:
-                raise PermissionDenied(
-                    f"shared memory {shm_name!r} has mode {stat.S_IMODE(st.st_mode):o}; "
-                    "it must be owner-only (0600)"
-                )
-            if st.st_uid != os.geteuid():
-                raise PermissionDenied(
-                    f"shared memory {shm_name!r} belongs to uid {st.st_uid}, not the daemon's"
-                )
-            if st.st_size < size:
-                raise InvalidArgument(
-                    f"region size {size} is larger than shared memory {shm_name!r} ({st.st_size} bytes)"
-                )
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            if exc.errno == errno.ENOMEM:
+                raise ResourceExhausted(
+                    f"cannot map {size} more bytes of client memory: {exc.strerror} (the daemon's "
+                    "mappings or address space are exhausted)"
+                ) from None
+            msg = f"the handed-over memory cannot be mapped read-write: {exc.strerror}"
+            raise InvalidArgument(msg) from None
         region = Region(
             region_id=next(self._ids),
             session_id=session_id,
-            name=shm_name,
+            name=name or f"memfd:{pid}",
             size=size,
             label=label,
-            _map=m,
-            view=memoryview(m),
+            view=view,
+            owner_uid=uid,
+            owner_pid=pid,
         )
-        self._regions[region.region_id] = region
+        self._insert(region)
         log.debug(
-            "registered region %d (%s, %d bytes) for session %s", region.region_id, shm_name, size, session_id
+            "registered region %d (%d bytes from pid %d uid %d) for session %s",
+            region.region_id,
+            size,
+            pid,
+            uid,
+            session_id,
         )
         return region
+
+    def check_limits(self, session_id: str, size: int) -> None:
+        """``RESOURCE_EXHAUSTED`` if one more region of ``size`` bytes would pass the session's limits."""
+        count, nbytes = self._usage.get(session_id, (0, 0))
+        if count >= self.max_regions:
+            raise ResourceExhausted(
+                f"session {session_id[:8]} already has {count} regions registered, the limit "
+                f"(max_session_regions = {self.max_regions}); unregister regions it no longer uses"
+            )
+        if nbytes + size > self.max_bytes:
+            raise ResourceExhausted(
+                f"session {session_id[:8]} has {nbytes} bytes registered; {size} more would pass the "
+                f"limit (max_session_region_bytes = {self.max_bytes})"
+            )
+
+    def usage(self, session_id: str) -> tuple[int, int]:
+        """Regions and bytes the session has registered."""
+        return self._usage.get(session_id, (0, 0))
+
+    def _insert(self, region: Region | GpuRegion) -> None:
+        self._regions[region.region_id] = region
+        count, nbytes = self._usage.get(region.session_id, (0, 0))
+        self._usage[region.session_id] = (count + 1, nbytes + region.size)
 
     def add(self, make: Callable[[int], GpuRegion]) -> GpuRegion:
         """Register a region built elsewhere (a CUDA IPC mapping) under a fresh id."""
         region = make(next(self._ids))
-        self._regions[region.region_id] = region
+        self._insert(region)
         self._gpu += 1
         return region
 
@@ -195,8 +236,12 @@ class RegionTable:
 
     def _drop(self, region: Region | GpuRegion) -> None:
         region.closing = True
-        if self._regions.pop(region.region_id, None) is not None and isinstance(region, GpuRegion):
-            self._gpu -= 1
+        if self._regions.pop(region.region_id, None) is not None:
+            count, nbytes = self._usage.pop(region.session_id, (1, region.size))
+            if count > 1:
+                self._usage[region.session_id] = (count - 1, nbytes - region.size)
+            if isinstance(region, GpuRegion):
+                self._gpu -= 1
         if region.users == 0:
             region.close()
 

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 
 import grpc
@@ -24,10 +25,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ucm_server.api.errors import ConfigError
+from ucm_server.api.fdpass import fd_socket_path
 from ucm_server.api.ucm.v1 import ucm_pb2, ucm_pb2_grpc
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
+from ucm_server.handover import HandoverListener
 from ucm_server.service.admin import AdminServicer
 from ucm_server.service.interceptors import ErrorMappingInterceptor
 from ucm_server.service.kvstore import KVStoreServicer
@@ -38,28 +41,65 @@ MAX_MESSAGE_BYTES = 512 << 20
 SERVICES = ("ucm.v1.KVStore", "ucm.v1.Admin")
 
 
-def _prepare_socket(path: Path) -> None:
-    """Create the socket's directory (0700) and clear a stale socket, refusing a live one."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise ConfigError(f"socket {path}: cannot create its directory: {exc.strerror}") from exc
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        st = path.parent.stat()
-        raise ConfigError(
-            f"socket {path}: directory {path.parent} (owner uid {st.st_uid}, mode {st.st_mode & 0o7777:o}) "
-            f"is not writable by this daemon (uid {os.geteuid()})"
-        )
-    if path.exists() or path.is_symlink():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _prepare_socket_dir(directory: Path) -> None:
+    """The socket's directory must be the daemon's alone (owner = our euid, mode 0700): whoever else
+    can write there could replace the socket with their own and collect clients' tokens and memory.
+    Created 0700 when missing (its parents normally); an existing one is never changed, only checked."""
+    euid = os.geteuid()
+    if not directory.exists():
         try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # nobody listens: left over from a crash
-        else:
-            raise ConfigError(f"socket {path}: another ucm-server is already listening there")
-        finally:
-            probe.close()
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700)
+            os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+        except FileExistsError:
+            pass  # created concurrently: checked below like any existing directory
+        except OSError as exc:
+            raise ConfigError(f"socket directory {directory}: cannot create it: {exc.strerror}") from exc
+    try:
+        st = directory.stat()
+    except OSError as exc:
+        raise ConfigError(f"socket directory {directory}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"socket directory {directory} is not a directory")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != euid or mode & 0o077:
+        raise ConfigError(
+            f"socket directory {directory} has owner uid {st.st_uid} and mode {mode:04o}; it must be owned "
+            f"by this daemon's uid {euid} with mode 0700, so no other user can replace the socket. Fix: "
+            f"chown {euid} {directory} && chmod 700 {directory} (or choose another --socket)"
+        )
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket nobody listens on (left by a crash); refuse a live one and anything that is not
+    a socket (a regular file named by mistake is never deleted)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kinds = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_IFREG: "a regular file"}
+        kind = kinds.get(stat.S_IFMT(st.st_mode), "not a socket")
+        raise ConfigError(
+            f"socket {path} exists and is {kind}, not a socket; refusing to remove it: "
+            "choose another --socket, or move the file away yourself"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # nobody listens: left over from a crash
+    else:
+        raise ConfigError(f"socket {path}: another ucm-server is already listening there")
+    finally:
+        probe.close()
+
+
+def _prepare_socket(path: Path) -> None:
+    """Check (or create) the socket's 0700 directory and clear stale sockets, refusing a live one."""
+    _prepare_socket_dir(path.parent)
+    _clear_stale_socket(path)
+    _clear_stale_socket(fd_socket_path(path))
 
 
 def _lock_dir(path: Path) -> int:
@@ -116,6 +156,7 @@ class Daemon:
         self.metrics_port: int | None = None
         self.tcp_port: int | None = None
         self._locks: list[int] = []
+        self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
 
     async def start(self) -> None:
         cfg = self.config
@@ -159,8 +200,10 @@ class Daemon:
                 )
             host = cfg.listen.rpartition(":")[0]
             log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
+        self.fds.bind()  # before gRPC serves, so a client that sees the socket finds the fd socket too
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
+        await self.fds.start()
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -188,6 +231,7 @@ class Daemon:
         self.engine.closing = True
         await self.engine.tasks.shutdown(grace_s)
         await self.server.stop(1.0)
+        await self.fds.close()
         await self.engine.close(grace_s)
         with contextlib.suppress(FileNotFoundError):
             self.config.socket.unlink()

@@ -30,6 +30,8 @@ BLOCK = 128 << 10
 
 class InProcessDaemon:
     def __init__(self, workdir: Path, fake: FakeCuda) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        os.chmod(workdir, 0o700)  # the daemon's socket directory must be private
         self.config = ServerConfig(
             socket=workdir / "ucm.sock",
             data_dir=workdir / "data",

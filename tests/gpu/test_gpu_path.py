@@ -21,6 +21,7 @@ from fake_cuda import FakeCuda
 
 from ucm_client import key_digest, namespace_id
 from ucm_server.api.errors import FailedPrecondition, InvalidArgument
+from ucm_server.api.fdpass import PeerCredentials
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
 from ucm_server.gpu.backend import GpuUnavailable
@@ -386,7 +387,9 @@ def test_bad_gpu_requests_are_refused_up_front(tmp_path: Path) -> None:
             from ucm_client import SharedBuffer
 
             with SharedBuffer(BLOCK) as shm:
-                host = engine.register_region(sid, shm.name, shm.size, "host").region_id
+                peer = PeerCredentials(os.getpid(), os.getuid(), os.getgid())  # as the fd socket would see us
+                token = engine.handovers.add(os.dup(shm.fileno()), shm.size, peer)
+                host = engine.register_region(sid, token, shm.size, "host").region_id
                 with pytest.raises(InvalidArgument, match="cannot mix host and GPU"):
                     await engine.submit_io(
                         TaskKind.DUMP, sid, NS, keys(2), [], [rid, host], [0, 0], [BLOCK, BLOCK]

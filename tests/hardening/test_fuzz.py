@@ -37,6 +37,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_client.handover import hand_over
+from ucm_client.trust import trusted_uids
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
@@ -137,11 +139,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             ):
                 (sa, md_a), (sb, md_b), (sr, md_r) = (_attach(kv, n) for n in ("fuzz-a", "fuzz-b", "fuzz-r"))
                 streams = [sa, sb, sr]
+                tok_a = hand_over(d.socket, buf_a.fileno(), buf_a.size, trusted_uids())
+                tok_b = hand_over(d.socket, buf_b.fileno(), buf_b.size, trusted_uids())
                 region = kv.RegisterRegion(
-                    pb.RegisterRegionRequest(shm_name=buf_a.name, size=buf_a.size), metadata=md_a, timeout=5
+                    pb.RegisterRegionRequest(memfd_token=tok_a, size=buf_a.size), metadata=md_a, timeout=5
                 ).region_id
                 region_b = kv.RegisterRegion(
-                    pb.RegisterRegionRequest(shm_name=buf_b.name, size=buf_b.size), metadata=md_b, timeout=5
+                    pb.RegisterRegionRequest(memfd_token=tok_b, size=buf_b.size), metadata=md_b, timeout=5
                 ).region_id
                 yield Live(
                     daemon=d,

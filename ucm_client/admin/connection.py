@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import grpc
 
 from ucm_client.admin.errors import DaemonUnreachable
-from ucm_server.api.errors import error_for_status
+from ucm_client.trust import trusted_uids, verify_daemon
+from ucm_server.api.errors import Unavailable, error_for_status
 from ucm_server.api.paths import default_socket_path, target_for
 
 T = TypeVar("T")
@@ -77,6 +78,10 @@ class Daemon:
         path = socket_path(self.target)
         if path is not None:
             check_socket(path)
+            try:  # who serves the socket, before a token goes out (PermissionDenied if not trusted)
+                verify_daemon(path, trusted_uids(), self.timeout_s)
+            except Unavailable as exc:
+                raise DaemonUnreachable(f"{exc} ({START_HINT})") from None
         channel = grpc.insecure_channel(self.target)
         try:
             grpc.channel_ready_future(channel).result(timeout=self.timeout_s)

@@ -55,7 +55,8 @@ class ShmAllocation(TorchFunctionMode):
         if self.buffer is None and func is torch.zeros and self._is_kv_allocation(args, kwargs):
             size = int(args[0] if not isinstance(args[0], list | tuple) else args[0][0])
             self.buffer = SharedBuffer(size)
-            # A fresh POSIX shm segment is zero-filled, which is what torch.zeros promises.
+            # A fresh SharedBuffer (a memfd, every page allocated up front) reads as zeros, which is
+            # what torch.zeros promises.
             self.tensor = torch.frombuffer(self.buffer.buf, dtype=torch.int8, count=size)
             return self.tensor
         return func(*args, **kwargs)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
-from ucm_server.api.errors import InvalidArgument
+from ucm_server.api.errors import InvalidArgument, PermissionDenied
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
@@ -28,6 +28,11 @@ def session_of(context: aio.ServicerContext) -> str | None:
         if key == SESSION_METADATA:
             return str(value)
     return None
+
+
+def is_local(context: aio.ServicerContext) -> bool:
+    """Whether the call came over the Unix socket (grpc names such peers ``unix:...``)."""
+    return str(context.peer() or "").startswith("unix:")
 
 
 def task_status(task: Task) -> pb.TaskStatus:
@@ -74,6 +79,10 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
+        if not is_local(context):
+            raise PermissionDenied(
+                "memory registration needs a local Unix-socket client; over TCP use GetBlocks/PutBlocks"
+            )
         if request.cuda_ipc_handle:  # GPU memory shared by CUDA IPC (ucm_server.gpu)
             gpu = await self.engine.register_cuda_region(
                 session_of(context),
@@ -85,8 +94,18 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 label=request.label,
             )
             return pb.RegisterRegionResponse(region_id=gpu.region_id)
+        if request.shm_name:
+            raise PermissionDenied(
+                "registration by name is not accepted (shm_name); hand the memory over as a sealed "
+                "memfd through the client library (ucm_client.SharedBuffer)"
+            )
+        if not request.memfd_token:
+            raise InvalidArgument(
+                "RegisterRegion needs memfd_token (host memory handed over on the daemon's fd socket) "
+                "or cuda_ipc_handle (GPU memory)"
+            )
         region = self.engine.register_region(
-            session_of(context), request.shm_name, request.size, request.label
+            session_of(context), request.memfd_token, request.size, request.label
         )
         return pb.RegisterRegionResponse(region_id=region.region_id)
 

@@ -34,6 +34,17 @@ class DaemonProcess:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket = socket or self.workdir / "ucm.sock"
+        # The daemon wants its socket directory private (0700). Only a directory of this test's own
+        # (the work directory or one made here) is made so; any other is the caller's to prepare.
+        sock_dir = self.socket.parent
+        if not sock_dir.exists():
+            sock_dir.mkdir(parents=True)
+            os.chmod(sock_dir, 0o700)
+        elif (
+            sock_dir.resolve() == self.workdir.resolve()
+            or self.workdir.resolve() in sock_dir.resolve().parents
+        ):
+            os.chmod(sock_dir, 0o700)
         self.data_dir = data_dir or self.workdir / "data"
         self.log_path = self.workdir / "ucm-server.log"
         self.extra_args = list(args or [])

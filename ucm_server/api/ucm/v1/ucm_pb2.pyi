@@ -69,7 +69,7 @@ class SessionEvent(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., task_events_stopped: _Optional[bool] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("shm_name", "size", "label", "cuda_ipc_handle", "cuda_offset", "cuda_device", "cuda_device_uuid")
+    __slots__ = ("shm_name", "size", "label", "cuda_ipc_handle", "cuda_offset", "cuda_device", "cuda_device_uuid", "memfd_token")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class RegisterRegionRequest(_message.Message):
     CUDA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     CUDA_DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     size: int
     label: str
@@ -84,7 +85,8 @@ class RegisterRegionRequest(_message.Message):
     cuda_offset: int
     cuda_device: int
     cuda_device_uuid: bytes
-    def __init__(self, shm_name: _Optional[str] = ..., size: _Optional[int] = ..., label: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device: _Optional[int] = ..., cuda_device_uuid: _Optional[bytes] = ...) -> None: ...
+    memfd_token: bytes
+    def __init__(self, shm_name: _Optional[str] = ..., size: _Optional[int] = ..., label: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_offset: _Optional[int] = ..., cuda_device: _Optional[int] = ..., cuda_device_uuid: _Optional[bytes] = ..., memfd_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id",)

@@ -1,0 +1,365 @@
+"""Client memory handed over as a file descriptor: the fd socket and its table of pending handovers.
+
+A client never names memory for the daemon to open (a name lets anyone who can reach the daemon map
+anything the daemon's user can open). It passes the memory itself: a memfd sealed with
+``F_SEAL_SHRINK``, sent over ``<socket path>.fds`` with ``SCM_RIGHTS`` (wire format in
+:mod:`ucm_server.api.fdpass`). The seal is what keeps the daemon alive: memory that cannot shrink can
+never vanish under the daemon's mapping, so no ``SIGBUS``, whatever the client does to its own copy.
+
+The listener checks the peer (``SO_PEERCRED``: the daemon's own uid, or root) and the descriptor (a
+regular shmem file with the seal, at least the declared size), then parks it under a fresh random
+token for ``ttl_s``; ``RegisterRegion`` takes it by that token, once. Pending descriptors are bounded
+in total and per peer process, so a client cannot exhaust the daemon's file descriptors. Whatever
+arrives on the socket (garbage, half messages, several or no descriptors, a pipe, ``/dev/zero``) is
+answered with a reason or dropped, and every descriptor received is closed unless it is kept.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import functools
+import logging
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from ucm_server.api.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    UcmError,
+)
+from ucm_server.api.fdpass import (
+    MAX_REPLY_PAYLOAD,
+    REPLY,
+    REPLY_MAGIC,
+    REQUEST,
+    REQUEST_MAGIC,
+    TOKEN_BYTES,
+    VERSION,
+    PeerCredentials,
+    peer_credentials,
+)
+
+log = logging.getLogger(__name__)
+
+TTL_S = 60.0
+CONNECTION_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 64
+MAX_FDS_PER_MESSAGE = 8  # room to receive (and then close) a few too many
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+@dataclass(slots=True)
+class Handover:
+    """A descriptor waiting for its ``RegisterRegion``."""
+
+    fd: int
+    size: int
+    """Bytes the memory holds (``fstat`` at handover; sealed, so it cannot shrink)."""
+    uid: int
+    pid: int
+    expires: float
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_magic(fd: int) -> int | None:
+    """The file system type of ``fd`` (``fstatfs``; its first field), or None where it cannot be read."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    try:
+        if _libc().fstatfs(fd, buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(ctypes.c_ulong.from_buffer(buf).value) & 0xFFFFFFFF
+
+
+def check_memfd(fd: int, declared: int) -> int:
+    """Refuse anything but shmem memory sealed against shrinking and at least ``declared`` bytes;
+    return its size."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument(
+            "the descriptor is not a memfd (not a regular file): hand over memory made by "
+            "memfd_create(MFD_ALLOW_SEALING), as ucm_client.SharedBuffer does"
+        )
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise InvalidArgument(
+            "the descriptor is not a memfd (its file system has no seals): hand over memory made by "
+            "memfd_create(MFD_ALLOW_SEALING), as ucm_client.SharedBuffer does"
+        ) from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidArgument(
+            "the memfd is not sealed with F_SEAL_SHRINK: add F_SEAL_SHRINK (fcntl F_ADD_SEALS) before "
+            "handing it over, so it can never shrink under the daemon's mapping"
+        )
+    if _fs_magic(fd) == HUGETLBFS_MAGIC:
+        raise InvalidArgument("hugetlb memfds are not accepted (a fault on one can crash the daemon)")
+    if declared <= 0:
+        raise InvalidArgument(f"declared size must be positive, got {declared}")
+    if st.st_size < declared:
+        raise InvalidArgument(f"the memfd holds {st.st_size} bytes, less than the declared {declared}")
+    return int(st.st_size)
+
+
+class HandoverTable:
+    """Descriptors handed over and not yet registered, by token; bounded, and expiring."""
+
+    def __init__(self, max_pending: int, *, ttl_s: float = TTL_S) -> None:
+        self.max_pending = max_pending
+        self.max_per_pid = max(1, max_pending // 4)
+        self.ttl_s = ttl_s
+        self._pending: dict[bytes, Handover] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, fd: int, declared: int, peer: PeerCredentials) -> bytes:
+        """Check ``fd`` and keep it (this table owns it from now on, also when refused: then closed)."""
+        try:
+            size = check_memfd(fd, declared)
+            self.expire()
+            if len(self._pending) >= self.max_pending:
+                raise ResourceExhausted(
+                    f"{len(self._pending)} memory handovers are pending registration, the limit "
+                    "(max_pending_handovers); register or drop them, or raise max_pending_handovers"
+                )
+            mine = sum(1 for h in self._pending.values() if h.pid == peer.pid)
+            if mine >= self.max_per_pid:
+                raise ResourceExhausted(
+                    f"process {peer.pid} has {mine} memory handovers pending registration, the limit "
+                    f"per process (a quarter of max_pending_handovers = {self.max_pending}); call "
+                    "RegisterRegion with the tokens already received"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._pending[token] = Handover(fd, size, peer.uid, peer.pid, time.monotonic() + self.ttl_s)
+        return token
+
+    def take(self, token: bytes) -> Handover:
+        """The handover for ``token``, once; the caller closes its descriptor."""
+        self.expire()
+        if len(token) != TOKEN_BYTES:
+            raise InvalidArgument(f"memfd_token must be {TOKEN_BYTES} bytes, got {len(token)}")
+        handover = self._pending.pop(bytes(token), None)
+        if handover is None:
+            raise FailedPrecondition(
+                "unknown or expired memfd_token: hand the memory over again on the fd socket "
+                f"(a token works once, for {self.ttl_s:.0f}s)"
+            )
+        return handover
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for token in [t for t, h in self._pending.items() if h.expires <= now]:
+            self._pending.pop(token).close()
+
+    def close(self) -> None:
+        for h in self._pending.values():
+            h.close()
+        self._pending.clear()
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    """Until ``conn`` has data (or EOF) to read."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+class HandoverListener:
+    """The fd socket: accepts connections on the event loop, one request each, never blocking."""
+
+    def __init__(self, path: Path, table: HandoverTable, *, timeout_s: float = CONNECTION_TIMEOUT_S) -> None:
+        self.path = path
+        self.table = table
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._expiring: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.uid = os.geteuid()
+
+    def bind(self) -> None:
+        """Create the socket, mode 0600 (the caller has checked its directory and cleared a stale one)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(str(self.path))
+        except OSError:
+            sock.close()
+            raise
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+
+    async def start(self) -> None:
+        if self._sock is None:
+            self.bind()
+        self._accepting = asyncio.create_task(self._accept_loop())
+        self._expiring = asyncio.create_task(self._expire_loop())
+
+    async def close(self) -> None:
+        for task in (self._accepting, self._expiring, *self._conns):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in (self._accepting, self._expiring, *self._conns) if t is not None),
+            return_exceptions=True,
+        )
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        self.table.close()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.table.ttl_s, 10.0))
+            self.table.expire()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:  # EMFILE and the like: say so, back off, keep serving
+                log.warning("fd socket: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= MAX_CONNECTIONS:
+                conn.close()  # too many half-open connections: this one gets nothing
+                continue
+            task = asyncio.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            conn.setblocking(False)
+            try:
+                data = await asyncio.wait_for(self._read_request(conn, fds), self.timeout_s)
+            except TimeoutError:
+                return  # a client that sends half a request and waits gets the connection closed
+            if data is None:
+                return  # closed early
+            try:
+                token = self._admit(conn, data, fds)
+            except UcmError as exc:
+                await self._reply(conn, exc.code, exc.message.encode())
+                return
+            fds = []  # the table owns the descriptor now
+            await self._reply(conn, grpc.StatusCode.OK, token)
+        except (OSError, asyncio.CancelledError):
+            pass
+        except Exception:  # never let one connection take the listener down
+            log.exception("fd socket: unexpected error")
+        finally:
+            _close_fds(fds)
+            conn.close()
+
+    async def _read_request(self, conn: socket.socket, fds: list[int]) -> bytes | None:
+        """Up to REQUEST.size bytes and every descriptor that came with them (into ``fds``)."""
+        loop = asyncio.get_running_loop()
+        data = b""
+        space = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+        while len(data) < REQUEST.size:
+            try:
+                chunk, ancdata, _flags, _ = conn.recvmsg(
+                    REQUEST.size - len(data), space, socket.MSG_CMSG_CLOEXEC
+                )
+            except BlockingIOError:
+                await _readable(loop, conn)
+                continue
+            fds.extend(_fds_of(ancdata))
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    def _admit(self, conn: socket.socket, data: bytes, fds: list[int]) -> bytes:
+        peer = peer_credentials(conn)
+        if peer.uid not in (self.uid, 0):
+            raise PermissionDenied(
+                f"process {peer.pid} runs as uid {peer.uid}; this daemon (uid {self.uid}) takes memory "
+                "only from its own uid or root"
+            )
+        magic, version, declared = REQUEST.unpack(data)
+        if magic != REQUEST_MAGIC or version != VERSION:
+            raise InvalidArgument(
+                f"not a UCM fd request (magic {magic!r}, version {version}); "
+                f"expected {REQUEST_MAGIC!r} v{VERSION}"
+            )
+        if len(fds) != 1:
+            raise InvalidArgument(f"a handover carries exactly one file descriptor, got {len(fds)}")
+        fd = fds.pop()
+        token = self.table.add(fd, declared, peer)  # owns (and on refusal closes) fd
+        log.debug("fd socket: memfd of %d bytes from pid %d (uid %d) pending", declared, peer.pid, peer.uid)
+        return token
+
+    async def _reply(self, conn: socket.socket, code: grpc.StatusCode, payload: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        payload = payload[:MAX_REPLY_PAYLOAD]
+        status = 0 if code == grpc.StatusCode.OK else int(code.value[0])
+        with contextlib.suppress(OSError):
+            await asyncio.wait_for(
+                loop.sock_sendall(conn, REPLY.pack(REPLY_MAGIC, status, len(payload)) + payload),
+                self.timeout_s,
+            )
