@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ucm_server.api.paths import make_private_dirs
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     MISSING,
@@ -259,7 +260,7 @@ class PosixTier(Tier):
     def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> bool:
         """Write one block file durably; True if it went out with ``O_DIRECT``."""
         size, checksum = iov_len(src), payload_checksum(src)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(path.parent)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
         fd, direct = self._create(tmp, self.root_of(key), want_direct=self.direct_io and _direct_ready(src))
         try:
@@ -318,7 +319,7 @@ class PosixTier(Tier):
     def _scan(self) -> list[tuple[BlockKey, _Entry]]:
         found: list[tuple[BlockKey, _Entry]] = []
         for root in self.roots:
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(root)
             for dirpath, dirnames, filenames in os.walk(root):
                 if Path(dirpath) == root and QUARANTINE in dirnames:
                     dirnames.remove(QUARANTINE)
