@@ -112,11 +112,14 @@ def served(server_image: str) -> Iterator[Served]:
     write_config(dirs, port)
     start = time.monotonic()
     c = Container.run(server_image, daemon_args(dirs))
+    served = Served(server_image, dirs, port, c, 0.0)
     try:
         c.wait_healthy()
-        yield Served(server_image, dirs, port, c, time.monotonic() - start)
+        served.first_health = time.monotonic() - start
+        yield served
     finally:
         c.remove()
+        served.container.remove()  # a test may have replaced it (re-created container)
         shutil.rmtree(root, ignore_errors=True)
 
 
