@@ -27,7 +27,7 @@ ROUNDTRIP = Path(__file__).parent / "roundtrip.py"
 SOCKET = "/run/ucm/ucm.sock"
 
 
-def test_config(text: str) -> str:
+def sized_for_tests(text: str) -> str:
     """The example config with its sizes cut to fit a test machine (16 GiB of Cache would not)."""
     out = []
     sizes = {
@@ -39,16 +39,13 @@ def test_config(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
-
-
 @pytest.fixture(scope="module")
 def systemd_image(
     base_images: tuple[str, str], server_image: str, tmp_path_factory: pytest.TempPathFactory
 ) -> str:
     context = tmp_path_factory.mktemp("systemd-host")
     shutil.copy(UNIT, context / UNIT.name)
-    (context / "ucm.yaml").write_text(test_config(CONFIG.read_text()))
+    (context / "ucm.yaml").write_text(sized_for_tests(CONFIG.read_text()))
     name = f"localhost/ucm-systemd-host:test-{pm.digest([CONTAINERFILE, UNIT, CONFIG])}-{server_image[-12:]}"
     if not pm.image_exists(name):
         pm.podman(
