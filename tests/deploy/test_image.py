@@ -291,3 +291,29 @@ def test_tmpfiles_rule_recreates_the_socket_directory(server_image: str, host_di
         assert client(run / SOCKET_NAME, "dump", "tmpfiles", 2)["ok"]
     finally:
         c.remove()
+
+
+def test_baked_in_config_serves_as_documented(server_image: str, host_dirs: HostDirs) -> None:
+    """With nothing but the two volumes (the docs' `docker run` line, on podman's default bridge network):
+    the image's own /etc/ucm/ucm.yaml puts the socket at /run/ucm/ucm.sock and the metrics on
+    0.0.0.0:9464 inside the container, so a published port reaches them from the host."""
+    port = free_port()
+    args = ["--stop-timeout", "60", "-v", f"{host_dirs.run}:/run/ucm", "-v", f"{host_dirs.data}:/var/lib/ucm"]
+    c = Container.run(server_image, [*args, *SHM_SHARING, "-p", f"127.0.0.1:{port}:9464"])
+    try:
+        c.wait_healthy()
+        sock = host_dirs.run / "ucm.sock"
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert client(sock, "dump", "baked", 2)["ok"]
+        assert client(sock, "load", "baked", 2)["equal"]
+        deadline = time.monotonic() + 20
+        while True:  # the port forward may need a moment after the daemon is up
+            try:
+                assert "ucm_tier_blocks" in metrics(port)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        c.remove()
