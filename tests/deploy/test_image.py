@@ -33,7 +33,14 @@ SOCKET_NAME = "daemon.sock"  # not the image's ucm.sock: the HEALTHCHECK must fo
 
 
 def daemon_args(dirs: HostDirs, *extra: str) -> list[str]:
+    """The daemon container as deploy/k8s runs it: read-only root file system, no capabilities, no
+    privilege escalation (the DaemonSet's securityContext), host directories for socket and blocks."""
     return [
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
         "--network",
         "host",
         "--stop-timeout",
@@ -206,6 +213,10 @@ def test_metrics_follow_the_mounted_config(served: Served) -> None:
 def test_non_root_and_owner_only_socket(served: Served) -> None:
     """The daemon runs as uid 10001; its socket is 0600 in a 0700 directory, as seen from the host."""
     assert served.container.exec("id", "-u").strip() == str(UCM_UID)
+    # It serves with the root file system read-only and no capabilities (as in the DaemonSet).
+    assert served.container.exec_rc("touch", "/opt/ucm/probe").returncode != 0
+    cap_eff = served.container.exec("sh", "-c", "awk '/^CapEff:/{print $2}' /proc/1/status").strip()
+    assert int(cap_eff, 16) == 0, cap_eff
     pid1_uid = served.container.exec("sh", "-c", "awk '/^Uid:/{print $2}' /proc/1/status").strip()
     assert pid1_uid == str(UCM_UID)
     st = served.socket.stat()
