@@ -7,13 +7,11 @@ built once per test run, whatever number of tests use them.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support import podman as pm
-from support.podman import UCM_UID, HostDirs, owned_dir
+from support.podman import HostDirs, make_host_dirs
 
 
 @pytest.fixture(scope="session")
@@ -37,18 +35,7 @@ def server_image(base_images: tuple[str, str]) -> str:
 
 
 @pytest.fixture
-def host_dirs() -> Iterator[HostDirs]:
-    """A fresh /run/ucm, /var/lib/ucm and /etc/ucm on the host, owned by the daemon's uid where needed.
-
-    Under /tmp with a 0711 root so the client (running as uid 10001 on the host) can reach the socket.
-    """
-    root = Path(tempfile.mkdtemp(prefix="ucm-deploy-", dir="/tmp"))
-    root.chmod(0o711)
-    dirs = HostDirs(
-        root,
-        owned_dir(root / "run", UCM_UID, 0o700),
-        owned_dir(root / "data", UCM_UID, 0o700),
-        owned_dir(root / "etc", 0, 0o755),
-    )
+def host_dirs(podman_ready: None) -> Iterator[HostDirs]:
+    dirs = make_host_dirs()
     yield dirs
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(dirs.root, ignore_errors=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from support import podman as pm
-from support.podman import UCM_UID, Container, HostDirs, client, container_client, owned_dir
+from support.podman import UCM_UID, Container, HostDirs, client, container_client, make_host_dirs
 from support.services import free_port
 
 SHM_SHARING = ["-v", "/dev/shm:/dev/shm"]  # old world only (see the module docstring)
@@ -104,17 +105,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(server_image: str) -> Iterator[Served]:
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="ucm-deploy-", dir="/tmp"))
-    root.chmod(0o711)
-    dirs = HostDirs(
-        root,
-        owned_dir(root / "run", UCM_UID, 0o700),
-        owned_dir(root / "data", UCM_UID, 0o700),
-        owned_dir(root / "etc", 0, 0o755),
-    )
+    dirs = make_host_dirs()
     port = free_port()
     write_config(dirs, port)
     start = time.monotonic()
@@ -127,7 +118,7 @@ def served(server_image: str) -> Iterator[Served]:
     finally:
         c.remove()
         served.container.remove()  # a test may have replaced it (re-created container)
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(dirs.root, ignore_errors=True)
 
 
 # -- the image ------------------------------------------------------------------------------------------

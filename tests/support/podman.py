@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -210,6 +211,20 @@ class HostDirs:
     run: Path  # -> /run/ucm (the socket directory shared with clients)
     data: Path  # -> /var/lib/ucm (the block store)
     etc: Path  # -> /etc/ucm (the config, read-only)
+
+
+def make_host_dirs() -> HostDirs:
+    """A fresh /run/ucm, /var/lib/ucm and /etc/ucm on the host, owned by the daemon's uid where needed,
+    as an operator prepares them. Under /tmp with a 0711 root so a client running as uid 10001 on the
+    host can reach the socket. The caller removes ``root``."""
+    root = Path(tempfile.mkdtemp(prefix="ucm-deploy-", dir="/tmp"))
+    root.chmod(0o711)
+    return HostDirs(
+        root,
+        owned_dir(root / "run", UCM_UID, 0o700),
+        owned_dir(root / "data", UCM_UID, 0o700),
+        owned_dir(root / "etc", 0, 0o755),
+    )
 
 
 def owned_dir(path: Path, uid: int, mode: int) -> Path:
