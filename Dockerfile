@@ -1,40 +1,54 @@
-# syntax=docker/dockerfile:1
 #
-# ucm-server: the UCM storage daemon, nothing else (no torch, no vLLM, no cupy).
+# ucm-server: the UCM storage daemon, nothing else (no torch, no vLLM, no cupy, no pip).
 #
-#   docker build -t ucm-server:0.1.0 .
-#   docker run -d --name ucm --ipc=host --stop-timeout 60 \
+# Build (no registry needed; tests/deploy/ does exactly this on every CI run):
+#   deploy/image/make-base.sh                # prints the two base images it made (debootstrap + import)
+#   podman build --format docker --build-arg BASE_TAG=<tag it printed> -t ucm-server:0.1.0 .
+# `--format docker` matters for podman/buildah: the OCI image format has no HEALTHCHECK and they drop it
+# (with a warning). Docker builds need no flag. There is deliberately no `# syntax=` line: it makes
+# BuildKit pull a frontend image, which fails on air-gapped build hosts. Where pip needs the host's
+# proxy settings or CA bundle: podman build -v /etc/pip.conf:/etc/pip.conf:ro -v <bundle>:<bundle>:ro.
+#
+# Run (see docs/operations.md, "Docker / podman"):
+#   install -d -o 10001 -g 10001 -m 0700 /run/ucm /var/lib/ucm   # and deploy/image/ucm-tmpfiles.conf
+#   docker run -d --name ucm --stop-timeout 60 \
 #       -v /run/ucm:/run/ucm -v /var/lib/ucm:/var/lib/ucm -p 127.0.0.1:9464:9464 ucm-server:0.1.0
 #
-# The daemon runs as uid/gid 10001. Clients (vLLM) must run as the same uid: the socket is 0600, and
-# client memory (sealed memfds) is handed over through the socket directory only by peers of the
-# daemon's uid; no shared /dev/shm is needed. Host directories bind-mounted on /run/ucm and
-# /var/lib/ucm must belong to 10001 (chown 10001:10001 them once; /run/ucm must also be mode 0700).
+# The daemon runs as uid/gid 10001. Clients (vLLM) must run as the same uid (the socket and its .fds
+# companion are 0600 in a 0700 directory) and mount the same socket directory; they hand their memory
+# to the daemon as file descriptors over that socket, so no --ipc=host and no shared /dev/shm.
 #
-# Settings come from UCM_* variables (set below), an optional YAML file (--config /etc/ucm/ucm.yaml,
-# e.g. mounted from a ConfigMap) and flags; see docs/operations.md. Not built in CI here: no Docker
-# engine on the build machines; tests/test_deploy.py checks this file statically.
+# Settings: /etc/ucm/ucm.yaml (deploy/image/ucm.yaml, baked in; mount your own over it or over /etc/ucm).
+# No UCM_* ENV here: environment beats the file in ucm-server, so an image ENV would silently override
+# a mounted config. The HEALTHCHECK reads the same file (ucm-admin --config), so it probes the socket
+# the daemon actually uses; `docker run -e UCM_SOCKET=...` reaches both alike, a --socket flag does not.
 
-ARG PYTHON_IMAGE=python:3.11-slim
+# The bases come from deploy/image/make-base.sh (debootstrap of Debian bookworm, --variant=minbase):
+# the build base has python3-venv, the runtime base has python3 and no pip/setuptools/venv.
+ARG BASE_TAG=bookworm
+ARG BUILD_BASE=localhost/ucm-base-build:${BASE_TAG}
+ARG RUNTIME_BASE=localhost/ucm-base:${BASE_TAG}
 
-# -- build: install the package and its runtime dependencies into a venv --------------------------
-FROM ${PYTHON_IMAGE} AS build
+# -- build: the package and its pinned runtime dependencies in a venv --------------------------------
+FROM ${BUILD_BASE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/ucm
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CONSTRAINT=/src/constraints.txt
+RUN python3 -m venv /opt/ucm
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml README.md ./
 COPY ucm_server ./ucm_server
 COPY ucm_client ./ucm_client
-# The base install only: grpcio (+health, reflection), protobuf, uvloop, pyyaml, prometheus-client,
-# xxhash, rich, numpy. No extras: torch/vllm/cupy are client-side (the vllm and gpu extras).
+# The base install only (constraints.txt pins every version, the build backend included). No extras:
+# torch/vllm/cupy are client-side. Then pip and setuptools leave the venv: the runtime installs nothing.
 RUN /opt/ucm/bin/pip install . \
     && /opt/ucm/bin/ucm-server --version \
     && /opt/ucm/bin/python -c "import sys, ucm_server.server, ucm_client.admin.cli; \
-bad = {'torch', 'vllm', 'cupy'} & set(sys.modules); sys.exit(f'unexpected imports: {bad}' if bad else 0)"
+bad = {'torch', 'vllm', 'cupy'} & set(sys.modules); sys.exit(f'unexpected imports: {bad}' if bad else 0)" \
+    && /opt/ucm/bin/python -m pip uninstall --yes pip setuptools
 
 # -- runtime ------------------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE}
+FROM ${RUNTIME_BASE}
 LABEL org.opencontainers.image.title="ucm-server" \
       org.opencontainers.image.description="UCM (Unified Cache Manager) KV-cache storage daemon" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -47,31 +61,30 @@ RUN groupadd --system --gid 10001 ucm \
     && install -d -o root -g root -m 0755 /etc/ucm
 
 COPY --from=build /opt/ucm /opt/ucm
+COPY deploy/image/ucm.yaml /etc/ucm/ucm.yaml
 
-ENV PATH=/opt/ucm/bin:$PATH \
+ENV PATH=/opt/ucm/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/var/lib/ucm \
-    UCM_SOCKET=/run/ucm/ucm.sock \
-    UCM_DATA_DIR=/var/lib/ucm \
-    UCM_METRICS_ADDRESS=0.0.0.0:9464
+    HOME=/var/lib/ucm
 
 # Socket directory (share it with clients) and block store (persist it: blocks survive restarts).
 VOLUME ["/run/ucm", "/var/lib/ucm"]
 
-# Prometheus /metrics (UCM_METRICS_ADDRESS). The gRPC API is the Unix socket, not a port.
+# Prometheus /metrics (metrics_address in /etc/ucm/ucm.yaml). The gRPC API is the Unix socket.
 EXPOSE 9464
 
 USER 10001:10001
 
 # ucm-admin health exits 0 when the daemon answers SERVING, 1 when it is not serving (shutting down),
-# 3 when it is unreachable (still rebuilding its index at start-up, or dead). Docker defines only exit
-# codes 0 and 1 for health checks, hence "|| exit 1". The start period covers the index rebuild.
+# 3 when it is unreachable (still rebuilding its index at start-up, or dead), 2 when the config file is
+# wrong. Docker defines only exit codes 0 and 1 for health checks, hence "|| exit 1". The start period
+# covers the index rebuild. --config: the socket of the daemon's own config file and environment.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
-    CMD ucm-admin --socket "$UCM_SOCKET" --timeout 5 -q health || exit 1
+    CMD ucm-admin --config /etc/ucm/ucm.yaml --timeout 5 -q health || exit 1
 
 # The daemon handles SIGTERM itself: health goes NOT_SERVING, running tasks get 10 s, write-back
 # drains, tiers close. Give it more than Docker's default 10 s: docker stop -t 60 / --stop-timeout 60.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["ucm-server"]
+ENTRYPOINT ["ucm-server", "--config", "/etc/ucm/ucm.yaml"]
 CMD []

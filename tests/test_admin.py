@@ -329,3 +329,45 @@ def test_doctor_reports_missing_daemon_and_sparse_patches(tmp_path: Path) -> Non
     failed = [c for c in report["checks"] if c["ok"] is False]
     assert [(c["section"], c["name"]) for c in failed] == [("daemon", "socket")]
     assert any(c["section"] == "sparse" for c in report["checks"])  # present, or "not available"
+
+
+# -- --config: the daemon's own config file names the socket (container health checks) -------------
+def admin_with_config(
+    config: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ucm_client.admin", "--config", str(config), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
+        timeout=60,
+    )
+
+
+def test_config_option_resolves_the_socket_as_the_daemon_does(
+    seeded: tuple[DaemonProcess, list[str], list[str]], tmp_path: Path
+) -> None:
+    """`ucm-admin --config FILE` talks to the socket FILE names, with UCM_SOCKET beating the file exactly
+    as in ucm-server; a missing or invalid file is a usage error (2) naming it; --config and --socket
+    together are refused."""
+    d, _, _ = seeded
+    good, elsewhere, broken = tmp_path / "good.yaml", tmp_path / "elsewhere.yaml", tmp_path / "broken.yaml"
+    good.write_text(f"socket: {d.socket}\ncache_capacity: 1GiB\n")
+    elsewhere.write_text(f"socket: {tmp_path / 'nobody.sock'}\n")
+    broken.write_text("sockett: /x\n")
+    ok = admin_with_config(good, "health")
+    assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+    away = admin_with_config(elsewhere, "health")
+    assert away.returncode == 3 and "nobody.sock" in away.stderr
+    assert admin_with_config(elsewhere, "health", env={"UCM_SOCKET": str(d.socket)}).returncode == 0
+    moved = admin_with_config(good, "health", env={"UCM_SOCKET": str(tmp_path / "moved.sock")})
+    assert moved.returncode == 3 and "moved.sock" in moved.stderr
+    missing = admin_with_config(tmp_path / "absent.yaml", "health")
+    assert missing.returncode == 2 and "absent.yaml" in missing.stderr
+    bad = admin_with_config(broken, "health")
+    assert bad.returncode == 2 and "sockett" in bad.stderr
+    both = admin_with_config(good, "--socket", str(d.socket), "health")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    assert d.healthy()

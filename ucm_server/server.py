@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.fdpass import fd_socket_path
+from ucm_server.api.paths import make_private_dirs
 from ucm_server.api.ucm.v1 import ucm_pb2, ucm_pb2_grpc
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
@@ -106,7 +107,7 @@ def _lock_dir(path: Path) -> int:
     """An exclusive lock on ``path/.ucm.lock`` for the daemon's lifetime: two daemons sharing a data
     directory would each index and evict the other's files."""
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(path)
         fd = os.open(path / ".ucm.lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise ConfigError(f"directory {path}: {exc.strerror}") from exc

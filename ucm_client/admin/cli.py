@@ -44,8 +44,8 @@ examples:
   ucm-admin watch --interval 2
   ucm-admin --socket /run/ucm/ucm.sock doctor
 
-target: --target, else --socket, else $UCM_TARGET, else $UCM_SOCKET, else $XDG_RUNTIME_DIR/ucm/ucm.sock,
-else /tmp/ucm-<uid>/ucm.sock (the same default as ucm-server).
+target: --target, else --socket, else the socket of --config FILE, else $UCM_TARGET, else $UCM_SOCKET,
+else $XDG_RUNTIME_DIR/ucm/ucm.sock, else /tmp/ucm-<uid>/ucm.sock (the same default as ucm-server).
 Set UCM_ADMIN_DEBUG=1 to see a traceback for unexpected errors.
 
 {EXIT_CODES_HELP}"""
@@ -114,6 +114,13 @@ def _add_global_options(parser: argparse.ArgumentParser, suppress: bool) -> None
         metavar="TARGET",
         default=default,
         help="Any gRPC target: unix:/path, host:port (plain TCP).",
+    )
+    where.add_argument(
+        "--config",
+        metavar="FILE",
+        default=default,
+        help="The daemon's YAML config file: use the socket it names, with $UCM_* applied as ucm-server "
+        "applies them (health checks follow the daemon's actual socket this way).",
     )
     mode = group.add_mutually_exclusive_group()
     mode.add_argument(
@@ -345,7 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mode = Mode.JSON if args.json else Mode.QUIET if args.quiet else Mode.HUMAN
     out = Output(mode)
-    daemon = Daemon(resolve_target(args.socket, args.target), args.timeout)
+    try:
+        target = resolve_target(args.socket, args.target, args.config)
+    except ValueError as exc:  # ConfigError: the config file is missing or wrong
+        out.error(str(exc), exit_code=ExitCode.USAGE, label="usage")
+        return ExitCode.USAGE
+    daemon = Daemon(target, args.timeout)
     try:
         return int(_handler(args.handler)(args, daemon, out))
     except BrokenPipeError:  # `ucm-admin ls | head`: the reader left, which is not our failure

@@ -25,12 +25,24 @@ T = TypeVar("T")
 START_HINT = "start it with `ucm-server`, or point --socket/--target (or $UCM_SOCKET) at a running one"
 
 
-def resolve_target(socket: str | None, target: str | None) -> str:
-    """The gRPC target: ``--target`` > ``--socket`` > ``$UCM_TARGET`` > ``$UCM_SOCKET`` > the default path."""
+def resolve_target(socket: str | None, target: str | None, config: str | None = None) -> str:
+    """The gRPC target: ``--target`` > ``--socket`` > the socket of the daemon config ``--config`` >
+    ``$UCM_TARGET`` > ``$UCM_SOCKET`` > the default path.
+
+    ``--config`` resolves the socket exactly as ``ucm-server --config FILE`` does (file, then ``UCM_*``
+    environment, then defaults), so a container health check reading the same file and environment as
+    the daemon probes the socket the daemon really listens on. Raises ``ConfigError`` (a ValueError)
+    when the file is missing or invalid.
+    """
     if target:
         return target_for(target)
     if socket:
         return target_for(socket if socket.startswith(("/", ".", "unix:")) else f"./{socket}")
+    if config:
+        from ucm_server.config import load_config
+
+        daemon_config, _ = load_config(Path(config))
+        return target_for(daemon_config.socket)
     if env := os.environ.get("UCM_TARGET"):
         return target_for(env)
     return target_for(default_socket_path())

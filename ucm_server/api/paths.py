@@ -31,3 +31,20 @@ def target_for(socket_or_address: str | os.PathLike[str] | None) -> str:
     if text.startswith("/") or text.startswith("."):
         return f"unix://{Path(text).absolute()}"
     return text
+
+
+def make_private_dirs(path: Path) -> None:
+    """``mkdir -p path`` where every directory it creates, parents included, is owner-only (0700).
+
+    ``Path.mkdir(parents=True, mode=0o700)`` applies the mode to the last directory only and gives the
+    parents the umask's (0755 usually), so other users could list a data directory's namespaces.
+    Existing directories are left as they are (an operator may have chosen their mode).
+    """
+    try:
+        path.mkdir(mode=0o700)
+    except FileNotFoundError:
+        make_private_dirs(path.parent)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except FileExistsError:
+        if not path.is_dir():
+            raise

@@ -30,6 +30,8 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from ucm_server.api.paths import make_private_dirs
+
 __all__ = ["NotRegularFile", "file_kind", "open_block", "open_dir", "open_regular", "parent_dir"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -111,7 +113,7 @@ def open_dir(root: Path, parts: Sequence[str], *, create: bool = False, sync_cre
         if part in ("", ".", "..") or "/" in part:
             raise OSError(errno.EINVAL, "path component not allowed", str(root / part))
     if create and not root.is_dir():
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(root)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     if _syscall is not None and parts:  # the common case in one call: every directory exists
         try:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from ucm_server.api.paths import make_private_dirs
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     MISSING,
@@ -467,7 +468,7 @@ class PosixTier(Tier):
     def _scan(self) -> list[tuple[BlockKey, _Entry]]:
         found: list[tuple[BlockKey, _Entry]] = []
         for root in self.roots:
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(root)
             for dirpath, dirnames, filenames in os.walk(root):
                 if Path(dirpath) == root and QUARANTINE in dirnames:
                     dirnames.remove(QUARANTINE)

@@ -1,13 +1,13 @@
-"""The deployment artifacts (Dockerfile, deploy/k8s, deploy/systemd, deploy/grafana) against the daemon.
+"""The deployment artifacts (Dockerfile, deploy/k8s, deploy/systemd, deploy/grafana), read statically.
 
-No Docker engine, Kubernetes cluster or systemd-as-PID-1 runs where these tests run, so the image,
-the manifests and the unit are never started here. What can be checked without them is checked:
-every manifest parses; every configuration it carries loads with the daemon's own ``load_config``;
-every ``UCM_*`` variable is a real setting (or a known client variable); socket path, data directory,
-metrics port, uid and config path agree across all of them; ``systemd-analyze verify`` accepts the unit
-where it is installed; and against a real daemon (started with torch, vLLM and cupy made unimportable,
-as in the image): the health-check commands exit 0 when it serves and fail when it is unreachable,
-and every metric and label the Grafana dashboard uses is one the daemon exports.
+The image, the unit and the manifests are also run for real (tests/deploy/test_image.py,
+test_systemd.py, test_manifests.py); these checks need no podman and run everywhere: every manifest
+parses; every configuration it carries loads with the daemon's own ``load_config``; no artifact sets a
+``UCM_*`` variable that would override its config file; socket path, data directory, metrics port, uid
+and config path agree across all of them; ``systemd-analyze verify`` accepts the unit where it is
+installed; and against a real daemon (started with torch, vLLM and cupy made unimportable, as in the
+image): the health-check commands exit 0 when it serves and fail when it is unreachable, and every
+metric and label the Grafana dashboard uses is one the daemon exports.
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ from ucm_server.config import ServerConfig, load_config, read_env
 from ucm_server.server import Daemon
 from ucm_server.testing.daemon import DaemonProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 UNIT = DEPLOY / "systemd" / "ucm-server.service"
 UNIT_CONFIG = DEPLOY / "systemd" / "ucm.yaml"
+IMAGE_CONFIG = DEPLOY / "image" / "ucm.yaml"
+IMAGE_CONFIG_PATH = "/etc/ucm/ucm.yaml"  # where the Dockerfile puts it and the ConfigMap is mounted
 DASHBOARD = DEPLOY / "grafana" / "ucm-dashboard.json"
 
 # The daemon's runtime dependencies (pyproject [project].dependencies): what `pip install .` in the
@@ -261,29 +263,38 @@ def self_and(stage: list[Instruction], name: str) -> list[Instruction]:
 
 
 def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
+    # Item 3: no parser directive that makes BuildKit pull a frontend image (air-gapped builds).
+    first = (ROOT / "Dockerfile").read_text().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
     for stage in image.stages:
         base = image.expand(stage[0].args.split()[0])
-        assert base.startswith("python:3.11-slim"), f"FROM {base}: expected python:3.11-slim"
+        assert base.startswith("localhost/ucm-base"), f"FROM {base}: not a deploy/image/make-base.sh base"
     runs = " ".join(i.args for stage in image.stages for i in self_and(stage, "RUN"))
     installs = re.findall(r"pip install ([^&;|]+)", runs)
     assert installs, "no pip install in the Dockerfile"
     for cmd in installs:
         assert "[" not in cmd, f"pip install {cmd}: the daemon image installs no extras"
         assert not any(name in cmd for name in CLIENT_ONLY), f"pip install {cmd}: client-only packages"
-    assert exec_form(image.one("ENTRYPOINT").args) == ["ucm-server"]
+    # Item 4: the versions are pinned (PIP_CONSTRAINT reaches pip's isolated build environment too).
+    build_env: dict[str, str] = {}
+    for ins in self_and(image.stages[0], "ENV"):
+        build_env.update(parse_env(ins.args))
+    assert build_env.get("PIP_CONSTRAINT", "").endswith("constraints.txt")
+    assert "uninstall --yes pip setuptools" in runs, "pip and setuptools must leave the runtime venv"
+    entry = exec_form(image.one("ENTRYPOINT").args)
+    assert entry[0] == "ucm-server" and entry[entry.index("--config") + 1] == IMAGE_CONFIG_PATH
     assert image.one("STOPSIGNAL").args == "SIGTERM"
     assert image.uid != 0, "the daemon must not run as root"
     assert image.one("USER").args.split(":")[0] not in ("root", "0")
 
 
-def test_dockerfile_env_is_real_config(image: Image) -> None:
-    env = image.env
-    ucm = {k: v for k, v in env.items() if k.startswith("UCM_")}
-    assert {"UCM_SOCKET", "UCM_DATA_DIR", "UCM_METRICS_ADDRESS"} <= ucm.keys()
-    _, unknown = read_env(ucm)
-    assert not unknown, f"Dockerfile ENV: not ucm-server settings: {unknown}"
-    config, _ = load_config(None, environ=ucm)
-    assert str(config.socket) == env["UCM_SOCKET"]
+def test_dockerfile_sets_no_ucm_env_and_bakes_its_config(image: Image) -> None:
+    """Item 1: environment beats the file in ucm-server, so an image ENV would override a mounted config."""
+    assert not [k for k in image.env if k.startswith("UCM_")], image.env
+    copies = [exec_form(i.args) for i in image.all("COPY")]
+    assert ["deploy/image/ucm.yaml", IMAGE_CONFIG_PATH] in copies
+    config, warnings = load_config(IMAGE_CONFIG, environ={})
+    assert not warnings
     host, port = config.metrics_address.rsplit(":", 1)
     assert host == "0.0.0.0", "in a container the metrics endpoint must listen beyond loopback"
     assert str(port) in image.one("EXPOSE").args.split()
@@ -291,14 +302,27 @@ def test_dockerfile_env_is_real_config(image: Image) -> None:
     assert str(config.socket.parent) in volumes and str(config.data_dir) in volumes
 
 
-def test_dockerfile_healthcheck_uses_ucm_admin(image: Image) -> None:
+def test_dockerfile_healthcheck_reads_the_daemon_config(image: Image) -> None:
     options, _, command = image.one("HEALTHCHECK").args.partition("CMD ")
-    words = shlex.split(image.expand(command.split("||")[0]))
+    words = shlex.split(command.split("||")[0])
     assert words[0] == "ucm-admin" and words[-1] == "health", words
-    assert words[words.index("--socket") + 1] == image.env["UCM_SOCKET"]
+    assert words[words.index("--config") + 1] == IMAGE_CONFIG_PATH
+    assert "--socket" not in words and "--target" not in words
     assert "|| exit 1" in command, "Docker health checks define only exit codes 0 and 1"
     opts = dict(o.lstrip("-").split("=") for o in options.split())
     assert {"interval", "timeout", "start-period", "retries"} <= opts.keys()
+
+
+def test_constraints_pin_every_daemon_dependency() -> None:
+    """Item 4: constraints.txt pins each runtime dependency of the package, and pins it exactly."""
+    pins: dict[str, str] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version.strip(), f"constraints.txt: {line!r} is not an exact pin"
+            pins[name.strip().lower()] = version.strip()
+    assert pins.keys() >= DAEMON_DEPENDENCIES, DAEMON_DEPENDENCIES - pins.keys()
+    assert "setuptools" in pins, "the build backend is pinned too"
 
 
 def test_dockerfile_copies_what_the_build_needs(image: Image) -> None:
@@ -327,7 +351,7 @@ def test_dockerfile_copies_what_the_build_needs(image: Image) -> None:
             if any(w.startswith("--from") for w in words):
                 continue
             copied.extend(words[:-1])
-    assert {"pyproject.toml", "README.md", "ucm_server", "ucm_client"} <= set(copied)
+    assert {"pyproject.toml", "README.md", "constraints.txt", "ucm_server", "ucm_client"} <= set(copied)
     for src in copied:
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
         assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
@@ -354,7 +378,8 @@ def test_k8s_manifests_parse_and_are_complete(manifests: dict[tuple[str, str], d
     assert {p.name for p in K8S.glob("*.yaml")} == listed
     for (kind, name), doc in manifests.items():
         if kind not in ("Namespace", "Kustomization"):
-            assert doc["metadata"].get("namespace") == "ucm", f"{kind}/{name}: namespace"
+            namespaces = {n for k, n in manifests if k == "Namespace"}
+            assert doc["metadata"].get("namespace") in namespaces, f"{kind}/{name}: namespace"
         if kind in ("DaemonSet", "Deployment"):
             selector = doc["spec"]["selector"]["matchLabels"]
             labels = doc["spec"]["template"]["metadata"]["labels"]
@@ -375,14 +400,15 @@ def test_kustomize_builds_the_same_objects(manifests: dict[tuple[str, str], dict
 def test_configmap_config_loads(
     configmap_yaml: Path, image: Image, manifests: dict[tuple[str, str], dict[str, Any]]
 ) -> None:
-    plain, warnings = load_config(configmap_yaml, environ={})
+    _, warnings = load_config(configmap_yaml, environ={})
     assert not warnings
-    # The effective config in the pod: image ENV and DaemonSet env win over the file; they must agree.
-    env = {**image.env, **env_of(container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server"))}
-    ucm_env = {k: v for k, v in env.items() if k.startswith("UCM_")}
-    effective, warnings = load_config(configmap_yaml, environ=ucm_env)
-    assert not warnings, warnings
-    assert effective == plain, "image/DaemonSet environment overrides the ConfigMap with other values"
+    # Item 1: nothing in the pod beats the ConfigMap: no UCM_* env (image or DaemonSet), no setting flags.
+    c = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")
+    env = {**image.env, **env_of(c)}
+    assert not [k for k in env if k.startswith("UCM_")], env
+    words = [*c.get("command", []), *c.get("args", [])]
+    flags = [w for w in words if w.startswith("--") and w != "--config"]
+    assert not flags, f"DaemonSet: settings flags {flags} override the ConfigMap"
 
 
 def test_daemonset_runs_the_configured_daemon(
@@ -392,15 +418,17 @@ def test_daemonset_runs_the_configured_daemon(
     c = container(spec, "ucm-server")
     cfg = daemonset_config
     # --config names the mounted ConfigMap key.
-    args = c["args"]
+    args = [*c.get("command", exec_form(image.one("ENTRYPOINT").args)), *c.get("args", [])]
     config_path = PurePosixPath(args[args.index("--config") + 1])
     _, volume = mounts(spec, c)[str(config_path.parent)]
     assert volume["configMap"]["name"] == "ucm-config"
     items = {i["path"]: i["key"] for i in volume["configMap"].get("items", [])}
     assert items.get(config_path.name, config_path.name) in manifests[("ConfigMap", "ucm-config")]["data"]
-    # Socket directory, data directory and /dev/shm: host directories at the same path in the pod.
+    # Socket directory and data directory: host directories at the same path in the pod. No host
+    # /dev/shm and no hostIPC: clients hand their memory over as file descriptors.
     m = mounts(spec, c)
-    for path in (str(cfg.socket.parent), str(cfg.data_dir), "/dev/shm"):
+    assert "/dev/shm" not in m and not spec.get("hostIPC")
+    for path in (str(cfg.socket.parent), str(cfg.data_dir)):
         assert path in m, f"DaemonSet: nothing mounted at {path}"
         assert m[path][1]["hostPath"]["path"] == path and not m[path][0].get("readOnly")
     # Every UCM_* variable is a daemon setting.
@@ -410,7 +438,7 @@ def test_daemonset_runs_the_configured_daemon(
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         cmd = c[probe]["exec"]["command"]
         assert cmd[0] == "ucm-admin" and cmd[-1] == "health"
-        assert cmd[cmd.index("--socket") + 1] == str(cfg.socket)
+        assert cmd[cmd.index("--config") + 1] == str(config_path), "probes read the daemon's config"
         assert c[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
     # Metrics: annotations, container port, config.
     port = port_of(cfg.metrics_address)
@@ -448,16 +476,35 @@ def test_vllm_deployment_uses_the_connector_and_the_daemon_socket(
     assert not unknown, f"vLLM env: not client settings: {unknown}"
     cfg = connector_config.load_config(transfer.get("kv_connector_extra_config"), environ=env)
     assert cfg.target == str(daemonset_config.socket) == env["UCM_SOCKET"]
-    # The socket directory and /dev/shm are the DaemonSet's host directories.
+    # The socket directory is the DaemonSet's host directory, and the only host thing vLLM shares with
+    # the daemon: no host /dev/shm, no hostIPC (memory goes over the socket as file descriptors).
     m = mounts(spec, c)
     sock_dir = str(daemonset_config.socket.parent)
     assert m[sock_dir][1]["hostPath"]["path"] == sock_dir
-    assert m["/dev/shm"][1]["hostPath"]["path"] == "/dev/shm" and not m["/dev/shm"][0].get("readOnly")
+    host_paths = [v["hostPath"]["path"] for _, v in m.values() if "hostPath" in v]
+    assert host_paths == [sock_dir], host_paths
+    assert not spec.get("hostIPC")
     # Same uid as the daemon: it maps only shared memory owned by its own uid; the socket is 0600.
     assert spec["securityContext"]["runAsUser"] == image.uid
 
 
 # -- systemd ------------------------------------------------------------------------------------------
+def test_daemon_namespace_holds_only_the_daemon(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Item 5: the privileged namespace "ucm" holds ucm-server's objects only; vLLM lives elsewhere,
+    in a namespace of its own that namespace.yaml creates, and runs there unprivileged."""
+    namespaces = {name: doc for (kind, name), doc in manifests.items() if kind == "Namespace"}
+    in_ucm = {key for key, doc in manifests.items() if doc.get("metadata", {}).get("namespace") == "ucm"}
+    assert in_ucm == {("ConfigMap", "ucm-config"), ("DaemonSet", "ucm-server")}, in_ucm
+    vllm = manifests[("Deployment", "vllm")]
+    assert vllm["metadata"]["namespace"] in namespaces.keys() - {"ucm"}
+    spec = vllm["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] and not spec.get("hostIPC") and not spec.get("hostNetwork")
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        assert not sc.get("privileged") and not sc["capabilities"].get("add")
+
+
 def test_systemd_example_config_loads() -> None:
     config, warnings = load_config(UNIT_CONFIG, environ={})
     assert not warnings
@@ -469,7 +516,10 @@ def test_systemd_unit(unit: dict[str, dict[str, list[str]]]) -> None:
     config, _ = load_config(UNIT_CONFIG, environ={})
     # ExecStart runs ucm-server with the example config's installed path.
     words = shlex.split(svc["ExecStart"])
-    assert words[:2] == ["/usr/bin/env", "ucm-server"]
+    # Item 6: an absolute path, so the journal tags lines with SyslogIdentifier, not "env".
+    assert words[0] == "/opt/ucm/bin/ucm-server", words
+    assert svc["SyslogIdentifier"] == "ucm-server"
+    assert svc["User"] == "ucm" and "--uid 10001" in UNIT.read_text(), "the uid choice is written down"
     config_path = PurePosixPath(words[words.index("--config") + 1])
     assert config_path == PurePosixPath("/etc") / svc["ConfigurationDirectory"] / UNIT_CONFIG.name
     # RuntimeDirectory= holds the socket, StateDirectory= is the data dir, both writable.
@@ -487,7 +537,7 @@ def test_systemd_unit(unit: dict[str, dict[str, list[str]]]) -> None:
         assert svc[key] == "yes", key
     assert svc["ProtectSystem"] == "strict"
     assert svc.get("MemoryDenyWriteExecute", "no") == "no"
-    assert svc["RemoveIPC"] == "no", "RemoveIPC would delete the clients' /dev/shm buffers"
+    assert svc["RemoveIPC"] == "no", "RemoveIPC would delete the shared memory of vLLM (same user)"
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
 
 
@@ -496,7 +546,11 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     if tool is None:
         pytest.skip("systemd-analyze is not installed (apt package systemd): unit checked statically only")
     copy = tmp_path / UNIT.name  # verify also loads units named like it in the unit's directory
-    copy.write_text(UNIT.read_text())
+    # verify wants ExecStart's program to exist; here it is a stand-in (test_systemd.py runs the real one).
+    program = tmp_path / "ucm-server"
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    copy.write_text(UNIT.read_text().replace("ExecStart=/opt/ucm/bin/ucm-server", f"ExecStart={program}"))
     proc = subprocess.run([tool, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=30)
     complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if UNIT.name in line]
     assert proc.returncode == 0 and not complaints, proc.stdout + proc.stderr
@@ -510,29 +564,26 @@ def test_socket_and_metrics_port_agree_everywhere(
     unit: dict[str, dict[str, list[str]]],
 ) -> None:
     systemd_config, _ = load_config(UNIT_CONFIG, environ={})
-    ds = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")
+    image_config, _ = load_config(IMAGE_CONFIG, environ={})
     vllm = container(pod_spec(manifests, "Deployment", "vllm"), "vllm")
     sockets = {
-        "Dockerfile ENV": image.env["UCM_SOCKET"],
+        "image ucm.yaml": str(image_config.socket),
         "ConfigMap": str(daemonset_config.socket),
-        "DaemonSet env": env_of(ds)["UCM_SOCKET"],
         "vLLM Deployment env": env_of(vllm)["UCM_SOCKET"],
         "systemd ucm.yaml": str(systemd_config.socket),
         "systemd RuntimeDirectory": f"/run/{unit['Service']['RuntimeDirectory'][-1]}/ucm.sock",
     }
     assert len(set(sockets.values())) == 1, sockets
     data_dirs = {
-        "Dockerfile ENV": image.env["UCM_DATA_DIR"],
+        "image ucm.yaml": str(image_config.data_dir),
         "ConfigMap": str(daemonset_config.data_dir),
-        "DaemonSet env": env_of(ds)["UCM_DATA_DIR"],
         "systemd ucm.yaml": str(systemd_config.data_dir),
     }
     assert len(set(data_dirs.values())) == 1, data_dirs
     ports = {
-        "Dockerfile ENV": port_of(image.env["UCM_METRICS_ADDRESS"]),
+        "image ucm.yaml": port_of(image_config.metrics_address),
         "Dockerfile EXPOSE": int(image.one("EXPOSE").args.split()[0].split("/")[0]),
         "ConfigMap": port_of(daemonset_config.metrics_address),
-        "DaemonSet env": port_of(env_of(ds)["UCM_METRICS_ADDRESS"]),
         "systemd ucm.yaml": port_of(systemd_config.metrics_address),
     }
     assert len(set(ports.values())) == 1, ports
@@ -552,7 +603,7 @@ def no_client_libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         "        return None\n"
         "sys.meta_path.insert(0, _NotInImage())\n"
     )
-    return {"PYTHONPATH": str(site)}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture(scope="module")
@@ -590,20 +641,34 @@ def test_health_check_commands_against_a_real_daemon(
     no_client_libraries: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    """The image's HEALTHCHECK and the DaemonSet's probes, run as written (socket path swapped)."""
+    """The image's HEALTHCHECK and the DaemonSet's probes, run as written with the config path swapped
+    for a file naming the live daemon's socket (or an absent one). Like ucm-server, they let UCM_SOCKET
+    beat the file, so `docker run -e UCM_SOCKET=...` moves the daemon and its health check together."""
     if shutil.which("ucm-admin", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("the ucm-admin entry point is not installed next to this Python")
     d, _ = live
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(f"socket: {d.socket}\n")
+    bad.write_text(f"socket: {tmp_path / 'absent.sock'}\n")
     command = image.one("HEALTHCHECK").args.partition("CMD ")[2]
-    for socket, expected in ((d.socket, 0), (tmp_path / "absent.sock", 1)):
-        env = _admin_env({**no_client_libraries, "UCM_SOCKET": str(socket)})
-        proc = subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True, timeout=30)
-        assert proc.returncode == expected, proc.stderr
+    assert IMAGE_CONFIG_PATH in command
+    cases: list[tuple[Path, dict[str, str], int]] = [
+        (good, {}, 0),
+        (bad, {}, 1),
+        (bad, {"UCM_SOCKET": str(d.socket)}, 0),
+        (good, {"UCM_SOCKET": str(tmp_path / "absent.sock")}, 1),
+        (tmp_path / "missing.yaml", {}, 1),
+    ]
+    for config, extra, expected in cases:
+        env = _admin_env({**no_client_libraries, **extra})
+        argv = ["sh", "-c", command.replace(IMAGE_CONFIG_PATH, str(config))]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == expected, (config.name, extra, proc.stderr)
     probe = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")["livenessProbe"]
     cmd = probe["exec"]["command"]
-    at = cmd.index("--socket") + 1
-    for socket, expected in ((d.socket, 0), (tmp_path / "absent.sock", 3)):
-        argv = [*cmd[:at], str(socket), *cmd[at + 1 :]]
+    at = cmd.index("--config") + 1
+    for config, expected in ((good, 0), (bad, 3)):
+        argv = [*cmd[:at], str(config), *cmd[at + 1 :]]
         proc = subprocess.run(
             argv, env=_admin_env(no_client_libraries), capture_output=True, text=True, timeout=30
         )
