@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ucm_client.types import BlockIO, Segment, TaskResult, key_digest
-from ucm_server.api.errors import FailedPrecondition, InvalidArgument
+from ucm_protocol.errors import FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     import torch

@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import grpc
 
 from ucm_client.buffers import SharedBuffer
-from ucm_client.client import AsyncUcmClient, domain_error
+from ucm_client.client import AsyncUcmClient
 from ucm_client.types import BlockIO, LookupResult, TaskResult, lookup_request, lookup_result
-from ucm_server.api.errors import FailedPrecondition, Unavailable
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 
 T = TypeVar("T")
 

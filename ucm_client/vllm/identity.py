@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_client.vllm.config import ConfigError, ConnectorConfig, WeightFingerprint
+from ucm_protocol.keys import KEY_BYTES
 
 __all__ = [
     "KeySpace",
@@ -36,7 +37,6 @@ __all__ = [
     "weight_fingerprint",
 ]
 
-KEY_BYTES = 32
 _SAMPLE_BYTES = 1 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _UNSTABLE_ALGOS = ("xxhash", "xxhash_cbor")
