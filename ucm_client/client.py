@@ -31,8 +31,8 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
+from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.errors import RegionLost
-from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.handover import hand_over
 from ucm_client.task_events import FinishedTasks
 from ucm_client.trust import trusted_uids, verify_daemon
@@ -394,7 +394,7 @@ class AsyncUcmClient:
         byte. The daemon opens the handle once and copies with ``cudaMemcpyAsync``. Raises
         ``CudaUnavailable`` (a ``FailedPrecondition``) when this process has no CUDA device, or when
         the daemon cannot serve GPU regions (no cupy, no device, ``gpu: off``: its reason is the
-        message), so a caller falls back to host memory on one exception. See :mod:`ucm_client.gpu`
+        message), so a caller falls back to host memory on one exception. See :mod:`ucm_client.cuda_ipc`
         for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)

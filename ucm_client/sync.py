@@ -113,7 +113,7 @@ class UcmClient:
 
     def register_cuda(self, target: Any, *, label: str = "") -> int:
         """GPU memory by CUDA IPC (see :meth:`AsyncUcmClient.register_cuda`); exported in this thread."""
-        from ucm_client.gpu import as_export
+        from ucm_client.cuda_ipc import as_export
 
         return self._run(self._async.register_cuda(as_export(target), label=label))
 

@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ucm_client.types import key_digest
 from ucm_client.vllm.config import ConfigError, ConnectorConfig, WeightFingerprint
 from ucm_protocol.keys import KEY_BYTES
 
@@ -32,6 +33,7 @@ __all__ = [
     "KeySpace",
     "block_keys",
     "check_hash_stability",
+    "layer_key",
     "layer_order",
     "model_identity",
     "weight_fingerprint",
@@ -88,9 +90,12 @@ def layer_order(layer_names: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(layer_names), key=natural))
 
 
-def _widen(digest: bytes) -> bytes:
-    from ucm_client import key_digest
+def layer_key(key: bytes, layer: int) -> bytes:
+    """The key of one layer's part of a block, for layerwise dumps and loads."""
+    return key_digest(key, "layer", layer)
 
+
+def _widen(digest: bytes) -> bytes:
     return key_digest(b"vllm-block-hash", digest)
 
 
