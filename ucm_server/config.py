@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ucm_protocol.settings import parse_size as parse_size  # noqa: PLC0414 (re-export until 0.2)
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.paths import default_data_dir, default_socket_path
 
@@ -37,24 +38,6 @@ _CLIENT_ENV = {
     "UCM_EXIT_WITH_PARENT",
     "UCM_DAEMON_UID",
 }
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: object, key: str = "size") -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5 GB"`` (1024-based either way)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like '4GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must not be negative, got {value}")
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    return int(number * 1024 ** " kmgtp".index(unit or " "))
-
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
 from ucm_server.keys import BlockKey, Namespace
 
 T = TypeVar("T")
@@ -49,16 +49,6 @@ def copy_iov(dst: IoVec, src: IoVec) -> None:
             di, doff = di + 1, 0
         if soff == s.nbytes:
             si, soff = si + 1, 0
-
-
-class BlockState(enum.IntEnum):
-    """Outcome of one block in a read, write or task; values match ``ucm.v1.BlockStatus``."""
-
-    PENDING = 1
-    OK = 2
-    MISSING = 3
-    FAILED = 4
-    CANCELLED = 5
 
 
 @dataclass(frozen=True, slots=True)
