@@ -31,6 +31,7 @@ from ucm_server.api.errors import (
 )
 from ucm_server.api.text import printable
 from ucm_server.auth import Authenticator, current_principal
+from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
@@ -55,8 +56,6 @@ from ucm_server.tenants import TenantLedger
 
 log = logging.getLogger(__name__)
 
-CHUNK_BLOCKS = 256
-CHUNK_BYTES = 64 << 20
 CLIENT_NAME_CHARS = 256
 INLINE_SEGMENTS = 4096
 """Requests with more segments than this are validated in a worker thread, not on the event loop."""
@@ -482,7 +481,7 @@ class Engine:
         return plan
 
     async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
-        for start, stop in _chunks(iovs):
+        for start, stop in chunk_bounds(map(iov_len, iovs)):
             if task.cancel_requested:
                 return
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
@@ -704,20 +703,6 @@ def _session_owner(tenant: str, peer: str) -> str:
         host = rest.rsplit(":", 1)[0] if kind == "ipv4" or rest.startswith("[") else rest
         return f"peer {kind}:{host}"
     return ""
-
-
-def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:
-    """Split a batch into runs of at most CHUNK_BLOCKS blocks / CHUNK_BYTES bytes (cancel points)."""
-    out: list[tuple[int, int]] = []
-    start = total = 0
-    for i, iov in enumerate(iovs):
-        total += iov_len(iov)
-        if i + 1 - start >= CHUNK_BLOCKS or total >= CHUNK_BYTES:
-            out.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(iovs):
-        out.append((start, len(iovs)))
-    return out
 
 
 _STATE_NAMES = {int(s): s.name.lower() for s in BlockState}

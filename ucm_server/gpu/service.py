@@ -43,6 +43,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ucm_server.api.errors import InvalidArgument
+from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.gpu.backend import (
     IPC_HANDLE_BYTES,
     CudaBackend,
@@ -67,8 +68,6 @@ T = TypeVar("T")
 STREAMS_PER_DEVICE = 4
 QUEUE_DEPTH = 3
 """Chunks of one task queued on the device at once: the next ones are queued while one completes."""
-CHUNK_BLOCKS = 256
-CHUNK_BYTES = 64 << 20
 STAGING_ROUND = 2 << 20
 STAGING_MIN = 8 << 20
 STAGING_KEEP = 512 << 20
@@ -151,17 +150,6 @@ def pair_runs(dst: Sequence[tuple[int, int]], src: Sequence[tuple[int, int]]) ->
         if soff == slen:
             si, soff = si + 1, 0
     return pieces
-
-
-def _chunks(blocks: Sequence[DeviceBlock]) -> Iterator[tuple[int, int]]:
-    start = total = 0
-    for i, block in enumerate(blocks):
-        total += block.nbytes
-        if i + 1 - start >= CHUNK_BLOCKS or total >= CHUNK_BYTES:
-            yield start, i + 1
-            start, total = i + 1, 0
-    if start < len(blocks):
-        yield start, len(blocks)
 
 
 class _PinnedPool:
@@ -423,7 +411,7 @@ class GpuService:
         load = task.kind is TaskKind.LOAD
         queued: deque[_Flight] = deque()
         try:
-            for start, stop in _chunks(plan.blocks):
+            for start, stop in chunk_bounds(block.nbytes for block in plan.blocks):
                 if task.cancel_requested:
                     break
                 queued.append(await self._issue(load, start, keys[start:stop], plan.blocks[start:stop]))
