@@ -47,6 +47,7 @@ from ucm_server.regions import (
     check_segments,
     host_iovecs,
 )
+from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
@@ -97,7 +98,7 @@ class Engine:
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.sessions: dict[str, Session] = {}
         self.metrics = Metrics()
-        self.metrics.attach_engine(self)
+        self.metrics.attach(self.snapshot)
         self.tasks.on_finish.append(self._observe)
         self.task_events = TaskEvents()
         self.tasks.on_finish.append(self.task_events.publish)
@@ -565,9 +566,29 @@ class Engine:
             await self._account(TaskKind.DUMP, [item], [r])
         return r
 
-    # -- admin ----------------------------------------------------------------------------------------
+    # -- figures and admin -----------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Every figure ``Admin.Stats`` and the metrics report, read at once (no await, no lock: the
+        Prometheus scrape thread calls this too)."""
+        tasks = self.tasks
+        return EngineSnapshot(
+            version=self.version,
+            uptime_s=self.uptime_s,
+            tiers=tuple(TierFigures(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers),
+            sessions=len(self.sessions),
+            regions=len(self.regions),
+            region_bytes=self.regions.total_bytes,
+            tasks_running=tasks.running - tasks.queued,
+            tasks_queued=tasks.queued,
+            lookups=self.lookups,
+            lookup_keys=self.lookup_keys,
+            lookup_hits=self.lookup_hits,
+            pending_writeback=self.pipeline.pending_writeback,
+            store_pipeline=self.pipeline.spec,
+        )
+
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:
-        return [(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers]
+        return [(f.stats, f.persistent, f.shared) for f in self.snapshot().tiers]
 
     async def inspect(self, namespace: bytes, digest: bytes) -> tuple[BlockInfo, list[str]]:
         (key,) = make_keys(namespace, [digest])
