@@ -1,7 +1,10 @@
 """The daemon's domain core: sessions, regions, tasks and the tier pipeline, behind plain methods.
 
 The gRPC servicers only translate protobuf to these calls and back; everything that decides something
-(validation, ownership, chunking, metrics) lives here, where tests and the admin service share it.
+about a request (validation, ownership, limits) lives here, where tests and the admin service share it.
+The engine's helpers each have one job of their own: :mod:`ucm_server.chunks` (how a task is cut),
+:mod:`ucm_server.quota` (tenant accounting), :mod:`ucm_server.upkeep` (operator list/inspect/evict/
+verify) and :mod:`ucm_server.snapshot` (the figures ``Admin.Stats`` and the metrics read).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
+from ucm_server.quota import Quota
 from ucm_server.regions import (
     Region,
     RegionTable,
@@ -105,10 +109,11 @@ class Engine:
         self.started = time.monotonic()
         self.lookups = self.lookup_keys = self.lookup_hits = 0
         self.closing = False
-        self.ledger: TenantLedger | None = None
+        ledger: TenantLedger | None = None
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
-            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+            ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+        self.quota = Quota(ledger, self.pipeline)
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -117,15 +122,16 @@ class Engine:
                 await self.gpu.start()
             except GpuUnavailable as exc:
                 raise ConfigError(f"gpu: on, but {exc.message}") from None
-        if self.ledger is not None:  # rebuild each tenant's usage from what survived the restart
-            seen: dict[BlockKey, BlockInfo] = {}
-            for tier in self.pipeline.tiers:
-                async for info in tier.list_blocks():
-                    seen.setdefault(info.key, info)
-            for info in sorted(seen.values(), key=lambda i: i.stored_at):
-                self.ledger.stored(info.key, info.size)
-            # One snapshot of the namespaces that still hold blocks: the journal stays bounded.
-            await self.ledger.compact({key.namespace for key in seen})
+        await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+
+    @property
+    def ledger(self) -> TenantLedger | None:
+        """The tenants' ledger (None without tenants); :attr:`quota` does the accounting with it."""
+        return self.quota.ledger
+
+    @ledger.setter
+    def ledger(self, ledger: TenantLedger | None) -> None:
+        self.quota.ledger = ledger
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
@@ -247,27 +253,6 @@ class Engine:
         """The caller's namespace as stored: checked, then made private to the caller's tenant."""
         return current_principal.get().scope(check_namespace(namespace))
 
-    async def _claim_for_write(self, keys: Sequence[BlockKey]) -> None:
-        """Before a tenant writes: record the namespace as the tenant's (durably, off the event loop,
-        once per namespace) so what is written is accounted. Only writes do this; lookups and loads
-        change no state on disk."""
-        tenant = current_principal.get().tenant
-        if self.ledger is not None and tenant:
-            for ns in {key.namespace for key in keys}:
-                await self.ledger.claim(tenant, ns)
-
-    def _check_quota(self, sizes: Iterable[int]) -> None:
-        """Refuse a block the tenant's quota could never hold: it would stay over the quota, as the
-        block just written is never the one evicted."""
-        tenant = current_principal.get().tenant
-        quota = self.ledger.quota(tenant) if self.ledger is not None else 0
-        biggest = max(sizes, default=0) if quota else 0
-        if biggest > quota:
-            raise ResourceExhausted(
-                f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
-                f"({quota} bytes)"
-            )
-
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
             raise InvalidArgument(
@@ -298,8 +283,7 @@ class Engine:
 
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
         keys = self._keys(namespace, digests)
-        if self.ledger is not None:
-            self.ledger.forgot(keys)
+        self.quota.forgot(keys)
         return await self.pipeline.delete(keys)
 
     # -- tasks ----------------------------------------------------------------------------------------
@@ -331,7 +315,7 @@ class Engine:
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
         if kind is TaskKind.DUMP:
-            await self._claim_for_write(keys)  # before the regions are found and pinned
+            await self.quota.claim(keys)  # before the regions are found and pinned
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
             return await self._submit_gpu(kind, session, keys, columns, durable)
         block_counts = columns.block_counts(len(keys))
@@ -342,7 +326,7 @@ class Engine:
             iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
             self._still_valid(session, used)
             if kind is TaskKind.DUMP:
-                self._check_quota(map(iov_len, iovs))
+                self.quota.refuse_oversized(map(iov_len, iovs))
         except BaseException:
             self.regions.unpin(used)
             raise
@@ -448,7 +432,7 @@ class Engine:
             plan = await self._off_loop(nseg, self._gpu_plan, kind, session, columns, counts)
             self._still_valid(session, held)
             if kind is TaskKind.DUMP:
-                self._check_quota(block.nbytes for block in plan.blocks)
+                self.quota.refuse_oversized(block.nbytes for block in plan.blocks)
             self.regions.pin(plan.regions)
         finally:
             self.regions.unpin(held)
@@ -458,14 +442,10 @@ class Engine:
                 await self.gpu.run(task, keys, plan, durable)
             finally:
                 self.regions.unpin(plan.regions)
-            if self.ledger is not None:  # per-tenant quotas, as for host blocks
-                ok = [i for i, state in enumerate(task.states) if state == BlockState.OK]
-                if kind is TaskKind.LOAD:
-                    self.ledger.touched([keys[i] for i in ok])
-                    return
-                victims = [v for i in ok for v in self.ledger.stored(keys[i], plan.blocks[i].nbytes)]
-                if victims:
-                    await self.pipeline.delete(victims)
+            if self.quota.enabled:  # per-tenant quotas, as for host blocks (once, at the task's end)
+                states, blocks = task.states, plan.blocks
+                done = [(keys[i], blocks[i].nbytes) for i, s in enumerate(states) if s == BlockState.OK]
+                await self.quota.account(kind, done)
 
         return self._start(
             kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(plan.regions)
@@ -492,23 +472,8 @@ class Engine:
                 results = await self.pipeline.write_many(items, durable=durable)
             for offset, r in enumerate(results):
                 task.record(start + offset, r, iov_len(iovs[start + offset]))
-            if self.ledger is not None:
-                await self._account(task.kind, items, results)
-
-    async def _account(
-        self, kind: TaskKind, items: list[tuple[BlockKey, IoVec]], results: list[BlockResult]
-    ) -> None:
-        """Per-tenant quotas: count what was stored, refresh what was read, evict the tenant's oldest."""
-        assert self.ledger is not None
-        done = [(k, iov) for (k, iov), r in zip(items, results, strict=True) if r.ok]
-        if kind is TaskKind.LOAD:
-            self.ledger.touched([k for k, _ in done])
-            return
-        victims = [v for k, iov in done for v in self.ledger.stored(k, iov_len(iov))]
-        if victims:
-            await self.pipeline.delete(victims)
-            owner = self.ledger.owner(victims[0]) or ""
-            log.info("quota: evicted %d blocks of tenant %s", len(victims), printable(owner, 64))
+            if self.quota.enabled:  # per-tenant quotas, chunk by chunk
+                await self.quota.account(task.kind, _done(items, results))
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)
@@ -558,12 +523,12 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        self._check_quota([len(data)])
-        await self._claim_for_write([key])
+        self.quota.refuse_oversized([len(data)])
+        await self.quota.claim([key])
         item = (key, [memoryview(data)])
         (r,) = await self.pipeline.write_many([item], owned=True)
-        if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first
-            await self._account(TaskKind.DUMP, [item], [r])
+        if self.quota.enabled:  # the same quota accounting as Dump: the tenant's oldest go first
+            await self.quota.account(TaskKind.DUMP, _done([item], [r]))
         return r
 
     # -- figures and admin -----------------------------------------------------------------------------
@@ -629,6 +594,11 @@ def _session_owner(tenant: str, peer: str) -> str:
         host = rest.rsplit(":", 1)[0] if kind == "ipv4" or rest.startswith("[") else rest
         return f"peer {kind}:{host}"
     return ""
+
+
+def _done(items: list[tuple[BlockKey, IoVec]], results: list[BlockResult]) -> list[tuple[BlockKey, int]]:
+    """(key, bytes) of the blocks a batch moved, for :meth:`Quota.account`."""
+    return [(key, iov_len(iov)) for (key, iov), r in zip(items, results, strict=True) if r.ok]
 
 
 _STATE_NAMES = {int(s): s.name.lower() for s in BlockState}
