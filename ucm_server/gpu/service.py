@@ -55,12 +55,13 @@ from ucm_server.gpu.backend import (
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.keys import BlockKey
 from ucm_server.store.base import OK, BlockResult, failed
-from ucm_server.store.cache import CacheTier, Lease, Reservation
+from ucm_server.store.leasing import Leasing
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
 
 if TYPE_CHECKING:
     from ucm_server.regions import RegionTable, SegmentColumns
+    from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -210,7 +211,7 @@ class GpuService:
         self.backend_factory = backend_factory
         self.streams_per_device = streams_per_device
         self.backend: CudaBackend | None = None
-        self.cache = pipeline.top if isinstance(pipeline.top, CacheTier) else None
+        self.cache: Leasing | None = pipeline.leasing  # the Cache: its arena, leases, reservations
         self._failure: str | None = (
             "this daemon does not serve GPU regions: GPU support is off in its configuration (gpu: off)"
             if mode == "off"
