@@ -1,13 +1,15 @@
 """The daemon's domain core: sessions, regions, tasks and the tier pipeline, behind plain methods.
 
 The gRPC servicers only translate protobuf to these calls and back; everything that decides something
-(validation, ownership, chunking, metrics) lives here, where tests and the admin service share it.
+about a request (validation, ownership, limits) lives here, where tests and the admin service share it.
+The engine's helpers each have one job of their own: :mod:`ucm_server.chunks` (how a task is cut),
+:mod:`ucm_server.quota` (tenant accounting), :mod:`ucm_server.upkeep` (operator list/inspect/evict/
+verify) and :mod:`ucm_server.snapshot` (the figures ``Admin.Stats`` and the metrics read).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import operator
@@ -24,13 +26,13 @@ from ucm_server.api.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
 from ucm_server.api.text import printable
 from ucm_server.auth import Authenticator, current_principal
+from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
@@ -38,6 +40,7 @@ from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
 from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
+from ucm_server.quota import Quota
 from ucm_server.regions import (
     Region,
     RegionTable,
@@ -46,17 +49,17 @@ from ucm_server.regions import (
     check_segments,
     host_iovecs,
 )
-from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
+from ucm_server.snapshot import EngineSnapshot, TierFigures
+from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.task_events import TaskEvents
 from ucm_server.tasks import Task, TaskKind, TaskManager
 from ucm_server.tenants import TenantLedger
+from ucm_server.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
-CHUNK_BLOCKS = 256
-CHUNK_BYTES = 64 << 20
 CLIENT_NAME_CHARS = 256
 INLINE_SEGMENTS = 4096
 """Requests with more segments than this are validated in a worker thread, not on the event loop."""
@@ -94,21 +97,23 @@ class Engine:
             max_regions=config.max_session_regions, max_bytes=config.max_session_region_bytes
         )
         self.handovers = HandoverTable(config.max_pending_handovers)
+        self.upkeep = Upkeep(self.pipeline, self._keys)
         self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.sessions: dict[str, Session] = {}
         self.metrics = Metrics()
-        self.metrics.attach_engine(self)
+        self.metrics.attach(self.snapshot)
         self.tasks.on_finish.append(self._observe)
         self.task_events = TaskEvents()
         self.tasks.on_finish.append(self.task_events.publish)
         self.started = time.monotonic()
         self.lookups = self.lookup_keys = self.lookup_hits = 0
         self.closing = False
-        self.ledger: TenantLedger | None = None
+        ledger: TenantLedger | None = None
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
-            self.ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+            ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+        self.quota = Quota(ledger, self.pipeline)
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -117,15 +122,16 @@ class Engine:
                 await self.gpu.start()
             except GpuUnavailable as exc:
                 raise ConfigError(f"gpu: on, but {exc.message}") from None
-        if self.ledger is not None:  # rebuild each tenant's usage from what survived the restart
-            seen: dict[BlockKey, BlockInfo] = {}
-            for tier in self.pipeline.tiers:
-                async for info in tier.list_blocks():
-                    seen.setdefault(info.key, info)
-            for info in sorted(seen.values(), key=lambda i: i.stored_at):
-                self.ledger.stored(info.key, info.size)
-            # One snapshot of the namespaces that still hold blocks: the journal stays bounded.
-            await self.ledger.compact({key.namespace for key in seen})
+        await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+
+    @property
+    def ledger(self) -> TenantLedger | None:
+        """The tenants' ledger (None without tenants); :attr:`quota` does the accounting with it."""
+        return self.quota.ledger
+
+    @ledger.setter
+    def ledger(self, ledger: TenantLedger | None) -> None:
+        self.quota.ledger = ledger
 
     async def close(self, grace_s: float = 10.0) -> None:
         await self.tasks.shutdown(grace_s)
@@ -247,27 +253,6 @@ class Engine:
         """The caller's namespace as stored: checked, then made private to the caller's tenant."""
         return current_principal.get().scope(check_namespace(namespace))
 
-    async def _claim_for_write(self, keys: Sequence[BlockKey]) -> None:
-        """Before a tenant writes: record the namespace as the tenant's (durably, off the event loop,
-        once per namespace) so what is written is accounted. Only writes do this; lookups and loads
-        change no state on disk."""
-        tenant = current_principal.get().tenant
-        if self.ledger is not None and tenant:
-            for ns in {key.namespace for key in keys}:
-                await self.ledger.claim(tenant, ns)
-
-    def _check_quota(self, sizes: Iterable[int]) -> None:
-        """Refuse a block the tenant's quota could never hold: it would stay over the quota, as the
-        block just written is never the one evicted."""
-        tenant = current_principal.get().tenant
-        quota = self.ledger.quota(tenant) if self.ledger is not None else 0
-        biggest = max(sizes, default=0) if quota else 0
-        if biggest > quota:
-            raise ResourceExhausted(
-                f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
-                f"({quota} bytes)"
-            )
-
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
             raise InvalidArgument(
@@ -298,8 +283,7 @@ class Engine:
 
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
         keys = self._keys(namespace, digests)
-        if self.ledger is not None:
-            self.ledger.forgot(keys)
+        self.quota.forgot(keys)
         return await self.pipeline.delete(keys)
 
     # -- tasks ----------------------------------------------------------------------------------------
@@ -331,7 +315,7 @@ class Engine:
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
         if kind is TaskKind.DUMP:
-            await self._claim_for_write(keys)  # before the regions are found and pinned
+            await self.quota.claim(keys)  # before the regions are found and pinned
         if self.regions.has_gpu(region_ids):  # CUDA IPC regions: device copies (ucm_server.gpu)
             return await self._submit_gpu(kind, session, keys, columns, durable)
         block_counts = columns.block_counts(len(keys))
@@ -342,7 +326,7 @@ class Engine:
             iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
             self._still_valid(session, used)
             if kind is TaskKind.DUMP:
-                self._check_quota(map(iov_len, iovs))
+                self.quota.refuse_oversized(map(iov_len, iovs))
         except BaseException:
             self.regions.unpin(used)
             raise
@@ -448,7 +432,7 @@ class Engine:
             plan = await self._off_loop(nseg, self._gpu_plan, kind, session, columns, counts)
             self._still_valid(session, held)
             if kind is TaskKind.DUMP:
-                self._check_quota(block.nbytes for block in plan.blocks)
+                self.quota.refuse_oversized(block.nbytes for block in plan.blocks)
             self.regions.pin(plan.regions)
         finally:
             self.regions.unpin(held)
@@ -458,14 +442,10 @@ class Engine:
                 await self.gpu.run(task, keys, plan, durable)
             finally:
                 self.regions.unpin(plan.regions)
-            if self.ledger is not None:  # per-tenant quotas, as for host blocks
-                ok = [i for i, state in enumerate(task.states) if state == BlockState.OK]
-                if kind is TaskKind.LOAD:
-                    self.ledger.touched([keys[i] for i in ok])
-                    return
-                victims = [v for i in ok for v in self.ledger.stored(keys[i], plan.blocks[i].nbytes)]
-                if victims:
-                    await self.pipeline.delete(victims)
+            if self.quota.enabled:  # per-tenant quotas, as for host blocks (once, at the task's end)
+                states, blocks = task.states, plan.blocks
+                done = [(keys[i], blocks[i].nbytes) for i, s in enumerate(states) if s == BlockState.OK]
+                await self.quota.account(kind, done)
 
         return self._start(
             kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(plan.regions)
@@ -482,7 +462,7 @@ class Engine:
         return plan
 
     async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
-        for start, stop in _chunks(iovs):
+        for start, stop in chunk_bounds(map(iov_len, iovs)):
             if task.cancel_requested:
                 return
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
@@ -492,23 +472,8 @@ class Engine:
                 results = await self.pipeline.write_many(items, durable=durable)
             for offset, r in enumerate(results):
                 task.record(start + offset, r, iov_len(iovs[start + offset]))
-            if self.ledger is not None:
-                await self._account(task.kind, items, results)
-
-    async def _account(
-        self, kind: TaskKind, items: list[tuple[BlockKey, IoVec]], results: list[BlockResult]
-    ) -> None:
-        """Per-tenant quotas: count what was stored, refresh what was read, evict the tenant's oldest."""
-        assert self.ledger is not None
-        done = [(k, iov) for (k, iov), r in zip(items, results, strict=True) if r.ok]
-        if kind is TaskKind.LOAD:
-            self.ledger.touched([k for k, _ in done])
-            return
-        victims = [v for k, iov in done for v in self.ledger.stored(k, iov_len(iov))]
-        if victims:
-            await self.pipeline.delete(victims)
-            owner = self.ledger.owner(victims[0]) or ""
-            log.info("quota: evicted %d blocks of tenant %s", len(victims), printable(owner, 64))
+            if self.quota.enabled:  # per-tenant quotas, chunk by chunk
+                await self.quota.account(task.kind, _done(items, results))
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         session = self.session(session_id)
@@ -558,131 +523,56 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        self._check_quota([len(data)])
-        await self._claim_for_write([key])
+        self.quota.refuse_oversized([len(data)])
+        await self.quota.claim([key])
         item = (key, [memoryview(data)])
         (r,) = await self.pipeline.write_many([item], owned=True)
-        if self.ledger is not None:  # the same quota accounting as Dump: the tenant's oldest go first
-            await self._account(TaskKind.DUMP, [item], [r])
+        if self.quota.enabled:  # the same quota accounting as Dump: the tenant's oldest go first
+            await self.quota.account(TaskKind.DUMP, _done([item], [r]))
         return r
 
-    # -- admin ----------------------------------------------------------------------------------------
-    def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:
-        return [(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers]
+    # -- figures and admin -----------------------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Every figure ``Admin.Stats`` and the metrics report, read at once (no await, no lock: the
+        Prometheus scrape thread calls this too)."""
+        tasks = self.tasks
+        return EngineSnapshot(
+            version=self.version,
+            uptime_s=self.uptime_s,
+            tiers=tuple(TierFigures(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers),
+            sessions=len(self.sessions),
+            regions=len(self.regions),
+            region_bytes=self.regions.total_bytes,
+            tasks_running=tasks.running - tasks.queued,
+            tasks_queued=tasks.queued,
+            lookups=self.lookups,
+            lookup_keys=self.lookup_keys,
+            lookup_hits=self.lookup_hits,
+            pending_writeback=self.pipeline.pending_writeback,
+            store_pipeline=self.pipeline.spec,
+        )
 
+    def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:
+        return [(f.stats, f.persistent, f.shared) for f in self.snapshot().tiers]
+
+    # Operator upkeep lives in ucm_server.upkeep; these stay for callers of the engine.
     async def inspect(self, namespace: bytes, digest: bytes) -> tuple[BlockInfo, list[str]]:
-        (key,) = make_keys(namespace, [digest])
-        best: BlockInfo | None = None
-        where: list[str] = []
-        for tier in self.pipeline.tiers:
-            info = await tier.info(key)
-            if info is not None:
-                where.append(tier.name)
-                if best is None or (best.checksum is None and info.checksum is not None):
-                    best = info
-        if best is None:
-            raise NotFound(f"block {key.hex()} is in no tier")
-        return best, where
+        return await self.upkeep.inspect(namespace, digest)
 
     async def list_blocks(
         self, namespace: bytes, tier: str, page_size: int, page_token: str
     ) -> tuple[list[tuple[BlockInfo, list[str]]], str, int]:
-        ns = Namespace(check_namespace(namespace)) if namespace else None
-        if tier:
-            self._tier_named(tier)
-        if page_size > 10000:
-            raise InvalidArgument(f"page_size {page_size} is above the limit 10000")
-        page_size = page_size or 100
-        after: bytes = b""
-        if page_token:
-            try:
-                after = BlockKey.from_hex(page_token)
-            except InvalidArgument:
-                raise InvalidArgument(f"bad page_token {page_token!r}") from None
-        merged: dict[BlockKey, tuple[BlockInfo, list[str]]] = {}
-        async for info in self.pipeline.list_blocks(ns, tier):
-            if info.key in merged:
-                merged[info.key][1].append(info.tier)
-            else:
-                merged[info.key] = (info, [info.tier])
-        # The token is the last key returned (keys sort as namespace then digest): pages stay stable
-        # while blocks come and go, and each page costs O(n log page) rather than a full sort.
-        later = [k for k in merged if k > after] if after else list(merged)
-        page_keys = heapq.nsmallest(page_size + 1, later)
-        more = len(page_keys) > page_size
-        page = [merged[k] for k in page_keys[:page_size]]
-        next_token = page_keys[page_size - 1].hex() if more else ""
-        return page, next_token, len(merged)
-
-    def _tier_named(self, name: str):  # type: ignore[no-untyped-def]
-        try:
-            return self.pipeline.tier(name)
-        except KeyError:
-            known = ", ".join(t.name for t in self.pipeline.tiers)
-            raise InvalidArgument(f"unknown tier {name!r}; this daemon has: {known}") from None
+        return await self.upkeep.list_blocks(namespace, tier, page_size, page_token)
 
     async def evict(
         self, tier_name: str, nbytes: int, namespace: bytes, digests: Sequence[bytes], everything: bool
     ) -> tuple[int, int]:
-        if not tier_name:
-            raise InvalidArgument("evict needs a tier name")
-        tier = self._tier_named(tier_name)
-        if digests:
-            keys = self._keys(namespace, digests)
-            sizes = await tier.lookup(keys)
-            n = await tier.delete(keys)
-            return n, sum(s or 0 for s in sizes)
-        if everything:
-            keys = [info.key async for info in tier.list_blocks(Namespace(namespace) if namespace else None)]
-            sizes = await tier.lookup(keys)
-            n = await tier.delete(keys)
-            return n, sum(s or 0 for s in sizes)
-        if nbytes <= 0:
-            raise InvalidArgument("evict needs bytes > 0, keys, or all")
-        before = tier.stats().blocks
-        freed = await tier.evict(nbytes)
-        return before - tier.stats().blocks, freed
+        return await self.upkeep.evict(tier_name, nbytes, namespace, digests, everything)
 
-    async def verify(
+    def verify(
         self, tier_name: str, namespace: bytes, quarantine: bool = True
     ) -> AsyncIterator[tuple[int, int, list[str]]]:
-        """Re-check every block of the persistent tiers; yields (checked, total, new corrupt) now and then.
-
-        A corrupt copy is moved aside (``quarantine``) and, when another tier still holds a good copy,
-        rewritten from it, so a block stays as durable as it was."""
-        if tier_name:
-            tiers = [self._tier_named(tier_name)]
-        else:
-            tiers = [t for t in self.pipeline.tiers if t.persistent]
-        ns = Namespace(check_namespace(namespace)) if namespace else None
-        work: list[tuple[Tier, BlockKey]] = []
-        for tier in tiers:
-            work += [(tier, info.key) async for info in tier.list_blocks(ns)]
-        total = len(work)
-        bad: list[str] = []
-        last = time.monotonic()
-        yield 0, total, []
-        for checked, (tier, key) in enumerate(work, start=1):
-            r = await tier.verify(key, quarantine=quarantine)
-            if not r.ok and r.reason:
-                repaired = await self._repair(tier, key) if quarantine else False
-                note = " (repaired from another tier)" if repaired else ""
-                bad.append(f"{tier.name}:{key.hex()}: {r.reason}{note}")
-            if bad or time.monotonic() - last > 0.2 or checked == total:
-                yield checked, total, bad
-                bad, last = [], time.monotonic()
-
-    async def _repair(self, broken: Tier, key: BlockKey) -> bool:
-        for tier in self.pipeline.tiers:
-            if tier is broken:
-                continue
-            (size,) = await tier.lookup([key])
-            if size is None:
-                continue
-            scratch = [memoryview(bytearray(size))]
-            if (await tier.read_into(key, scratch)).ok:
-                return (await broken.write_from(key, scratch)).ok
-        return False
+        return self.upkeep.verify(tier_name, namespace, quarantine)
 
     @property
     def uptime_s(self) -> float:
@@ -706,18 +596,9 @@ def _session_owner(tenant: str, peer: str) -> str:
     return ""
 
 
-def _chunks(iovs: list[IoVec]) -> list[tuple[int, int]]:
-    """Split a batch into runs of at most CHUNK_BLOCKS blocks / CHUNK_BYTES bytes (cancel points)."""
-    out: list[tuple[int, int]] = []
-    start = total = 0
-    for i, iov in enumerate(iovs):
-        total += iov_len(iov)
-        if i + 1 - start >= CHUNK_BLOCKS or total >= CHUNK_BYTES:
-            out.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(iovs):
-        out.append((start, len(iovs)))
-    return out
+def _done(items: list[tuple[BlockKey, IoVec]], results: list[BlockResult]) -> list[tuple[BlockKey, int]]:
+    """(key, bytes) of the blocks a batch moved, for :meth:`Quota.account`."""
+    return [(key, iov_len(iov)) for (key, iov), r in zip(items, results, strict=True) if r.ok]
 
 
 _STATE_NAMES = {int(s): s.name.lower() for s in BlockState}

@@ -1,7 +1,8 @@
 """Prometheus metrics: the seed 001 set plus per-tier and task-queue figures.
 
-Task metrics are observed as tasks finish; tier and queue figures are read from the live objects at
-scrape time by a collector, so they cost nothing between scrapes. Each daemon has its own registry
+Task metrics are observed as tasks finish; tier and queue figures are taken at scrape time by a
+collector, from the engine's read-only :class:`~ucm_server.snapshot.EngineSnapshot` (the same figures
+``Admin.Stats`` answers), so they cost nothing between scrapes. Each daemon has its own registry
 (several daemons may share a test process' imports).
 """
 
@@ -9,14 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from ucm_server.engine import Engine
+from ucm_server.snapshot import EngineSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +61,9 @@ class Metrics:
         if keys:
             self.lookup_hit_rate.set(hits / keys)
 
-    def attach_engine(self, engine: Engine) -> None:
-        self.registry.register(_EngineCollector(lambda: engine))
+    def attach(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Scrape the figures ``snapshot()`` returns (the engine's, in the daemon)."""
+        self.registry.register(_SnapshotCollector(snapshot))
 
     def serve(self, address: str) -> int:
         """Start the HTTP endpoint; returns the bound port (address port 0 = any free port)."""
@@ -80,12 +80,12 @@ class Metrics:
             self._server = None
 
 
-class _EngineCollector(Collector):
-    def __init__(self, engine: Callable[[], Engine]) -> None:
-        self._engine = engine
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine()
+        snap = self._snapshot()
         labels = ["tier", "kind"]
         gauges = {
             name: GaugeMetricFamily(f"ucm_tier_{name}", help_, labels=labels)
@@ -106,8 +106,8 @@ class _EngineCollector(Collector):
                 ("corrupt", "Corrupt blocks detected and quarantined"),
             )
         }
-        for tier in engine.pipeline.tiers:
-            s = tier.stats()
+        for tier in snap.tiers:
+            s = tier.stats
             lv = [s.name, s.kind]
             gauges["blocks"].add_metric(lv, s.blocks)
             gauges["bytes"].add_metric(lv, s.bytes)
@@ -118,13 +118,13 @@ class _EngineCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         q = GaugeMetricFamily("ucm_task_queue_depth", "Tasks by state", labels=["state"])
-        q.add_metric(["running"], engine.tasks.running - engine.tasks.queued)
-        q.add_metric(["queued"], engine.tasks.queued)
+        q.add_metric(["running"], snap.tasks_running)
+        q.add_metric(["queued"], snap.tasks_queued)
         yield q
         yield GaugeMetricFamily(
             "ucm_writeback_pending",
             "Blocks waiting to be written down",
-            value=engine.pipeline.pending_writeback,
+            value=snap.pending_writeback,
         )
-        yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=len(engine.sessions))
-        yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=len(engine.regions))
+        yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=snap.sessions)
+        yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=snap.regions)

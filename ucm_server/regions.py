@@ -140,7 +140,9 @@ class RegionTable:
 
     @property
     def total_bytes(self) -> int:
-        return sum(r.size for r in self._regions.values())
+        # list() first: one C-level copy, so the metrics scrape thread never iterates a dict that
+        # the event loop is changing (ucm_server.snapshot).
+        return sum(r.size for r in list(self._regions.values()))
 
     def register_fd(
         self, session_id: str, fd: int, size: int, label: str, *, uid: int = -1, pid: int = 0, name: str = ""

@@ -43,6 +43,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ucm_server.api.errors import InvalidArgument
+from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.gpu.backend import (
     IPC_HANDLE_BYTES,
     CudaBackend,
@@ -54,12 +55,13 @@ from ucm_server.gpu.backend import (
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.keys import BlockKey
 from ucm_server.store.base import OK, BlockResult, failed
-from ucm_server.store.cache import CacheTier, Lease, Reservation
+from ucm_server.store.leasing import Leasing
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
 
 if TYPE_CHECKING:
     from ucm_server.regions import RegionTable, SegmentColumns
+    from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,8 +69,6 @@ T = TypeVar("T")
 STREAMS_PER_DEVICE = 4
 QUEUE_DEPTH = 3
 """Chunks of one task queued on the device at once: the next ones are queued while one completes."""
-CHUNK_BLOCKS = 256
-CHUNK_BYTES = 64 << 20
 STAGING_ROUND = 2 << 20
 STAGING_MIN = 8 << 20
 STAGING_KEEP = 512 << 20
@@ -153,17 +153,6 @@ def pair_runs(dst: Sequence[tuple[int, int]], src: Sequence[tuple[int, int]]) ->
     return pieces
 
 
-def _chunks(blocks: Sequence[DeviceBlock]) -> Iterator[tuple[int, int]]:
-    start = total = 0
-    for i, block in enumerate(blocks):
-        total += block.nbytes
-        if i + 1 - start >= CHUNK_BLOCKS or total >= CHUNK_BYTES:
-            yield start, i + 1
-            start, total = i + 1, 0
-    if start < len(blocks):
-        yield start, len(blocks)
-
-
 class _PinnedPool:
     """Pinned host bounce buffers, reused: for blocks that cannot go straight through the arena."""
 
@@ -222,7 +211,7 @@ class GpuService:
         self.backend_factory = backend_factory
         self.streams_per_device = streams_per_device
         self.backend: CudaBackend | None = None
-        self.cache = pipeline.top if isinstance(pipeline.top, CacheTier) else None
+        self.cache: Leasing | None = pipeline.leasing  # the Cache: its arena, leases, reservations
         self._failure: str | None = (
             "this daemon does not serve GPU regions: GPU support is off in its configuration (gpu: off)"
             if mode == "off"
@@ -423,7 +412,7 @@ class GpuService:
         load = task.kind is TaskKind.LOAD
         queued: deque[_Flight] = deque()
         try:
-            for start, stop in _chunks(plan.blocks):
+            for start, stop in chunk_bounds(block.nbytes for block in plan.blocks):
                 if task.cancel_requested:
                     break
                 queued.append(await self._issue(load, start, keys[start:stop], plan.blocks[start:stop]))

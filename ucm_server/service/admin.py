@@ -9,6 +9,7 @@ from grpc import aio
 from ucm_server.api.ucm.v1 import ucm_pb2 as pb
 from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
+from ucm_server.snapshot import TierFigures
 from ucm_server.store.base import BlockInfo
 
 
@@ -24,46 +25,48 @@ def block_info(info: BlockInfo, tiers: list[str]) -> pb.BlockInfo:
     )
 
 
+def tier_stats(tier: TierFigures) -> pb.TierStats:
+    s = tier.stats
+    return pb.TierStats(
+        name=s.name,
+        kind=s.kind,
+        blocks=s.blocks,
+        bytes=s.bytes,
+        capacity_bytes=s.capacity_bytes,
+        hits=s.hits,
+        misses=s.misses,
+        evictions=s.evictions,
+        read_bytes=s.read_bytes,
+        write_bytes=s.write_bytes,
+        errors=s.errors,
+        corrupt=s.corrupt,
+        persistent=tier.persistent,
+        shared=tier.shared,
+        extra=s.extra,
+    )
+
+
 class AdminServicer(rpc.AdminServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     async def Stats(self, request: pb.StatsRequest, context: aio.ServicerContext) -> pb.StatsResponse:
-        e = self.engine
-        tiers = [
-            pb.TierStats(
-                name=s.name,
-                kind=s.kind,
-                blocks=s.blocks,
-                bytes=s.bytes,
-                capacity_bytes=s.capacity_bytes,
-                hits=s.hits,
-                misses=s.misses,
-                evictions=s.evictions,
-                read_bytes=s.read_bytes,
-                write_bytes=s.write_bytes,
-                errors=s.errors,
-                corrupt=s.corrupt,
-                persistent=persistent,
-                shared=shared,
-                extra=s.extra,
-            )
-            for s, persistent, shared in e.tier_stats()
-        ]
+        snap = self.engine.snapshot()
+        tiers = [tier_stats(tier) for tier in snap.tiers]
         return pb.StatsResponse(
-            version=e.version,
-            uptime_s=e.uptime_s,
+            version=snap.version,
+            uptime_s=snap.uptime_s,
             tiers=tiers,
-            sessions=len(e.sessions),
-            regions=len(e.regions),
-            region_bytes=e.regions.total_bytes,
-            tasks_running=e.tasks.running - e.tasks.queued,
-            tasks_queued=e.tasks.queued,
-            lookups=e.lookups,
-            lookup_keys=e.lookup_keys,
-            lookup_hits=e.lookup_hits,
-            pending_writeback=e.pipeline.pending_writeback,
-            store_pipeline=e.pipeline.spec,
+            sessions=snap.sessions,
+            regions=snap.regions,
+            region_bytes=snap.region_bytes,
+            tasks_running=snap.tasks_running,
+            tasks_queued=snap.tasks_queued,
+            lookups=snap.lookups,
+            lookup_keys=snap.lookup_keys,
+            lookup_hits=snap.lookup_hits,
+            pending_writeback=snap.pending_writeback,
+            store_pipeline=snap.store_pipeline,
         )
 
     async def ListBlocks(

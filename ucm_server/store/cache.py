@@ -78,6 +78,9 @@ class Reservation:
 
 
 class CacheTier(Tier):
+    """Implements :class:`~ucm_server.store.leasing.Leasing`: the pipeline and the GPU path reach its
+    leases, reservations and arena through that capability, not through this class."""
+
     kind = "Cache"
     persistent = False
     shared = False

@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -42,8 +43,11 @@ from ucm_server.store.base import (
     failed,
     iov_len,
 )
-from ucm_server.store.cache import CacheTier, Lease, Reservation
+from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.staging import StagingPool, copy_pairs
+
+if TYPE_CHECKING:
+    from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,9 @@ class Pipeline:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
         self.top = self.tiers[0]
-        self.write_back = write_back and isinstance(self.top, CacheTier) and len(self.tiers) > 1
+        self.leasing: Leasing | None = leasing_of(self.top)
+        """The top tier when it can lease (the Cache): write-back, promotion in place, GPU copies."""
+        self.write_back = write_back and self.leasing is not None and len(self.tiers) > 1
         self._nflushers = flushers
         self.staging = staging or StagingPool()
         self._executor = executor
@@ -224,7 +230,7 @@ class Pipeline:
             if not todo:
                 break
             batch = [items[i] for i in todo]
-            if owned or (depth == 0 and isinstance(tier, CacheTier)):  # no checksum over client memory
+            if owned or (depth == 0 and self.leasing is not None):  # no checksum over client memory
                 got = await tier.read_many(batch)
             else:
                 got = await self._read_staged(depth, batch, started)
@@ -269,7 +275,7 @@ class Pipeline:
         daemon); one whose bytes there do not match, or whose tier cannot, is read again into the
         staging pool, verified there (a mismatch there is corruption), and copied."""
         tier = self.tiers[depth]
-        top = self.top if depth > 0 and isinstance(self.top, CacheTier) else None
+        top = self.leasing if depth > 0 else None
         reservations: dict[int, Reservation] = {}
         if top is not None:
             for j, (key, dest) in enumerate(batch):
@@ -325,7 +331,7 @@ class Pipeline:
     async def _promote_between(self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int) -> None:
         """Promotion into memory tiers above ``depth`` other than a top Cache (which publishes the
         reservation the block was read into), from the daemon-owned copy just verified."""
-        first = 1 if isinstance(self.top, CacheTier) else 0
+        first = 1 if self.leasing is not None else 0
         if any(not t.persistent for t in self.tiers[first:depth]):
             await self._promote(depth, items, started, first=first)
 
@@ -352,7 +358,7 @@ class Pipeline:
         self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False, owned: bool = False
     ) -> list[BlockResult]:
         """Store a batch from ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
-        if not owned and not isinstance(self.top, CacheTier):  # no Cache copy: checksum a copy of ours
+        if not owned and self.leasing is None:  # no Cache copy: checksum a copy of ours
             return await self._staged_writes(items, lambda mine: self._write_many(mine, durable, True))
         return await self._write_many(items, durable, owned)
 
@@ -367,12 +373,12 @@ class Pipeline:
         direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         if self.write_back:
-            assert isinstance(self.top, CacheTier)
+            assert self.leasing is not None
             loop = asyncio.get_running_loop()
             for i, r in enumerate(top_results):
                 if not r.ok:
                     continue
-                lease = self.top.lease(items[i][0])
+                lease = self.leasing.lease(items[i][0])
                 if lease is None:  # evicted already by a concurrent writer; write it down directly
                     direct.append(i)
                     continue
@@ -387,9 +393,9 @@ class Pipeline:
         # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
         # before any await) or from a staging copy, never from the client's region.
         held: dict[int, Lease] = {}
-        if not owned and isinstance(self.top, CacheTier):
+        if not owned and self.leasing is not None:
             for i in direct:
-                lease = self.top.lease(items[i][0]) if top_results[i].ok else None
+                lease = self.leasing.lease(items[i][0]) if top_results[i].ok else None
                 if lease is not None:
                     held[i] = lease
         try:
@@ -456,7 +462,7 @@ class Pipeline:
         return results
 
     async def flow_down(self, keys: Sequence[BlockKey], *, durable: bool = False) -> list[BlockResult]:
-        """Send blocks just committed to the top Cache tier (``CacheTier.reserve``/``commit``, the GPU
+        """Send blocks just committed to the top Cache tier (``Leasing.reserve``/``commit``, the GPU
         path) to the lower tiers, exactly as :meth:`write_many` does after its own top-tier write.
 
         Call it right after the commit, with no await in between, so the blocks are still cached."""
@@ -464,10 +470,10 @@ class Pipeline:
         results: list[BlockResult] = [OK] * len(keys)
         if len(self.tiers) == 1:
             return results
-        assert isinstance(self.top, CacheTier)
+        assert self.leasing is not None
         leases: list[tuple[int, Lease]] = []
         for i, key in enumerate(keys):
-            lease = self.top.lease(key)
+            lease = self.leasing.lease(key)
             if lease is None:
                 results[i] = failed("the block left the Cache before it could be written down")
             else:

@@ -1,0 +1,41 @@
+"""The engine's figures at one instant, read-only: what ``Admin.Stats`` answers and Prometheus scrapes.
+
+One place computes them (:meth:`ucm_server.engine.Engine.snapshot`), so the admin answer and the
+metrics never disagree about how a figure is derived, and the metrics module needs nothing of the
+engine but a function that returns this. Taking one is cheap and awaits nothing: the scrape thread
+calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ucm_server.store.base import TierStats
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One tier of the pipeline: its counters and what kind of store it is."""
+
+    stats: TierStats
+    persistent: bool
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    version: str
+    uptime_s: float
+    tiers: tuple[TierFigures, ...]
+    """Top tier first, as in the pipeline."""
+    sessions: int
+    regions: int
+    region_bytes: int
+    tasks_running: int
+    """Running now (not counting the queued ones)."""
+    tasks_queued: int
+    lookups: int
+    lookup_keys: int
+    lookup_hits: int
+    pending_writeback: int
+    store_pipeline: str

@@ -1,0 +1,63 @@
+"""The leasing capability: a top tier whose blocks can be held in place, reserved and filled from outside.
+
+The pipeline's write-back (flush a block from where it sits, safe from eviction), its promotion (read a
+lower tier's block straight into reserved pages, publish it once verified) and the GPU path (DMA into
+and out of pinned arena pages by address) need more of the top tier than the eight primitives of
+:class:`~ucm_server.store.base.Tier`. They ask for this protocol — a capability, not a class — once,
+when they are built (:func:`leasing_of`), never per block: a ``runtime_checkable`` ``isinstance`` is
+slow. :class:`~ucm_server.store.cache.CacheTier` is the one built-in tier that implements it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ucm_server.keys import BlockKey
+from ucm_server.store.arena import Arena
+from ucm_server.store.base import Tier
+
+if TYPE_CHECKING:
+    from ucm_server.store.cache import Lease, Reservation
+
+
+@runtime_checkable
+class Leasing(Protocol):
+    arena: Arena
+    """The host memory the blocks live in (the GPU path page-locks it once: ``pin``/``pinned``)."""
+
+    def lease(self, key: BlockKey) -> Lease | None:
+        """Hold a block in place (no eviction, no page reuse) until ``Lease.release``; ``None``: absent."""
+        ...
+
+    def lease_for_read(self, key: BlockKey) -> Lease | None:
+        """:meth:`lease`, counted as a read hit."""
+        ...
+
+    def reserve(self, key: BlockKey, size: int) -> Reservation | None:
+        """Pages for a block someone else fills, invisible until :meth:`commit`; ``None``: full."""
+        ...
+
+    def host_runs(self, held: Lease | Reservation) -> list[tuple[int, int]]:
+        """A held block's bytes as (address, length) runs, for device copies."""
+        ...
+
+    def views(self, reservation: Reservation) -> list[memoryview]:
+        """A reservation's pages as memoryviews, for a tier to read a block into."""
+        ...
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether the block is held now (no recency touch)."""
+        ...
+
+    def commit(self, reservation: Reservation) -> None:
+        """Publish a filled reservation (replacing any older version)."""
+        ...
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give a reservation's pages back."""
+        ...
+
+
+def leasing_of(tier: Tier) -> Leasing | None:
+    """``tier`` as a :class:`Leasing` store, or ``None`` when it cannot lease (ask once, keep the answer)."""
+    return tier if isinstance(tier, Leasing) else None
