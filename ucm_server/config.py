@@ -24,9 +24,9 @@ import yaml
 
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-KNOWN_TIERS = ("Cache", "Posix", "DS3FS", "Mooncake", "S3")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
 _CLIENT_ENV = {
     "UCM_CONFIG_FILE",
@@ -102,7 +102,7 @@ class ServerConfig:
     store_pipeline: str = field(
         default="Cache|Posix",
         metadata=_help(
-            f"Tiers from fastest to slowest, '|'-separated; built in: {', '.join(KNOWN_TIERS)}; "
+            f"Tiers from fastest to slowest, '|'-separated; built in: {', '.join(BUILTIN_TIERS)}; "
             "also 'package.module:Class' or a name registered in the ucm.tiers entry points."
         ),
     )
@@ -265,10 +265,27 @@ class ServerConfig:
         need TLS); its peers are anonymous and never admins (see ``allow_anonymous_tcp``)."""
         return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
 
+    def tier_settings_for(self, name: str) -> dict[str, object]:
+        """The settings the tier ``name`` of the pipeline is built from: the flat ``cache_*`` and
+        ``posix_*`` keys for Cache and Posix (their ``tier_settings`` entries are ignored, as they
+        always were), the ``tier_settings`` entry for every other tier."""
+        if name == "Cache":
+            return {
+                "capacity": self.cache_capacity,
+                "page_size": self.cache_page_size,
+                "prefault": self.cache_prefault,
+            }
+        if name == "Posix":
+            return {
+                "roots": tuple(self.posix_roots),
+                "capacity": self.posix_capacity,
+                "durable": self.durable,
+                "direct_io": self.posix_direct_io,
+            }
+        return dict(self.tier_settings.get(name, {}))
+
     def validate(self) -> ServerConfig:
         tiers = self.tiers
-        from ucm_server.store.registry import known_tiers
-
         known = known_tiers()
         for t in tiers:
             if t not in known and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", t):

@@ -34,21 +34,26 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MAX_BLOCK_BYTES,
     MISSING,
     OK,
     BlockInfo,
     BlockResult,
     IoVec,
+    TierContext,
     bounded_gather,
     copy_iov,
     failed,
     iov_len,
+    load_tier_settings,
 )
 from ucm_server.store.confined import NotRegularFile
 from ucm_server.store.format import (
@@ -60,12 +65,29 @@ from ucm_server.store.format import (
     verify_payload,
 )
 from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _unlink_at
-from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 UsrbioMode = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class DS3FSSettings:
+    """The DS3FS tier's ``tier_settings`` entry (each key is documented on :class:`DS3FSTier`)."""
+
+    mount: str
+    subdir: str = "ucm"
+    capacity: int = 0
+    durable: bool = True
+    usrbio: UsrbioMode = "auto"
+    usrbio_buffer_bytes: int = 64 << 20
+    io_entries: int = 256
+    negative_ttl_s: float = 1.0
+    positive_ttl_s: float = 5.0
+    timeout_s: float = 30.0
+    scan_on_open: bool = False
+    stale_tmp_s: float = 3600.0
 
 
 class DS3FSTier(PosixTier):
@@ -93,6 +115,7 @@ class DS3FSTier(PosixTier):
         timeout_s: float = 30.0,
         scan_on_open: bool = False,
         stale_tmp_s: float = 3600.0,
+        max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
         """
         :param mount: the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself.
@@ -111,6 +134,7 @@ class DS3FSTier(PosixTier):
         :param timeout_s: limit on one file operation (or one USRBIO batch); past it: FAILED.
         :param scan_on_open: index every block on the mount at ``open`` (slow on a big shared tree).
         :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
+        :param max_block_bytes: a stored header claiming a larger payload is corrupt.
         """
         self.mount = Path(mount)
         # Buffered writes only: USRBIO and other nodes' readers expect the 128-byte header.
@@ -121,6 +145,7 @@ class DS3FSTier(PosixTier):
             durable=durable,
             direct_io=False,
             executor=executor,
+            max_block_bytes=max_block_bytes,
         )
         if usrbio not in ("auto", "on", "off"):
             raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")
@@ -147,26 +172,16 @@ class DS3FSTier(PosixTier):
         self._usrbio: _Usrbio | None = None
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "mount": str,
-        "subdir": str,
-        "capacity": int,
-        "durable": bool,
-        "usrbio": str,
-        "usrbio_buffer_bytes": int,
-        "io_entries": int,
-        "negative_ttl_s": float,
-        "positive_ttl_s": float,
-        "timeout_s": float,
-        "scan_on_open": bool,
-        "stale_tmp_s": float,
-    }
+    Settings: ClassVar[type[Any] | None] = DS3FSSettings
 
     @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key."""
-        out = check_settings("DS3FS", name, settings, cls._SETTINGS, required=("mount",))
-        return cls(name, **out)
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key.
+        Headers above ``context.max_block_bytes`` are corrupt, as in the Posix tier."""
+        values = load_tier_settings(cls, name, settings)
+        return cls(name, max_block_bytes=context.max_block_bytes, **values)
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:

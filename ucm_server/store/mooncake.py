@@ -42,10 +42,10 @@ import mmap
 import os
 import socket
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
@@ -69,7 +69,6 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,6 +97,25 @@ class _Staging:
     mem: mmap.mmap
     view: memoryview
     addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeSettings:
+    """The Mooncake tier's ``tier_settings`` entry (each key is documented on :class:`MooncakeTier`)."""
+
+    master_address: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 256 << 20
+    key_prefix: str = "ucm"
+    timeout_s: float = 5.0
+    staging_bytes: int = 64 << 20
+    staging_buffers: int = 2
+    master_http: str = ""
+    force_delete: bool = False
 
 
 class MooncakeTier(Tier):
@@ -174,26 +192,8 @@ class MooncakeTier(Tier):
         queryable cheaply, so ``stats().blocks``/``bytes`` report this local view."""
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "master_address": str,
-        "metadata_server": str,
-        "local_hostname": str,
-        "protocol": str,
-        "device_name": str,
-        "global_segment_size": int,
-        "local_buffer_size": int,
-        "key_prefix": str,
-        "timeout_s": float,
-        "staging_bytes": int,
-        "staging_buffers": int,
-        "master_http": str,
-        "force_delete": bool,
-    }
-
-    @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key."""
-        return cls(name, **check_settings(cls.kind, name, settings, cls._SETTINGS))
+    Settings: ClassVar[type[Any] | None] = MooncakeSettings
+    """Built by :meth:`Tier.from_settings`: unknown keys and wrong types name the key."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:

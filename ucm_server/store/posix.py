@@ -44,15 +44,17 @@ import os
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MAX_BLOCK_BYTES,
     MISSING,
     OK,
     BlockInfo,
@@ -60,9 +62,11 @@ from ucm_server.store.base import (
     IoVec,
     SizeIndex,
     Tier,
+    TierContext,
     TierStats,
     failed,
     iov_len,
+    load_tier_settings,
 )
 from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
@@ -84,8 +88,21 @@ TMP_MARK = ".tmp."
 QUARANTINE = ".quarantine"
 DIRECT_ALIGN = 4096
 """Alignment of buffers, offsets and lengths for ``O_DIRECT`` (the common logical block size)."""
-DEFAULT_MAX_BLOCK_BYTES = 256 << 20
-"""The daemon's default ``max_block_bytes``; the daemon passes its own setting to its tiers."""
+
+
+@dataclass(frozen=True, slots=True)
+class PosixSettings:
+    """The Posix tier's settings; the daemon fills them from ``storage_backends`` (or
+    ``<data_dir>/blocks``), ``posix_capacity``, ``durable`` and ``posix_direct_io``."""
+
+    roots: tuple[Path, ...]
+    """Root directories; blocks are striped over them by key."""
+    capacity: int = field(default=0, metadata={"size": True})
+    """Bytes the tier may hold before it evicts (0: no limit)."""
+    durable: bool = True
+    """fsync file and directory before a block becomes visible."""
+    direct_io: bool = True
+    """Write with ``O_DIRECT`` where buffers and filesystem allow it."""
 
 
 @dataclass(slots=True)
@@ -134,6 +151,16 @@ class PosixTier(Tier):
         """Non-regular files met where block files should be, by kind (fifo, symlink, ...)."""
         self._skip_examples: dict[str, str] = {}
         self._scanning = False
+
+    Settings: ClassVar[type[Any] | None] = PosixSettings
+
+    @classmethod
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """File work runs in ``context.executor``; headers above ``context.max_block_bytes`` are corrupt."""
+        values = load_tier_settings(cls, name, settings)
+        return cls(name, executor=context.executor, max_block_bytes=context.max_block_bytes, **values)
 
     # -- layout ---------------------------------------------------------------------------------------
     def root_of(self, key: BlockKey) -> Path:

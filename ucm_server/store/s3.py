@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Self, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, cast
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
@@ -47,7 +48,6 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +57,27 @@ _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _AUTH_CODES = frozenset(
     {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
 )
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """The S3 tier's ``tier_settings`` entry (each key is documented on :class:`S3Tier`)."""
+
+    bucket: str = "ucm"
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+    prefix: str = "ucm"
+    access_key: str = ""
+    secret_key: str = field(default="", metadata={"secret": True})
+    session_token: str = field(default="", metadata={"secret": True})
+    profile: str = ""
+    create_bucket: bool = True
+    timeout_s: float = 10.0
+    max_workers: int = 16
+    retries: int = 2
+    addressing_style: str = "path"
+    verify_tls: bool = True
+    list_page: int = 1000
 
 
 class S3Tier(Tier):
@@ -140,30 +161,9 @@ class S3Tier(Tier):
         return f"{self.endpoint_url or 'AWS S3'} bucket {self.bucket!r}"
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "bucket": str,
-        "endpoint_url": str,
-        "region": str,
-        "prefix": str,
-        "access_key": str,
-        "secret_key": str,
-        "session_token": str,
-        "profile": str,
-        "create_bucket": bool,
-        "timeout_s": float,
-        "max_workers": int,
-        "retries": int,
-        "addressing_style": str,
-        "verify_tls": bool,
-        "list_page": int,
-    }
-
-    @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key (and
-        never echo a credential's value)."""
-        out = check_settings("S3", name, settings, cls._SETTINGS, secrets=("secret_key", "session_token"))
-        return cls(name, **out)
+    Settings: ClassVar[type[Any] | None] = S3Settings
+    """Built by :meth:`Tier.from_settings`: unknown keys and wrong types name the key (and never
+    echo a credential)."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:
