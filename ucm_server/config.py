@@ -18,13 +18,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
-
-import yaml
+from typing import Any, Literal, get_type_hints
 
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.settings_loader import coerce, parse_size, read_yaml_mapping
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
+
+__all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
@@ -37,23 +38,6 @@ _CLIENT_ENV = {
     "UCM_EXIT_WITH_PARENT",
     "UCM_DAEMON_UID",
 }
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: object, key: str = "size") -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"4G"``, ``"1.5 GB"`` (1024-based either way)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like '4GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must not be negative, got {value}")
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    return int(number * 1024 ** " kmgtp".index(unit or " "))
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -361,70 +345,24 @@ _HINTS = get_type_hints(ServerConfig)
 
 def _coerce(key: str, raw: object, source: str) -> Any:
     """Turn a YAML/env/flag value into the field's type, naming key and source on failure."""
-    f, hint = FIELDS[key], _HINTS[key]
     where = f"{key} (from {source})"
-    if f.metadata.get("size"):
-        return parse_size(raw, where)
-    if hint is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
-    if hint in (int, float):
-        try:
-            return hint(raw)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
-    if hint is Path:
-        return Path(os.path.expanduser(str(raw)))
-    if get_origin(hint) is Literal:
-        choices = get_args(hint)
-        if raw not in choices:
-            raise ConfigError(f"{where}: {raw!r} is not one of {', '.join(map(str, choices))}")
-        return raw
-    if get_origin(hint) is dict:
-        if isinstance(raw, str):
-            try:
-                raw = yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{where}: not valid YAML ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-        bad = [k for k, v in raw.items() if not isinstance(k, str) or not isinstance(v, dict)]
+    value = coerce(_HINTS[key], raw, where, size=bool(FIELDS[key].metadata.get("size")), source="text")
+    if key == "tier_settings":
+        bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, dict)]
         if bad:
             raise ConfigError(f"{where}: expected tier name -> mapping of settings, got entry {bad[0]!r}")
-        return raw
-    if not isinstance(raw, str | int | float):
-        raise ConfigError(f"{where}: expected a string, got {raw!r}")
-    return str(raw)
+    return value
 
 
 def _from_mapping(values: Mapping[str, object], source: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, raw in values.items():
+    for key in values:
         if key not in FIELDS:
-            raise ConfigError(f"unknown key {key!r} in {source}; known keys: {', '.join(FIELDS)}")
-        out[key] = _coerce(key, raw, source)
-    return out
+            raise ConfigError(f"{source}: unknown key {key!r}; known: {', '.join(FIELDS)}")
+    return {key: _coerce(key, raw, source) for key, raw in values.items()}
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates
-        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(
-            f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}"
-        )
+    doc = read_yaml_mapping(path, "config file")
     if "ucm_connectors" in doc:  # seed 001 format: take the first connector's config
         connectors = doc["ucm_connectors"]
         if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):
