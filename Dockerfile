@@ -37,6 +37,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python3 -m venv /opt/ucm
 WORKDIR /src
 COPY constraints.txt pyproject.toml README.md ./
+COPY ucm_protocol ./ucm_protocol
 COPY ucm_server ./ucm_server
 COPY ucm_client ./ucm_client
 # The base install only (constraints.txt pins every version, the build backend included). No extras:

@@ -1,10 +1,12 @@
-"""Generate the Python gRPC stubs from ``proto/ucm/v1/*.proto`` into ``ucm_server/api/``.
+"""Generate the Python gRPC stubs from ``proto/ucm/v1/*.proto`` into ``ucm_protocol/``.
 
 Run ``make proto`` (or ``python scripts/gen_proto.py``). ``--check`` regenerates into a temporary
 directory and fails when the committed stubs differ, which is what the staleness test calls.
 
 protoc writes ``from ucm.v1 import ucm_pb2``; we rewrite that to the package path the stubs live at,
-``ucm_server.api.ucm.v1``, so they import without touching ``sys.path``.
+``ucm_protocol.ucm.v1``, so they import without touching ``sys.path``. The old path
+``ucm_server.api.ucm.v1`` holds hand-written re-exports (kept until 0.2), never a second generated copy:
+two generated modules would register ``ucm/v1/ucm.proto`` twice in the default descriptor pool.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-OUT_ROOT = ROOT / "ucm_server" / "api"
-PACKAGE = "ucm_server.api"
+OUT_ROOT = ROOT / "ucm_protocol"
+PACKAGE = "ucm_protocol"
 
 
 def generate(out_root: Path) -> list[Path]:

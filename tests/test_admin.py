@@ -349,14 +349,23 @@ def admin_with_config(
 def test_config_option_resolves_the_socket_as_the_daemon_does(
     seeded: tuple[DaemonProcess, list[str], list[str]], tmp_path: Path
 ) -> None:
-    """`ucm-admin --config FILE` talks to the socket FILE names, with UCM_SOCKET beating the file exactly
-    as in ucm-server; a missing or invalid file is a usage error (2) naming it; --config and --socket
-    together are refused."""
+    """`ucm-admin --config FILE` talks to the socket FILE names (flat or seed form), with UCM_SOCKET
+    beating the file exactly as in ucm-server; a missing file or one that is not YAML is a usage error (2)
+    naming it; --config and --socket together are refused. Only the socket is read (the client loads no
+    daemon code): another key's mistake is the daemon's to report at start, not the probe's."""
     d, _, _ = seeded
     good, elsewhere, broken = tmp_path / "good.yaml", tmp_path / "elsewhere.yaml", tmp_path / "broken.yaml"
     good.write_text(f"socket: {d.socket}\ncache_capacity: 1GiB\n")
     elsewhere.write_text(f"socket: {tmp_path / 'nobody.sock'}\n")
-    broken.write_text("sockett: /x\n")
+    broken.write_text("socket: [/x\n")
+    seed, typo = tmp_path / "seed.yaml", tmp_path / "typo.yaml"
+    seed.write_text(
+        "ucm_connectors:\n  - ucm_connector_name: UcmNfsStore\n"
+        f"    ucm_connector_config:\n      socket: {d.socket}\n"
+    )
+    typo.write_text(f"socket: {d.socket}\ncache_capacityy: 1GiB\n")
+    assert admin_with_config(seed, "health").returncode == 0
+    assert admin_with_config(typo, "health").returncode == 0
     ok = admin_with_config(good, "health")
     assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
     away = admin_with_config(elsewhere, "health")
@@ -367,7 +376,7 @@ def test_config_option_resolves_the_socket_as_the_daemon_does(
     missing = admin_with_config(tmp_path / "absent.yaml", "health")
     assert missing.returncode == 2 and "absent.yaml" in missing.stderr
     bad = admin_with_config(broken, "health")
-    assert bad.returncode == 2 and "sockett" in bad.stderr
+    assert bad.returncode == 2 and "broken.yaml" in bad.stderr and "not valid YAML" in bad.stderr
     both = admin_with_config(good, "--socket", str(d.socket), "health")
     assert both.returncode == 2 and "not allowed with" in both.stderr
     assert d.healthy()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ucm_server.api.errors import ResourceExhausted
+from ucm_protocol.errors import ResourceExhausted
 
 if TYPE_CHECKING:
     import torch

@@ -31,8 +31,8 @@ import grpc
 from grpc import aio
 
 from ucm_client.buffers import SharedBuffer
+from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.errors import RegionLost
-from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.handover import hand_over
 from ucm_client.task_events import FinishedTasks
 from ucm_client.trust import trusted_uids, verify_daemon
@@ -45,24 +45,28 @@ from ucm_client.types import (
     lookup_request,
     lookup_result,
 )
-from ucm_server.api.errors import (
+from ucm_protocol.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
     PermissionDenied,
     UcmError,
     Unavailable,
-    error_for_status,
+    domain_error,
 )
-from ucm_server.api.paths import target_for
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.paths import target_for
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.wire import (
+    MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_client.client.MAX_MESSAGE_BYTES)
+    SESSION_METADATA,
+    bearer_metadata,
+    channel_options,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-SESSION_METADATA = "ucm-session"
-MAX_MESSAGE_BYTES = 512 << 20
 
 
 @dataclass(slots=True)
@@ -143,10 +147,7 @@ class AsyncUcmClient:
             if self._session_id is not None:
                 return
             await self._close_channel()
-            options = [
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
+            options = channel_options()
             ca, key, cert = self._tls
             if ca is not None:
                 creds = grpc.ssl_channel_credentials(
@@ -266,7 +267,7 @@ class AsyncUcmClient:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     def _auth_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
+        return bearer_metadata(self._token)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
@@ -393,7 +394,7 @@ class AsyncUcmClient:
         byte. The daemon opens the handle once and copies with ``cudaMemcpyAsync``. Raises
         ``CudaUnavailable`` (a ``FailedPrecondition``) when this process has no CUDA device, or when
         the daemon cannot serve GPU regions (no cupy, no device, ``gpu: off``: its reason is the
-        message), so a caller falls back to host memory on one exception. See :mod:`ucm_client.gpu`
+        message), so a caller falls back to host memory on one exception. See :mod:`ucm_client.cuda_ipc`
         for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)
@@ -615,12 +616,6 @@ def _check_socket(path: Path) -> None:
             f"socket {path} belongs to uid {st.st_uid} with mode {st.st_mode & 0o777:o}; this process "
             f"(uid {os.geteuid()}) may not use it: run as the daemon's user"
         )
-
-
-def domain_error(exc: grpc.RpcError) -> UcmError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    return error_for_status(code, detail or "")
 
 
 def _session_lost(err: UcmError) -> bool:

@@ -5,7 +5,7 @@ callers catch one hierarchy. :class:`RegionLost` is the client's own: a region h
 daemon no longer maps (after a daemon restart its re-registration failed).
 """
 
-from ucm_server.api.errors import (
+from ucm_protocol.errors import (
     AlreadyExists,
     Cancelled,
     ConfigError,

@@ -2,7 +2,7 @@
 
 Blocking and short (one small message each way on a local socket), so the async client runs it in a
 thread. The daemon's uid is checked (``SO_PEERCRED``) before the descriptor is sent; see
-:mod:`ucm_client.trust` and, for the wire format, :mod:`ucm_server.api.fdpass`.
+:mod:`ucm_client.trust` and, for the wire format, :mod:`ucm_protocol.fdpass`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 
 from ucm_client.trust import check_peer
-from ucm_server.api.errors import UcmError, Unavailable, error_for_status
-from ucm_server.api.fdpass import (
+from ucm_protocol.errors import UcmError, Unavailable, error_for_status
+from ucm_protocol.fdpass import (
     MAX_REPLY_PAYLOAD,
     REPLY,
     REPLY_MAGIC,

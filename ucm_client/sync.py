@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import grpc
 
 from ucm_client.buffers import SharedBuffer
-from ucm_client.client import AsyncUcmClient, domain_error
+from ucm_client.client import AsyncUcmClient
 from ucm_client.types import BlockIO, LookupResult, TaskResult, lookup_request, lookup_result
-from ucm_server.api.errors import FailedPrecondition, Unavailable
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 
 T = TypeVar("T")
 
@@ -113,7 +113,7 @@ class UcmClient:
 
     def register_cuda(self, target: Any, *, label: str = "") -> int:
         """GPU memory by CUDA IPC (see :meth:`AsyncUcmClient.register_cuda`); exported in this thread."""
-        from ucm_client.gpu import as_export
+        from ucm_client.cuda_ipc import as_export
 
         return self._run(self._async.register_cuda(as_export(target), label=label))
 

@@ -11,7 +11,7 @@ first byte goes out the client checks
 
 Trusted uids: this process's effective uid, root, and the uid configured as ``daemon_uid`` (or
 ``$UCM_DAEMON_UID``) for a daemon that runs as a dedicated user. A mismatch raises
-:class:`~ucm_server.api.errors.PermissionDenied` naming the socket, the uid found and the uids expected.
+:class:`~ucm_protocol.errors.PermissionDenied` naming the socket, the uid found and the uids expected.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import socket
 import stat
 from pathlib import Path
 
-from ucm_server.api.errors import InvalidArgument, PermissionDenied, Unavailable
-from ucm_server.api.fdpass import peer_credentials
+from ucm_protocol.errors import InvalidArgument, PermissionDenied, Unavailable
+from ucm_protocol.fdpass import peer_credentials
 
 DAEMON_UID_ENV = "UCM_DAEMON_UID"
 

@@ -7,10 +7,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ucm_server.api.errors import InvalidArgument
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES
-from ucm_server.store.base import BlockState
+from ucm_protocol.errors import InvalidArgument
+from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES
+from ucm_protocol.states import BlockState
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
 __all__ = [
     "KEY_BYTES",

@@ -1,1 +1,5 @@
-__version__ = "0.1.0"
+"""The UCM daemon. Its version is the protocol package's (one number for the product)."""
+
+from ucm_protocol import __version__
+
+__all__ = ["__version__"]

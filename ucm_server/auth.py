@@ -35,13 +35,13 @@ from pathlib import Path
 
 import yaml
 
+from ucm_protocol.settings import parse_size
+from ucm_protocol.wire import AUTH_METADATA
 from ucm_server.api.errors import ConfigError, Unauthenticated
-from ucm_server.config import parse_size
 from ucm_server.keys import NAMESPACE_BYTES, Namespace
 
 log = logging.getLogger(__name__)
 
-AUTH_METADATA = "authorization"
 
 
 @dataclass(frozen=True, slots=True)

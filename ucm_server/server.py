@@ -24,6 +24,10 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ucm_protocol.wire import (
+    MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_server.server.MAX_MESSAGE_BYTES)
+    channel_options,
+)
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.fdpass import fd_socket_path
 from ucm_server.api.paths import make_private_dirs
@@ -38,7 +42,6 @@ from ucm_server.service.kvstore import KVStoreServicer
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 512 << 20
 SERVICES = ("ucm.v1.KVStore", "ucm.v1.Admin")
 
 
@@ -147,8 +150,7 @@ class Daemon:
                 )
             ],
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *channel_options(),
                 ("grpc.so_reuseport", 0),
             ],
         )

@@ -351,7 +351,8 @@ def test_dockerfile_copies_what_the_build_needs(image: Image) -> None:
             if any(w.startswith("--from") for w in words):
                 continue
             copied.extend(words[:-1])
-    assert {"pyproject.toml", "README.md", "constraints.txt", "ucm_server", "ucm_client"} <= set(copied)
+    needed = {"pyproject.toml", "README.md", "constraints.txt", "ucm_protocol", "ucm_server", "ucm_client"}
+    assert needed <= set(copied)
     for src in copied:
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
         assert not ignored(src), f"COPY {src}: excluded by .dockerignore"

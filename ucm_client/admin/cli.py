@@ -19,7 +19,7 @@ from ucm_client.admin.errors import EXIT_CODES_HELP, ExitCode, classify
 if TYPE_CHECKING:
     from ucm_client.admin.connection import Daemon
     from ucm_client.admin.output import Output
-    from ucm_server.keys import BlockKey
+    from ucm_protocol.keys import BlockKey
 
 Handler = Callable[[argparse.Namespace, "Daemon", "Output"], ExitCode]
 
@@ -53,7 +53,7 @@ Set UCM_ADMIN_DEBUG=1 to see a traceback for unexpected errors.
 
 # -- argument types (errors here are usage errors: exit 2, nothing sent) --------------------------
 def block_key(text: str) -> BlockKey:
-    from ucm_server.keys import BlockKey
+    from ucm_protocol.keys import BlockKey
 
     try:
         return BlockKey.from_hex(text.strip())
@@ -74,7 +74,7 @@ def namespace_hex(text: str) -> bytes:
 
 
 def size(text: str) -> int:
-    from ucm_server.config import parse_size
+    from ucm_protocol.settings import parse_size
 
     try:
         return parse_size(text, "size")
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from ucm_server import __version__
+    from ucm_protocol import __version__
 
     return __version__
 

@@ -18,8 +18,9 @@ import grpc
 
 from ucm_client.admin.errors import DaemonUnreachable
 from ucm_client.trust import trusted_uids, verify_daemon
-from ucm_server.api.errors import Unavailable, error_for_status
-from ucm_server.api.paths import default_socket_path, target_for
+from ucm_protocol.errors import Unavailable, domain_error
+from ucm_protocol.paths import default_socket_path, socket_from_config, target_for
+from ucm_protocol.wire import bearer_metadata
 
 T = TypeVar("T")
 START_HINT = "start it with `ucm-server`, or point --socket/--target (or $UCM_SOCKET) at a running one"
@@ -29,20 +30,18 @@ def resolve_target(socket: str | None, target: str | None, config: str | None = 
     """The gRPC target: ``--target`` > ``--socket`` > the socket of the daemon config ``--config`` >
     ``$UCM_TARGET`` > ``$UCM_SOCKET`` > the default path.
 
-    ``--config`` resolves the socket exactly as ``ucm-server --config FILE`` does (file, then ``UCM_*``
-    environment, then defaults), so a container health check reading the same file and environment as
-    the daemon probes the socket the daemon really listens on. Raises ``ConfigError`` (a ValueError)
-    when the file is missing or invalid.
+    ``--config`` resolves the socket exactly as ``ucm-server --config FILE`` does (file, then
+    ``$UCM_SOCKET``, then the default), so a container health check reading the same file and environment
+    as the daemon probes the socket the daemon really listens on. Only the socket is read: the daemon
+    reports the file's other mistakes when it starts. Raises ``ConfigError`` (a ValueError) when the file
+    is missing, unreadable or not YAML.
     """
     if target:
         return target_for(target)
     if socket:
         return target_for(socket if socket.startswith(("/", ".", "unix:")) else f"./{socket}")
     if config:
-        from ucm_server.config import load_config
-
-        daemon_config, _ = load_config(Path(config))
-        return target_for(daemon_config.socket)
+        return target_for(socket_from_config(Path(config)))
     if env := os.environ.get("UCM_TARGET"):
         return target_for(env)
     return target_for(default_socket_path())
@@ -144,17 +143,12 @@ class Daemon:
 def _auth_metadata() -> tuple[tuple[str, str], ...]:
     """``$UCM_TOKEN`` as a bearer token, for daemons that require one (admin commands need an admin token)."""
     token = os.environ.get("UCM_TOKEN")
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    return bearer_metadata(token)
 
 
 def _stubs() -> Any:
     """The generated gRPC module (untyped: mypy treats it as Any), imported at first use."""
-    from ucm_server.api.ucm.v1 import ucm_pb2_grpc
+    from ucm_protocol.ucm.v1 import ucm_pb2_grpc
 
     return ucm_pb2_grpc
 
-
-def domain_error(exc: grpc.RpcError) -> Exception:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    return error_for_status(code, detail or "")

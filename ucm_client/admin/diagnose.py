@@ -24,7 +24,7 @@ from ucm_client.admin import render
 from ucm_client.admin.connection import Daemon, check_socket, socket_path
 from ucm_client.admin.errors import CliError, ExitCode, OperationFailed
 from ucm_client.admin.output import Output
-from ucm_server.api.errors import UcmError
+from ucm_protocol.errors import UcmError
 
 
 # -- bench ------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def _daemon_checks(daemon: Daemon) -> list[Check]:
     try:
         from grpc_health.v1 import health_pb2
 
-        from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+        from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
         resp = daemon.call(daemon.health.Check, health_pb2.HealthCheckRequest(service=""))
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

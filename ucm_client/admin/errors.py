@@ -11,7 +11,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ucm_server.api.errors import DeadlineExceeded, NotFound, UcmError, Unavailable
+from ucm_protocol.errors import DeadlineExceeded, NotFound, UcmError, Unavailable
 
 
 class ExitCode(enum.IntEnum):

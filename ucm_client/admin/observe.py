@@ -17,7 +17,7 @@ from ucm_client.admin import render
 from ucm_client.admin.connection import Daemon
 from ucm_client.admin.errors import ExitCode, OperationFailed
 from ucm_client.admin.output import Mode, Output
-from ucm_server.api.errors import NotFound
+from ucm_protocol.errors import NotFound
 
 LIST_PAGE_MAX = 10000
 
@@ -52,7 +52,7 @@ def health(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
 
 
 def fetch_stats(daemon: Daemon) -> dict[str, Any]:
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     return render.stats_dict(daemon.call(daemon.admin.Stats, pb.StatsRequest()), daemon.target)
 
@@ -64,7 +64,7 @@ def stats(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
 
 
 def _pages(daemon: Daemon, namespace: bytes, tier: str, page_size: int, token: str) -> Iterator[Any]:
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     while True:
         req = pb.ListBlocksRequest(namespace=namespace, tier=tier, page_size=page_size, page_token=token)
@@ -103,7 +103,7 @@ def ls(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
 
 def inspect(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     """Where one block lives, its size, age and checksum; exit 1 if no tier has it."""
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     key = args.key
     resp = daemon.call(daemon.admin.Inspect, pb.InspectRequest(namespace=key.namespace, key=key.digest))

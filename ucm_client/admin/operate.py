@@ -19,7 +19,7 @@ from ucm_client.admin import render
 from ucm_client.admin.connection import Daemon
 from ucm_client.admin.errors import ExitCode, OperationFailed, UsageError
 from ucm_client.admin.output import Output
-from ucm_server.keys import BlockKey
+from ucm_protocol.keys import BlockKey
 
 # Well under the daemon's default max_batch_blocks (65536), so one request never trips the limit.
 KEYS_PER_REQUEST = 8192
@@ -57,7 +57,7 @@ def _chunks(digests: list[bytes]) -> Iterable[list[bytes]]:
 
 def delete(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     """Remove blocks from every tier; exit 1 if some were not there (unless ``--missing-ok``)."""
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     keys = read_keys(args.keys)
     if not keys:
@@ -79,7 +79,7 @@ def delete(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
 
 def evict(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     """Free space in one tier: named keys, ``--bytes`` by the tier's policy, or ``--all``."""
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     chosen = [
         name
@@ -121,7 +121,7 @@ def _confirm_all(args: argparse.Namespace, daemon: Daemon, out: Output) -> None:
         return
     if not sys.stdin.isatty():
         raise UsageError("evict --all asks for confirmation; pass --yes when stdin is not a terminal")
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     req = pb.ListBlocksRequest(namespace=args.namespace or b"", tier=args.tier, page_size=1)
     total = daemon.call(daemon.admin.ListBlocks, req).total
@@ -147,7 +147,7 @@ class CorruptBlock:
 
 def verify(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     """Re-read every block of the persistent tiers and check its checksum; exit 1 if any is corrupt."""
-    from ucm_server.api.ucm.v1 import ucm_pb2 as pb
+    from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     req = pb.VerifyRequest(tier=args.tier or "", namespace=args.namespace or b"")
     daemon.channel()  # fail fast (exit 3) before drawing a progress bar

@@ -18,7 +18,7 @@ from typing import IO, Any, Protocol
 
 from rich.console import Console, RenderableType
 
-from ucm_server.api.text import printable
+from ucm_protocol.text import printable
 
 Json = Any  # what json.dumps accepts; kept loose on purpose (nested dicts of scalars)
 

@@ -15,7 +15,7 @@ from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 
-from ucm_server.api.text import printable
+from ucm_protocol.text import printable
 
 Json = dict[str, Any]
 

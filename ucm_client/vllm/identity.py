@@ -25,18 +25,20 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from ucm_client.types import key_digest
 from ucm_client.vllm.config import ConfigError, ConnectorConfig, WeightFingerprint
+from ucm_protocol.keys import KEY_BYTES
 
 __all__ = [
     "KeySpace",
     "block_keys",
     "check_hash_stability",
+    "layer_key",
     "layer_order",
     "model_identity",
     "weight_fingerprint",
 ]
 
-KEY_BYTES = 32
 _SAMPLE_BYTES = 1 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _UNSTABLE_ALGOS = ("xxhash", "xxhash_cbor")
@@ -88,9 +90,12 @@ def layer_order(layer_names: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(layer_names), key=natural))
 
 
-def _widen(digest: bytes) -> bytes:
-    from ucm_client import key_digest
+def layer_key(key: bytes, layer: int) -> bytes:
+    """The key of one layer's part of a block, for layerwise dumps and loads."""
+    return key_digest(key, "layer", layer)
 
+
+def _widen(digest: bytes) -> bytes:
     return key_digest(b"vllm-block-hash", digest)
 
 

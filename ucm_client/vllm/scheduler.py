@@ -22,9 +22,8 @@ from typing import Any
 
 from ucm_client import UcmClient
 from ucm_client.errors import UcmError
-from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
-from ucm_client.vllm.identity import KeySpace, block_keys
+from ucm_client.vllm.identity import KeySpace, block_keys, layer_key
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.stats import UcmConnectorStats

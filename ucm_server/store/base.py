@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import enum
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
-from ucm_server.api.errors import ConfigError
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.settings import load_fields
+from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
 from ucm_server.keys import BlockKey, Namespace
-from ucm_server.settings_loader import load_fields
 
 T = TypeVar("T")
 
@@ -52,16 +52,6 @@ def copy_iov(dst: IoVec, src: IoVec) -> None:
             di, doff = di + 1, 0
         if soff == s.nbytes:
             si, soff = si + 1, 0
-
-
-class BlockState(enum.IntEnum):
-    """Outcome of one block in a read, write or task; values match ``ucm.v1.BlockStatus``."""
-
-    PENDING = 1
-    OK = 2
-    MISSING = 3
-    FAILED = 4
-    CANCELLED = 5
 
 
 @dataclass(frozen=True, slots=True)

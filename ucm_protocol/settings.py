@@ -1,5 +1,8 @@
 """The one settings loader: typed dataclass fields from YAML, environment, flags or plain mappings.
 
+It lives in ``ucm_protocol`` because both sides use it: the daemon (its config, tier settings, the
+fault wrappers) and the client (the vLLM connector's config, the sparse config).
+
 Every part of UCM that reads settings (the daemon's config, a tier's ``tier_settings`` entry, the
 fault wrappers, the vLLM connector's config, the sparse config) declares them as a dataclass and
 loads them here, so the rules are the same everywhere:
@@ -31,7 +34,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from ucm_server.api.errors import ConfigError
+from ucm_protocol.errors import ConfigError
 
 __all__ = [
     "FALSE",

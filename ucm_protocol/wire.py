@@ -1,0 +1,29 @@
+"""Wire constants both ends must agree on: metadata names, the message size limit, channel options.
+
+Each used to be written out on both sides (and the bearer header three times); a change now reaches
+the daemon and every client at once.
+"""
+
+from __future__ import annotations
+
+SESSION_METADATA = "ucm-session"
+"""Metadata entry carrying the session id from ``Attach`` on every KVStore call that needs one."""
+
+AUTH_METADATA = "authorization"
+"""Metadata entry carrying ``Bearer <token>`` for daemons that require tokens."""
+
+MAX_MESSAGE_BYTES = 512 << 20
+"""Largest gRPC message either side sends or accepts (PutBlocks/GetBlocks carry payloads inline)."""
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """The gRPC channel/server options that apply :data:`MAX_MESSAGE_BYTES` in both directions."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """``authorization: Bearer <token>`` as call metadata, or nothing when there is no token."""
+    return ((AUTH_METADATA, f"Bearer {token}"),) if token else ()
