@@ -136,12 +136,16 @@ def coerce(
             raise bad(f"one of {', '.join(map(str, args))}")
         return value
     if origin is tuple:
-        if isinstance(value, Mapping) and source != "strict":
-            value = [value]
-        if not isinstance(value, list | tuple):
-            raise bad("a list")
         item = args[0] if args else Any
-        return tuple(coerce(item, v, f"{where}[{i}]", source=source) for i, v in enumerate(value))
+        what = f"a list of {_plural(item)}"
+        if isinstance(value, Mapping) and source != "strict":
+            value = [value]  # one entry where a list of mappings is wanted
+        if not isinstance(value, list | tuple):
+            raise bad(what)
+        try:
+            return tuple(coerce(item, v, where, source=source, secret=secret) for v in value)
+        except ConfigError:
+            raise bad(what) from None
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         if isinstance(value, str) and source == "text":
             try:
@@ -156,16 +160,24 @@ def coerce(
     raise TypeError(f"{where}: no rule for settings of type {hint!r}")  # a programming error
 
 
+def _plural(hint: Any) -> str:
+    """What a list of ``hint`` holds, for messages."""
+    if hint is Mapping or get_origin(hint) in (dict, Mapping):
+        return "mappings"
+    return {str: "strings", Path: "paths", int: "ints", float: "floats", bool: "bools"}.get(hint, "values")
+
+
 def _number(hint: type, value: object, source: Source, bad: Callable[[str], ConfigError]) -> Any:
-    """int/float. A bool is never a number except from text sources, which always allowed it."""
+    """int/float. ``text`` and ``structured`` take whatever ``int()``/``float()`` takes (as every
+    loader did), except that only ``text`` takes a bool; ``strict`` takes the type itself (an int for
+    a float too), never a bool."""
     what = "int" if hint is int else "float"
+    if isinstance(value, bool) and source != "text":
+        raise bad(what)
     if source == "strict":
-        wrong = isinstance(value, bool) or not isinstance(value, int if hint is int else int | float)
-        if wrong:
+        if not isinstance(value, int if hint is int else int | float):
             raise bad(what)
         return hint(value)
-    if not isinstance(value, str | int | float) or (source == "structured" and isinstance(value, bool)):
-        raise bad(what)
     try:
         return hint(value)
     except (TypeError, ValueError, OverflowError):
