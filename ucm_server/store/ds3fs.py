@@ -74,20 +74,36 @@ UsrbioMode = Literal["auto", "on", "off"]
 
 @dataclass(frozen=True, slots=True)
 class DS3FSSettings:
-    """The DS3FS tier's ``tier_settings`` entry (each key is documented on :class:`DS3FSTier`)."""
+    """The DS3FS tier's ``tier_settings`` entry: one field per key, with the constructor's defaults."""
 
     mount: str
+    """the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself."""
     subdir: str = "ucm"
+    """directory under the mount holding the blocks; nodes sharing blocks agree on it."""
     capacity: int = 0
+    """bytes this node lets the tier hold before evicting (0: unlimited). Eviction only considers
+    blocks this node knows of."""
     durable: bool = True
+    """fsync file and directory before a block is visible (see the Posix tier)."""
     usrbio: UsrbioMode = "auto"
+    """``"auto"`` uses USRBIO when ``hf3fs_fuse`` imports, ``"on"`` requires it (``open`` fails
+    otherwise), ``"off"`` always uses POSIX I/O."""
     usrbio_buffer_bytes: int = 64 << 20
+    """size of the shared-memory iovec; batches are cut to fit it, and a block larger than it goes
+    through POSIX I/O."""
     io_entries: int = 256
+    """io ring entries (blocks per submit)."""
     negative_ttl_s: float = 1.0
+    """how long a key found absent on the mount is not looked for again."""
     positive_ttl_s: float = 5.0
+    """how long a key known present is trusted before a lookup checks the mount again (another node
+    may have deleted or rewritten it)."""
     timeout_s: float = 30.0
+    """limit on one file operation (or one USRBIO batch); past it: FAILED."""
     scan_on_open: bool = False
+    """index every block on the mount at ``open`` (slow on a big shared tree)."""
     stale_tmp_s: float = 3600.0
+    """temporary files older than this are interrupted writes and are removed."""
 
 
 class DS3FSTier(PosixTier):
@@ -117,24 +133,10 @@ class DS3FSTier(PosixTier):
         stale_tmp_s: float = 3600.0,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
-        """
-        :param mount: the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself.
-        :param subdir: directory under the mount holding the blocks; nodes sharing blocks agree on it.
-        :param capacity: bytes this node lets the tier hold before evicting (0: unlimited). Eviction
-            only considers blocks this node knows of.
-        :param durable: fsync file and directory before a block is visible (see the Posix tier).
-        :param usrbio: ``"auto"`` uses USRBIO when ``hf3fs_fuse`` imports, ``"on"`` requires it
-            (``open`` fails otherwise), ``"off"`` always uses POSIX I/O.
-        :param usrbio_buffer_bytes: size of the shared-memory iovec; batches are cut to fit it, and a
-            block larger than it goes through POSIX I/O.
-        :param io_entries: io ring entries (blocks per submit).
-        :param negative_ttl_s: how long a key found absent on the mount is not looked for again.
-        :param positive_ttl_s: how long a key known present is trusted before a lookup checks the
-            mount again (another node may have deleted or rewritten it).
-        :param timeout_s: limit on one file operation (or one USRBIO batch); past it: FAILED.
-        :param scan_on_open: index every block on the mount at ``open`` (slow on a big shared tree).
-        :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
-        :param max_block_bytes: a stored header claiming a larger payload is corrupt.
+        """The parameters are the keys of :class:`DS3FSSettings`, documented there, and
+
+        :param max_block_bytes: a stored header claiming a larger payload is corrupt (the daemon
+            passes its own, through :class:`~ucm_server.store.base.TierContext`).
         """
         self.mount = Path(mount)
         # Buffered writes only: USRBIO and other nodes' readers expect the 128-byte header.

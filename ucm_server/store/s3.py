@@ -61,23 +61,41 @@ _AUTH_CODES = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class S3Settings:
-    """The S3 tier's ``tier_settings`` entry (each key is documented on :class:`S3Tier`)."""
+    """The S3 tier's ``tier_settings`` entry: one field per key, with the constructor's defaults."""
 
     bucket: str = "ucm"
+    """bucket holding the blocks; created at :meth:`S3Tier.open` if missing and ``create_bucket``."""
     endpoint_url: str = ""
+    """``http(s)://host:port`` of an S3-compatible endpoint; empty means AWS."""
     region: str = "us-east-1"
+    """signing region (most non-AWS stores accept any)."""
     prefix: str = "ucm"
+    """object names are ``<prefix>/<namespace hex>/<key hex>``; daemons sharing blocks must agree on
+    it."""
     access_key: str = ""
+    """with ``secret_key`` (and optionally ``session_token``): explicit credentials. Empty: boto3's
+    chain (environment, ``profile``, config files, instance role)."""
     secret_key: str = field(default="", metadata={"secret": True})
+    """the secret of ``access_key``; never shown in errors or logs."""
     session_token: str = field(default="", metadata={"secret": True})
+    """a temporary credential's token, with ``access_key``/``secret_key``; never shown."""
     profile: str = ""
+    """a named profile from ``~/.aws/config`` when no explicit keys are given."""
     create_bucket: bool = True
+    """create ``bucket`` at :meth:`S3Tier.open` if it is missing."""
     timeout_s: float = 10.0
+    """connect and read timeout of each request, and the hard limit on one block's operation
+    including retries."""
     max_workers: int = 16
+    """requests in flight at once (threads and pooled connections)."""
     retries: int = 2
+    """botocore attempts after the first (``standard`` mode, with backoff)."""
     addressing_style: str = "path"
+    """``"path"`` (works with any endpoint) or ``"virtual"``."""
     verify_tls: bool = True
+    """check the endpoint's certificate (turn off only for self-signed test setups)."""
     list_page: int = 1000
+    """keys per LIST/DELETE request."""
 
 
 class S3Tier(Tier):
@@ -107,23 +125,7 @@ class S3Tier(Tier):
         verify_tls: bool = True,
         list_page: int = 1000,
     ) -> None:
-        """
-        :param bucket: bucket holding the blocks; created at :meth:`open` if missing and ``create_bucket``.
-        :param endpoint_url: ``http(s)://host:port`` of an S3-compatible endpoint; empty means AWS.
-        :param region: signing region (most non-AWS stores accept any).
-        :param prefix: object names are ``<prefix>/<namespace hex>/<key hex>``; daemons sharing blocks
-            must agree on it.
-        :param access_key: with ``secret_key`` (and optionally ``session_token``): explicit credentials.
-            Empty: boto3's chain (environment, ``profile``, config files, instance role).
-        :param profile: a named profile from ``~/.aws/config`` when no explicit keys are given.
-        :param timeout_s: connect and read timeout of each request, and the hard limit on one block's
-            operation including retries.
-        :param max_workers: requests in flight at once (threads and pooled connections).
-        :param retries: botocore attempts after the first (``standard`` mode, with backoff).
-        :param addressing_style: ``"path"`` (works with any endpoint) or ``"virtual"``.
-        :param verify_tls: check the endpoint's certificate (turn off only for self-signed test setups).
-        :param list_page: keys per LIST/DELETE request.
-        """
+        """Every parameter is a key of the tier's settings, documented on :class:`S3Settings`."""
         super().__init__(name)
         if max_workers < 1 or timeout_s <= 0 or retries < 0 or not bucket:
             raise ConfigError(f"tier {name!r}: need a bucket, max_workers >= 1, timeout_s > 0, retries >= 0")
