@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Loops still present on purpose, each with the package of issue #12 that removes it. A listed loop
 # that is no longer found fails the test too, so whoever breaks a loop deletes its line here.
 KNOWN: set[frozenset[str]] = {
-    frozenset({"ucm_server.config", "ucm_server.store.registry"}),  # P2: tiers built from plain values
 }
 
 

@@ -18,16 +18,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_type_hints
 
-import yaml
-
-from ucm_protocol.settings import parse_size as parse_size  # noqa: PLC0414 (re-export until 0.2)
+from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
 from ucm_server.api.errors import ConfigError
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
+
+__all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-KNOWN_TIERS = ("Cache", "Posix", "DS3FS", "Mooncake", "S3")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
 _CLIENT_ENV = {
     "UCM_CONFIG_FILE",
@@ -38,6 +38,7 @@ _CLIENT_ENV = {
     "UCM_EXIT_WITH_PARENT",
     "UCM_DAEMON_UID",
 }
+
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}
@@ -85,7 +86,7 @@ class ServerConfig:
     store_pipeline: str = field(
         default="Cache|Posix",
         metadata=_help(
-            f"Tiers from fastest to slowest, '|'-separated; built in: {', '.join(KNOWN_TIERS)}; "
+            f"Tiers from fastest to slowest, '|'-separated; built in: {', '.join(BUILTIN_TIERS)}; "
             "also 'package.module:Class' or a name registered in the ucm.tiers entry points."
         ),
     )
@@ -248,10 +249,27 @@ class ServerConfig:
         need TLS); its peers are anonymous and never admins (see ``allow_anonymous_tcp``)."""
         return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
 
+    def tier_settings_for(self, name: str) -> dict[str, object]:
+        """The settings the tier ``name`` of the pipeline is built from: the flat ``cache_*`` and
+        ``posix_*`` keys for Cache and Posix (their ``tier_settings`` entries are ignored, as they
+        always were), the ``tier_settings`` entry for every other tier."""
+        if name == "Cache":
+            return {
+                "capacity": self.cache_capacity,
+                "page_size": self.cache_page_size,
+                "prefault": self.cache_prefault,
+            }
+        if name == "Posix":
+            return {
+                "roots": tuple(self.posix_roots),
+                "capacity": self.posix_capacity,
+                "durable": self.durable,
+                "direct_io": self.posix_direct_io,
+            }
+        return dict(self.tier_settings.get(name, {}))
+
     def validate(self) -> ServerConfig:
         tiers = self.tiers
-        from ucm_server.store.registry import known_tiers
-
         known = known_tiers()
         for t in tiers:
             if t not in known and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", t):
@@ -327,70 +345,24 @@ _HINTS = get_type_hints(ServerConfig)
 
 def _coerce(key: str, raw: object, source: str) -> Any:
     """Turn a YAML/env/flag value into the field's type, naming key and source on failure."""
-    f, hint = FIELDS[key], _HINTS[key]
     where = f"{key} (from {source})"
-    if f.metadata.get("size"):
-        return parse_size(raw, where)
-    if hint is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
-    if hint in (int, float):
-        try:
-            return hint(raw)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
-    if hint is Path:
-        return Path(os.path.expanduser(str(raw)))
-    if get_origin(hint) is Literal:
-        choices = get_args(hint)
-        if raw not in choices:
-            raise ConfigError(f"{where}: {raw!r} is not one of {', '.join(map(str, choices))}")
-        return raw
-    if get_origin(hint) is dict:
-        if isinstance(raw, str):
-            try:
-                raw = yaml.safe_load(raw)
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{where}: not valid YAML ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-        bad = [k for k, v in raw.items() if not isinstance(k, str) or not isinstance(v, dict)]
+    value = coerce(_HINTS[key], raw, where, size=bool(FIELDS[key].metadata.get("size")), source="text")
+    if key == "tier_settings":
+        bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, dict)]
         if bad:
             raise ConfigError(f"{where}: expected tier name -> mapping of settings, got entry {bad[0]!r}")
-        return raw
-    if not isinstance(raw, str | int | float):
-        raise ConfigError(f"{where}: expected a string, got {raw!r}")
-    return str(raw)
+    return value
 
 
 def _from_mapping(values: Mapping[str, object], source: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, raw in values.items():
+    for key in values:
         if key not in FIELDS:
-            raise ConfigError(f"unknown key {key!r} in {source}; known keys: {', '.join(FIELDS)}")
-        out[key] = _coerce(key, raw, source)
-    return out
+            raise ConfigError(f"{source}: unknown key {key!r}; known: {', '.join(FIELDS)}")
+    return {key: _coerce(key, raw, source) for key, raw in values.items()}
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates
-        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(
-            f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}"
-        )
+    doc = read_yaml_mapping(path, "config file")
     if "ucm_connectors" in doc:  # seed 001 format: take the first connector's config
         connectors = doc["ucm_connectors"]
         if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):

@@ -29,7 +29,7 @@ class TestLatencyInjectingTierConformance(TierSuite):
     [
         (FaultInjectingTier, {}, "root"),
         (FaultInjectingTier, {"root": "/x", "eio_read_digests": ["zz"]}, "eio_read_digests"),
-        (FaultInjectingTier, {"root": "/x", "typo": 1}, "unknown keys"),
+        (FaultInjectingTier, {"root": "/x", "typo": 1}, "unknown key"),
         (LatencyInjectingTier, {"root": "/x", "read_delay_s": -1}, "read_delay_s"),
         (LatencyInjectingTier, {"root": "/x", "capacity": "big"}, "capacity"),
     ],

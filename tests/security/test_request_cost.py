@@ -139,7 +139,10 @@ def test_a_request_at_the_cap_does_not_stall_other_clients(daemon: DaemonProcess
                 prober.join()
             assert elapsed < 60, f"a request at the cap took {elapsed:.1f}s (hang guard)"
             assert len(late) > 5, "the other client got too few answers to judge"
-            assert max(late) < 0.5, f"another client waited {max(late):.2f}s during a large request"
+            # Validating this request on the event loop stalled every other client for 2.4 s here
+            # (1.5 s for a million-segment dump); off the loop the worst probe (a fresh health channel
+            # plus a Lookup) answers within ~0.2 s on a quiet machine, ~0.5 s with the 2 cores busy.
+            assert max(late) < 1.2, f"another client waited {max(late):.2f}s during a large request"
             for i in (0, 97, 255):
                 assert _gather(dst, into[i]) == _gather(src, blocks[i])
     assert daemon.healthy()

@@ -84,7 +84,7 @@ def test_socket_env_sets_the_target() -> None:
     ("extra", "environ", "fragment"),
     [
         ({"load_timout_s": 1}, {}, "kv_connector_extra_config: unknown key 'load_timout_s'"),
-        ({"load_async": "maybe"}, {}, "load_async: expected a boolean"),
+        ({"load_async": "maybe"}, {}, "load_async: expected bool"),
         ({}, {"UCM_LOAD_ASYNC": "maybe"}, "environment UCM_LOAD_ASYNC: load_async"),
         ({"load_timeout_s": -1}, {}, "load_timeout_s: expected a positive number"),
         ({"weight_fingerprint": "md5"}, {}, "expected one of sampled, full, off"),

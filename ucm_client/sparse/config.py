@@ -20,11 +20,13 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
 
 from ucm_client.sparse.errors import SparseConfigError
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.settings import load_fields, parse_bool
 
 __all__ = [
     "ENV_VAR",
@@ -43,28 +45,14 @@ T = TypeVar("T")
 def parse_fields(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     """Build the frozen dataclass ``cls`` from ``raw``, rejecting unknown keys and wrong types.
 
-    Ints are accepted where floats are expected (``sparse_ratio: 1``); bools are never accepted as
-    numbers, because ``True`` for a window size is always a mistake.
+    The one settings loader in strict mode: values must already have their type (this is structured
+    data, not text). Ints are accepted where floats are expected (``sparse_ratio: 1``); bools are
+    never accepted as numbers, because ``True`` for a window size is always a mistake.
     """
-    if not isinstance(raw, Mapping):
-        raise SparseConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise SparseConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
-    kwargs: dict[str, Any] = {}
-    for name, value in raw.items():
-        want = known[name].type
-        kind = want if isinstance(want, str) else getattr(want, "__name__", str(want))
-        ok = (
-            (kind == "bool" and isinstance(value, bool))
-            or (kind == "int" and isinstance(value, int) and not isinstance(value, bool))
-            or (kind == "float" and isinstance(value, int | float) and not isinstance(value, bool))
-            or (kind == "str" and isinstance(value, str))
-        )
-        if not ok:
-            raise SparseConfigError(f"{where}.{name}: expected {kind}, got {value!r}")
-        kwargs[name] = float(value) if kind == "float" else value
+    try:
+        kwargs = load_fields(cls, raw, where, at=lambda key: f"{where}.{key}", source="strict")
+    except ConfigError as exc:
+        raise SparseConfigError(str(exc)) from None
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -146,10 +134,11 @@ class UcmSparseConfig:
         section = sections.get(algorithm, {})
         if not isinstance(section, Mapping):
             raise SparseConfigError(f"ucm_sparse_config.{algorithm}: expected a mapping")
-        enabled = raw.get("enabled", True)
         min_seq_len = raw.get("min_seq_len", 0)
-        if not isinstance(enabled, bool):
-            raise SparseConfigError(f"ucm_sparse_config.enabled: expected bool, got {enabled!r}")
+        try:
+            enabled = parse_bool(raw.get("enabled", True), "ucm_sparse_config.enabled", source="strict")
+        except ConfigError as exc:
+            raise SparseConfigError(str(exc)) from None
         if not isinstance(min_seq_len, int) or isinstance(min_seq_len, bool) or min_seq_len < 0:
             raise SparseConfigError(f"ucm_sparse_config.min_seq_len: expected int >= 0, got {min_seq_len!r}")
         module_path, class_name = raw.get("module_path"), raw.get("class_name")

@@ -6,6 +6,8 @@ for misuse of the lifecycle), so generic handlers keep working while tests and l
 
 from __future__ import annotations
 
+from ucm_protocol.errors import ConfigError
+
 __all__ = [
     "SparseConfigError",
     "SparseError",
@@ -20,8 +22,11 @@ class SparseError(Exception):
     """Base of every sparse-attention error."""
 
 
-class SparseConfigError(SparseError, ValueError):
-    """``ucm_sparse_config`` is malformed: unknown key, bad value, or missing method section."""
+class SparseConfigError(SparseError, ConfigError):
+    """``ucm_sparse_config`` is malformed: unknown key, bad value, or missing method section.
+
+    A :class:`~ucm_protocol.errors.ConfigError` (hence a ``ValueError``) like every settings error,
+    so one ``except ConfigError`` catches a bad connector and a bad sparse config alike."""
 
 
 class UnknownSparseMethodError(SparseConfigError, KeyError):

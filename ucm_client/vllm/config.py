@@ -17,9 +17,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_type_hints
 
-import yaml
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.settings import coerce, load_fields, read_yaml_mapping
 
 __all__ = ["ConfigError", "ConnectorConfig", "load_config"]
 
@@ -30,10 +31,6 @@ _CONFIG_FILE_KEYS = ("UCM_CONFIG_FILE", "config_file")
 
 WeightFingerprint = Literal["sampled", "full", "off"]
 LoadFailurePolicy = Literal["recompute", "vllm"]
-
-
-class ConfigError(ValueError):
-    """A connector setting is unknown or invalid; the message names the key and its source."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,64 +130,41 @@ class ConnectorConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
+_HINTS = get_type_hints(ConnectorConfig)
 _ENV_ALIASES = {"UCM_SOCKET": "target", "UCM_TARGET": "target"}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+
+
+def _settle(name: str, value: Any, where: str) -> Any:
+    """What the connector adds to the loader's type rules: times and sizes are positive, an empty
+    string means "not set" for optional strings."""
+    if _HINTS[name] is float and value <= 0:
+        raise ConfigError(f"{where}: expected a positive number, got {value!r}")
+    if name in ("target", "model_id", "metrics_config_path"):
+        return value or None
+    return value
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
-    """Convert ``value`` to the type of field ``name``; strings (from env) are parsed."""
-    ftype = _FIELDS[name].type
+    """Convert ``value`` to the type of field ``name`` (strings from env or YAML are parsed)."""
     where = f"{source}: {name}"
-    if ftype == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(f"{where}: expected a boolean, got {value!r}")
-    if ftype == "float":
-        try:
-            number = float(value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from exc
-        if isinstance(value, bool) or number <= 0:
-            raise ConfigError(f"{where}: expected a positive number, got {value!r}")
-        return number
-    if ftype == "str | None":
-        if value is None or isinstance(value, str):
-            return value or None
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if ftype in ("WeightFingerprint", "LoadFailurePolicy"):
-        choices = get_args(WeightFingerprint if ftype == "WeightFingerprint" else LoadFailurePolicy)
-        if value not in choices:
-            raise ConfigError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
-        return value
-    if name == "ucm_connectors":
-        if isinstance(value, Mapping):
-            value = [value]
-        if not isinstance(value, list | tuple) or not all(isinstance(v, Mapping) for v in value):
-            raise ConfigError(f"{where}: expected a list of mappings, got {value!r}")
-        return tuple(value)
-    if name == "ucm_sparse_config":
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    raise AssertionError(f"no coercion for field {name} of type {ftype}")  # pragma: no cover
+    if name == "ucm_sparse_config" and value is None:
+        return {}
+    return _settle(name, coerce(_HINTS[name], value, where, source="structured"), where)
 
 
 def _layer(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Validate one source's keys and values."""
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _CONFIG_FILE_KEYS:
-            continue
-        if key not in _FIELDS:
-            known = ", ".join(sorted(_FIELDS))
-            raise ConfigError(f"{source}: unknown key {key!r} (known: {known})")
-        out[key] = _coerce(key, value, source)
-    return out
+    raw = {k: ({} if k == "ucm_sparse_config" and v is None else v) for k, v in raw.items()}
+    values = load_fields(
+        ConnectorConfig,
+        raw,
+        source,
+        at=lambda key: f"{source}: {key}",
+        source="structured",
+        skip=_CONFIG_FILE_KEYS,
+        required=False,
+    )
+    return {k: _settle(k, v, f"{source}: {k}") for k, v in values.items()}
 
 
 def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -211,18 +185,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _yaml_layer(path: Path) -> dict[str, Any]:
-    source = f"config file {path}"
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML ({exc})") from exc
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, Mapping):
-        raise ConfigError(f"{source}: expected a mapping at the top level")
-    return _layer(loaded, source)
+    return _layer(read_yaml_mapping(path, "config file"), f"config file {path}")
 
 
 def _check(config: ConnectorConfig) -> ConnectorConfig:

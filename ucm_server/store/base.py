@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
 from ucm_server.keys import BlockKey, Namespace
 
@@ -147,8 +150,35 @@ class SizeIndex:
         self._by_ns.clear()
 
 
+DEFAULT_MAX_BLOCK_BYTES = 256 << 20
+"""The daemon's default ``max_block_bytes``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierContext:
+    """Plain daemon-wide values a tier may need when it is built; never the daemon's whole config.
+
+    ``executor``: the daemon's thread pool for blocking file and copy work (``None``: the event
+    loop's default executor). ``max_block_bytes``: the largest block the daemon accepts; a stored
+    header claiming more is corrupt.
+    """
+
+    executor: Executor | None = None
+    max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES
+
+
+DEFAULT_CONTEXT = TierContext()
+"""The context of a tier built outside a daemon (tests, tools): the loop's executor, default limits."""
+
+
 class Tier(abc.ABC):
-    """A storage tier. Subclasses implement the eight primitives; batches come from here."""
+    """A storage tier. Subclasses implement the eight primitives; batches come from here.
+
+    Every tier is built the same way, by :meth:`from_settings` from its name, its settings and a
+    :class:`TierContext`: the registry does it for ``store_pipeline``, tests and wrappers do it too.
+    A tier declares its settings as a frozen dataclass in ``Settings`` (one field per key, a
+    docstring per field, ``metadata={"secret": True}`` for values never to be shown in errors).
+    """
 
     kind: ClassVar[str]
     """Name used in ``store_pipeline`` (``"Cache"``, ``"Posix"``...)."""
@@ -158,9 +188,26 @@ class Tier(abc.ABC):
     """Other nodes' daemons write to it too: a local index cannot answer lookups alone."""
     max_concurrency: ClassVar[int] = 16
     """How many single-block operations the default batch helpers run at once."""
+    Settings: ClassVar[type[Any] | None] = None
+    """The frozen dataclass of the tier's settings (its ``tier_settings`` entry); ``None``: the tier
+    cannot be built from configuration unless it overrides :meth:`from_settings`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    @classmethod
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """Build the tier called ``name`` (its place in ``store_pipeline``) from ``settings``.
+
+        The one way every tier is built (registry, tests, wrappers). The default checks ``settings``
+        against :attr:`Settings` (unknown keys, types, sizes, required keys; errors name the tier and
+        the key) and calls ``cls(name, **values)``, so the constructor's defaults apply to keys not
+        given. Override it only to pass values from ``context`` (an executor, ``max_block_bytes``) or
+        to derive values; call :func:`load_tier_settings` for the checking.
+        """
+        return cls(name, **load_tier_settings(cls, name, settings))
 
     # -- the primitives -------------------------------------------------------------------------------
     async def open(self) -> None:  # noqa: B027 - optional hook with a sensible default
@@ -234,6 +281,25 @@ class Tier(abc.ABC):
         """Free at least ``nbytes`` by the tier's eviction policy; returns bytes freed.
         Default: tiers without a policy free nothing."""
         return 0
+
+
+def load_tier_settings(cls: type[Tier], name: str, settings: Mapping[str, object]) -> dict[str, Any]:
+    """``settings`` checked against ``cls.Settings``: only the keys given, converted to their types.
+
+    Strings are parsed (``"true"``, ``"256MiB"`` for any int, ``"1.5"``); errors read ``tier 'NAME'
+    (KIND): setting 'KEY' ...`` and never show a secret's value.
+    """
+    kind = getattr(cls, "kind", cls.__name__)
+    if cls.Settings is None:
+        raise ConfigError(f"tier {name!r} ({kind}) cannot be built from configuration (no Settings)")
+    return load_fields(
+        cls.Settings,
+        settings,
+        f"tier {name!r} ({kind})",
+        at=lambda key: f"tier {name!r} ({kind}): setting {key!r}",
+        source="structured",
+        sizes=True,
+    )
 
 
 async def bounded_gather(limit: int, coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:

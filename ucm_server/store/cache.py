@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
 
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.arena import Arena, Extent
 from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
     MISSING,
     OK,
     BlockInfo,
@@ -26,11 +28,26 @@ from ucm_server.store.base import (
     IoVec,
     SizeIndex,
     Tier,
+    TierContext,
     TierStats,
     copy_iov,
     failed,
     iov_len,
+    load_tier_settings,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """The Cache tier's settings; the daemon fills them from ``cache_capacity``, ``cache_page_size``
+    and ``cache_prefault``."""
+
+    capacity: int = field(metadata={"size": True})
+    """Bytes of host memory in the arena."""
+    page_size: int = field(default=64 << 10, metadata={"size": True})
+    """Allocation unit of the arena; a block uses whole pages."""
+    prefault: bool = False
+    """Fault the arena's memory in at ``open`` so storing a block never pays first-touch faults."""
 
 
 @dataclass(slots=True)
@@ -102,6 +119,15 @@ class CacheTier(Tier):
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
         self._rejected = 0
+
+    Settings: ClassVar[type[Any] | None] = CacheSettings
+
+    @classmethod
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """Copies run in the daemon's executor (``context.executor``)."""
+        return cls(name, executor=context.executor, **load_tier_settings(cls, name, settings))
 
     # -- primitives -----------------------------------------------------------------------------------
     async def open(self) -> None:

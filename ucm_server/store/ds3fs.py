@@ -29,26 +29,30 @@ import errno
 import logging
 import os
 import stat
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MAX_BLOCK_BYTES,
     MISSING,
     OK,
     BlockInfo,
     BlockResult,
     IoVec,
+    TierContext,
     bounded_gather,
     copy_iov,
     failed,
     iov_len,
+    load_tier_settings,
 )
 from ucm_server.store.confined import NotRegularFile
 from ucm_server.store.format import (
@@ -59,13 +63,47 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, PosixTier, _Entry, _unlink_at
-from ucm_server.store.settings import check_settings
+from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, Entry, PosixTier, unlink_at
+from ucm_server.store.usrbio import Usrbio
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 UsrbioMode = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class DS3FSSettings:
+    """The DS3FS tier's ``tier_settings`` entry: one field per key, with the constructor's defaults."""
+
+    mount: str
+    """the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself."""
+    subdir: str = "ucm"
+    """directory under the mount holding the blocks; nodes sharing blocks agree on it."""
+    capacity: int = 0
+    """bytes this node lets the tier hold before evicting (0: unlimited). Eviction only considers
+    blocks this node knows of."""
+    durable: bool = True
+    """fsync file and directory before a block is visible (see the Posix tier)."""
+    usrbio: UsrbioMode = "auto"
+    """``"auto"`` uses USRBIO when ``hf3fs_fuse`` imports, ``"on"`` requires it (``open`` fails
+    otherwise), ``"off"`` always uses POSIX I/O."""
+    usrbio_buffer_bytes: int = 64 << 20
+    """size of the shared-memory iovec; batches are cut to fit it, and a block larger than it goes
+    through POSIX I/O."""
+    io_entries: int = 256
+    """io ring entries (blocks per submit)."""
+    negative_ttl_s: float = 1.0
+    """how long a key found absent on the mount is not looked for again."""
+    positive_ttl_s: float = 5.0
+    """how long a key known present is trusted before a lookup checks the mount again (another node
+    may have deleted or rewritten it)."""
+    timeout_s: float = 30.0
+    """limit on one file operation (or one USRBIO batch); past it: FAILED."""
+    scan_on_open: bool = False
+    """index every block on the mount at ``open`` (slow on a big shared tree)."""
+    stale_tmp_s: float = 3600.0
+    """temporary files older than this are interrupted writes and are removed."""
 
 
 class DS3FSTier(PosixTier):
@@ -93,24 +131,12 @@ class DS3FSTier(PosixTier):
         timeout_s: float = 30.0,
         scan_on_open: bool = False,
         stale_tmp_s: float = 3600.0,
+        max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
-        """
-        :param mount: the 3FS mount point (``/3fs/stage``...); USRBIO needs the mount root itself.
-        :param subdir: directory under the mount holding the blocks; nodes sharing blocks agree on it.
-        :param capacity: bytes this node lets the tier hold before evicting (0: unlimited). Eviction
-            only considers blocks this node knows of.
-        :param durable: fsync file and directory before a block is visible (see the Posix tier).
-        :param usrbio: ``"auto"`` uses USRBIO when ``hf3fs_fuse`` imports, ``"on"`` requires it
-            (``open`` fails otherwise), ``"off"`` always uses POSIX I/O.
-        :param usrbio_buffer_bytes: size of the shared-memory iovec; batches are cut to fit it, and a
-            block larger than it goes through POSIX I/O.
-        :param io_entries: io ring entries (blocks per submit).
-        :param negative_ttl_s: how long a key found absent on the mount is not looked for again.
-        :param positive_ttl_s: how long a key known present is trusted before a lookup checks the
-            mount again (another node may have deleted or rewritten it).
-        :param timeout_s: limit on one file operation (or one USRBIO batch); past it: FAILED.
-        :param scan_on_open: index every block on the mount at ``open`` (slow on a big shared tree).
-        :param stale_tmp_s: temporary files older than this are interrupted writes and are removed.
+        """The parameters are the keys of :class:`DS3FSSettings`, documented there, and
+
+        :param max_block_bytes: a stored header claiming a larger payload is corrupt (the daemon
+            passes its own, through :class:`~ucm_server.store.base.TierContext`).
         """
         self.mount = Path(mount)
         # Buffered writes only: USRBIO and other nodes' readers expect the 128-byte header.
@@ -121,6 +147,7 @@ class DS3FSTier(PosixTier):
             durable=durable,
             direct_io=False,
             executor=executor,
+            max_block_bytes=max_block_bytes,
         )
         if usrbio not in ("auto", "on", "off"):
             raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")
@@ -144,29 +171,19 @@ class DS3FSTier(PosixTier):
         self.stale_tmp_s = stale_tmp_s
         self._absent: dict[BlockKey, float] = {}
         self._checked: dict[BlockKey, float] = {}
-        self._usrbio: _Usrbio | None = None
+        self._usrbio: Usrbio | None = None
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "mount": str,
-        "subdir": str,
-        "capacity": int,
-        "durable": bool,
-        "usrbio": str,
-        "usrbio_buffer_bytes": int,
-        "io_entries": int,
-        "negative_ttl_s": float,
-        "positive_ttl_s": float,
-        "timeout_s": float,
-        "scan_on_open": bool,
-        "stale_tmp_s": float,
-    }
+    Settings: ClassVar[type[Any] | None] = DS3FSSettings
 
     @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key."""
-        out = check_settings("DS3FS", name, settings, cls._SETTINGS, required=("mount",))
-        return cls(name, **out)
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """Build from a pipeline's per-tier settings (``mount`` is required); errors name the key.
+        Headers above ``context.max_block_bytes`` are corrupt, as in the Posix tier."""
+        values = load_tier_settings(cls, name, settings)
+        return cls(name, max_block_bytes=context.max_block_bytes, **values)
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -189,7 +206,7 @@ class DS3FSTier(PosixTier):
                 )
             else:
                 self._usrbio = await self._run(
-                    lambda: _Usrbio(h3io, self.mount, self.usrbio_buffer_bytes, self.io_entries)
+                    lambda: Usrbio(h3io, self.mount, self.usrbio_buffer_bytes, self.io_entries)
                 )
         log.info(
             "%s: 3FS tier at %s using %s",
@@ -249,7 +266,7 @@ class DS3FSTier(PosixTier):
             else:
                 self._checked[key] = now
 
-    def _remember(self, key: BlockKey, entry: _Entry) -> None:
+    def _remember(self, key: BlockKey, entry: Entry) -> None:
         super()._remember(key, entry)
         self._checked[key] = time.monotonic()
         self._absent.pop(key, None)
@@ -258,8 +275,8 @@ class DS3FSTier(PosixTier):
         super()._forget(key)
         self._checked.pop(key, None)
 
-    def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, _Entry]:
-        found: dict[BlockKey, _Entry] = {}
+    def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, Entry]:
+        found: dict[BlockKey, Entry] = {}
         for key in keys:
             path = self.path_of(key)
             try:  # the Posix tier's confined open: no symlink followed, regular files only
@@ -280,7 +297,7 @@ class DS3FSTier(PosixTier):
             finally:
                 os.close(fd)
             if size == HEADER_SIZE + header.payload_len:
-                found[key] = _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
+                found[key] = Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
         return found
 
     # -- primitives over the shared tree ----------------------------------------------------------------
@@ -360,8 +377,8 @@ class DS3FSTier(PosixTier):
         return out
 
     # -- start-up scan that respects other nodes' writes in flight ---------------------------------------
-    def _scan(self) -> list[tuple[BlockKey, _Entry]]:
-        found: list[tuple[BlockKey, _Entry]] = []
+    def _scan(self) -> list[tuple[BlockKey, Entry]]:
+        found: list[tuple[BlockKey, Entry]] = []
         root = self.roots[0]
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         cutoff = time.time() - self.stale_tmp_s
@@ -492,13 +509,13 @@ class DS3FSTier(PosixTier):
                     err = exc
             if err is not None:
                 with contextlib.suppress(OSError), self._parent(tmp) as dfd:
-                    _unlink_at(dfd, tmp.name)
+                    unlink_at(dfd, tmp.name)
                 self._stats.errors += 1
                 results.append(failed(f"{self.name} write error: {err}"))
                 continue
             n = iov_len(src)
             self._forget(key)
-            self._remember(key, _Entry(size=n, stored_at=time.time()))
+            self._remember(key, Entry(size=n, stored_at=time.time()))
             self._stats.write_bytes += n
             results.append(OK)
         return results
@@ -519,132 +536,3 @@ class DS3FSTier(PosixTier):
             return await asyncio.wait_for(fut, self.timeout_s)
         except TimeoutError:
             raise TimeoutError(f"3FS operation timed out after {self.timeout_s:g}s") from None
-
-
-class _Usrbio:
-    """USRBIO state for one tier: a shared-memory iovec registered with the 3FS FUSE daemon and one
-    read and one write ring. Calls are serialised (one batch uses the whole iovec)."""
-
-    def __init__(self, h3io: Any, mount: Path, buffer_bytes: int, entries: int) -> None:
-        from multiprocessing.shared_memory import SharedMemory
-
-        self._h3io = h3io
-        self.lock = threading.RLock()
-        self._shm = SharedMemory(size=buffer_bytes, create=True)
-        try:
-            self._iov = h3io.make_iovec(self._shm, str(mount), 0, -1)
-        finally:
-            self._shm.unlink()  # the FUSE daemon holds its own mapping now; nothing left in /dev/shm
-        self._buf = self._shm.buf
-        self._read_ring = h3io.make_ioring(str(mount), entries, True, 0)
-        self._write_ring = h3io.make_ioring(str(mount), entries, False, 0)
-
-    def close(self) -> None:
-        with self.lock:
-            del self._read_ring, self._write_ring, self._iov
-            self._buf = None
-            try:
-                self._shm.close()
-            except BufferError:  # the binding may still hold a view; the mapping goes with the process
-                log.debug("USRBIO shared memory still referenced at close")
-
-    def read(
-        self, paths: Sequence[Path], sizes: Sequence[int], opener: Callable[[Path], int]
-    ) -> list[tuple[memoryview, OSError | None]]:
-        """Read whole files (opened by ``opener``: the tier's confined open) into consecutive slices
-        of the iovec with one submit."""
-        with self.lock:
-            fds: list[int | None] = []
-            errs: list[OSError | None] = []
-            for p in paths:
-                try:
-                    fd = opener(p)
-                except OSError as exc:
-                    fds.append(None)
-                    errs.append(exc)
-                    continue
-                self._h3io.register_fd(fd)
-                fds.append(fd)
-                errs.append(None)
-            try:
-                offsets = self._submit(self._read_ring, fds, sizes, True, errs)
-            finally:
-                self._release(fds)
-            assert self._buf is not None
-            return [(self._buf[o : o + s], e) for o, s, e in zip(offsets, sizes, errs, strict=True)]
-
-    def write(
-        self,
-        paths: Sequence[Path],
-        blobs: Sequence[Sequence[memoryview]],
-        *,
-        durable: bool,
-        create: Callable[[Path], int],
-    ) -> list[OSError | None]:
-        """Create each file (by ``create``: the tier's confined create) and write its blob through
-        the ring with one submit, then fsync."""
-        with self.lock:
-            assert self._buf is not None
-            fds: list[int | None] = []
-            errs: list[OSError | None] = []
-            sizes: list[int] = []
-            off = 0
-            for p, blob in zip(paths, blobs, strict=True):
-                n = sum(m.nbytes for m in blob)
-                copy_iov([self._buf[off : off + n]], blob)
-                off += n
-                sizes.append(n)
-                try:
-                    fd = create(p)
-                except OSError as exc:
-                    fds.append(None)
-                    errs.append(exc)
-                    continue
-                self._h3io.register_fd(fd)
-                fds.append(fd)
-                errs.append(None)
-            try:
-                self._submit(self._write_ring, fds, sizes, False, errs)
-                for i, maybe_fd in enumerate(fds):
-                    if maybe_fd is not None and errs[i] is None and durable:
-                        try:
-                            os.fsync(maybe_fd)
-                        except OSError as exc:
-                            errs[i] = exc
-            finally:
-                self._release(fds)
-            return errs
-
-    def _submit(
-        self,
-        ring: Any,
-        fds: Sequence[int | None],
-        sizes: Sequence[int],
-        for_read: bool,
-        errs: list[OSError | None],
-    ) -> list[int]:
-        offsets: list[int] = []
-        off = 0
-        prepared = 0
-        for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
-            offsets.append(off)
-            if fd is not None:
-                ring.prepare(self._iov[off : off + size], for_read, fd, 0, userdata=i)
-                prepared += 1
-            off += size
-        if prepared:
-            for done in ring.submit().wait(min_results=prepared):
-                i = int(done.userdata)
-                if done.result < 0:
-                    errs[i] = OSError(-done.result, os.strerror(-done.result))
-                elif done.result != sizes[i]:
-                    errs[i] = OSError(
-                        f"short {'read' if for_read else 'write'}: {done.result} of {sizes[i]} bytes"
-                    )
-        return offsets
-
-    def _release(self, fds: Sequence[int | None]) -> None:
-        for fd in fds:
-            if fd is not None:
-                self._h3io.deregister_fd(fd)
-                os.close(fd)

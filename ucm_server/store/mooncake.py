@@ -42,10 +42,10 @@ import mmap
 import os
 import socket
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
@@ -69,7 +69,6 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +99,44 @@ class _Staging:
     addr: int
 
 
+@dataclass(frozen=True, slots=True)
+class MooncakeSettings:
+    """The Mooncake tier's ``tier_settings`` entry: one field per key, with the constructor's defaults."""
+
+    master_address: str = "127.0.0.1:50051"
+    """``host:port`` of ``mooncake_master``'s RPC service."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """transfer-engine metadata: ``"P2PHANDSHAKE"`` (none needed), an ``http://`` metadata server or
+    an etcd address."""
+    local_hostname: str = "127.0.0.1"
+    """the address other nodes reach this node's segment at. On loopback we also export
+    ``MC_TCP_BIND_ADDRESS`` with it (unless already set) so the engine binds there."""
+    protocol: str = "tcp"
+    """transfer protocol, ``"tcp"`` or ``"rdma"``; ``device_name`` names RDMA NICs."""
+    device_name: str = ""
+    """the RDMA NICs to use with ``protocol: rdma``."""
+    global_segment_size: int = 1 << 30
+    """bytes this node contributes to the cluster's shared memory pool."""
+    local_buffer_size: int = 256 << 20
+    """the engine's own transfer buffer for non-registered calls."""
+    key_prefix: str = "ucm"
+    """object names are ``<key_prefix>/<namespace hex>/<key hex>``; daemons sharing blocks must
+    agree on it, unrelated deployments on one cluster must not."""
+    timeout_s: float = 5.0
+    """limit on every engine call; past it the blocks are FAILED, not waited for. One call moves up
+    to ``staging_bytes``, so keep it well above staging_bytes / bandwidth."""
+    staging_bytes: int = 64 << 20
+    """size of each registered staging buffer; batches are cut to fit it."""
+    staging_buffers: int = 2
+    """how many batches may be in flight at once."""
+    master_http: str = ""
+    """the master's HTTP admin URL (``--metrics_port``), used only by :meth:`list_blocks`; default
+    ``http://<master host>:9003``."""
+    force_delete: bool = False
+    """let :meth:`delete` break other readers' leases (off: a block being read elsewhere is left in
+    place)."""
+
+
 class MooncakeTier(Tier):
     """A tier in a Mooncake Store cluster (see the module docstring for the engine's quirks)."""
 
@@ -125,26 +162,7 @@ class MooncakeTier(Tier):
         master_http: str = "",
         force_delete: bool = False,
     ) -> None:
-        """
-        :param master_address: ``host:port`` of ``mooncake_master``'s RPC service.
-        :param metadata_server: transfer-engine metadata: ``"P2PHANDSHAKE"`` (none needed), an
-            ``http://`` metadata server or an etcd address.
-        :param local_hostname: the address other nodes reach this node's segment at. On loopback we
-            also export ``MC_TCP_BIND_ADDRESS`` with it (unless already set) so the engine binds there.
-        :param protocol: transfer protocol, ``"tcp"`` or ``"rdma"``; ``device_name`` names RDMA NICs.
-        :param global_segment_size: bytes this node contributes to the cluster's shared memory pool.
-        :param local_buffer_size: the engine's own transfer buffer for non-registered calls.
-        :param key_prefix: object names are ``<key_prefix>/<namespace hex>/<key hex>``; daemons sharing
-            blocks must agree on it, unrelated deployments on one cluster must not.
-        :param timeout_s: limit on every engine call; past it the blocks are FAILED, not waited for.
-            One call moves up to ``staging_bytes``, so keep it well above staging_bytes / bandwidth.
-        :param staging_bytes: size of each registered staging buffer; batches are cut to fit it.
-        :param staging_buffers: how many batches may be in flight at once.
-        :param master_http: the master's HTTP admin URL (``--metrics_port``), used only by
-            :meth:`list_blocks`; default ``http://<master host>:9003``.
-        :param force_delete: let :meth:`delete` break other readers' leases (off: a block being read
-            elsewhere is left in place).
-        """
+        """Every parameter is a key of the tier's settings, documented on :class:`MooncakeSettings`."""
         super().__init__(name)
         if staging_buffers < 1 or staging_bytes <= HEADER_SIZE or timeout_s <= 0:
             raise ConfigError(
@@ -174,26 +192,8 @@ class MooncakeTier(Tier):
         queryable cheaply, so ``stats().blocks``/``bytes`` report this local view."""
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "master_address": str,
-        "metadata_server": str,
-        "local_hostname": str,
-        "protocol": str,
-        "device_name": str,
-        "global_segment_size": int,
-        "local_buffer_size": int,
-        "key_prefix": str,
-        "timeout_s": float,
-        "staging_bytes": int,
-        "staging_buffers": int,
-        "master_http": str,
-        "force_delete": bool,
-    }
-
-    @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key."""
-        return cls(name, **check_settings(cls.kind, name, settings, cls._SETTINGS))
+    Settings: ClassVar[type[Any] | None] = MooncakeSettings
+    """Built by :meth:`Tier.from_settings`: unknown keys and wrong types name the key."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:

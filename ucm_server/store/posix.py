@@ -44,15 +44,17 @@ import os
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
+    DEFAULT_MAX_BLOCK_BYTES,
     MISSING,
     OK,
     BlockInfo,
@@ -60,9 +62,11 @@ from ucm_server.store.base import (
     IoVec,
     SizeIndex,
     Tier,
+    TierContext,
     TierStats,
     failed,
     iov_len,
+    load_tier_settings,
 )
 from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
@@ -84,14 +88,32 @@ TMP_MARK = ".tmp."
 QUARANTINE = ".quarantine"
 DIRECT_ALIGN = 4096
 """Alignment of buffers, offsets and lengths for ``O_DIRECT`` (the common logical block size)."""
-DEFAULT_MAX_BLOCK_BYTES = 256 << 20
-"""The daemon's default ``max_block_bytes``; the daemon passes its own setting to its tiers."""
+
+
+@dataclass(frozen=True, slots=True)
+class PosixSettings:
+    """The Posix tier's settings; the daemon fills them from ``storage_backends`` (or
+    ``<data_dir>/blocks``), ``posix_capacity``, ``durable`` and ``posix_direct_io``."""
+
+    roots: tuple[Path, ...]
+    """Root directories; blocks are striped over them by key."""
+    capacity: int = field(default=0, metadata={"size": True})
+    """Bytes the tier may hold before it evicts (0: no limit)."""
+    durable: bool = True
+    """fsync file and directory before a block becomes visible."""
+    direct_io: bool = True
+    """Write with ``O_DIRECT`` where buffers and filesystem allow it."""
 
 
 @dataclass(slots=True)
-class _Entry:
+class Entry:
+    """What the index holds about one stored block (file tiers built on this one share it)."""
+
     size: int
     stored_at: float
+
+
+_Entry = Entry  # the name before #12; kept until 0.2
 
 
 class PosixTier(Tier):
@@ -125,7 +147,7 @@ class PosixTier(Tier):
         self._no_direct: set[Path] = set()
         """Roots whose filesystem refused ``O_DIRECT``: written buffered from then on."""
         self._executor = executor
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._index: OrderedDict[BlockKey, Entry] = OrderedDict()
         self._sizes = SizeIndex()
         self._bytes = 0
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
@@ -134,6 +156,16 @@ class PosixTier(Tier):
         """Non-regular files met where block files should be, by kind (fifo, symlink, ...)."""
         self._skip_examples: dict[str, str] = {}
         self._scanning = False
+
+    Settings: ClassVar[type[Any] | None] = PosixSettings
+
+    @classmethod
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        """File work runs in ``context.executor``; headers above ``context.max_block_bytes`` are corrupt."""
+        values = load_tier_settings(cls, name, settings)
+        return cls(name, executor=context.executor, max_block_bytes=context.max_block_bytes, **values)
 
     # -- layout ---------------------------------------------------------------------------------------
     def root_of(self, key: BlockKey) -> Path:
@@ -244,7 +276,7 @@ class PosixTier(Tier):
             self._stats.errors += 1
             return failed(f"{self.name} write error: {exc.strerror or exc}")
         self._forget(key)
-        self._remember(key, _Entry(size=size, stored_at=time.time()))
+        self._remember(key, Entry(size=size, stored_at=time.time()))
         self._stats.write_bytes += size
         kind = "direct_writes" if direct else "buffered_writes"  # so an operator can see O_DIRECT at work
         self._stats.extra[kind] = self._stats.extra.get(kind, 0.0) + 1
@@ -335,13 +367,13 @@ class PosixTier(Tier):
                     os.fsync(fd)
             except BaseException:
                 os.close(fd)
-                _unlink_at(dfd, tmp)
+                unlink_at(dfd, tmp)
                 raise
             os.close(fd)
             try:
                 os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
-                _unlink_at(dfd, tmp)
+                unlink_at(dfd, tmp)
                 raise
             if self.durable:
                 os.fsync(dfd)
@@ -357,7 +389,7 @@ class PosixTier(Tier):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                _unlink_at(dfd, tmp)  # some filesystems create the file before refusing the flag
+                unlink_at(dfd, tmp)  # some filesystems create the file before refusing the flag
                 self._no_direct.add(root)
                 log.info("posix tier %s: %s refuses O_DIRECT; writing buffered", self.name, root)
         return os.open(tmp, flags, 0o600, dir_fd=dfd), False
@@ -423,7 +455,7 @@ class PosixTier(Tier):
         for p in paths:
             try:
                 with self._parent(p) as dfd:
-                    _unlink_at(dfd, p.name)
+                    unlink_at(dfd, p.name)
             except FileNotFoundError:
                 continue
             except OSError as exc:  # a symlinked directory: nothing outside the roots is touched
@@ -465,8 +497,8 @@ class PosixTier(Tier):
         finally:
             os.close(fd)
 
-    def _scan(self) -> list[tuple[BlockKey, _Entry]]:
-        found: list[tuple[BlockKey, _Entry]] = []
+    def _scan(self) -> list[tuple[BlockKey, Entry]]:
+        found: list[tuple[BlockKey, Entry]] = []
         for root in self.roots:
             make_private_dirs(root)
             for dirpath, dirnames, filenames in os.walk(root):
@@ -484,7 +516,7 @@ class PosixTier(Tier):
                         found.append(item)
         return found
 
-    def _check_file(self, path: Path) -> tuple[BlockKey, _Entry] | None:
+    def _check_file(self, path: Path) -> tuple[BlockKey, Entry] | None:
         try:
             header = self._read_header(path)
             if self.path_of(header.key) != path:
@@ -500,7 +532,7 @@ class PosixTier(Tier):
         except OSError as exc:
             log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
             return None
-        return header.key, _Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
+        return header.key, Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
 
     def _move_to_quarantine(self, path: Path, reason: str) -> None:
         """Move a bad block file into ``<root>/.quarantine`` by directory descriptors: neither the
@@ -527,7 +559,7 @@ class PosixTier(Tier):
         self._forget(key)
         await self._run(self._move_to_quarantine, self.path_of(key), reason)
 
-    def _remember(self, key: BlockKey, entry: _Entry) -> None:
+    def _remember(self, key: BlockKey, entry: Entry) -> None:
         self._index[key] = entry
         self._sizes.add(key, entry.size)
         self._bytes += entry.size
@@ -667,6 +699,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _unlink_at(dfd: int, name: str) -> None:
+def unlink_at(dfd: int, name: str) -> None:
+    """Remove ``name`` in directory ``dfd`` if it is still there."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=dfd)
+
+
+_unlink_at = unlink_at  # the name before #12; kept until 0.2

@@ -1,35 +1,43 @@
 """Tier classes by name, imported lazily by module path, and the builder of a pipeline from config.
 
-A backend with heavy or optional imports (Mooncake, boto3, hf3fs) costs nothing until a pipeline names
-it. Out-of-tree tiers register through the ``ucm.tiers`` entry-point group (``Name = "pkg.mod:Class"``)
-and are then usable in ``store_pipeline`` like the built-ins. Names are unique: registering one twice is
-an error, and an unknown name is answered with the list of known ones.
+``BUILTIN_TIERS`` is the one list of built-in tiers (the daemon's help text and start-up check read
+it from here). A backend with heavy or optional imports (Mooncake, boto3, hf3fs) costs nothing until a
+pipeline names it. Out-of-tree tiers register through the ``ucm.tiers`` entry-point group
+(``Name = "pkg.mod:Class"``) and are then usable in ``store_pipeline`` like the built-ins. Names are
+unique: registering one twice is an error, and an unknown name is answered with the list of known ones.
+Every tier is built by its :meth:`~ucm_server.store.base.Tier.from_settings`.
+
+This module does not import the daemon's config: :func:`build_pipeline` takes anything shaped like
+:class:`PipelineConfig`, so ``ucm_server.config`` can import the tier list from here.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import inspect
+import warnings
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import Protocol
 
 from ucm_server.api.errors import ConfigError
-from ucm_server.store.base import Tier
+from ucm_server.store.base import Tier, TierContext
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.staging import StagingPool
 
-if TYPE_CHECKING:
-    from ucm_server.config import ServerConfig
-
-_BUILTIN: dict[str, str] = {
-    "Cache": "ucm_server.store.cache:CacheTier",
-    "Posix": "ucm_server.store.posix:PosixTier",
-    "DS3FS": "ucm_server.store.ds3fs:DS3FSTier",
-    "Mooncake": "ucm_server.store.mooncake:MooncakeTier",
-    "S3": "ucm_server.store.s3:S3Tier",
-}
-_registry: dict[str, str] = dict(_BUILTIN)
+BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
+    {
+        "Cache": "ucm_server.store.cache:CacheTier",
+        "Posix": "ucm_server.store.posix:PosixTier",
+        "DS3FS": "ucm_server.store.ds3fs:DS3FSTier",
+        "Mooncake": "ucm_server.store.mooncake:MooncakeTier",
+        "S3": "ucm_server.store.s3:S3Tier",
+    }
+)
+"""The built-in tiers, fastest first, by ``store_pipeline`` name: the one list of them."""
+_registry: dict[str, str] = dict(BUILTIN_TIERS)
 _plugins_loaded = False
 
 
@@ -70,42 +78,57 @@ def _load_plugins() -> None:
             _registry[ep.name] = ep.value
 
 
-def build_tier(name: str, config: ServerConfig, executor: Executor) -> Tier:
-    settings: Mapping[str, Any] = config.tier_settings.get(name, {})
-    if name == "Cache":
-        from ucm_server.store.cache import CacheTier
+class PipelineConfig(Protocol):
+    """What :func:`build_pipeline` reads of the daemon's config (``ServerConfig`` has all of it)."""
 
-        return CacheTier(
-            capacity=config.cache_capacity,
-            page_size=config.cache_page_size,
-            executor=executor,
-            prefault=config.cache_prefault,
-        )
-    if name == "Posix":
-        from ucm_server.store.posix import PosixTier
+    @property
+    def tiers(self) -> Sequence[str]: ...
+    @property
+    def write_mode(self) -> str: ...
+    @property
+    def io_threads(self) -> int: ...
+    @property
+    def shared_lookup_ttl_s(self) -> float: ...
+    @property
+    def staging_bytes(self) -> int: ...
+    @property
+    def max_block_bytes(self) -> int: ...
+    def tier_settings_for(self, name: str) -> Mapping[str, object]: ...
 
-        return PosixTier(
-            roots=config.posix_roots,
-            capacity=config.posix_capacity,
-            durable=config.durable,
-            direct_io=config.posix_direct_io,
-            executor=executor,
-            max_block_bytes=config.max_block_bytes,
-        )
+
+def build_tier(name: str, settings: Mapping[str, object], context: TierContext) -> Tier:
+    """The tier ``name`` of a pipeline, built by its class's ``from_settings``."""
     cls = tier_class(name)
-    from_settings = getattr(cls, "from_settings", None)
-    if from_settings is None:
-        raise ConfigError(f"tier {name!r} cannot be built from configuration (no from_settings)")
-    tier: Tier = from_settings(name, settings)
+    if _takes_context(cls):
+        return cls.from_settings(name, settings, context)
+    # A tier written before TierContext existed: ``from_settings(name, settings)``.
+    warnings.warn(
+        f"tier {name!r} ({cls.__module__}.{cls.__qualname__}): from_settings(name, settings) is "
+        "deprecated; accept a third argument, context: TierContext",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    tier: Tier = cls.from_settings(name, settings)
     from ucm_server.store.posix import PosixTier
 
-    if isinstance(tier, PosixTier):  # DS3FS and other file tiers: headers above it are corrupt
-        tier.max_block_bytes = config.max_block_bytes
+    if isinstance(tier, PosixTier):  # as before TierContext: file tiers learn the daemon's limit
+        tier.max_block_bytes = context.max_block_bytes
     return tier
 
 
-def build_pipeline(config: ServerConfig, executor: Executor) -> Pipeline:
-    tiers = [build_tier(name, config, executor) for name in config.tiers]
+def _takes_context(cls: type[Tier]) -> bool:
+    """Whether ``cls.from_settings`` accepts the context (every tier here does; old plugins may not)."""
+    try:
+        params = inspect.signature(cls.from_settings).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def build_pipeline(config: PipelineConfig, executor: Executor) -> Pipeline:
+    context = TierContext(executor=executor, max_block_bytes=config.max_block_bytes)
+    tiers = [build_tier(name, config.tier_settings_for(name), context) for name in config.tiers]
     return Pipeline(
         tiers,
         write_back=config.write_mode == "write-back",

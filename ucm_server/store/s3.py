@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Self, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, cast
 
 from ucm_server.api.errors import ConfigError, Unavailable
 from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
@@ -47,7 +48,6 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.settings import check_settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +57,45 @@ _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _AUTH_CODES = frozenset(
     {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
 )
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """The S3 tier's ``tier_settings`` entry: one field per key, with the constructor's defaults."""
+
+    bucket: str = "ucm"
+    """bucket holding the blocks; created at :meth:`S3Tier.open` if missing and ``create_bucket``."""
+    endpoint_url: str = ""
+    """``http(s)://host:port`` of an S3-compatible endpoint; empty means AWS."""
+    region: str = "us-east-1"
+    """signing region (most non-AWS stores accept any)."""
+    prefix: str = "ucm"
+    """object names are ``<prefix>/<namespace hex>/<key hex>``; daemons sharing blocks must agree on
+    it."""
+    access_key: str = ""
+    """with ``secret_key`` (and optionally ``session_token``): explicit credentials. Empty: boto3's
+    chain (environment, ``profile``, config files, instance role)."""
+    secret_key: str = field(default="", metadata={"secret": True})
+    """the secret of ``access_key``; never shown in errors or logs."""
+    session_token: str = field(default="", metadata={"secret": True})
+    """a temporary credential's token, with ``access_key``/``secret_key``; never shown."""
+    profile: str = ""
+    """a named profile from ``~/.aws/config`` when no explicit keys are given."""
+    create_bucket: bool = True
+    """create ``bucket`` at :meth:`S3Tier.open` if it is missing."""
+    timeout_s: float = 10.0
+    """connect and read timeout of each request, and the hard limit on one block's operation
+    including retries."""
+    max_workers: int = 16
+    """requests in flight at once (threads and pooled connections)."""
+    retries: int = 2
+    """botocore attempts after the first (``standard`` mode, with backoff)."""
+    addressing_style: str = "path"
+    """``"path"`` (works with any endpoint) or ``"virtual"``."""
+    verify_tls: bool = True
+    """check the endpoint's certificate (turn off only for self-signed test setups)."""
+    list_page: int = 1000
+    """keys per LIST/DELETE request."""
 
 
 class S3Tier(Tier):
@@ -86,23 +125,7 @@ class S3Tier(Tier):
         verify_tls: bool = True,
         list_page: int = 1000,
     ) -> None:
-        """
-        :param bucket: bucket holding the blocks; created at :meth:`open` if missing and ``create_bucket``.
-        :param endpoint_url: ``http(s)://host:port`` of an S3-compatible endpoint; empty means AWS.
-        :param region: signing region (most non-AWS stores accept any).
-        :param prefix: object names are ``<prefix>/<namespace hex>/<key hex>``; daemons sharing blocks
-            must agree on it.
-        :param access_key: with ``secret_key`` (and optionally ``session_token``): explicit credentials.
-            Empty: boto3's chain (environment, ``profile``, config files, instance role).
-        :param profile: a named profile from ``~/.aws/config`` when no explicit keys are given.
-        :param timeout_s: connect and read timeout of each request, and the hard limit on one block's
-            operation including retries.
-        :param max_workers: requests in flight at once (threads and pooled connections).
-        :param retries: botocore attempts after the first (``standard`` mode, with backoff).
-        :param addressing_style: ``"path"`` (works with any endpoint) or ``"virtual"``.
-        :param verify_tls: check the endpoint's certificate (turn off only for self-signed test setups).
-        :param list_page: keys per LIST/DELETE request.
-        """
+        """Every parameter is a key of the tier's settings, documented on :class:`S3Settings`."""
         super().__init__(name)
         if max_workers < 1 or timeout_s <= 0 or retries < 0 or not bucket:
             raise ConfigError(f"tier {name!r}: need a bucket, max_workers >= 1, timeout_s > 0, retries >= 0")
@@ -140,30 +163,9 @@ class S3Tier(Tier):
         return f"{self.endpoint_url or 'AWS S3'} bucket {self.bucket!r}"
 
     # -- configuration -----------------------------------------------------------------------------------
-    _SETTINGS: ClassVar[dict[str, type]] = {
-        "bucket": str,
-        "endpoint_url": str,
-        "region": str,
-        "prefix": str,
-        "access_key": str,
-        "secret_key": str,
-        "session_token": str,
-        "profile": str,
-        "create_bucket": bool,
-        "timeout_s": float,
-        "max_workers": int,
-        "retries": int,
-        "addressing_style": str,
-        "verify_tls": bool,
-        "list_page": int,
-    }
-
-    @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, object]) -> Self:
-        """Build from a pipeline's per-tier settings; unknown keys and wrong types name the key (and
-        never echo a credential's value)."""
-        out = check_settings("S3", name, settings, cls._SETTINGS, secrets=("secret_key", "session_token"))
-        return cls(name, **out)
+    Settings: ClassVar[type[Any] | None] = S3Settings
+    """Built by :meth:`Tier.from_settings`: unknown keys and wrong types name the key (and never
+    echo a credential)."""
 
     # -- life cycle ---------------------------------------------------------------------------------------
     async def open(self) -> None:

@@ -9,52 +9,107 @@ wrappers, named for what they are, that sit in a daemon's ``store_pipeline`` lik
     UCM_TIER_SETTINGS='{"ucm_server.testing.faults:FaultInjectingTier": {"root": "/tmp/x",
                         "eio_read_digests": ["<64 hex>"]}}'
 
-Both wrap a real :class:`~ucm_server.store.posix.PosixTier` (so files, headers, checksums and the
-index are the real ones) and change only the one thing they inject, following the house rule that
-cross-cutting concerns are wrappers around a backend.
+Both wrap a real tier (so files, headers, checksums and the index are the real ones) and change only
+the one thing they inject, following the house rule that cross-cutting concerns are wrappers around a
+backend. By default the wrapped tier is a Posix tier described by ``root``, ``durable`` and
+``capacity``; ``inner`` (a ``store_pipeline`` tier name) and ``inner_settings`` (its settings) wrap
+any other tier instead::
+
+    UCM_TIER_SETTINGS='{"ucm_server.testing.faults:LatencyInjectingTier": {"inner": "DS3FS",
+                        "inner_settings": {"mount": "/3fs/stage"}, "read_delay_s": 0.05}}'
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
+from ucm_protocol.settings import load_fields
 from ucm_server.api.errors import ConfigError
 from ucm_server.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, IoVec, Tier, TierStats
+from ucm_server.store.base import (
+    DEFAULT_CONTEXT,
+    BlockInfo,
+    BlockResult,
+    IoVec,
+    Tier,
+    TierContext,
+    TierStats,
+    failed,
+    iov_len,
+)
 from ucm_server.store.posix import PosixTier
+from ucm_server.store.registry import build_tier
 
 
-def _posix_from_settings(name: str, settings: Mapping[str, Any], known: set[str]) -> PosixTier:
-    """The wrapped Posix tier, from the same ``root``/``durable``/``capacity`` settings everywhere."""
-    unknown = set(settings) - known
-    if unknown:
-        raise ConfigError(f"tier_settings.{name}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    root = settings.get("root")
-    if not isinstance(root, str) or not root:
+@dataclass(frozen=True, slots=True)
+class WrapperSettings:
+    """What every wrapper is told about the tier it wraps."""
+
+    root: str = ""
+    """Directory of the wrapped Posix tier (the default inner tier); required without ``inner``."""
+    durable: bool = True
+    """The wrapped Posix tier's ``durable``."""
+    capacity: int = field(default=0, metadata={"size": True})
+    """The wrapped Posix tier's capacity in bytes (0: no limit)."""
+    inner: str = ""
+    """A ``store_pipeline`` tier name (or ``package.module:Class``) to wrap instead of a Posix tier."""
+    inner_settings: Mapping[str, Any] = field(default_factory=dict)
+    """The settings of ``inner``, as its own ``tier_settings`` entry would hold them."""
+
+
+_WRAPPER_KEYS = frozenset(f.name for f in dataclasses.fields(WrapperSettings))
+
+
+def _load(cls: type[Any], name: str, settings: Mapping[str, object]) -> dict[str, Any]:
+    """Check ``settings`` against the wrapper's own dataclass ``cls`` (which lists every key)."""
+    return load_fields(
+        cls,
+        settings,
+        f"tier_settings.{name}",
+        at=lambda key: f"tier_settings.{name}.{key}",
+        source="structured",
+    )
+
+
+def wrapped_tier(name: str, settings: Mapping[str, object], context: TierContext) -> Tier:
+    """The inner tier a wrapper called ``name`` wraps, from the wrapper's settings."""
+    values = _load(WrapperSettings, name, {k: v for k, v in settings.items() if k in _WRAPPER_KEYS})
+    if values.get("inner"):
+        posix_keys = sorted({"root", "durable", "capacity"} & set(values))
+        if posix_keys:
+            raise ConfigError(
+                f"tier_settings.{name}: {', '.join(posix_keys)} describe the default Posix inner tier; "
+                "with inner, put the inner tier's settings in inner_settings"
+            )
+        return build_tier(values["inner"], values.get("inner_settings", {}), context)
+    if "inner_settings" in values:
+        raise ConfigError(f"tier_settings.{name}.inner_settings: needs inner (the tier they are for)")
+    root = values.get("root", "")
+    if not root:
         raise ConfigError(f"tier_settings.{name}.root: a directory for the wrapped Posix tier is required")
-    durable, capacity = settings.get("durable", True), settings.get("capacity", 0)
-    if not isinstance(durable, bool):
-        raise ConfigError(f"tier_settings.{name}.durable: expected true or false, got {durable!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ConfigError(f"tier_settings.{name}.capacity: expected bytes >= 0, got {capacity!r}")
-    return PosixTier(name, roots=[Path(root)], durable=durable, capacity=capacity)
+    capacity = values.get("capacity", 0)
+    return PosixTier(name, roots=[Path(root)], durable=values.get("durable", True), capacity=capacity)
 
 
-class _PosixWrapper(Tier):
-    """Delegates the eight primitives to a real PosixTier; subclasses change one behaviour."""
+class TierWrapper(Tier):
+    """A tier that is another tier: every primitive and every batch or derived method the inner
+    tier may override is delegated, and the capability flags are the inner tier's. Subclasses change
+    one behaviour (and say which derived methods must then go through their primitives)."""
 
-    persistent: ClassVar[bool] = True
-    shared: ClassVar[bool] = False
-    max_concurrency: ClassVar[int] = PosixTier.max_concurrency
+    kind: ClassVar[str] = "Wrapper"
 
-    def __init__(self, inner: PosixTier) -> None:
+    def __init__(self, inner: Tier) -> None:
         super().__init__(inner.name)
         self.inner = inner
+        for flag in ("persistent", "shared", "max_concurrency"):  # a wrapper is what it wraps
+            setattr(self, flag, getattr(inner, flag))
 
     async def open(self) -> None:
         await self.inner.open()
@@ -82,70 +137,116 @@ class _PosixWrapper(Tier):
             yield info
 
     def stats(self) -> TierStats:
-        s = self.inner.stats()
-        s.kind = self.kind
-        return s
+        return dataclasses.replace(self.inner.stats(), kind=self.kind)
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await self.inner.read_many(items)
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await self.inner.write_many(items)
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        return await self.inner.read_checked(key, dest)
 
     async def info(self, key: BlockKey) -> BlockInfo | None:
         return await self.inner.info(key)
+
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
+        return await self.inner.verify(key, quarantine=quarantine)
 
     async def evict(self, nbytes: int) -> int:
         return await self.inner.evict(nbytes)
 
 
-class FaultInjectingTier(_PosixWrapper):
-    """TEST DOUBLE: a real PosixTier whose reads of chosen blocks fail with ``EIO``.
+class _PerBlockWrapper(TierWrapper):
+    """A wrapper whose change lives in ``read_into``/``write_from``: batches, ``verify`` and the
+    one-copy client read go through them (``Tier``'s defaults), so nothing bypasses the change."""
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await Tier.read_many(self, items)
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await Tier.write_many(self, items)
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        return None  # read through read_into, into daemon memory
+
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
+        return await Tier.verify(self, key, quarantine=quarantine)
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSettings(WrapperSettings):
+    """:class:`FaultInjectingTier`'s settings."""
+
+    eio_read_digests: tuple[str, ...] = ()
+    """Hex digests (64 characters, any namespace) whose reads fail with EIO; ``"*"`` fails every read."""
+
+
+class FaultInjectingTier(_PerBlockWrapper):
+    """TEST DOUBLE: a real tier whose reads of chosen blocks fail with ``EIO``.
 
     A medium error cannot be caused portably (device-mapper's ``error`` target is missing in most
-    containers), so this raises ``OSError(EIO)`` exactly where a failing disk would: inside the Posix
-    tier's blocking read, before any payload byte is copied. The Posix tier's own error handling then
-    runs unchanged (its ``errors`` counter, the per-block FAILED result and its reason), which is what
-    the tests exercise.
+    containers), so this fails the read of a chosen block exactly where a failing disk would: after
+    the tier found the block (a missing block is still MISSING, a wrong length still the tier's own
+    answer), before any payload byte is copied, with the reason a Posix tier gives for ``EIO``, and
+    counted in ``stats().errors`` (and ``extra["injected_eio"]``).
 
     Settings (``tier_settings``): ``root`` (directory of the wrapped Posix tier), ``durable``,
-    ``capacity``, and ``eio_read_digests`` — hex digests (64 characters, any namespace) whose reads
-    fail; ``"*"`` in the list fails every read.
+    ``capacity`` — or ``inner`` and ``inner_settings`` for any other tier — and ``eio_read_digests``
+    — hex digests (64 characters, any namespace) whose reads fail; ``"*"`` in the list fails every read.
     """
 
     kind: ClassVar[str] = "FaultInjecting"
-    _SETTINGS: ClassVar[set[str]] = {"root", "durable", "capacity", "eio_read_digests"}
+    Settings: ClassVar[type[Any] | None] = FaultSettings
 
-    def __init__(self, inner: PosixTier, eio_read_digests: Sequence[str] = ()) -> None:
+    def __init__(self, inner: Tier, eio_read_digests: Sequence[str] = ()) -> None:
         super().__init__(inner)
         self.fail_all = "*" in eio_read_digests
         self.fail_digests = {bytes.fromhex(d) for d in eio_read_digests if d != "*"}
         self.injected = 0
-        real_read: Callable[[Path, BlockKey, IoVec], None] = inner._read_file
-
-        def read_file(path: Path, key: BlockKey, dest: IoVec) -> None:
-            if self.fail_all or key.digest in self.fail_digests:
-                self.injected += 1
-                raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
-            real_read(path, key, dest)
-
-        inner._read_file = read_file  # type: ignore[method-assign]  # the one seam we fault
 
     @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, Any]) -> FaultInjectingTier:
-        digests = settings.get("eio_read_digests", [])
-        if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
-            raise ConfigError(f"tier_settings.{name}.eio_read_digests: expected a list of hex strings")
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        digests: tuple[str, ...] = _load(FaultSettings, name, settings).get("eio_read_digests", ())
         try:
             for d in digests:
                 if d != "*":
                     bytes.fromhex(d)
         except ValueError as exc:
             raise ConfigError(f"tier_settings.{name}.eio_read_digests: not hexadecimal ({exc})") from exc
-        return cls(_posix_from_settings(name, settings, cls._SETTINGS), digests)
+        return cls(wrapped_tier(name, settings, context), digests)
+
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        if not (self.fail_all or key.digest in self.fail_digests):
+            return await self.inner.read_into(key, dest)
+        (size,) = await self.inner.lookup([key])
+        if size is None or size != iov_len(dest):  # MISSING or a length mismatch: the tier's own answer
+            return await self.inner.read_into(key, dest)
+        self.injected += 1
+        return failed(f"{self.name} read error: {os.strerror(errno.EIO)}")
 
     def stats(self) -> TierStats:
         s = super().stats()
+        s.errors += self.injected
         s.extra = {**s.extra, "injected_eio": float(self.injected)}
         return s
 
 
-class LatencyInjectingTier(_PosixWrapper):
-    """TEST DOUBLE: a real PosixTier behind a slow device (fixed delay per block read / write).
+@dataclass(frozen=True, slots=True)
+class LatencySettings(WrapperSettings):
+    """:class:`LatencyInjectingTier`'s settings."""
+
+    read_delay_s: float = 0.0
+    """Seconds each block read takes longer, in [0, 60]."""
+    write_delay_s: float = 0.0
+    """Seconds each block write takes longer, in [0, 60]."""
+
+
+class LatencyInjectingTier(_PerBlockWrapper):
+    """TEST DOUBLE: a real tier behind a slow device (fixed delay per block read / write).
 
     A slow disk cannot be made on demand in a test container. The delay is an ``asyncio.sleep``,
     which models what a slow disk does to the daemon: the operation takes long, while the event loop
@@ -154,27 +255,30 @@ class LatencyInjectingTier(_PosixWrapper):
     a newer version is renamed over it meanwhile; a write sleeps *before*, since a real slow write
     becomes visible only when it ends.
 
-    Settings: ``root``, ``durable``, ``capacity`` as for the Posix tier, and ``read_delay_s`` /
-    ``write_delay_s`` (seconds per block, default 0).
+    Settings: ``root``, ``durable``, ``capacity`` as for the Posix tier (or ``inner`` and
+    ``inner_settings``), and ``read_delay_s`` / ``write_delay_s`` (seconds per block, default 0).
     """
 
     kind: ClassVar[str] = "LatencyInjecting"
-    _SETTINGS: ClassVar[set[str]] = {"root", "durable", "capacity", "read_delay_s", "write_delay_s"}
+    Settings: ClassVar[type[Any] | None] = LatencySettings
 
-    def __init__(self, inner: PosixTier, *, read_delay_s: float = 0.0, write_delay_s: float = 0.0) -> None:
+    def __init__(self, inner: Tier, *, read_delay_s: float = 0.0, write_delay_s: float = 0.0) -> None:
         super().__init__(inner)
         self.read_delay_s = read_delay_s
         self.write_delay_s = write_delay_s
 
     @classmethod
-    def from_settings(cls, name: str, settings: Mapping[str, Any]) -> LatencyInjectingTier:
+    def from_settings(
+        cls, name: str, settings: Mapping[str, object], context: TierContext = DEFAULT_CONTEXT
+    ) -> Self:
+        values = _load(LatencySettings, name, settings)
         delays: dict[str, float] = {}
         for key in ("read_delay_s", "write_delay_s"):
-            value = settings.get(key, 0.0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 60:
+            value = values.get(key, 0.0)
+            if not 0 <= value <= 60:
                 raise ConfigError(f"tier_settings.{name}.{key}: expected seconds in [0, 60], got {value!r}")
-            delays[key] = float(value)
-        return cls(_posix_from_settings(name, settings, cls._SETTINGS), **delays)
+            delays[key] = value
+        return cls(wrapped_tier(name, settings, context), **delays)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         result = await self.inner.read_into(key, dest)
