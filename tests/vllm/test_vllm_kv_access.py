@@ -22,7 +22,7 @@ from ucm_client import BlockIO, UcmClient
 from ucm_client.gpu import CudaUnavailable, StreamMark
 from ucm_client.vllm import worker as worker_module
 from ucm_client.vllm.config import ConnectorConfig
-from ucm_client.vllm.identity import KeySpace
+from ucm_client.vllm.identity import KeySpace, layer_order
 from ucm_client.vllm.kv_access import (
     KVAccess,
     LayerKVAccess,
@@ -228,3 +228,100 @@ def test_the_choice_and_its_capabilities() -> None:
     assert not isinstance(staged, LayerKVAccess)  # staging moves whole blocks only
     off = choose(zero_copy=False, layerwise=True)
     assert isinstance(off, str) and "use_layerwise needs the daemon to reach the cpu KV cache directly" in off
+
+
+class _Mark:
+    def __init__(self, log: list[str], n: int) -> None:
+        self.log, self.n, self.done = log, n, False
+
+    def ready(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.log.append(f"wait mark {self.n}")
+        self.done = True
+
+
+class StreamOrderDouble(SharedMemoryKV):
+    """Test double for CUDA's stream ordering (no GPU here): shared-memory KV whose marks are reached
+    only when the test says so; logs marks, waits, ``before_dump`` and every dump submitted."""
+
+    def __init__(self, memory: Any, names: list[str]) -> None:
+        super().__init__(memory)
+        self.names, self.log, self.marks = names, [], []
+
+    def mark(self) -> Any:
+        self.marks.append(_Mark(self.log, len(self.marks)))
+        self.log.append(f"mark {len(self.marks) - 1}")
+        return self.marks[-1]
+
+    def before_dump(self) -> None:
+        self.log.append("before_dump")
+
+    def blocks(self, keys: Any, block_ids: Any, slots: Any) -> list[BlockIO]:
+        self.log.append("submit whole")
+        return super().blocks(keys, block_ids, slots)
+
+    def layer_blocks(self, layer_name: str, keys: Any, block_ids: Any) -> list[BlockIO]:
+        self.log.append(f"submit {self.names.index(layer_name)}")
+        return super().layer_blocks(layer_name, keys, block_ids)
+
+
+def _ordered_worker(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, *, layerwise: bool
+) -> tuple[UcmWorker, StreamOrderDouble, list[str]]:
+    alloc = ShmAllocation()
+    with alloc:
+        raw = torch.zeros(RAW_BYTES, dtype=torch.int8)
+    views = _views(raw)
+    names = list(views)
+    chosen = choose_kv_access(
+        views, zero_copy=True, staging_bytes=0, layerwise=layerwise, alloc=alloc, vllm_config=None
+    )
+    assert isinstance(chosen, SharedMemoryKV)
+    double = StreamOrderDouble(chosen.memory, names)
+    monkeypatch.setattr(worker_module, "choose_kv_access", lambda *a, **kw: double)
+    fields = (("model", f"order-{layerwise}"),)
+    keyspace = KeySpace(fields=fields, tp_size=1, layer_names=layer_order(names), layerwise=layerwise)
+    config = ConnectorConfig(target=daemon.target, use_layerwise=layerwise)
+    worker = UcmWorker(CPU, keyspace, config, tp_rank=0)
+    worker.register_kv_caches(views)
+    return worker, double, names
+
+
+def test_layer_dumps_wait_for_the_kernels_that_wrote_them(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What CUDA ordering needs from the worker: a layer's dump goes out only once the mark recorded
+    after its attention is reached; the end of the step waits for the rest, and layers whose attention
+    never ran are dumped only after ``before_dump`` (the whole forward's kernels)."""
+    worker, double, names = _ordered_worker(daemon, monkeypatch, layerwise=True)
+    try:
+        meta = UcmConnectorMetadata(saves=[BlockTransfer("r", (1,), (b"k" * 32,))])
+        worker.save_layer(meta, names[0])
+        worker.save_layer(meta, names[1])
+        assert double.log == ["mark 0", "mark 1"]  # layer 0's kernels still running: nothing dumped
+        double.marks[0].done = True
+        worker.save_layer(meta, names[1])  # called again for a layer already marked: no second mark
+        assert double.log == ["mark 0", "mark 1", "submit 0"]
+        worker.save(meta)  # wait_for_save
+        assert double.log[3:] == ["wait mark 1", "submit 1"]
+        double.log.clear()
+        step2 = UcmConnectorMetadata(saves=[BlockTransfer("s", (2,), (b"l" * 32,))])
+        worker.save_layer(step2, names[1])  # layer 0's attention did not run this step
+        worker.save(step2)
+        assert double.log == ["mark 2", "wait mark 2", "submit 1", "before_dump", "submit 0"]
+    finally:
+        worker.shutdown()
+
+
+def test_whole_block_dump_waits_for_the_forward(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker, double, _ = _ordered_worker(daemon, monkeypatch, layerwise=False)
+    try:
+        worker.save(UcmConnectorMetadata(saves=[BlockTransfer("r", (1, 2), (b"k" * 32, b"l" * 32))]))
+        worker.save(UcmConnectorMetadata())  # a step without saves dumps nothing, waits for nothing
+        assert double.log == ["before_dump", "submit whole"]
+    finally:
+        worker.shutdown()
