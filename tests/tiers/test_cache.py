@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from ucm_server.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload
@@ -16,12 +17,30 @@ class TestCacheConformance(TierSuite):
     async def make_tier(self, path: Path) -> Tier:
         return CacheTier(capacity=16 << 20, page_size=4096)
 
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        return arena_bytes(tier, key)
+
 
 class TestPrefaultingCacheConformance(TierSuite):
     """The same suite while the arena is being faulted in underneath: no block's bytes may change."""
 
     async def make_tier(self, path: Path) -> Tier:
         return CacheTier(capacity=64 << 20, page_size=4096, prefault=True)
+
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        return arena_bytes(tier, key)
+
+
+def arena_bytes(tier: Tier, key: BlockKey) -> bytes | None:
+    """The Cache's back door: the arena pages the block's entry holds, joined (a lease, not a read)."""
+    assert isinstance(tier, CacheTier)
+    lease = tier.lease(key)
+    if lease is None:
+        return None
+    try:
+        return b"".join(bytes(view) for view in lease.iov)
+    finally:
+        lease.release()
 
 
 def _rss() -> int:

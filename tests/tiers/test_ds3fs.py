@@ -33,6 +33,12 @@ class TestDS3FSConformance(TierSuite):
         (path / "mnt").mkdir(exist_ok=True)
         return DS3FSTier("DS3FS", mount=path / "mnt", usrbio="off", durable=False)
 
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        """The block's file under the mount, read with plain file I/O."""
+        assert isinstance(tier, DS3FSTier)
+        path = tier.path_of(key)
+        return await asyncio.to_thread(path.read_bytes) if path.exists() else None
+
 
 def node(mount: Path, **kw: object) -> DS3FSTier:
     mount.mkdir(exist_ok=True)

@@ -59,12 +59,19 @@ class TestMooncakeConformance(TierSuite):
     @pytest.fixture(autouse=True)
     def _cluster(self, master: MooncakeMaster, storage_node: object) -> None:
         self.master = master
+        self.storage_node: Any = storage_node
 
     async def make_tier(self, path: Path) -> Tier:
         # One prefix per test directory: tests sharing the master do not see each other's blocks,
         # and the reopen test finds its own.
         prefix = "suite-" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
         return tier(self.master, "Suite", key_prefix=prefix, global_segment_size=0)
+
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        """The object under the block's name, fetched by another Mooncake client (the storage node)."""
+        assert isinstance(tier, MooncakeTier)
+        raw: bytes = await asyncio.to_thread(self.storage_node.get, tier.object_name(key))
+        return raw or None
 
 
 def tier(master: MooncakeMaster, name: str, **kw: Any) -> MooncakeTier:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from ucm_server.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.format import FORMAT_VERSION, HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, PosixTier
@@ -14,6 +15,16 @@ from ucm_server.testing.tier_suite import TierSuite, key, payload
 class TestPosixConformance(TierSuite):
     async def make_tier(self, path: Path) -> Tier:
         return PosixTier(roots=[path / "a", path / "b"])
+
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        return await stored_file(tier, key)
+
+
+async def stored_file(tier: Tier, key: BlockKey) -> bytes | None:
+    """The back door of a file tier: the block's file, read with plain file I/O."""
+    assert isinstance(tier, PosixTier)
+    path = tier.path_of(key)
+    return await asyncio.to_thread(path.read_bytes) if path.exists() else None
 
 
 def _open(path: Path, **kw: object) -> PosixTier:

@@ -77,6 +77,20 @@ class TestS3Conformance(TierSuite):
         # One prefix per test directory, so the reopen test finds its blocks and no other test's.
         return tier(self.rgw, "Suite", prefix="suite-" + hashlib.sha256(str(path).encode()).hexdigest()[:12])
 
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        """The object under the block's name, fetched by boto3 itself (not the tier's client)."""
+        assert isinstance(tier, S3Tier)
+        raw = raw_client(self.rgw)
+
+        def fetch() -> bytes | None:
+            try:
+                body: bytes = raw.get_object(Bucket="ucm-test", Key=tier.object_name(key))["Body"].read()
+            except raw.exceptions.NoSuchKey:
+                return None
+            return body
+
+        return await asyncio.to_thread(fetch)
+
 
 def keys(n: int) -> list[BlockKey]:
     space = Namespace(os.urandom(16))

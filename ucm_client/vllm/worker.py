@@ -28,11 +28,19 @@ import torch
 
 from ucm_client import BlockIO, UcmClient
 from ucm_client.errors import UcmError
-from ucm_client.gpu import CudaKVCache, CudaUnavailable, StreamMark, layer_key, producers_done
+from ucm_client.gpu import CudaUnavailable, StreamMark, layer_key
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace
 from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
-from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
+from ucm_client.vllm.kv_access import (
+    KVAccess,
+    LayerKVAccess,
+    SharedMemoryKV,
+    StagedKV,
+    choose_kv_access,
+    staged_kv_access,
+)
+from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.staging import StagingArea
@@ -60,7 +68,7 @@ def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
 
 
 class UcmWorker:
-    """Loads and saves one rank's blocks; owns the shared-memory KV cache registration."""
+    """Schedules one rank's loads and saves; reaches its KV cache through one ``KVAccess``."""
 
     def __init__(self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int):
         self._vllm_config = vllm_config
@@ -79,14 +87,11 @@ class UcmWorker:
             role=f"worker rank {tp_rank}",
         )
         self._alloc: ShmAllocation | None = None
-        self._memory: KVMemory | None = None
-        self._staging: StagingArea | None = None
-        self._cuda_kv: CudaKVCache | None = None
+        self._kv: KVAccess | None = None
+        """How the daemon reaches the KV cache (chosen once per registration; see ``kv_access``)."""
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._suspended: tuple[dict[str, torch.Tensor], KVMemory | None] | None = None
         """What ``unregister`` dropped (sleep mode), for ``restore`` to register again."""
-        self._region: int | None = None
-        """Daemon region of the shared buffer (CPU zero copy or staging); CUDA keeps its own."""
         self._registered = False
         self._io_off: str | None = None
         """Why this worker moves no bytes at all (set once, logged once); None normally."""
@@ -123,96 +128,56 @@ class UcmWorker:
         if missing := [name for name in self._layers if name not in kv_caches]:
             raise RuntimeError(f"use_layerwise: no KV cache tensor for layers {missing} of the KV config")
         self._kv_caches = dict(kv_caches)
-        first = next(iter(kv_caches.values()))
-        if first.device.type == "cuda" and self._config.zero_copy:
-            self._cuda_kv = CudaKVCache(kv_caches)
-            logger.info(
-                "UCM worker: CUDA KV cache (%d blocks x %d bytes) shared with the daemon by CUDA IPC",
-                self._cuda_kv.num_blocks,
-                self._cuda_kv.block_bytes,
-            )
-            self._link.client()
-            return
-        if first.device.type != "cpu" or not self._config.zero_copy:
-            self._use_staging(first.device.type)
-            self._link.client()
-            return
-        alloc = self._alloc
-        if (
-            alloc is not None
-            and alloc.tensor is not None
-            and alloc.buffer is not None
-            and (first.untyped_storage().data_ptr() == alloc.tensor.data_ptr())
-        ):
-            buffer, raw = alloc.buffer, alloc.tensor
-            how = "allocated in shared memory"
-        else:
-            layers = self._vllm_config.compilation_config.static_forward_context.values()
-            buffer, raw = adopt(kv_caches, layers)
-            how = "moved into shared memory"
-        self._memory = KVMemory(buffer, raw, kv_caches)
-        logger.info(
-            "UCM worker: KV cache (%d blocks x %d bytes) %s (%s); the daemon copies into it directly",
-            self._memory.num_blocks,
-            self._memory.block_bytes,
-            how,
-            buffer.name,
+        chosen = choose_kv_access(
+            self._kv_caches,
+            zero_copy=self._config.zero_copy,
+            staging_bytes=self._staging_bytes,
+            layerwise=self._layerwise,
+            alloc=self._alloc,
+            vllm_config=self._vllm_config,
         )
+        self._use(chosen)
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
-    def _use_staging(self, device: str) -> None:
-        if self._layerwise:
-            self._io_off = (
-                f"use_layerwise needs the daemon to reach the {device} KV cache directly (zero copy), "
-                "the staging buffer moves whole blocks only; loads and saves are off, prefixes are recomputed"
-            )
-            logger.error("UCM worker: %s", self._io_off)
-            return
-        staging_bytes = int(self._config.staging_buffer_gib * (1 << 30))
-        self._staging = StagingArea(self._kv_caches, staging_bytes)
-        logger.info(
-            "UCM worker: %s KV cache staged through %d shared-memory slots of %d bytes (%s)",
-            device,
-            self._staging.num_slots,
-            self._staging.block_bytes,
-            self._staging.buffer.name,
-        )
+    @property
+    def _staging_bytes(self) -> int:
+        return int(self._config.staging_buffer_gib * (1 << 30))
+
+    def _use(self, chosen: KVAccess | str) -> None:
+        """Hold the chosen access, or remember why this worker moves no bytes at all."""
+        if isinstance(chosen, str):
+            self._io_off, self._kv = chosen, None
+        else:
+            self._kv = chosen
 
     def _on_connect(self, client: UcmClient) -> None:
         """Register the memory the daemon copies to and from (once; the client re-registers later)."""
-        if self._registered:
+        if self._registered or self._kv is None:
             return
-        if self._cuda_kv is not None:
-            try:
-                self._cuda_kv.register(client, label="vllm-kv-cache")
-                self._registered = True
+        try:
+            self._kv.register(client)
+        except CudaUnavailable as exc:
+            logger.warning("UCM worker: CUDA IPC refused (%s); using a staging buffer instead", exc)
+            staged = staged_kv_access(self._kv_caches, "cuda", self._staging_bytes, layerwise=self._layerwise)
+            self._use(staged)
+            if self._kv is None:
                 return
-            except CudaUnavailable as exc:
-                logger.warning("UCM worker: CUDA IPC refused (%s); using a staging buffer instead", exc)
-                self._cuda_kv = None
-                self._use_staging("cuda")
-        if self._memory is not None:
-            self._region = client.register(self._memory.buffer, label="vllm-kv-cache")
-        elif self._staging is not None:
-            self._region = client.register(self._staging.buffer, label="vllm-kv-staging")
-        self._registered = self._region is not None
+            self._kv.register(client)
+        self._registered = True
 
     @property
     def _block_bytes(self) -> int:
-        if self._cuda_kv is not None:
-            return self._cuda_kv.block_bytes
-        if self._memory is not None:
-            return self._memory.block_bytes
-        return self._staging.block_bytes if self._staging is not None else 0
+        return self._kv.block_bytes if self._kv is not None else 0
 
     @property
     def memory(self) -> KVMemory | None:
-        """The zero-copy KV cache in shared memory (None on the staging path)."""
-        return self._memory
+        """The zero-copy KV cache in shared memory (None on the staging and CUDA paths)."""
+        return self._kv.memory if isinstance(self._kv, SharedMemoryKV) else None
 
     @property
     def staging(self) -> StagingArea | None:
-        return self._staging
+        """The staging buffer (None on the zero-copy paths)."""
+        return self._kv.staging if isinstance(self._kv, StagedKV) else None
 
     # ------------------------------------------------------------------ per step
 
@@ -228,41 +193,23 @@ class UcmWorker:
                 return None
         return client
 
-    def _whole_blocks(self, transfer: BlockTransfer, slots: list[int] | None) -> list[BlockIO]:
-        """Where each whole block's bytes go: vLLM's own pages (zero copy) or staging slots."""
-        if self._cuda_kv is not None:
-            return self._cuda_kv.blocks(transfer.keys, transfer.block_ids)
-        assert self._region is not None
-        if slots is not None:
-            assert self._staging is not None
-            return [
-                BlockIO(key=key, segments=self._staging.segments(self._region, slot))
-                for key, slot in zip(transfer.keys, slots, strict=True)
-            ]
-        assert self._memory is not None
-        return [
-            BlockIO(key=key, segments=self._memory.segments(self._region, block_id))
-            for key, block_id in zip(transfer.keys, transfer.block_ids, strict=True)
-        ]
+    def _layer_access(self) -> LayerKVAccess | None:
+        """The access as one that moves single layers (always so when layerwise: staging is refused)."""
+        return self._kv if isinstance(self._kv, LayerKVAccess) else None
 
     def _layer_blocks(self, layer: int, transfer: BlockTransfer) -> list[BlockIO]:
         """Layer ``layer``'s object of each block: its page, under ``layer_key(key, layer)``."""
-        name = self._layers[layer]
+        kv = self._layer_access()
+        assert kv is not None
         keys = [layer_key(key, layer) for key in transfer.keys]
-        if self._cuda_kv is not None:
-            return self._cuda_kv.layer_blocks(name, keys, transfer.block_ids)
-        assert self._memory is not None and self._region is not None
-        return [
-            BlockIO(key=key, segments=self._memory.layer_segments(self._region, name, block_id))
-            for key, block_id in zip(keys, transfer.block_ids, strict=True)
-        ]
+        return kv.layer_blocks(self._layers[layer], keys, transfer.block_ids)
 
     def _part_bytes(self, layer: int | None) -> int:
         """Bytes one part moves per block: a whole block, or layer ``layer``'s page."""
         if layer is None:
             return self._block_bytes
-        source = self._cuda_kv or self._memory
-        return source.pages_by_name[self._layers[layer]].length if source is not None else 0
+        kv = self._layer_access()
+        return kv.layer_bytes(self._layers[layer]) if kv is not None else 0
 
     def _new_job(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         now = time.monotonic()
@@ -281,22 +228,22 @@ class UcmWorker:
         transfer, op = job.transfer, ("load" if job.load else "save")
         part = PartTask(None, self._part_bytes(layer))
         client = None if self._io_off else self._client()
-        if client is None or not self._registered:
+        kv = self._kv
+        if client is None or not self._registered or kv is None:
             if not self._io_off:
                 self._stats.add(daemon_unavailable=1)
             self._end_part(job, part, None)
             return part
-        if layer is None and self._staging is not None:
-            part.slots = self._staging.acquire(job.count)
+        if layer is None:
+            part.slots = kv.acquire(transfer.block_ids, save=not job.load)
             if part.slots is None:
                 logger.warning("UCM worker: staging buffer full, %s of %s skipped", op, transfer.req_id)
                 self._end_part(job, part, None)
                 return part
-            if not job.load:  # the daemon reads finished bytes; vLLM may reuse its blocks at once
-                self._staging.from_kv(part.slots, transfer.block_ids)
         try:
             if layer is None:
-                blocks = self._whole_blocks(transfer, part.slots)
+                assert part.slots is not None
+                blocks = kv.blocks(transfer.keys, transfer.block_ids, part.slots)
             else:
                 blocks = self._layer_blocks(layer, transfer)
             submit = client.load if job.load else client.dump
@@ -315,12 +262,8 @@ class UcmWorker:
         """Record a part's outcome: its failed loads become load errors, its staging slots are freed."""
         flags = part.end(ok, job.count)
         block_ids = job.transfer.block_ids
-        if part.slots is not None and self._staging is not None:
-            if job.load:
-                good = [(slot, b) for slot, b, g in zip(part.slots, block_ids, flags, strict=True) if g]
-                if good:
-                    self._staging.to_kv([slot for slot, _ in good], [b for _, b in good])
-            self._staging.release(part.slots)
+        if part.slots is not None and self._kv is not None:
+            self._kv.finish(part.slots, block_ids, flags, load=job.load)
             part.slots = None
         if job.load:
             self._load_errors.update(b for b, good in zip(block_ids, flags, strict=True) if not good)
@@ -448,8 +391,8 @@ class UcmWorker:
             return
         if not meta.saves:
             return
-        if self._cuda_kv is not None:
-            producers_done()  # the daemon reads the blocks the forward's kernels just wrote
+        if self._kv is not None:
+            self._kv.before_dump()  # CUDA: the daemon reads the blocks the forward's kernels just wrote
         self._track_save(self._start(_combine("step-save", meta.saves), load=False), meta.saves)
 
     def save_layer(self, meta: UcmConnectorMetadata, layer_name: str) -> None:
@@ -465,7 +408,7 @@ class UcmWorker:
             return
         job = self._layer_save_job(meta)
         if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
-            self._layer_marks.append((layer, StreamMark() if self._cuda_kv is not None else None))
+            self._layer_marks.append((layer, self._kv.mark() if self._kv is not None else None))
         self._flush_layer_saves(job, block=False)
 
     def _layer_save_job(self, meta: UcmConnectorMetadata) -> TransferJob:
@@ -495,8 +438,8 @@ class UcmWorker:
             return
         meta, job = self._layer_save
         self._flush_layer_saves(job, block=True)
-        if self._cuda_kv is not None and None in job.parts:
-            producers_done()
+        if self._kv is not None and None in job.parts:
+            self._kv.before_dump()
         job.parts = [part or self._submit_part(job, layer) for layer, part in enumerate(job.parts)]
         self._layer_save = None
         self._track_save(job, meta.saves)
@@ -572,9 +515,7 @@ class UcmWorker:
             self._wait_job(job)
             self._complete_save(job)
         client = self._link.client()
-        regions = list(self._cuda_kv.regions.values()) if self._cuda_kv is not None else []
-        if self._region is not None:
-            regions.append(self._region)
+        regions = self._kv.regions() if self._kv is not None else []
         if client is not None:
             try:
                 for region in regions:
@@ -582,12 +523,9 @@ class UcmWorker:
             except UcmError as exc:
                 self._link.failed(exc)
         if self._kv_caches:
-            self._suspended = (self._kv_caches, self._memory)
-        self._region = None
+            self._suspended = (self._kv_caches, self.memory)
         self._registered = False
-        self._memory = None
-        self._staging = None
-        self._cuda_kv = None
+        self._kv = None
         self._kv_caches = {}
         self._alloc = None
 
@@ -598,7 +536,7 @@ class UcmWorker:
             return
         kv_caches, memory = suspended
         if memory is not None:  # CPU zero copy: the same shared buffer, registered anew on next use
-            self._kv_caches, self._memory = kv_caches, memory
+            self._kv_caches, self._kv = kv_caches, SharedMemoryKV(memory)
             self._link.client()
         else:  # CUDA IPC or staging: new handles / staging area for the remapped memory
             self.register_kv_caches(kv_caches)
