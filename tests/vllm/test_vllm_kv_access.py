@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ucm_client import BlockIO, UcmClient
-from ucm_client.gpu import CudaUnavailable, StreamMark
+from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.vllm import worker as worker_module
 from ucm_client.vllm.config import ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_order
@@ -80,7 +80,7 @@ def _staged_worker(daemon: DaemonProcess, views: dict[str, torch.Tensor]) -> Ucm
 
 def _save_and_finish(worker: UcmWorker, transfer: BlockTransfer) -> None:
     worker.save(UcmConnectorMetadata(saves=[transfer]))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang guard: the first save also connects
     while (worker.get_finished({transfer.req_id})[0] or set()) != {transfer.req_id}:
         assert time.monotonic() < deadline, f"save of {transfer.req_id} never finished"
         time.sleep(0.02)
@@ -98,7 +98,7 @@ def test_staged_save_stores_the_bytes_of_the_step_even_if_vllm_reuses_the_blocks
         worker.save(UcmConnectorMetadata(saves=[BlockTransfer("r", (1, 2), (b"a" * 32, b"b" * 32))]))
         for b in (1, 2):
             _fill(views, b, seed=99)  # vLLM writes new tokens into the freed blocks right away
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a hang guard: the first save also connects
         while (worker.get_finished({"r"})[0] or set()) != {"r"}:
             assert time.monotonic() < deadline
             time.sleep(0.02)

@@ -27,8 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ucm_client import BlockIO, UcmClient
-from ucm_client.gpu import CudaKVCache, StreamMark, producers_done
+from ucm_client.cuda_ipc import StreamMark, producers_done
 from ucm_client.vllm.config import LOGGER_NAME
+from ucm_client.vllm.cuda_kv import CudaKVCache
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
 from ucm_client.vllm.staging import StagingArea
 

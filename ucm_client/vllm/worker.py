@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from ucm_client import BlockIO, UcmClient
+from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.errors import UcmError
-from ucm_client.gpu import CudaUnavailable, StreamMark, layer_key
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
-from ucm_client.vllm.identity import KeySpace
+from ucm_client.vllm.identity import KeySpace, layer_key
 from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
 from ucm_client.vllm.kv_access import (
     KVAccess,
