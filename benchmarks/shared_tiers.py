@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.services import ServiceUnavailable, start_ceph_rgw, start_mooncake_master
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import IoVec, Tier
 
 LOOKUP_KEYS = 2048

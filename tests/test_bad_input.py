@@ -8,8 +8,8 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import InvalidArgument, NotFound
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 

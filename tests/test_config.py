@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ucm_server.api.errors import ConfigError
+from ucm_protocol.errors import ConfigError
 from ucm_server.config import load_config, parse_size
 
 

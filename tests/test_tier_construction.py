@@ -20,8 +20,8 @@ from typing import Self
 
 import pytest
 
+from ucm_protocol.errors import ConfigError
 from ucm_server import config as config_module
-from ucm_server.api.errors import ConfigError
 from ucm_server.config import FIELDS, ServerConfig, load_config
 from ucm_server.store import registry
 from ucm_server.store.base import Tier, TierContext

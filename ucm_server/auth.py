@@ -35,10 +35,10 @@ from pathlib import Path
 
 import yaml
 
+from ucm_protocol.errors import ConfigError, Unauthenticated
+from ucm_protocol.keys import NAMESPACE_BYTES, Namespace
 from ucm_protocol.settings import parse_size
 from ucm_protocol.wire import AUTH_METADATA
-from ucm_server.api.errors import ConfigError, Unauthenticated
-from ucm_server.keys import NAMESPACE_BYTES, Namespace
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from ucm_protocol.errors import ConfigError
 from ucm_server import __version__
-from ucm_server.api.errors import ConfigError
 from ucm_server.config import FIELDS, describe, load_config
 
 EXAMPLES = """\

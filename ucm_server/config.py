@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
+from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
-from ucm_server.api.errors import ConfigError
 from ucm_server.api.paths import default_data_dir, default_socket_path
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
 

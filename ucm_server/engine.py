@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TypeVar
 
-from ucm_server import __version__
-from ucm_server.api.errors import (
+from ucm_protocol.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
@@ -30,7 +29,9 @@ from ucm_server.api.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from ucm_server.api.text import printable
+from ucm_protocol.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
+from ucm_protocol.text import printable
+from ucm_server import __version__
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
@@ -38,7 +39,6 @@ from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
-from ucm_server.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.regions import (

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import grpc
 
-from ucm_server.api.errors import (
+from ucm_protocol.errors import (
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     UcmError,
 )
-from ucm_server.api.fdpass import (
+from ucm_protocol.fdpass import (
     MAX_REPLY_PAYLOAD,
     REPLY,
     REPLY_MAGIC,

@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 
-from ucm_server.api.text import DEFAULT_LIMIT, printable
+from ucm_protocol.text import DEFAULT_LIMIT, printable
 
 __all__ = [
     "DEFAULT_LIMIT",

@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from ucm_server.api.errors import ResourceExhausted
-from ucm_server.api.text import printable
+from ucm_protocol.errors import ResourceExhausted
+from ucm_protocol.keys import BlockKey
+from ucm_protocol.text import printable
 from ucm_server.auth import current_principal
-from ucm_server.keys import BlockKey
 from ucm_server.store.base import BlockInfo
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import TaskKind

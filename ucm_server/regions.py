@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ucm_server.api.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from ucm_protocol.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.store.base import IoVec
 

@@ -24,14 +24,14 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.fdpass import fd_socket_path
+from ucm_protocol.ucm.v1 import ucm_pb2, ucm_pb2_grpc
 from ucm_protocol.wire import (
     MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_server.server.MAX_MESSAGE_BYTES)
     channel_options,
 )
-from ucm_server.api.errors import ConfigError
-from ucm_server.api.fdpass import fd_socket_path
 from ucm_server.api.paths import make_private_dirs
-from ucm_server.api.ucm.v1 import ucm_pb2, ucm_pb2_grpc
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ucm_server.api.errors import NotFound, PermissionDenied
+from ucm_protocol.errors import NotFound, PermissionDenied
 from ucm_server.store.base import BlockResult, BlockState
 
 log = logging.getLogger(__name__)

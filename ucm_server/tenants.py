@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from concurrent.futures import Executor
 from pathlib import Path
 
-from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.api.text import printable
-from ucm_server.keys import NAMESPACE_BYTES, BlockKey
+from ucm_protocol.errors import ConfigError, Unavailable
+from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
+from ucm_protocol.text import printable
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import heapq
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from ucm_server.api.errors import InvalidArgument, NotFound
-from ucm_server.keys import BlockKey, Namespace, check_namespace, make_keys
+from ucm_protocol.errors import InvalidArgument, NotFound
+from ucm_protocol.keys import BlockKey, Namespace, check_namespace, make_keys
 from ucm_server.store.base import BlockInfo, Tier
 from ucm_server.store.pipeline import Pipeline
 

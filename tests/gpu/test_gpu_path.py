@@ -20,8 +20,8 @@ import pytest
 from fake_cuda import FakeCuda
 
 from ucm_client import key_digest, namespace_id
-from ucm_server.api.errors import FailedPrecondition, InvalidArgument
-from ucm_server.api.fdpass import PeerCredentials
+from ucm_protocol.errors import FailedPrecondition, InvalidArgument
+from ucm_protocol.fdpass import PeerCredentials
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
 from ucm_server.gpu.backend import GpuUnavailable

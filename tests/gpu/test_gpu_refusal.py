@@ -14,7 +14,7 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export, export_pointer
-from ucm_server.api.errors import FailedPrecondition
+from ucm_protocol.errors import FailedPrecondition
 from ucm_server.testing.daemon import DaemonProcess
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 
 FAULTS = "ucm_server.testing.faults"
 FAULT_TIER = f"{FAULTS}:FaultInjectingTier"

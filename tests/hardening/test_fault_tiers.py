@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ucm_server.api.errors import ConfigError
-from ucm_server.keys import BlockKey
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import Tier
 from ucm_server.store.posix import PosixTier
 from ucm_server.testing.faults import FaultInjectingTier, LatencyInjectingTier

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
-from ucm_server.api.errors import ConfigError
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.config import FIELDS, load_config
 from ucm_server.testing.daemon import DaemonProcess
 

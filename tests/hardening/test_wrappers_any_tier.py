@@ -14,7 +14,7 @@ import pytest
 from hardening_helpers import FAULT_TIER, admin_evict_all, admin_stats, content, tier_env, tier_named
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
-from ucm_server.api.errors import ConfigError
+from ucm_protocol.errors import ConfigError
 from ucm_server.store.base import Tier, TierContext
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.ds3fs import DS3FSTier

@@ -23,7 +23,7 @@ import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient, key_digest
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.format import encode_header
 from ucm_server.store.posix import PosixTier

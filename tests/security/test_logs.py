@@ -23,8 +23,8 @@ import pytest
 from support.blocks import NS
 
 from ucm_client import UcmClient, key_digest
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 FORGED = "2026-12-01 09:00:00,000 INFO    ucm_server.engine: forged line: tokens rotated, all clear"

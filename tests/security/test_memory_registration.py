@@ -32,9 +32,9 @@ from ucm_client import SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import PermissionDenied, ResourceExhausted
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
-from ucm_server.api.fdpass import REPLY, REQUEST, fd_socket_path
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.fdpass import REPLY, REQUEST, fd_socket_path
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 TOKEN = "tenant-a-secret"
@@ -458,8 +458,8 @@ def test_handover_wire_format_is_what_the_client_sends() -> None:
 def test_pending_handovers_expire_and_close_their_descriptor() -> None:
     """The pending table on its own (the daemon's TTL is 60 s, too long for a test): an unclaimed
     handover is dropped after its TTL and its descriptor closed; a token then fails clearly."""
-    from ucm_server.api.errors import FailedPrecondition
-    from ucm_server.api.fdpass import PeerCredentials
+    from ucm_protocol.errors import FailedPrecondition
+    from ucm_protocol.fdpass import PeerCredentials
     from ucm_server.handover import HandoverTable
 
     table = HandoverTable(8, ttl_s=0.2)

@@ -25,8 +25,8 @@ from support.blocks import NS
 
 from ucm_client import UcmClient, key_digest
 from ucm_client.errors import PermissionDenied
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 ADMIN_TOKEN, TENANT_TOKEN = "tok-ops-net-1", "tok-team-net-2"

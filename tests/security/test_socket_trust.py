@@ -27,7 +27,7 @@ from ucm_client import SharedBuffer, UcmClient
 from ucm_client.errors import PermissionDenied, Unavailable
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
-from ucm_server.api.fdpass import fd_socket_path
+from ucm_protocol.fdpass import fd_socket_path
 from ucm_server.testing.daemon import DaemonProcess
 
 NOBODY = 65534

@@ -25,8 +25,8 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import ResourceExhausted
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 PREFIX = "acme-inference-platform/" + "p" * 40  # exactly 64 bytes

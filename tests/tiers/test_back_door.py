@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from ucm_server.keys import BlockKey
+from ucm_protocol.keys import BlockKey
 from ucm_server.store import format as block_format
 from ucm_server.store import posix
 from ucm_server.store.base import BlockResult, IoVec, Tier, copy_iov

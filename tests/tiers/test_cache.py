@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from ucm_server.keys import BlockKey
+from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload

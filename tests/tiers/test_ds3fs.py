@@ -17,8 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.keys import BlockKey
+from ucm_protocol.errors import ConfigError, Unavailable
+from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.format import HEADER_SIZE

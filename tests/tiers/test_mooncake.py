@@ -19,8 +19,8 @@ from hypothesis import settings
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.services import MooncakeMaster, ServiceUnavailable, free_port, start_mooncake_master
-from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.errors import ConfigError, Unavailable
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import BlockState, IoVec, Tier
 from ucm_server.store.format import HEADER_SIZE, encode_header, payload_checksum
 from ucm_server.store.mooncake import MooncakeTier

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ucm_server.keys import BlockKey
+from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.format import FORMAT_VERSION, HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, PosixTier

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.pipeline import Pipeline

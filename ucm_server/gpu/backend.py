@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ucm_server.api.errors import FailedPrecondition
+from ucm_protocol.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ucm_server.api.errors import InvalidArgument
+from ucm_protocol.errors import InvalidArgument
+from ucm_protocol.keys import BlockKey
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.gpu.backend import (
     IPC_HANDLE_BYTES,
@@ -53,7 +54,6 @@ from ucm_server.gpu.backend import (
     load_backend,
 )
 from ucm_server.gpu.region import GpuRegion
-from ucm_server.keys import BlockKey
 from ucm_server.store.base import OK, BlockResult, failed
 from ucm_server.store.leasing import Leasing
 from ucm_server.store.pipeline import Pipeline

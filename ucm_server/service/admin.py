@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
 from ucm_server.snapshot import TierFigures
 from ucm_server.store.base import BlockInfo

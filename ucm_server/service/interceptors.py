@@ -17,8 +17,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from ucm_server.api.errors import InvalidArgument, PermissionDenied, UcmError
-from ucm_server.api.text import printable
+from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
+from ucm_protocol.text import printable
 from ucm_server.auth import NETWORK_ANONYMOUS, Authenticator, current_principal
 from ucm_server.metrics import Metrics
 

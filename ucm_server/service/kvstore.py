@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator
 
 from grpc import aio
 
+from ucm_protocol.errors import InvalidArgument, PermissionDenied
+from ucm_protocol.keys import unpack_digests
+from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import SESSION_METADATA
-from ucm_server.api.errors import InvalidArgument, PermissionDenied
-from ucm_server.api.ucm.v1 import ucm_pb2 as pb
-from ucm_server.api.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
-from ucm_server.keys import unpack_digests
 from ucm_server.tasks import Task, TaskKind
 
 

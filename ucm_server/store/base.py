@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_protocol.errors import ConfigError
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
-from ucm_server.keys import BlockKey, Namespace
 
 T = TypeVar("T")
 

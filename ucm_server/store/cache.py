@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-from ucm_server.keys import BlockKey, Namespace
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.arena import Arena, Extent
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
-from ucm_server.api.errors import ConfigError, Unavailable
-from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
+from ucm_protocol.errors import ConfigError, Unavailable
+from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     DEFAULT_MAX_BLOCK_BYTES,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ucm_server.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
+from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.store.base import IoVec
 
 MAGIC = b"UCMB"

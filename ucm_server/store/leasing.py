@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ucm_server.keys import BlockKey
+from ucm_protocol.keys import BlockKey
 from ucm_server.store.arena import Arena
 from ucm_server.store.base import Tier
 

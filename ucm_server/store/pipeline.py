@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ucm_server.keys import BlockKey, Namespace
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     MISSING,
     OK,

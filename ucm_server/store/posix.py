@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.api.paths import make_private_dirs
-from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     DEFAULT_MAX_BLOCK_BYTES,

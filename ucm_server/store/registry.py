@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Protocol
 
-from ucm_server.api.errors import ConfigError
+from ucm_protocol.errors import ConfigError
 from ucm_server.store.base import Tier, TierContext
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.staging import StagingPool

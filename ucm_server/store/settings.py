@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce as _coerce
-from ucm_server.api.errors import ConfigError
 
 __all__ = ["check_settings", "coerce"]
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
-from ucm_server.api.errors import ConfigError
-from ucm_server.keys import BlockKey, Namespace
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     BlockInfo,

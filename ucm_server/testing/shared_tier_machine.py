@@ -24,7 +24,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import BlockState, Tier
 
 KEYS = [BlockKey(Namespace(os.urandom(16)), Digest(os.urandom(32))) for _ in range(5)]

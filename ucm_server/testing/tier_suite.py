@@ -34,7 +34,7 @@ from typing import ClassVar
 import pytest
 import xxhash
 
-from ucm_server.keys import BlockKey, Digest, Namespace
+from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.base import BlockState, IoVec, Tier
 
 NS_A = Namespace(b"A" * 16)
