@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
-import re
 from pathlib import Path
 
 import pytest
 from support.blocks import NS, blocks_in
+from support.tls import self_signed, tcp_port
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_client.errors import PermissionDenied, Unauthenticated, Unavailable
@@ -124,46 +123,12 @@ def test_bad_tokens_file_stops_start_up(tmp_path: Path) -> None:
         DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(bad)]).start(timeout_s=20)
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
-
-
-def _tcp_port(d: DaemonProcess) -> int:
-    return int(re.search(r"listening on tcp [^:]+:(\d+)", d.log()).group(1))  # type: ignore[union-attr]
-
-
 def test_tls_listener(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     args = ["--listen", "localhost:0", "--tls-cert", str(cert), "--tls-key", str(key)]
     args.append("--allow-anonymous-tcp")  # no tokens, no client CA: see tests/security/test_network_admin.py
     with DaemonProcess(tmp_path / "ucm", args=args) as d, SharedBuffer(4096) as buf:
-        target = f"localhost:{_tcp_port(d)}"
+        target = f"localhost:{tcp_port(d)}"
         with UcmClient(target, tls_ca=cert) as c:
             with pytest.raises(PermissionDenied, match="local Unix-socket"):  # memory is local-only
                 c.register(buf)
@@ -180,5 +145,5 @@ def test_tcp_without_tls_needs_explicit_insecure(tmp_path: Path) -> None:
     args = ["--listen", "127.0.0.1:0", "--insecure", "--allow-anonymous-tcp"]
     with DaemonProcess(tmp_path / "b", args=args) as d:
         assert "has no TLS" in d.log()
-        with UcmClient(f"127.0.0.1:{_tcp_port(d)}") as c:
+        with UcmClient(f"127.0.0.1:{tcp_port(d)}") as c:
             assert c.lookup(NS, []).hit_prefix == 0

@@ -10,7 +10,6 @@ tokens, only an admin token may call Admin over TCP; over the Unix socket admin 
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import re
@@ -22,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.blocks import NS
+from support.tls import self_signed, tcp_port
 
 from ucm_client import UcmClient, key_digest
 from ucm_client.errors import PermissionDenied
@@ -30,43 +30,6 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 ADMIN_TOKEN, TENANT_TOKEN = "tok-ops-net-1", "tok-team-net-2"
-
-
-def _certs(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed server certificate for ``localhost`` and its key, as PEM files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_path, key_path
-
-
-def _tcp_port(d: DaemonProcess) -> int:
-    match = re.search(r"listening on tcp [^:]+:(\d+)", d.log())
-    assert match, d.log()
-    return int(match.group(1))
 
 
 def _server_cmd(tmp_path: Path, *args: str, **ucm_env: str) -> subprocess.CompletedProcess[str]:
@@ -79,7 +42,7 @@ def _server_cmd(tmp_path: Path, *args: str, **ucm_env: str) -> subprocess.Comple
 
 @pytest.fixture
 def tls(tmp_path: Path) -> tuple[Path, Path]:
-    return _certs(tmp_path)
+    return self_signed(tmp_path)
 
 
 @pytest.fixture
@@ -96,7 +59,7 @@ def anonymous_tls(tmp_path: Path, tls: tuple[Path, Path]) -> Iterator[tuple[Daem
         "--allow-anonymous-tcp",
     ]
     with DaemonProcess(tmp_path / "ucm", args=args) as d:
-        yield d, f"localhost:{_tcp_port(d)}"
+        yield d, f"localhost:{tcp_port(d)}"
 
 
 def _admin_calls(
@@ -189,7 +152,7 @@ def test_with_tokens_only_an_admin_token_is_admin_over_tcp(tmp_path: Path, tls: 
     args += ["--auth-tokens-file", str(tokens)]
     with DaemonProcess(tmp_path / "ucm", args=args) as d:  # no opt-in needed: tokens are credentials
         assert "accepts anonymous peers" not in d.log()
-        target = f"localhost:{_tcp_port(d)}"
+        target = f"localhost:{tcp_port(d)}"
         creds = grpc.ssl_channel_credentials(cert.read_bytes())
         with grpc.secure_channel(target, creds) as channel:
             nobody = _admin_calls(channel)
