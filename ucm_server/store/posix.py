@@ -18,10 +18,17 @@ leftover temporary files are removed at start-up. ``durable=False`` skips the fs
 power loss may then lose recent blocks, but still never exposes a torn one: the header's length and
 checksum are verified on every read).
 
-The index of what is stored lives in memory and is rebuilt at :meth:`open` by reading every header
-(not every payload), so a lookup never touches the disk. A file whose header or size is wrong, or
-whose header claims a payload above ``max_block_bytes``, is moved to ``<root>/.quarantine/`` and never
-served; so is one whose payload checksum fails on read.
+The index of what is stored lives in memory (:mod:`ucm_server.store.block_index`, under 256 B a
+block), so a lookup never touches the disk. The daemon serves at once after a start: :meth:`open`
+waits at most ``INDEX_WAIT_S`` for the index, then carries on in the background. After a clean
+shutdown the index comes back from the snapshot it left (:mod:`ucm_server.store.index_snapshot`,
+trusted only with its clean-shutdown marker); otherwise the tier re-adopts its files by reading
+every header (not every payload). Until that ends a Lookup may miss a block that is on disk; a Load
+of it opens its file directly (header and checksum checked as always), and the tier's stats show
+the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
+
+A file whose header or size is wrong, or whose header claims a payload above ``max_block_bytes``,
+is moved to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
 
 Files on disk are data, not instructions (:mod:`ucm_server.store.confined`): below a root no symlink
 is followed (a symlinked directory fails that block's write or read, nothing is written outside the
@@ -43,7 +50,7 @@ import mmap
 import os
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -51,7 +58,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_server.api.paths import make_private_dirs
-from ucm_server.keys import BlockKey, Namespace
+from ucm_server.keys import NAMESPACE_BYTES, BlockKey, Digest, Namespace
+from ucm_server.store import index_snapshot
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     DEFAULT_MAX_BLOCK_BYTES,
@@ -60,7 +68,6 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     IoVec,
-    SizeIndex,
     Tier,
     TierContext,
     TierStats,
@@ -68,6 +75,7 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
+from ucm_server.store.block_index import BlockIndex, Stamp
 from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
@@ -147,15 +155,26 @@ class PosixTier(Tier):
         self._no_direct: set[Path] = set()
         """Roots whose filesystem refused ``O_DIRECT``: written buffered from then on."""
         self._executor = executor
-        self._index: OrderedDict[BlockKey, Entry] = OrderedDict()
-        self._sizes = SizeIndex()
-        self._bytes = 0
+        self._index = BlockIndex()
+        self._sizes = self._index  # one structure answers both (a stamp is the block's size)
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
         self.max_block_bytes = max_block_bytes
         self._skipped: Counter[str] = Counter()
         """Non-regular files met where block files should be, by kind (fifo, symlink, ...)."""
         self._skip_examples: dict[str, str] = {}
         self._scanning = False
+        self._adopter: asyncio.Task[None] | None = None
+        self._adopting = False
+        self._index_complete = False
+        self._stop_adopt = False
+        self._tombstones: set[bytes] = set()
+        """Keys deleted while the index is being adopted: a file read before it went is not re-added."""
+        self._adopted = 0
+        self._files_read = 0
+        self._from_snapshot = 0
+        self._opened_at = 0.0
+        self._phase = ""
+        """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
 
     Settings: ClassVar[type[Any] | None] = PosixSettings
 
@@ -176,7 +195,54 @@ class PosixTier(Tier):
         return self.root_of(key) / key.namespace.hex() / h[:2] / h[2:4] / f"{h}{SUFFIX}"
 
     # -- primitives -----------------------------------------------------------------------------------
+    index_snapshots: ClassVar[bool] = True
+    """Whether :meth:`open` indexes in the background (serving at once) and a clean close leaves an
+    index snapshot; a tier on a mount other nodes write (DS3FS) scans before serving instead."""
+    INDEX_WAIT_S: ClassVar[float] = 0.5
+    """How long :meth:`open` waits for the index before serving with what it has (a small store is
+    then fully indexed before the first call; a large one keeps adopting in the background)."""
+
     async def open(self) -> None:
+        if not self.index_snapshots:
+            await self._open_by_scan()
+            return
+        self._opened_at = time.time()
+        self._scanning = self._adopting = True
+        self._phase = "snapshot"
+        epochs = await self._run(self._take_markers)
+        self._adopter = asyncio.create_task(self._adopt_all(epochs))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._adopter), self.INDEX_WAIT_S)
+
+    @property
+    def indexing(self) -> bool:
+        return self._phase in ("snapshot", "scan")
+
+    async def indexed(self) -> None:
+        if self._adopter is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._adopter)
+
+    async def close(self) -> None:
+        """Stop any re-adoption; after a complete index, leave a snapshot the next start trusts."""
+        if self._adopter is not None:
+            self._stop_adopt = True
+            with contextlib.suppress(Exception):
+                await self._adopter
+        if not (self.index_snapshots and self._index_complete):
+            return
+        records = self._index.records()
+        try:
+            await self._run(self._write_snapshots, records)
+        except OSError as exc:  # disk full, ...: no marker was written, so the next start scans
+            self._stats.errors += 1
+            log.error(
+                "posix tier %s: index snapshot not written (next start re-reads headers): %s",
+                self.name,
+                exc.strerror or exc,
+            )
+
+    async def _open_by_scan(self) -> None:
         started = time.monotonic()
         self._scanning = True
         try:
@@ -191,10 +257,177 @@ class PosixTier(Tier):
             "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs",
             self.name,
             len(found),
-            self._bytes,
+            self._index.bytes,
             ", ".join(map(str, self.roots)),
             time.monotonic() - started,
         )
+
+    async def _adopt_all(self, epochs: list[bytes | None]) -> None:
+        """Index every root: first from the snapshots their clean-shutdown markers vouch for, then
+        by reading the header of each file of a root without one; last, the roots that came from a
+        snapshot are swept the same way (a file torn or removed while the daemon was down is then
+        dropped or quarantined; one the snapshot lacks is added). Chunks merge on the event loop."""
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            unsure: list[Path] = []
+            for root, epoch in zip(self.roots, epochs, strict=True):
+                try:
+                    if epoch is None:
+                        raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
+                    await self._run(self._load_snapshot, root, epoch, loop)
+                except index_snapshot.SnapshotRejected as exc:
+                    log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
+                    unsure.append(root)
+            self._phase = "scan"
+            for root in unsure:
+                await self._run(self._scan_root, root, loop)
+            self._phase = "verify"
+            self._index_complete = not self._stop_adopt
+            for root in self.roots:
+                if root not in unsure and not self._stop_adopt:
+                    await self._run(self._scan_root, root, loop)
+        except OSError as exc:
+            self._stats.errors += 1
+            log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
+        finally:
+            self._phase = ""
+            self._adopting = self._scanning = False
+            self._tombstones.clear()
+            self._report_skipped()
+        log.info(
+            "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs (%d from snapshots)",
+            self.name,
+            len(self._index),
+            self._index.bytes,
+            ", ".join(map(str, self.roots)),
+            time.monotonic() - started,
+            self._from_snapshot,
+        )
+
+    def _merge(self, chunk: list[tuple[bytes, int, float]]) -> None:
+        """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is."""
+        tombstones, adopt = self._tombstones, self._index.adopt
+        for key, size, stored_at in chunk:
+            if size < 0:  # a file found torn or unreadable by the sweep after a snapshot
+                self._index.pop(key)
+            elif key not in tombstones and adopt(_block_key(key), size, stored_at):
+                self._adopted += 1
+
+    def _take_markers(self) -> list[bytes | None]:
+        epochs: list[bytes | None] = []
+        for root in self.roots:
+            make_private_dirs(root)
+            epochs.append(index_snapshot.take_marker(root))
+        return epochs
+
+    def _load_snapshot(self, root: Path, epoch: bytes, loop: asyncio.AbstractEventLoop) -> None:
+        chunks = list(index_snapshot.read_snapshot(root, epoch))  # checked whole before any is used
+        for chunk in reversed(chunks):  # newest first, each adopted as the oldest: LRU order kept
+            chunk.reverse()
+            self._from_snapshot += len(chunk)
+            loop.call_soon_threadsafe(self._merge, chunk)
+
+    def _write_snapshots(self, records: list[tuple[bytes, int, float]]) -> None:
+        if len(self.roots) == 1:
+            index_snapshot.write_snapshot(self.roots[0], records, durable=self.durable)
+            return
+        by_root: dict[Path, list[tuple[bytes, int, float]]] = {root: [] for root in self.roots}
+        for record in records:
+            by_root[self.root_of(_block_key(record[0]))].append(record)
+        for root, mine in by_root.items():
+            index_snapshot.write_snapshot(root, mine, durable=self.durable)
+
+    def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
+        """Read every block file's header under ``root`` (worker thread), by directory descriptor:
+        no symlink is followed, only regular files are opened. Temporary files older than this
+        start are interrupted writes and removed; newer ones are writes in flight."""
+        top = os.fspath(root)
+        cutoff = self._opened_at  # no write of this run started before open() began
+        chunk: list[tuple[bytes, int, float]] = []
+        for dirpath, dirnames, filenames, dirfd in os.fwalk(top):
+            if self._stop_adopt:
+                return
+            if dirpath == top and QUARANTINE in dirnames:
+                dirnames.remove(QUARANTINE)
+            for fname in filenames:
+                if TMP_MARK in fname:
+                    _drop_stale(dirfd, fname, cutoff)
+                    continue
+                if not fname.endswith(SUFFIX):
+                    continue
+                self._files_read += 1
+                item = self._adopt_file(dirfd, f"{dirpath}/{fname}", fname)
+                if item is not None:
+                    chunk.append(item)
+                    if len(chunk) >= 1024:
+                        loop.call_soon_threadsafe(self._merge, chunk)
+                        chunk = []
+        if chunk:
+            loop.call_soon_threadsafe(self._merge, chunk)
+
+    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
+        try:
+            fd = open_regular(fname, os.O_RDONLY, dir_fd=dirfd, shown=path)
+        except NotRegularFile as exc:
+            self._skip(Path(path), exc.kind)
+            return None
+        except OSError as exc:
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return None
+        try:
+            header = read_block_header(fd, max_payload=self.max_block_bytes)
+            if os.fspath(self.path_of(header.key)) != path:
+                raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
+        except UnsupportedFormat as exc:
+            log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
+            return self._unusable(path)
+        except CorruptBlock as exc:
+            self._move_to_quarantine(Path(path), str(exc))
+            return self._unusable(path)
+        except OSError as exc:
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return self._unusable(path)
+        finally:
+            os.close(fd)
+        return header.key, header.payload_len, header.created_ns / 1e9
+
+    def _unusable(self, path: str) -> tuple[bytes, int, float] | None:
+        """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
+        root, parts = self._split(Path(path))
+        try:
+            ns, digest = bytes.fromhex(parts[0]), bytes.fromhex(parts[-1].removesuffix(SUFFIX))
+        except (ValueError, IndexError):
+            return None
+        if len(parts) != 4 or len(ns) != NAMESPACE_BYTES or len(digest) != 32:
+            return None
+        key = BlockKey(Namespace(ns), Digest(digest))
+        return (key, -1, 0.0) if self.path_of(key) == Path(path) and root == self.root_of(key) else None
+
+    async def _entry(self, key: BlockKey) -> Stamp | None:
+        """The index's entry for ``key``; while re-adopting, a key not indexed yet is looked for on
+        disk (its header checked) and adopted, so a Load never waits for the scan."""
+        entry = self._index.get(key)
+        if entry is not None or not self._adopting or key in self._tombstones:
+            return entry
+        try:
+            item = await self._run(self._probe_one, key)
+        except OSError:
+            return None
+        if item is not None and key not in self._tombstones:
+            self._index.adopt(key, item[1], item[2])
+        return self._index.get(key)
+
+    def _probe_one(self, key: BlockKey) -> tuple[bytes, int, float] | None:
+        path = self.path_of(key)
+        try:
+            header = self._read_header(path, key)
+        except (UnsupportedFormat, FileNotFoundError, NotRegularFile):
+            return None
+        except CorruptBlock as exc:
+            self._move_to_quarantine(path, str(exc))
+            return None
+        return key, header.payload_len, header.created_ns / 1e9
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         return self._sizes.lookup(keys)
@@ -205,7 +438,7 @@ class PosixTier(Tier):
         return self._sizes.lookup_digests(namespace, digests)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        entry = self._index.get(key)
+        entry = await self._entry(key)
         if entry is None:
             self._stats.misses += 1
             return MISSING
@@ -235,7 +468,7 @@ class PosixTier(Tier):
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         if not self.client_reads:
             return None
-        entry = self._index.get(key)
+        entry = await self._entry(key)
         if entry is None:
             self._stats.misses += 1
             return MISSING
@@ -290,13 +523,21 @@ class PosixTier(Tier):
         return len(present)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
-        for key, entry in list(self._index.items()):
+        for key, entry in self._index.items():
             if namespace is None or key.namespace == namespace:
                 yield BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.blocks, s.bytes = len(self._index), self._bytes
+        s.blocks, s.bytes = len(self._index), self._index.bytes
+        for name in _INDEX_STATS:
+            s.extra.pop(name, None)
+        if self._phase:  # start-up progress, shown while it lasts: an operator sees re-adoption advance
+            s.extra["index_adopting"] = float(self.indexing)
+            s.extra["index_verifying"] = float(self._phase == "verify")
+            s.extra["index_adopted"] = float(self._adopted)
+            s.extra["index_files_read"] = float(self._files_read)
+            s.extra["index_from_snapshot"] = float(self._from_snapshot)
         if self._skipped:
             s.extra["skipped_files"] = float(sum(self._skipped.values()))
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
@@ -560,18 +801,17 @@ class PosixTier(Tier):
         await self._run(self._move_to_quarantine, self.path_of(key), reason)
 
     def _remember(self, key: BlockKey, entry: Entry) -> None:
-        self._index[key] = entry
-        self._sizes.add(key, entry.size)
-        self._bytes += entry.size
+        self._index.add(key, entry.size, entry.stored_at)
+        if self._adopting:
+            self._tombstones.discard(key)
 
     def _forget(self, key: BlockKey) -> None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._sizes.discard(key)
-            self._bytes -= entry.size
+        self._index.pop(key)
+        if self._adopting:
+            self._tombstones.add(key)
 
     async def _make_room(self, size: int) -> None:
-        over = self._bytes + size - self.capacity
+        over = self._index.bytes + size - self.capacity
         if over > 0:
             await self.evict(over)
 
@@ -652,6 +892,14 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
+_INDEX_STATS = (
+    "index_adopting",
+    "index_verifying",
+    "index_adopted",
+    "index_files_read",
+    "index_from_snapshot",
+)
+
 IOV_MAX = 1024
 """Most segments one ``preadv``/``pwritev`` call takes (Linux ``IOV_MAX``)."""
 
@@ -697,6 +945,20 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _block_key(key: bytes) -> BlockKey:
+    return key if isinstance(key, BlockKey) else BlockKey(key[:NAMESPACE_BYTES], key[NAMESPACE_BYTES:])
+
+
+def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:
+    """Remove the temporary file ``name`` if it was last written before ``cutoff`` (an interrupted
+    write of an earlier run); a newer one belongs to a write in flight."""
+    try:
+        if os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mtime < cutoff:
+            os.unlink(name, dir_fd=dirfd)
+    except FileNotFoundError:
+        pass
 
 
 def unlink_at(dfd: int, name: str) -> None:
