@@ -72,6 +72,13 @@ class BlockIndex:
         self.bytes += size
         return True
 
+    def correct(self, key: bytes, size: int, stored_at: float) -> None:
+        """Set a present key's size where it stands in the LRU order (a wrong snapshot entry)."""
+        old = self._od.get(key)
+        if old is not None:
+            self._od[key] = self.stamp(size, stored_at)
+            self.bytes += size - old
+
     def pop(self, key: bytes) -> Stamp | None:
         stamp = self._od.pop(key, None)
         if stamp is not None:

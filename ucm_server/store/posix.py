@@ -20,7 +20,8 @@ checksum are verified on every read).
 
 The index of what is stored lives in memory (:mod:`ucm_server.store.block_index`, under 256 B a
 block), so a lookup never touches the disk. The daemon serves at once after a start: :meth:`open`
-waits at most ``INDEX_WAIT_S`` for the index, then carries on in the background. After a clean
+waits at most ``index_wait_s`` (a small store is then fully indexed before the first call)
+for the index, then carries on in the background. After a clean
 shutdown the index comes back from the snapshot it left (:mod:`ucm_server.store.index_snapshot`,
 trusted only with its clean-shutdown marker); otherwise the tier re-adopts its files by reading
 every header (not every payload). Until that ends a Lookup may miss a block that is on disk; a Load
@@ -111,6 +112,8 @@ class PosixSettings:
     """fsync file and directory before a block becomes visible."""
     direct_io: bool = True
     """Write with ``O_DIRECT`` where buffers and filesystem allow it."""
+    index_wait_s: float = 0.5
+    """Seconds :meth:`PosixTier.open` waits for the index before serving with what it has."""
 
 
 @dataclass(slots=True)
@@ -140,6 +143,7 @@ class PosixTier(Tier):
         capacity: int = 0,
         durable: bool = True,
         direct_io: bool = True,
+        index_wait_s: float = 0.5,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
@@ -152,6 +156,7 @@ class PosixTier(Tier):
         self.capacity = capacity
         self.durable = durable
         self.direct_io = direct_io
+        self.index_wait_s = index_wait_s
         self._no_direct: set[Path] = set()
         """Roots whose filesystem refused ``O_DIRECT``: written buffered from then on."""
         self._executor = executor
@@ -167,8 +172,9 @@ class PosixTier(Tier):
         self._adopting = False
         self._index_complete = False
         self._stop_adopt = False
-        self._tombstones: set[bytes] = set()
-        """Keys deleted while the index is being adopted: a file read before it went is not re-added."""
+        self._touched: set[bytes] = set()
+        """Keys stored or deleted since start-up, while the index is adopted: what the files said
+        before is older, so adoption leaves these keys as they are now."""
         self._adopted = 0
         self._files_read = 0
         self._from_snapshot = 0
@@ -198,9 +204,6 @@ class PosixTier(Tier):
     index_snapshots: ClassVar[bool] = True
     """Whether :meth:`open` indexes in the background (serving at once) and a clean close leaves an
     index snapshot; a tier on a mount other nodes write (DS3FS) scans before serving instead."""
-    INDEX_WAIT_S: ClassVar[float] = 0.5
-    """How long :meth:`open` waits for the index before serving with what it has (a small store is
-    then fully indexed before the first call; a large one keeps adopting in the background)."""
 
     async def open(self) -> None:
         if not self.index_snapshots:
@@ -212,7 +215,7 @@ class PosixTier(Tier):
         epochs = await self._run(self._take_markers)
         self._adopter = asyncio.create_task(self._adopt_all(epochs))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._adopter), self.INDEX_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(self._adopter), self.index_wait_s)
 
     @property
     def indexing(self) -> bool:
@@ -293,7 +296,7 @@ class PosixTier(Tier):
         finally:
             self._phase = ""
             self._adopting = self._scanning = False
-            self._tombstones.clear()
+            self._touched.clear()
             self._report_skipped()
         log.info(
             "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs (%d from snapshots)",
@@ -306,13 +309,18 @@ class PosixTier(Tier):
         )
 
     def _merge(self, chunk: list[tuple[bytes, int, float]]) -> None:
-        """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is."""
-        tombstones, adopt = self._tombstones, self._index.adopt
+        """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
+        one the index holds with another size (a snapshot that is wrong) takes the file's."""
+        touched, index = self._touched, self._index
         for key, size, stored_at in chunk:
+            if key in touched:
+                continue
             if size < 0:  # a file found torn or unreadable by the sweep after a snapshot
-                self._index.pop(key)
-            elif key not in tombstones and adopt(_block_key(key), size, stored_at):
+                index.pop(key)
+            elif index.adopt(_block_key(key), size, stored_at):
                 self._adopted += 1
+            elif index.get(key) != size:
+                index.correct(key, size, stored_at)
 
     def _take_markers(self) -> list[bytes | None]:
         epochs: list[bytes | None] = []
@@ -408,13 +416,13 @@ class PosixTier(Tier):
         """The index's entry for ``key``; while re-adopting, a key not indexed yet is looked for on
         disk (its header checked) and adopted, so a Load never waits for the scan."""
         entry = self._index.get(key)
-        if entry is not None or not self._adopting or key in self._tombstones:
+        if entry is not None or not self._adopting or key in self._touched:
             return entry
         try:
             item = await self._run(self._probe_one, key)
         except OSError:
             return None
-        if item is not None and key not in self._tombstones:
+        if item is not None and key not in self._touched:
             self._index.adopt(key, item[1], item[2])
         return self._index.get(key)
 
@@ -803,12 +811,12 @@ class PosixTier(Tier):
     def _remember(self, key: BlockKey, entry: Entry) -> None:
         self._index.add(key, entry.size, entry.stored_at)
         if self._adopting:
-            self._tombstones.discard(key)
+            self._touched.add(key)
 
     def _forget(self, key: BlockKey) -> None:
         self._index.pop(key)
         if self._adopting:
-            self._tombstones.add(key)
+            self._touched.add(key)
 
     async def _make_room(self, size: int) -> None:
         over = self._index.bytes + size - self.capacity
