@@ -49,6 +49,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 import uuid
 from collections import Counter
@@ -77,7 +78,7 @@ from ucm_server.store.base import (
     load_tier_settings,
 )
 from ucm_server.store.block_index import BlockIndex, Stamp
-from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
+from ucm_server.store.confined import NotRegularFile, file_kind, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     BlockHeader,
@@ -348,45 +349,82 @@ class PosixTier(Tier):
 
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
         """Read every block file's header under ``root`` (worker thread), by directory descriptor:
-        no symlink is followed, only regular files are opened. Temporary files older than this
-        start are interrupted writes and removed; newer ones are writes in flight."""
-        top = os.fspath(root)
-        cutoff = self._opened_at  # no write of this run started before open() began
+        no symlink is followed, only regular files are read. Temporary files older than this
+        start are interrupted writes and removed; newer ones are writes in flight. Found blocks go
+        to :meth:`_merge` on the event loop, a chunk at a time."""
+        top = os.fspath(root).rstrip("/")
         chunk: list[tuple[bytes, int, float]] = []
-        for dirpath, dirnames, filenames, dirfd in os.fwalk(top):
-            if self._stop_adopt:
-                return
-            if dirpath == top and QUARANTINE in dirnames:
-                dirnames.remove(QUARANTINE)
-            for fname in filenames:
-                if TMP_MARK in fname:
-                    _drop_stale(dirfd, fname, cutoff)
-                    continue
-                if not fname.endswith(SUFFIX):
-                    continue
-                self._files_read += 1
-                item = self._adopt_file(dirfd, f"{dirpath}/{fname}", fname)
-                if item is not None:
-                    chunk.append(item)
-                    if len(chunk) >= 1024:
-                        loop.call_soon_threadsafe(self._merge, chunk)
-                        chunk = []
+        rfd = os.open(top or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._scan_dir(rfd, top, 0, loop, chunk)
+        finally:
+            os.close(rfd)
         if chunk:
             loop.call_soon_threadsafe(self._merge, chunk)
 
+    def _scan_dir(
+        self,
+        dfd: int,
+        path: str,
+        depth: int,
+        loop: asyncio.AbstractEventLoop,
+        chunk: list[tuple[bytes, int, float]],
+    ) -> None:
+        subdirs: list[str] = []
+        with os.scandir(dfd) as entries:
+            listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in listed:
+            if is_dir:
+                if not (depth == 0 and name == QUARANTINE):
+                    subdirs.append(name)
+                continue
+            if TMP_MARK in name:
+                _drop_stale(dfd, name, self._opened_at)  # no write of this run began before open()
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            self._files_read += 1
+            item = self._adopt_file(dfd, f"{path}/{name}", name)
+            if item is not None:
+                chunk.append(item)
+                if len(chunk) >= 1024:
+                    loop.call_soon_threadsafe(self._merge, chunk[:])
+                    chunk.clear()
+        for name in subdirs:
+            if self._stop_adopt:
+                return
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            except OSError as exc:  # gone, or replaced by a symlink meanwhile: not followed
+                log.warning("posix tier %s: not scanning %s/%s: %s", self.name, path, name, exc)
+                continue
+            try:
+                self._scan_dir(fd, f"{path}/{name}", depth + 1, loop, chunk)
+            finally:
+                os.close(fd)
+
     def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
+        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
+        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
         try:
-            fd = open_regular(fname, os.O_RDONLY, dir_fd=dirfd, shown=path)
-        except NotRegularFile as exc:
-            self._skip(Path(path), exc.kind)
-            return None
+            fd = os.open(fname, os.O_RDONLY | _SCAN_FLAGS, dir_fd=dirfd)
         except OSError as exc:
-            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            if exc.errno == errno.ELOOP:
+                self._skip(Path(path), "symlink")
+            else:
+                log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
             return None
         try:
-            header = read_block_header(fd, max_payload=self.max_block_bytes)
-            if os.fspath(self.path_of(header.key)) != path:
-                raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._skip(Path(path), file_kind(st.st_mode))
+                return None
+            header = decode_header(os.pread(fd, ALIGNED_HEADER_SIZE, 0), max_payload=self.max_block_bytes)
+            if st.st_size != header.stored_len:
+                raise CorruptBlock(f"file is {st.st_size} bytes, header promises {header.stored_len}")
+            key = header.key
+            if self._where(key) != path:
+                raise CorruptBlock(f"header names {key.hex()}, which does not live at this path")
         except UnsupportedFormat as exc:
             log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
             return self._unusable(path)
@@ -398,7 +436,13 @@ class PosixTier(Tier):
             return self._unusable(path)
         finally:
             os.close(fd)
-        return header.key, header.payload_len, header.created_ns / 1e9
+        return key, header.payload_len, header.created_ns / 1e9
+
+    def _where(self, key: BlockKey) -> str:
+        """:meth:`path_of` as a string, built without pathlib (the scan asks once per file)."""
+        h = key.digest.hex()
+        root = os.fspath(self.root_of(key)).rstrip("/")
+        return f"{root}/{key.namespace.hex()}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
 
     def _unusable(self, path: str) -> tuple[bytes, int, float] | None:
         """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
@@ -900,6 +944,9 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
+_SCAN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+"""Opening for a header read: no symlink, and a FIFO does not block (it is then skipped)."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _INDEX_STATS = (
     "index_adopting",
     "index_verifying",
