@@ -128,7 +128,9 @@ def _restart(d: DaemonProcess, n: int, *, crash: bool) -> tuple[float, float, fl
         first = time.monotonic() - started
         complete, swept = _wait_indexed(c, n)
     d.stop()
-    logged = re.findall(r"indexed from .* in ([0-9.]+)s", d.log())
+    log = d.log()
+    pattern = r"indexed from snapshots in ([0-9.]+)s" if not crash else r"indexed from /.* in ([0-9.]+)s"
+    logged = re.findall(pattern, log)
     return first, complete - started, swept - started, float(logged[-1]) if logged else swept - started
 
 
@@ -183,13 +185,15 @@ def restart_rows(opts: Options) -> list[Row]:
                 )
             )
             if how == "clean":
+                load, load_noise = _med([r[3] for r in results])
                 rows.append(
                     Row(
                         "restart to full index (clean, snapshot)",
                         n,
-                        f"{full:.2f} s {full_noise} = {full / n * 1e6:.1f} s per million",
+                        f"{full:.2f} s {full_noise} from start; snapshot load {load:.3f} s {load_noise} "
+                        f"= {load / n * 1e6:.1f} s per million",
                         f"header read {br:.2f} s {br_noise}",
-                        f"{br / full:.2f}× the header-read rate",
+                        f"{br / load:.1f}× the header-read rate",
                         "≤ 2 s per million",
                     )
                 )

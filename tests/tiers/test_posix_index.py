@@ -13,14 +13,17 @@ import asyncio
 import hashlib
 import random
 import struct
+import sys
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 from support.blocks import NS
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_server.keys import BlockKey
+from ucm_server.store.block_index import BlockIndex
 from ucm_server.store.format import encode_header, payload_checksum
 from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
 from ucm_server.store.posix import PosixTier
@@ -323,3 +326,21 @@ def test_the_previous_release_reads_the_block_files_and_ignores_the_snapshot(tmp
     assert asyncio.run(read()) == [SIZE] * 64
     assert {p.name for p in root.iterdir()} == before  # nothing quarantined, nothing removed
     assert not (root / ".quarantine").exists()
+
+
+def test_the_index_holds_a_block_in_under_256_bytes() -> None:
+    """Issue #13, item 5: 100,000 indexed blocks, keys included, measured with tracemalloc."""
+    n = 100_000
+    keys = [BlockKey(NS, hashlib.sha256(b"%d" % i).digest()) for i in range(n)]
+    key_bytes = n * sys.getsizeof(keys[0])
+    tracemalloc.start()
+    try:
+        index = BlockIndex()
+        for i, key in enumerate(keys):
+            index.add(key, SIZE * (1 + i % 4), 1_700_000_000 + i / 1000)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert (used + key_bytes) / n <= 256
+    assert index.lookup_digests(bytes(NS), [keys[5].digest, b"\0" * 32]) == [SIZE * 2, None]
+    assert len(index) == n and index.bytes == sum(SIZE * (1 + i % 4) for i in range(n))

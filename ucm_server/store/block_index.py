@@ -109,6 +109,11 @@ class BlockIndex:
         for key, stamp in list(self._od.items()):
             yield _as_key(key), stamp
 
+    def oldest(self) -> Iterator[tuple[BlockKey, Stamp]]:
+        """``(key, stamp)`` least recently used first, lazily: stop before changing the index."""
+        for key, stamp in self._od.items():
+            yield _as_key(key), stamp
+
     def records(self) -> list[tuple[bytes, int, float]]:
         """``(key, size, stored_at)`` of every block, least recently used first (for a snapshot)."""
         return [(key, int(stamp), stamp.stored_at) for key, stamp in self._od.items()]

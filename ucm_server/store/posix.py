@@ -283,6 +283,13 @@ class PosixTier(Tier):
                 except index_snapshot.SnapshotRejected as exc:
                     log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
                     unsure.append(root)
+            if self._from_snapshot:
+                log.info(
+                    "posix tier %s: %d blocks indexed from snapshots in %.2fs",
+                    self.name,
+                    self._from_snapshot,
+                    time.monotonic() - started,
+                )
             self._phase = "scan"
             for root in unsure:
                 await self._run(self._scan_root, root, loop)
@@ -597,7 +604,7 @@ class PosixTier(Tier):
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
         freed = 0
-        for key, entry in self._index.items():
+        for key, entry in self._index.oldest():
             if freed >= nbytes:
                 break
             victims.append(key)
