@@ -344,3 +344,26 @@ def test_the_index_holds_a_block_in_under_256_bytes() -> None:
     assert (used + key_bytes) / n <= 256
     assert index.lookup_digests(bytes(NS), [keys[5].digest, b"\0" * 32]) == [SIZE * 2, None]
     assert len(index) == n and index.bytes == sum(SIZE * (1 + i % 4) for i in range(n))
+
+
+def test_a_forged_snapshot_claiming_huge_blocks_is_refused(tmp_path: Path) -> None:
+    """A valid-checksum snapshot whose record claims 2**62 bytes (or a time that is not a number)
+    would have the daemon allocate for it: refused whole, the headers are read instead."""
+    d = _daemon(tmp_path)
+    with d, UcmClient(d.target) as c:
+        _put(c, 0, 10)
+    snap = _root(d) / SNAPSHOT_NAME
+    for size, stored in ((1 << 62, 1.0), (SIZE, float("nan"))):
+        records = [bytes(NS) + k for k in _keys(10)]
+        body = b"".join(
+            struct.pack("<48sQd", k, size if j == 3 else SIZE, stored) for j, k in enumerate(records)
+        )
+        head = struct.pack("<8sII16sQ", b"UCMISNAP", 1, 64, b"F" * 16, len(records))
+        snap.write_bytes(head + body + hashlib.sha256(head + body).digest())
+        (_root(d) / MARKER_NAME).write_bytes(b"F" * 16)
+        with d.start(), UcmClient(d.target) as c:
+            _index_done(c)
+            assert "(forged)" in d.log()
+            _check_all(c, range(10))
+            _alive(d, c)
+            d.stop()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import struct
 import uuid
@@ -86,9 +87,19 @@ def write_snapshot(root: Path, records: Iterable[tuple[bytes, int, float]], *, d
     _replace(root, MARKER_NAME, [epoch], durable=durable)
 
 
-def read_snapshot(root: Path, epoch: bytes) -> Iterator[list[tuple[bytes, int, float]]]:
-    """The snapshot's records in chunks of :data:`CHUNK`, checked whole first (epoch, version,
-    length, SHA-256); :class:`SnapshotRejected` if any check fails, before any record is given."""
+def read_snapshot(root: Path, epoch: bytes, max_size: int) -> list[list[tuple[bytes, int, float]]]:
+    """The snapshot's records in chunks of :data:`CHUNK`, checked whole (epoch, version, length,
+    SHA-256, then every record: a size from 1 to ``max_size``, a finite time);
+    :class:`SnapshotRejected` if any check fails."""
+    chunks = list(_chunks(root, epoch))
+    for chunk in chunks:
+        for _key, size, stored_at in chunk:
+            if not 0 < size <= max_size or not math.isfinite(stored_at) or abs(stored_at) > 1e12:
+                raise SnapshotRejected(f"a record claims {size} bytes stored at {stored_at} (forged)")
+    return chunks
+
+
+def _chunks(root: Path, epoch: bytes) -> Iterator[list[tuple[bytes, int, float]]]:
     try:
         data = (root / SNAPSHOT_NAME).read_bytes()
     except OSError as exc:

@@ -338,7 +338,7 @@ class PosixTier(Tier):
         return epochs
 
     def _load_snapshot(self, root: Path, epoch: bytes, loop: asyncio.AbstractEventLoop) -> None:
-        chunks = list(index_snapshot.read_snapshot(root, epoch))  # checked whole before any is used
+        chunks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)  # all checked first
         for chunk in reversed(chunks):  # newest first, each adopted as the oldest: LRU order kept
             chunk.reverse()
             self._from_snapshot += len(chunk)
