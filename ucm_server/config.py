@@ -132,7 +132,7 @@ class ServerConfig:
         ),
     )
     posix_index_wait_s: float = field(
-        default=0.5,
+        default=0.2,
         metadata=_help(
             "Seconds the daemon waits at start for the Posix tier's index (from its clean-shutdown "
             "snapshot, or by reading block headers) before it serves; the rest is indexed in the "

@@ -93,6 +93,16 @@ def _check_all(c: UcmClient, present: range, absent: range = range(0)) -> None:
         assert c.get_blocks(NS, gone) == [None] * len(gone)
 
 
+def _forge(snap: Path, keys: list[bytes], sizes: list[int], times: list[float]) -> None:
+    """A snapshot in the version-1 columns with a valid checksum, and the marker that vouches for it."""
+    head = struct.pack("<8sII16sQ", b"UCMISNAP", 1, 48, b"E" * 16, len(keys))
+    body = (
+        head + b"".join(keys) + struct.pack(f"<{len(keys)}Q", *sizes) + struct.pack(f"<{len(keys)}d", *times)
+    )
+    snap.write_bytes(body + hashlib.sha256(body).digest())
+    (snap.parent / MARKER_NAME).write_bytes(b"E" * 16)
+
+
 def _alive(d: DaemonProcess, c: UcmClient) -> None:
     assert d.healthy()
     key = key_digest("alive", random.randrange(1 << 30))
@@ -135,7 +145,7 @@ def test_a_forged_snapshot_never_serves_wrong_bytes(tmp_path: Path) -> None:
         _put(c, 0, 100)
     snap = _root(d) / SNAPSHOT_NAME
     data = bytearray(snap.read_bytes())
-    data[40 + 50] ^= 0xFF  # a size byte of the first record
+    data[40 + 100 * 48 + 1] ^= 0xFF  # a byte of the first record's size
     snap.write_bytes(bytes(data))
     with d, UcmClient(d.target) as c:
         _index_done(c)
@@ -143,10 +153,7 @@ def test_a_forged_snapshot_never_serves_wrong_bytes(tmp_path: Path) -> None:
         _check_all(c, range(100))
     # The forgery: every record claims a wrong size, plus blocks that were never stored.
     records = [bytes(NS) + k for k in _keys(100)] + [bytes(NS) + k for k in _keys(50, 1000)]
-    body = b"".join(struct.pack("<48sQd", k, SIZE * 2, 1.0) for k in records)
-    head = struct.pack("<8sII16sQ", b"UCMISNAP", 1, 64, b"E" * 16, len(records))
-    snap.write_bytes(head + body + hashlib.sha256(head + body).digest())
-    (_root(d) / MARKER_NAME).write_bytes(b"E" * 16)
+    _forge(snap, records, [SIZE * 2] * len(records), [1.0] * len(records))
     with d.start(), UcmClient(d.target) as c:
         _index_done(c)
         assert c.get_blocks(NS, _keys(50, 1000)) == [None] * 50  # listed, not there: missing
@@ -355,12 +362,7 @@ def test_a_forged_snapshot_claiming_huge_blocks_is_refused(tmp_path: Path) -> No
     snap = _root(d) / SNAPSHOT_NAME
     for size, stored in ((1 << 62, 1.0), (SIZE, float("nan"))):
         records = [bytes(NS) + k for k in _keys(10)]
-        body = b"".join(
-            struct.pack("<48sQd", k, size if j == 3 else SIZE, stored) for j, k in enumerate(records)
-        )
-        head = struct.pack("<8sII16sQ", b"UCMISNAP", 1, 64, b"F" * 16, len(records))
-        snap.write_bytes(head + body + hashlib.sha256(head + body).digest())
-        (_root(d) / MARKER_NAME).write_bytes(b"F" * 16)
+        _forge(snap, records, [size if j == 3 else SIZE for j in range(10)], [stored] * 10)
         with d.start(), UcmClient(d.target) as c:
             _index_done(c)
             assert "(forged)" in d.log()

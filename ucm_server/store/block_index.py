@@ -114,9 +114,47 @@ class BlockIndex:
         for key, stamp in self._od.items():
             yield _as_key(key), stamp
 
-    def records(self) -> list[tuple[bytes, int, float]]:
-        """``(key, size, stored_at)`` of every block, least recently used first (for a snapshot)."""
-        return [(key, int(stamp), stamp.stored_at) for key, stamp in self._od.items()]
+    def columns(self) -> tuple[list[bytes], list[Stamp]]:
+        """Every key and its stamp, least recently used first (for a snapshot: C-level copies)."""
+        return list(self._od.keys()), list(self._od.values())
+
+    # -- bulk loading (a snapshot) ------------------------------------------------------------------------
+    def stamps_for(self, sizes: Sequence[int], times: Sequence[float]) -> list[Stamp]:
+        """The stamps of many blocks at once (loops in C; one new stamp per distinct size and second)."""
+        pairs = list(zip(sizes, map(int, times), strict=True))
+        table = self._stamps
+        for size, second in set(pairs).difference(table):
+            stamp = Stamp(size)
+            stamp.stored_at = float(second)
+            table[(size, second)] = stamp
+        stamps = list(map(table.__getitem__, pairs))
+        if len(table) > STAMP_TABLE_MAX:
+            self._stamps = {}
+        return stamps
+
+    @staticmethod
+    def build(keys: Sequence[bytes], stamps: Sequence[Stamp]) -> OrderedDict[bytes, Stamp]:
+        """An ordered map of ``keys`` to ``stamps`` (any thread: a slice at a time, so the event loop
+        gets the interpreter between slices)."""
+        built: OrderedDict[bytes, Stamp] = OrderedDict()
+        step = 65536
+        for start in range(0, len(keys), step):
+            built.update(zip(keys[start : start + step], stamps[start : start + step], strict=True))
+        return built
+
+    def install(self, loaded: OrderedDict[bytes, Stamp], loaded_bytes: int, touched: set[bytes]) -> int:
+        """Take ``loaded`` (blocks from before this start, least recently used first) as the base of
+        the index; what was stored or deleted since (``touched``), or found meanwhile, stays as it
+        is now and more recent. Event loop only; costs the entries added since start. Returns how
+        many blocks ``loaded`` added."""
+        before, total = len(self._od), loaded_bytes
+        for key in touched:
+            total -= loaded.pop(key, 0)
+        for key, stamp in self._od.items():
+            total += stamp - loaded.pop(key, 0)
+            loaded[key] = stamp
+        self._od, self.bytes = loaded, total
+        return len(loaded) - before
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         return list(map(self._od.get, keys))

@@ -22,8 +22,9 @@ A snapshot written by someone else with a matching marker (forged) can at worst 
 report blocks that are not there: every read still checks the file's header and checksum, so
 nothing wrong is ever served; a missing file is forgotten on first read.
 
-Format (version 1, little endian): ``b"UCMISNAP"``, u32 version, u32 record size, 16-byte epoch,
-u64 count; ``count`` records of 48-byte key, u64 size, f64 stored_at; SHA-256 of all before it.
+Format (version 1, little endian), in columns so a million blocks load in C-level loops:
+``b"UCMISNAP"``, u32 version, u32 key length (48), 16-byte epoch, u64 count; then ``count`` keys,
+``count`` u64 sizes, ``count`` f64 store times (least recently used first); SHA-256 of all before.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import hashlib
 import math
 import os
 import struct
+import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"UCMISNAP"
@@ -42,11 +46,9 @@ VERSION = 1
 SNAPSHOT_NAME = "index.snapshot"
 MARKER_NAME = "index.clean"
 TMP_MARK = ".tmp."
+KEY_BYTES = 48
 _HEAD = struct.Struct("<8sII16sQ")
-_RECORD = struct.Struct("<48sQd")
 _DIGEST = 32
-CHUNK = 8192
-"""Records handed over at a time while a snapshot loads (the event loop merges them between calls)."""
 
 
 class SnapshotRejected(ValueError):
@@ -74,54 +76,72 @@ def take_marker(root: Path) -> bytes | None:
     return epoch if epoch is not None and len(epoch) == 16 else None
 
 
-def write_snapshot(root: Path, records: Iterable[tuple[bytes, int, float]], *, durable: bool = True) -> None:
-    """Write ``records`` (key, size, stored_at; least recently used first) as the snapshot of
-    ``root``, then the marker that makes the next start trust it. Raises ``OSError`` (disk full,
-    ...) with no marker left behind: the next start then scans."""
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """A snapshot's blocks, least recently used first: keys, sizes and store times side by side."""
+
+    keys: Sequence[bytes]
+    sizes: Sequence[int]
+    times: Sequence[float]
+
+
+def write_snapshot(root: Path, blocks: Columns, *, durable: bool = True) -> None:
+    """Write ``blocks`` as the snapshot of ``root``, then the marker that makes the next start trust
+    it. Raises ``OSError`` (disk full, ...) with no marker left behind: the next start then scans."""
     epoch = os.urandom(16)
-    body = b"".join(_RECORD.pack(bytes(k), size, stored) for k, size, stored in records)
-    head = _HEAD.pack(MAGIC, VERSION, _RECORD.size, epoch, len(body) // _RECORD.size)
-    digest = hashlib.sha256(head)
-    digest.update(body)
-    _replace(root, SNAPSHOT_NAME, [head, body, digest.digest()], durable=durable)
+    count = len(blocks.keys)
+    keys = b"".join(map(bytes, blocks.keys))
+    if len(keys) != count * KEY_BYTES:
+        raise ValueError("every key must be 48 bytes")
+    sizes, times = array("Q", blocks.sizes), array("d", blocks.times)
+    if sys.byteorder != "little":  # pragma: no cover (the format is little endian everywhere)
+        sizes.byteswap()
+        times.byteswap()
+    head = _HEAD.pack(MAGIC, VERSION, KEY_BYTES, epoch, count)
+    parts = [head, keys, sizes.tobytes(), times.tobytes()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    _replace(root, SNAPSHOT_NAME, [*parts, digest.digest()], durable=durable)
     _replace(root, MARKER_NAME, [epoch], durable=durable)
 
 
-def read_snapshot(root: Path, epoch: bytes, max_size: int) -> list[list[tuple[bytes, int, float]]]:
-    """The snapshot's records in chunks of :data:`CHUNK`, checked whole (epoch, version, length,
-    SHA-256, then every record: a size from 1 to ``max_size``, a finite time);
-    :class:`SnapshotRejected` if any check fails."""
-    chunks = list(_chunks(root, epoch))
-    for chunk in chunks:
-        for _key, size, stored_at in chunk:
-            if not 0 < size <= max_size or not math.isfinite(stored_at) or abs(stored_at) > 1e12:
-                raise SnapshotRejected(f"a record claims {size} bytes stored at {stored_at} (forged)")
-    return chunks
-
-
-def _chunks(root: Path, epoch: bytes) -> Iterator[list[tuple[bytes, int, float]]]:
+def read_snapshot(root: Path, epoch: bytes, max_size: int) -> Columns:
+    """The snapshot of ``root``, checked whole: epoch, version, length, SHA-256, then every record
+    (a size from 1 to ``max_size``, a finite time); :class:`SnapshotRejected` if any check fails."""
     try:
         data = (root / SNAPSHOT_NAME).read_bytes()
     except OSError as exc:
         raise SnapshotRejected(f"cannot read {root / SNAPSHOT_NAME}: {exc.strerror or exc}") from None
     if len(data) < _HEAD.size + _DIGEST:
         raise SnapshotRejected("shorter than its header")
-    magic, version, record, file_epoch, count = _HEAD.unpack_from(data)
+    magic, version, key_bytes, file_epoch, count = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise SnapshotRejected("not an index snapshot")
-    if version != VERSION or record != _RECORD.size:
-        raise SnapshotRejected(f"format version {version} (record {record} B); this release reads {VERSION}")
+    if version != VERSION or key_bytes != KEY_BYTES:
+        raise SnapshotRejected(
+            f"format version {version} (keys of {key_bytes} B); this release reads {VERSION}"
+        )
     if file_epoch != epoch:
         raise SnapshotRejected("its epoch is not the clean-shutdown marker's (stale or foreign)")
-    end = _HEAD.size + count * _RECORD.size
+    end = _HEAD.size + count * (KEY_BYTES + 16)
     if len(data) != end + _DIGEST:
         raise SnapshotRejected(f"{len(data)} bytes where {count} records need {end + _DIGEST} (torn)")
     if hashlib.sha256(memoryview(data)[:end]).digest() != data[end:]:
         raise SnapshotRejected("checksum mismatch (torn or edited)")
-    view = memoryview(data)[_HEAD.size : end]
-    step = CHUNK * _RECORD.size
-    for start in range(0, len(view), step):
-        yield list(_RECORD.iter_unpack(view[start : start + step]))
+    at = _HEAD.size + count * KEY_BYTES
+    keys = [data[o : o + KEY_BYTES] for o in range(_HEAD.size, at, KEY_BYTES)]
+    sizes, times = array("Q"), array("d")
+    sizes.frombytes(data[at : at + 8 * count])
+    times.frombytes(data[at + 8 * count : end])
+    if sys.byteorder != "little":  # pragma: no cover
+        sizes.byteswap()
+        times.byteswap()
+    if count and (min(sizes) < 1 or max(sizes) > max_size):
+        raise SnapshotRejected(f"a record claims {min(sizes)} or {max(sizes)} bytes (forged)")
+    if not all(map(math.isfinite, times)) or (count and (min(times) < 0 or max(times) > 1e11)):
+        raise SnapshotRejected("a record's time is not a time (forged)")
+    return Columns(keys, sizes.tolist(), times.tolist())
 
 
 def _replace(root: Path, name: str, parts: list[bytes], *, durable: bool) -> None:

@@ -52,7 +52,7 @@ import os
 import stat
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -113,7 +113,7 @@ class PosixSettings:
     """fsync file and directory before a block becomes visible."""
     direct_io: bool = True
     """Write with ``O_DIRECT`` where buffers and filesystem allow it."""
-    index_wait_s: float = 0.5
+    index_wait_s: float = 0.2
     """Seconds :meth:`PosixTier.open` waits for the index before serving with what it has."""
 
 
@@ -144,7 +144,7 @@ class PosixTier(Tier):
         capacity: int = 0,
         durable: bool = True,
         direct_io: bool = True,
-        index_wait_s: float = 0.5,
+        index_wait_s: float = 0.2,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
@@ -235,9 +235,9 @@ class PosixTier(Tier):
                 await self._adopter
         if not (self.index_snapshots and self._index_complete):
             return
-        records = self._index.records()
+        keys, stamps = self._index.columns()
         try:
-            await self._run(self._write_snapshots, records)
+            await self._run(self._write_snapshots, keys, stamps)
         except OSError as exc:  # disk full, ...: no marker was written, so the next start scans
             self._stats.errors += 1
             log.error(
@@ -274,15 +274,10 @@ class PosixTier(Tier):
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
-            unsure: list[Path] = []
-            for root, epoch in zip(self.roots, epochs, strict=True):
-                try:
-                    if epoch is None:
-                        raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
-                    await self._run(self._load_snapshot, root, epoch, loop)
-                except index_snapshot.SnapshotRejected as exc:
-                    log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
-                    unsure.append(root)
+            loaded, loaded_bytes, unsure = await self._run(self._load_snapshots, epochs)
+            if loaded:
+                self._adopted += self._index.install(loaded, loaded_bytes, self._touched)
+                self._from_snapshot = len(loaded)
             if self._from_snapshot:
                 log.info(
                     "posix tier %s: %d blocks indexed from snapshots in %.2fs",
@@ -337,22 +332,41 @@ class PosixTier(Tier):
             epochs.append(index_snapshot.take_marker(root))
         return epochs
 
-    def _load_snapshot(self, root: Path, epoch: bytes, loop: asyncio.AbstractEventLoop) -> None:
-        chunks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)  # all checked first
-        for chunk in reversed(chunks):  # newest first, each adopted as the oldest: LRU order kept
-            chunk.reverse()
-            self._from_snapshot += len(chunk)
-            loop.call_soon_threadsafe(self._merge, chunk)
+    def _load_snapshots(
+        self, epochs: list[bytes | None]
+    ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path]]:
+        """Every root's snapshot its marker vouches for, as one ordered map (worker thread), and
+        the roots without a usable one (their headers are read)."""
+        keys: list[bytes] = []
+        stamps: list[Stamp] = []
+        unsure: list[Path] = []
+        total = 0
+        for root, epoch in zip(self.roots, epochs, strict=True):
+            try:
+                if epoch is None:
+                    raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
+                blocks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)
+            except index_snapshot.SnapshotRejected as exc:
+                log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
+                unsure.append(root)
+                continue
+            keys += blocks.keys
+            stamps += self._index.stamps_for(blocks.sizes, blocks.times)
+            total += sum(blocks.sizes)
+        return BlockIndex.build(keys, stamps), total, unsure
 
-    def _write_snapshots(self, records: list[tuple[bytes, int, float]]) -> None:
+    def _write_snapshots(self, keys: list[bytes], stamps: list[Stamp]) -> None:
+        by_root: dict[Path, tuple[list[bytes], list[Stamp]]] = {root: ([], []) for root in self.roots}
         if len(self.roots) == 1:
-            index_snapshot.write_snapshot(self.roots[0], records, durable=self.durable)
-            return
-        by_root: dict[Path, list[tuple[bytes, int, float]]] = {root: [] for root in self.roots}
-        for record in records:
-            by_root[self.root_of(_block_key(record[0]))].append(record)
-        for root, mine in by_root.items():
-            index_snapshot.write_snapshot(root, mine, durable=self.durable)
+            by_root[self.roots[0]] = (keys, stamps)
+        else:
+            for key, stamp in zip(keys, stamps, strict=True):
+                mine = by_root[self.root_of(_block_key(key))]
+                mine[0].append(key)
+                mine[1].append(stamp)
+        for root, (mine_keys, mine_stamps) in by_root.items():
+            blocks = index_snapshot.Columns(mine_keys, mine_stamps, [s.stored_at for s in mine_stamps])
+            index_snapshot.write_snapshot(root, blocks, durable=self.durable)
 
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
         """Read every block file's header under ``root`` (worker thread), by directory descriptor:
