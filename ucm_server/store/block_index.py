@@ -121,13 +121,14 @@ class BlockIndex:
     # -- bulk loading (a snapshot) ------------------------------------------------------------------------
     def stamps_for(self, sizes: Sequence[int], times: Sequence[float]) -> list[Stamp]:
         """The stamps of many blocks at once (loops in C; one new stamp per distinct size and second)."""
-        pairs = list(zip(sizes, map(int, times), strict=True))
         table = self._stamps
-        for size, second in set(pairs).difference(table):
+        for size, second in set(zip(sizes, map(int, times), strict=True)).difference(table):
             stamp = Stamp(size)
             stamp.stored_at = float(second)
             table[(size, second)] = stamp
-        stamps = list(map(table.__getitem__, pairs))
+        # A second pass rather than a list of pairs: nothing per block outlives this call but the
+        # stamp references (a million short-lived tuples would stay as heap fragmentation).
+        stamps = list(map(table.__getitem__, zip(sizes, map(int, times), strict=True)))
         if len(table) > STAMP_TABLE_MAX:
             self._stamps = {}
         return stamps
@@ -137,7 +138,7 @@ class BlockIndex:
         """An ordered map of ``keys`` to ``stamps`` (any thread: a slice at a time, so the event loop
         gets the interpreter between slices)."""
         built: OrderedDict[bytes, Stamp] = OrderedDict()
-        step = 65536
+        step = 8192
         for start in range(0, len(keys), step):
             built.update(zip(keys[start : start + step], stamps[start : start + step], strict=True))
         return built

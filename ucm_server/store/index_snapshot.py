@@ -141,7 +141,7 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int) -> Columns:
         raise SnapshotRejected(f"a record claims {min(sizes)} or {max(sizes)} bytes (forged)")
     if not all(map(math.isfinite, times)) or (count and (min(times) < 0 or max(times) > 1e11)):
         raise SnapshotRejected("a record's time is not a time (forged)")
-    return Columns(keys, sizes.tolist(), times.tolist())
+    return Columns(keys, sizes, times)  # arrays, not lists: no million short-lived number objects
 
 
 def _replace(root: Path, name: str, parts: list[bytes], *, durable: bool) -> None:

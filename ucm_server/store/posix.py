@@ -290,6 +290,8 @@ class PosixTier(Tier):
                 await self._run(self._scan_root, root, loop)
             self._phase = "verify"
             self._index_complete = not self._stop_adopt
+            if len(self._index) > SWEEP_AT_ONCE:  # let the daemon come up before the sweep competes
+                await asyncio.sleep(self.index_wait_s + 1.0)
             for root in self.roots:
                 if root not in unsure and not self._stop_adopt:
                     await self._run(self._scan_root, root, loop)
@@ -965,6 +967,8 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
+SWEEP_AT_ONCE = 20_000
+"""A snapshot of more blocks is swept a second after serving began, not during start-up."""
 _SCAN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 """Opening for a header read: no symlink, and a FIFO does not block (it is then skipped)."""
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
