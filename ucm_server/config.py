@@ -131,6 +131,14 @@ class ServerConfig:
             "it: flushing then skips the page cache and costs almost no CPU. Off: always buffered."
         ),
     )
+    posix_index_wait_s: float = field(
+        default=0.2,
+        metadata=_help(
+            "Seconds the daemon waits at start for the Posix tier's index (from its clean-shutdown "
+            "snapshot, or by reading block headers) before it serves; the rest is indexed in the "
+            "background, and until then a Lookup may miss a block a Load still finds."
+        ),
+    )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
@@ -265,6 +273,7 @@ class ServerConfig:
                 "capacity": self.posix_capacity,
                 "durable": self.durable,
                 "direct_io": self.posix_direct_io,
+                "index_wait_s": self.posix_index_wait_s,
             }
         return dict(self.tier_settings.get(name, {}))
 

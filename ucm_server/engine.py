@@ -10,6 +10,7 @@ verify) and :mod:`ucm_server.snapshot` (the figures ``Admin.Stats`` and the metr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import operator
@@ -114,6 +115,7 @@ class Engine:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self.quota = Quota(ledger, self.pipeline)
+        self._quota_opening: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -122,7 +124,17 @@ class Engine:
                 await self.gpu.start()
             except GpuUnavailable as exc:
                 raise ConfigError(f"gpu: on, but {exc.message}") from None
-        await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+        if any(t.indexing for t in self.pipeline.tiers):  # serve now; count usage once indexed
+            self._quota_opening = asyncio.create_task(self._open_quota())
+        else:
+            await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+
+    async def _open_quota(self) -> None:
+        """Rebuild the tenants' usage once every tier has indexed what survived the restart (until
+        then a tenant's older blocks are not counted against its quota)."""
+        for tier in self.pipeline.tiers:
+            await tier.indexed()
+        await self.quota.open()
 
     @property
     def ledger(self) -> TenantLedger | None:
@@ -134,6 +146,11 @@ class Engine:
         self.quota.ledger = ledger
 
     async def close(self, grace_s: float = 10.0) -> None:
+        opening = self._quota_opening
+        if opening is not None:
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await opening
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()

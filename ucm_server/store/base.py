@@ -216,6 +216,15 @@ class Tier(abc.ABC):
     async def close(self) -> None:  # noqa: B027
         """Flush and release resources; the tier is not used afterwards."""
 
+    @property
+    def indexing(self) -> bool:
+        """True while the tier still builds its index in the background after :meth:`open` (its
+        Lookups may miss blocks it holds); tiers that index before serving never are."""
+        return False
+
+    async def indexed(self) -> None:  # noqa: B027
+        """Return once the index holds every block stored before this start (at once by default)."""
+
     @abc.abstractmethod
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Size of each stored block, ``None`` where absent. Local tiers answer from memory."""

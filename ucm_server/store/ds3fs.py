@@ -113,6 +113,7 @@ class DS3FSTier(PosixTier):
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     client_reads: ClassVar[bool] = False  # its own read path (USRBIO, negative lookups) decides
+    index_snapshots: ClassVar[bool] = False  # other nodes change the tree: scan before serving
 
     def __init__(
         self,

@@ -18,10 +18,18 @@ leftover temporary files are removed at start-up. ``durable=False`` skips the fs
 power loss may then lose recent blocks, but still never exposes a torn one: the header's length and
 checksum are verified on every read).
 
-The index of what is stored lives in memory and is rebuilt at :meth:`open` by reading every header
-(not every payload), so a lookup never touches the disk. A file whose header or size is wrong, or
-whose header claims a payload above ``max_block_bytes``, is moved to ``<root>/.quarantine/`` and never
-served; so is one whose payload checksum fails on read.
+The index of what is stored lives in memory (:mod:`ucm_server.store.block_index`, under 256 B a
+block), so a lookup never touches the disk. The daemon serves at once after a start: :meth:`open`
+waits at most ``index_wait_s`` (a small store is then fully indexed before the first call)
+for the index, then carries on in the background. After a clean
+shutdown the index comes back from the snapshot it left (:mod:`ucm_server.store.index_snapshot`,
+trusted only with its clean-shutdown marker); otherwise the tier re-adopts its files by reading
+every header (not every payload). Until that ends a Lookup may miss a block that is on disk; a Load
+of it opens its file directly (header and checksum checked as always), and the tier's stats show
+the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
+
+A file whose header or size is wrong, or whose header claims a payload above ``max_block_bytes``,
+is moved to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
 
 Files on disk are data, not instructions (:mod:`ucm_server.store.confined`): below a root no symlink
 is followed (a symlinked directory fails that block's write or read, nothing is written outside the
@@ -41,6 +49,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -50,8 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
-from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.api.paths import make_private_dirs
+from ucm_server.store import index_snapshot
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     DEFAULT_MAX_BLOCK_BYTES,
@@ -60,7 +70,6 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     IoVec,
-    SizeIndex,
     Tier,
     TierContext,
     TierStats,
@@ -68,7 +77,8 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
-from ucm_server.store.confined import NotRegularFile, open_block, open_regular, parent_dir
+from ucm_server.store.block_index import BlockIndex, Stamp
+from ucm_server.store.confined import NotRegularFile, file_kind, open_block, open_regular, parent_dir
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     BlockHeader,
@@ -103,6 +113,8 @@ class PosixSettings:
     """fsync file and directory before a block becomes visible."""
     direct_io: bool = True
     """Write with ``O_DIRECT`` where buffers and filesystem allow it."""
+    index_wait_s: float = 0.2
+    """Seconds :meth:`PosixTier.open` waits for the index before serving with what it has."""
 
 
 @dataclass(slots=True)
@@ -132,6 +144,7 @@ class PosixTier(Tier):
         capacity: int = 0,
         durable: bool = True,
         direct_io: bool = True,
+        index_wait_s: float = 0.2,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
@@ -144,18 +157,31 @@ class PosixTier(Tier):
         self.capacity = capacity
         self.durable = durable
         self.direct_io = direct_io
+        self.index_wait_s = index_wait_s
         self._no_direct: set[Path] = set()
         """Roots whose filesystem refused ``O_DIRECT``: written buffered from then on."""
         self._executor = executor
-        self._index: OrderedDict[BlockKey, Entry] = OrderedDict()
-        self._sizes = SizeIndex()
-        self._bytes = 0
+        self._index = BlockIndex()
+        self._sizes = self._index  # one structure answers both (a stamp is the block's size)
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=capacity)
         self.max_block_bytes = max_block_bytes
         self._skipped: Counter[str] = Counter()
         """Non-regular files met where block files should be, by kind (fifo, symlink, ...)."""
         self._skip_examples: dict[str, str] = {}
         self._scanning = False
+        self._adopter: asyncio.Task[None] | None = None
+        self._adopting = False
+        self._index_complete = False
+        self._stop_adopt = False
+        self._touched: set[bytes] = set()
+        """Keys stored or deleted since start-up, while the index is adopted: what the files said
+        before is older, so adoption leaves these keys as they are now."""
+        self._adopted = 0
+        self._files_read = 0
+        self._from_snapshot = 0
+        self._opened_at = 0.0
+        self._phase = ""
+        """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
 
     Settings: ClassVar[type[Any] | None] = PosixSettings
 
@@ -176,7 +202,51 @@ class PosixTier(Tier):
         return self.root_of(key) / key.namespace.hex() / h[:2] / h[2:4] / f"{h}{SUFFIX}"
 
     # -- primitives -----------------------------------------------------------------------------------
+    index_snapshots: ClassVar[bool] = True
+    """Whether :meth:`open` indexes in the background (serving at once) and a clean close leaves an
+    index snapshot; a tier on a mount other nodes write (DS3FS) scans before serving instead."""
+
     async def open(self) -> None:
+        if not self.index_snapshots:
+            await self._open_by_scan()
+            return
+        self._opened_at = time.time()
+        self._scanning = self._adopting = True
+        self._phase = "snapshot"
+        epochs = await self._run(self._take_markers)
+        self._adopter = asyncio.create_task(self._adopt_all(epochs))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._adopter), self.index_wait_s)
+
+    @property
+    def indexing(self) -> bool:
+        return self._phase in ("snapshot", "scan")
+
+    async def indexed(self) -> None:
+        if self._adopter is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._adopter)
+
+    async def close(self) -> None:
+        """Stop any re-adoption; after a complete index, leave a snapshot the next start trusts."""
+        if self._adopter is not None:
+            self._stop_adopt = True
+            with contextlib.suppress(Exception):
+                await self._adopter
+        if not (self.index_snapshots and self._index_complete):
+            return
+        keys, stamps = self._index.columns()
+        try:
+            await self._run(self._write_snapshots, keys, stamps)
+        except OSError as exc:  # disk full, ...: no marker was written, so the next start scans
+            self._stats.errors += 1
+            log.error(
+                "posix tier %s: index snapshot not written (next start re-reads headers): %s",
+                self.name,
+                exc.strerror or exc,
+            )
+
+    async def _open_by_scan(self) -> None:
         started = time.monotonic()
         self._scanning = True
         try:
@@ -191,10 +261,248 @@ class PosixTier(Tier):
             "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs",
             self.name,
             len(found),
-            self._bytes,
+            self._index.bytes,
             ", ".join(map(str, self.roots)),
             time.monotonic() - started,
         )
+
+    async def _adopt_all(self, epochs: list[bytes | None]) -> None:
+        """Index every root: first from the snapshots their clean-shutdown markers vouch for, then
+        by reading the header of each file of a root without one; last, the roots that came from a
+        snapshot are swept the same way (a file torn or removed while the daemon was down is then
+        dropped or quarantined; one the snapshot lacks is added). Chunks merge on the event loop."""
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            loaded, loaded_bytes, unsure = await self._run(self._load_snapshots, epochs)
+            if loaded:
+                self._adopted += self._index.install(loaded, loaded_bytes, self._touched)
+                self._from_snapshot = len(loaded)
+            if self._from_snapshot:
+                log.info(
+                    "posix tier %s: %d blocks indexed from snapshots in %.2fs",
+                    self.name,
+                    self._from_snapshot,
+                    time.monotonic() - started,
+                )
+            self._phase = "scan"
+            for root in unsure:
+                await self._run(self._scan_root, root, loop)
+            self._phase = "verify"
+            self._index_complete = not self._stop_adopt
+            if len(self._index) > SWEEP_AT_ONCE:  # let the daemon come up before the sweep competes
+                await asyncio.sleep(self.index_wait_s + 1.0)
+            for root in self.roots:
+                if root not in unsure and not self._stop_adopt:
+                    await self._run(self._scan_root, root, loop)
+        except OSError as exc:
+            self._stats.errors += 1
+            log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
+        finally:
+            self._phase = ""
+            self._adopting = self._scanning = False
+            self._touched.clear()
+            self._report_skipped()
+        log.info(
+            "posix tier %s: %d blocks (%d bytes) indexed from %s in %.2fs (%d from snapshots)",
+            self.name,
+            len(self._index),
+            self._index.bytes,
+            ", ".join(map(str, self.roots)),
+            time.monotonic() - started,
+            self._from_snapshot,
+        )
+
+    def _merge(self, chunk: list[tuple[bytes, int, float]]) -> None:
+        """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
+        one the index holds with another size (a snapshot that is wrong) takes the file's."""
+        touched, index = self._touched, self._index
+        for key, size, stored_at in chunk:
+            if key in touched:
+                continue
+            if size < 0:  # a file found torn or unreadable by the sweep after a snapshot
+                index.pop(key)
+            elif index.adopt(_block_key(key), size, stored_at):
+                self._adopted += 1
+            elif index.get(key) != size:
+                index.correct(key, size, stored_at)
+
+    def _take_markers(self) -> list[bytes | None]:
+        epochs: list[bytes | None] = []
+        for root in self.roots:
+            make_private_dirs(root)
+            epochs.append(index_snapshot.take_marker(root))
+        return epochs
+
+    def _load_snapshots(
+        self, epochs: list[bytes | None]
+    ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path]]:
+        """Every root's snapshot its marker vouches for, as one ordered map (worker thread), and
+        the roots without a usable one (their headers are read)."""
+        keys: list[bytes] = []
+        stamps: list[Stamp] = []
+        unsure: list[Path] = []
+        total = 0
+        for root, epoch in zip(self.roots, epochs, strict=True):
+            try:
+                if epoch is None:
+                    raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
+                blocks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)
+            except index_snapshot.SnapshotRejected as exc:
+                log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
+                unsure.append(root)
+                continue
+            keys += blocks.keys
+            stamps += self._index.stamps_for(blocks.sizes, blocks.times)
+            total += sum(blocks.sizes)
+        return BlockIndex.build(keys, stamps), total, unsure
+
+    def _write_snapshots(self, keys: list[bytes], stamps: list[Stamp]) -> None:
+        by_root: dict[Path, tuple[list[bytes], list[Stamp]]] = {root: ([], []) for root in self.roots}
+        if len(self.roots) == 1:
+            by_root[self.roots[0]] = (keys, stamps)
+        else:
+            for key, stamp in zip(keys, stamps, strict=True):
+                mine = by_root[self.root_of(_block_key(key))]
+                mine[0].append(key)
+                mine[1].append(stamp)
+        for root, (mine_keys, mine_stamps) in by_root.items():
+            blocks = index_snapshot.Columns(mine_keys, mine_stamps, [s.stored_at for s in mine_stamps])
+            index_snapshot.write_snapshot(root, blocks, durable=self.durable)
+
+    def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
+        """Read every block file's header under ``root`` (worker thread), by directory descriptor:
+        no symlink is followed, only regular files are read. Temporary files older than this
+        start are interrupted writes and removed; newer ones are writes in flight. Found blocks go
+        to :meth:`_merge` on the event loop, a chunk at a time."""
+        top = os.fspath(root).rstrip("/")
+        chunk: list[tuple[bytes, int, float]] = []
+        rfd = os.open(top or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._scan_dir(rfd, top, 0, loop, chunk)
+        finally:
+            os.close(rfd)
+        if chunk:
+            loop.call_soon_threadsafe(self._merge, chunk)
+
+    def _scan_dir(
+        self,
+        dfd: int,
+        path: str,
+        depth: int,
+        loop: asyncio.AbstractEventLoop,
+        chunk: list[tuple[bytes, int, float]],
+    ) -> None:
+        subdirs: list[str] = []
+        with os.scandir(dfd) as entries:
+            listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in listed:
+            if is_dir:
+                if not (depth == 0 and name == QUARANTINE):
+                    subdirs.append(name)
+                continue
+            if TMP_MARK in name:
+                _drop_stale(dfd, name, self._opened_at)  # no write of this run began before open()
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            self._files_read += 1
+            item = self._adopt_file(dfd, f"{path}/{name}", name)
+            if item is not None:
+                chunk.append(item)
+                if len(chunk) >= 1024:
+                    loop.call_soon_threadsafe(self._merge, chunk[:])
+                    chunk.clear()
+        for name in subdirs:
+            if self._stop_adopt:
+                return
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            except OSError as exc:  # gone, or replaced by a symlink meanwhile: not followed
+                log.warning("posix tier %s: not scanning %s/%s: %s", self.name, path, name, exc)
+                continue
+            try:
+                self._scan_dir(fd, f"{path}/{name}", depth + 1, loop, chunk)
+            finally:
+                os.close(fd)
+
+    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
+        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
+        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
+        try:
+            fd = os.open(fname, os.O_RDONLY | _SCAN_FLAGS, dir_fd=dirfd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._skip(Path(path), "symlink")
+            else:
+                log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._skip(Path(path), file_kind(st.st_mode))
+                return None
+            header = decode_header(os.pread(fd, ALIGNED_HEADER_SIZE, 0), max_payload=self.max_block_bytes)
+            if st.st_size != header.stored_len:
+                raise CorruptBlock(f"file is {st.st_size} bytes, header promises {header.stored_len}")
+            key = header.key
+            if self._where(key) != path:
+                raise CorruptBlock(f"header names {key.hex()}, which does not live at this path")
+        except UnsupportedFormat as exc:
+            log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
+            return self._unusable(path)
+        except CorruptBlock as exc:
+            self._move_to_quarantine(Path(path), str(exc))
+            return self._unusable(path)
+        except OSError as exc:
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return self._unusable(path)
+        finally:
+            os.close(fd)
+        return key, header.payload_len, header.created_ns / 1e9
+
+    def _where(self, key: BlockKey) -> str:
+        """:meth:`path_of` as a string, built without pathlib (the scan asks once per file)."""
+        h = key.digest.hex()
+        root = os.fspath(self.root_of(key)).rstrip("/")
+        return f"{root}/{key.namespace.hex()}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
+
+    def _unusable(self, path: str) -> tuple[bytes, int, float] | None:
+        """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
+        root, parts = self._split(Path(path))
+        try:
+            ns, digest = bytes.fromhex(parts[0]), bytes.fromhex(parts[-1].removesuffix(SUFFIX))
+        except (ValueError, IndexError):
+            return None
+        if len(parts) != 4 or len(ns) != NAMESPACE_BYTES or len(digest) != 32:
+            return None
+        key = BlockKey(Namespace(ns), Digest(digest))
+        return (key, -1, 0.0) if self.path_of(key) == Path(path) and root == self.root_of(key) else None
+
+    async def _entry(self, key: BlockKey) -> Stamp | None:
+        """The index's entry for ``key``; while re-adopting, a key not indexed yet is looked for on
+        disk (its header checked) and adopted, so a Load never waits for the scan."""
+        entry = self._index.get(key)
+        if entry is not None or not self._adopting or key in self._touched:
+            return entry
+        try:
+            item = await self._run(self._probe_one, key)
+        except OSError:
+            return None
+        if item is not None and key not in self._touched:
+            self._index.adopt(key, item[1], item[2])
+        return self._index.get(key)
+
+    def _probe_one(self, key: BlockKey) -> tuple[bytes, int, float] | None:
+        path = self.path_of(key)
+        try:
+            header = self._read_header(path, key)
+        except (UnsupportedFormat, FileNotFoundError, NotRegularFile):
+            return None
+        except CorruptBlock as exc:
+            self._move_to_quarantine(path, str(exc))
+            return None
+        return key, header.payload_len, header.created_ns / 1e9
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         return self._sizes.lookup(keys)
@@ -205,7 +513,7 @@ class PosixTier(Tier):
         return self._sizes.lookup_digests(namespace, digests)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        entry = self._index.get(key)
+        entry = await self._entry(key)
         if entry is None:
             self._stats.misses += 1
             return MISSING
@@ -235,7 +543,7 @@ class PosixTier(Tier):
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         if not self.client_reads:
             return None
-        entry = self._index.get(key)
+        entry = await self._entry(key)
         if entry is None:
             self._stats.misses += 1
             return MISSING
@@ -290,13 +598,21 @@ class PosixTier(Tier):
         return len(present)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
-        for key, entry in list(self._index.items()):
+        for key, entry in self._index.items():
             if namespace is None or key.namespace == namespace:
                 yield BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.blocks, s.bytes = len(self._index), self._bytes
+        s.blocks, s.bytes = len(self._index), self._index.bytes
+        for name in _INDEX_STATS:
+            s.extra.pop(name, None)
+        if self._phase:  # start-up progress, shown while it lasts: an operator sees re-adoption advance
+            s.extra["index_adopting"] = float(self.indexing)
+            s.extra["index_verifying"] = float(self._phase == "verify")
+            s.extra["index_adopted"] = float(self._adopted)
+            s.extra["index_files_read"] = float(self._files_read)
+            s.extra["index_from_snapshot"] = float(self._from_snapshot)
         if self._skipped:
             s.extra["skipped_files"] = float(sum(self._skipped.values()))
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
@@ -304,7 +620,7 @@ class PosixTier(Tier):
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
         freed = 0
-        for key, entry in self._index.items():
+        for key, entry in self._index.oldest():
             if freed >= nbytes:
                 break
             victims.append(key)
@@ -560,18 +876,17 @@ class PosixTier(Tier):
         await self._run(self._move_to_quarantine, self.path_of(key), reason)
 
     def _remember(self, key: BlockKey, entry: Entry) -> None:
-        self._index[key] = entry
-        self._sizes.add(key, entry.size)
-        self._bytes += entry.size
+        self._index.add(key, entry.size, entry.stored_at)
+        if self._adopting:
+            self._touched.add(key)
 
     def _forget(self, key: BlockKey) -> None:
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._sizes.discard(key)
-            self._bytes -= entry.size
+        self._index.pop(key)
+        if self._adopting:
+            self._touched.add(key)
 
     async def _make_room(self, size: int) -> None:
-        over = self._bytes + size - self.capacity
+        over = self._index.bytes + size - self.capacity
         if over > 0:
             await self.evict(over)
 
@@ -652,6 +967,19 @@ def _write_direct(fd: int, header: bytes, src: IoVec) -> bool:
         page.close()
 
 
+SWEEP_AT_ONCE = 20_000
+"""A snapshot of more blocks is swept a second after serving began, not during start-up."""
+_SCAN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+"""Opening for a header read: no symlink, and a FIFO does not block (it is then skipped)."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_INDEX_STATS = (
+    "index_adopting",
+    "index_verifying",
+    "index_adopted",
+    "index_files_read",
+    "index_from_snapshot",
+)
+
 IOV_MAX = 1024
 """Most segments one ``preadv``/``pwritev`` call takes (Linux ``IOV_MAX``)."""
 
@@ -697,6 +1025,20 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _block_key(key: bytes) -> BlockKey:
+    return key if isinstance(key, BlockKey) else BlockKey(key[:NAMESPACE_BYTES], key[NAMESPACE_BYTES:])
+
+
+def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:
+    """Remove the temporary file ``name`` if it was last written before ``cutoff`` (an interrupted
+    write of an earlier run); a newer one belongs to a write in flight."""
+    try:
+        if os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mtime < cutoff:
+            os.unlink(name, dir_fd=dirfd)
+    except FileNotFoundError:
+        pass
 
 
 def unlink_at(dfd: int, name: str) -> None:

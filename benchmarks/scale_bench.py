@@ -1,0 +1,349 @@
+"""The store at scale (issue #13): restart and index figures beside plain-process baselines.
+
+``python -m benchmarks.scale_bench`` (also in ``make bench``) prints a markdown table and writes
+``benchmarks/results/scale.md``. Each row comes from one measurement function in
+:data:`MEASUREMENTS` (add a function to add rows: they do not depend on each other). Timings are
+medians of ``--repeats`` runs measured back to back with their baseline in the same run, on the same
+file system; the table gives the spread so the noise of a shared machine shows.
+
+Rows:
+
+* restart to first answer: a daemon (``Posix`` only) over N stored 4 KiB blocks, from process start
+  to its first answered Lookup; after a clean stop and after ``kill -9``. Baseline: the same daemon
+  over an empty store.
+* restart to full index: until every block is indexed (clean: from the snapshot; ``kill -9``: by
+  re-adoption). Baseline: a plain process opening every block file and reading its header.
+* memory per indexed block: the daemon's RSS with N blocks minus an empty daemon's, per block; and
+  the index structure alone under ``tracemalloc`` for 100k and 1M synthetic keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ucm_client import UcmClient, key_digest, namespace_id
+from ucm_protocol.keys import BlockKey
+from ucm_server.store.block_index import BlockIndex
+from ucm_server.store.format import encode_header, payload_checksum
+from ucm_server.store.posix import PosixTier
+from ucm_server.testing.daemon import DaemonProcess
+
+RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
+NS = namespace_id(model="scale-bench", dtype="uint8")
+BLOCK = 4096
+
+
+@dataclass
+class Options:
+    blocks: list[int]
+    repeats: int
+    workdir: Path
+    stores: dict[int, DaemonProcess] = field(default_factory=dict)
+    """A daemon work directory per block count, planted once and shared by the measurements."""
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    blocks: int
+    ucm: str
+    baseline: str
+    ratio: str
+    target: str
+
+
+Measurement = Callable[[Options], list[Row]]
+
+
+# -- stores -------------------------------------------------------------------------------------------
+def _plant(root: Path, n: int) -> None:
+    """``n`` 4 KiB block files written as the daemon writes buffered ones (no daemon, no fsync)."""
+    tier = PosixTier(roots=[root])
+    data = os.urandom(BLOCK)
+    checksum = payload_checksum([memoryview(data)])
+    made: set[Path] = set()
+    for i in range(n):
+        key = BlockKey(NS, key_digest("scale", i))
+        path = tier.path_of(key)
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            made.add(path.parent)
+        path.write_bytes(encode_header(key, BLOCK, checksum) + data)
+
+
+def store(opts: Options, n: int) -> DaemonProcess:
+    """A daemon over ``n`` planted blocks (Posix only), cleanly stopped once (snapshot written)."""
+    if n not in opts.stores:
+        d = DaemonProcess(opts.workdir / f"store-{n}", args=["--store-pipeline", "Posix"])
+        if n:
+            _plant(d.data_dir / "blocks", n)
+        with d, UcmClient(d.target) as c:
+            _wait_indexed(c, n)
+        opts.stores[n] = d
+    return opts.stores[n]
+
+
+def _posix(c: UcmClient) -> tuple[int, dict[str, float]]:
+    tier = next(t for t in c.stats().tiers if t.kind == "Posix")
+    return int(tier.blocks), dict(tier.extra)
+
+
+def _wait_indexed(c: UcmClient, n: int, timeout_s: float = 600) -> tuple[float, float]:
+    """Seconds (monotonic clock) at which every block was in the index, and at which background
+    indexing (snapshot sweep included) ended."""
+    deadline = time.monotonic() + timeout_s
+    complete = 0.0
+    while time.monotonic() < deadline:
+        blocks, extra = _posix(c)
+        now = time.monotonic()
+        if not complete and blocks >= n and not extra.get("index_adopting"):
+            complete = now
+        if complete and "index_adopting" not in extra:
+            return complete, now
+        time.sleep(0.005)
+    raise TimeoutError(f"index of {n} blocks not complete in {timeout_s}s")
+
+
+def _restart(d: DaemonProcess, n: int, *, crash: bool) -> tuple[float, float, float, float]:
+    """(first answer, full index, sweep done) seconds after the process started, restarting after a
+    clean stop or after ``kill -9``, and the indexing time the daemon logged (from its start)."""
+    if crash:
+        d.start()
+        d.kill()  # the marker is gone: the next start re-adopts
+    started = time.monotonic()
+    d.start()
+    with UcmClient(d.target) as c:
+        c.lookup(NS, [key_digest("scale", 0)])
+        first = time.monotonic() - started
+        complete, swept = _wait_indexed(c, n)
+    d.stop()
+    log = d.log()
+    pattern = r"indexed from snapshots in ([0-9.]+)s" if not crash else r"indexed from /.* in ([0-9.]+)s"
+    logged = re.findall(pattern, log)
+    return first, complete - started, swept - started, float(logged[-1]) if logged else swept - started
+
+
+def plain_header_read(root: Path) -> float:
+    """Seconds a plain process takes to open every block file under ``root`` and read its header."""
+    code = (
+        "import os,sys,time\n"
+        "t=time.perf_counter()\n"
+        "for dp,dn,fn in os.walk(sys.argv[1]):\n"
+        "    for f in fn:\n"
+        "        if f.endswith('.blk'):\n"
+        "            fd=os.open(os.path.join(dp,f),os.O_RDONLY)\n"
+        "            os.pread(fd,128,0); os.close(fd)\n"
+        "print(time.perf_counter()-t)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True)
+    return float(out.stdout)
+
+
+def _med(values: list[float]) -> tuple[float, str]:
+    m = statistics.median(values)
+    return m, f"±{(max(values) - min(values)) / 2 / m:.0%}" if m and len(values) > 1 else ""
+
+
+# -- measurements -------------------------------------------------------------------------------------
+def restart_rows(opts: Options) -> list[Row]:
+    rows: list[Row] = []
+    empty = store(opts, 0)
+    for n in opts.blocks:
+        d = store(opts, n)
+        runs: dict[str, list[tuple[float, float, float, float]]] = {"clean": [], "kill -9": []}
+        base_first: list[float] = []
+        base_read: list[float] = []
+        for _ in range(opts.repeats):  # back to back: baseline, clean, crash
+            base_first.append(_restart(empty, 0, crash=False)[0])
+            base_read.append(plain_header_read(d.data_dir / "blocks"))
+            runs["clean"].append(_restart(d, n, crash=False))
+            runs["kill -9"].append(_restart(d, n, crash=True))
+        bf, bf_noise = _med(base_first)
+        br, br_noise = _med(base_read)
+        for how, results in runs.items():
+            first, first_noise = _med([r[0] for r in results])
+            full, full_noise = _med([r[1] for r in results])
+            rows.append(
+                Row(
+                    f"restart to first answer ({how})",
+                    n,
+                    f"{first:.2f} s {first_noise}",
+                    f"empty store {bf:.2f} s {bf_noise}",
+                    f"{first / bf:.2f}×",
+                    "≤ 1 s",
+                )
+            )
+            if how == "clean":
+                load, load_noise = _med([r[3] for r in results])
+                rows.append(
+                    Row(
+                        "restart to full index (clean, snapshot)",
+                        n,
+                        f"{full:.2f} s {full_noise} from start; snapshot load {load:.3f} s {load_noise} "
+                        f"= {load / n * 1e6:.1f} s per million",
+                        f"header read {br:.2f} s {br_noise}",
+                        f"{br / load:.1f}× the header-read rate",
+                        "≤ 2 s per million",
+                    )
+                )
+                sweep, sweep_noise = _med([r[2] for r in results])
+                rows.append(
+                    Row(
+                        "… and its background check of every header",
+                        n,
+                        f"{sweep:.2f} s {sweep_noise}",
+                        f"header read {br:.2f} s {br_noise}",
+                        f"{br / sweep:.2f}× the header-read rate",
+                        "(serving throughout)",
+                    )
+                )
+            else:
+                adopt, adopt_noise = _med([r[3] for r in results])
+                rows.append(
+                    Row(
+                        "restart to full index (kill -9, re-adoption)",
+                        n,
+                        f"{full:.2f} s {full_noise} from start; re-adoption {adopt:.2f} s {adopt_noise}",
+                        f"header read {br:.2f} s {br_noise}",
+                        f"{br / adopt:.2f}× the header-read rate",
+                        "≥ 0.5× header-read rate",
+                    )
+                )
+    return rows
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def daemon_memory_rows(opts: Options) -> list[Row]:
+    rows: list[Row] = []
+    for n in opts.blocks:
+        per_block: list[float] = []
+        for _ in range(opts.repeats):
+            sizes = []
+            for d, count in ((store(opts, 0), 0), (store(opts, n), n)):
+                d.start()
+                with UcmClient(d.target) as c:
+                    _wait_indexed(c, count)
+                    assert d.proc is not None
+                    sizes.append(_rss(d.proc.pid))
+                d.stop()
+            per_block.append((sizes[1] - sizes[0]) / n)
+        value, noise = _med(per_block)
+        rows.append(
+            Row("daemon RSS per indexed block", n, f"{value:.0f} B {noise}", "empty daemon", "", "≤ 256 B")
+        )
+    return rows
+
+
+def index_memory_rows(opts: Options) -> list[Row]:
+    rows: list[Row] = []
+    for n in (100_000, 1_000_000):
+        keys = [BlockKey(NS, os.urandom(32)) for _ in range(n)]
+        stored = time.time()
+        tracemalloc.start()
+        index = BlockIndex()
+        for key in keys:
+            index.add(key, BLOCK, stored)
+        keys_bytes = n * (sys.getsizeof(keys[0]) + 7) // 8 * 8  # the keys are held by the index
+        used = tracemalloc.get_traced_memory()[0] + keys_bytes
+        tracemalloc.stop()
+        rows.append(
+            Row(
+                "index memory per block (tracemalloc, keys included)",
+                n,
+                f"{used / n:.0f} B",
+                "",
+                "",
+                "≤ 256 B",
+            )
+        )
+        del index, keys
+    return rows
+
+
+def snapshot_rows(opts: Options) -> list[Row]:
+    """Writing and loading the index snapshot of 1M synthetic blocks in this process (no files)."""
+    with tempfile.TemporaryDirectory(prefix="ucm-snap-") as tmp:
+        root = Path(tmp)
+        writer = PosixTier(roots=[root])
+        now = time.time()
+        for i in range(1_000_000):
+            writer._index.add(BlockKey(NS, os.urandom(32)), BLOCK, now + i / 1000)
+        writes, loads = [], []
+        for _ in range(opts.repeats):
+            started = time.perf_counter()
+            writer._write_snapshots(*writer._index.columns())
+            writes.append(time.perf_counter() - started)
+            epoch = (root / "index.clean").read_bytes()
+            reader = PosixTier(roots=[root])
+            started = time.perf_counter()
+            loaded, total, _ = reader._load_snapshots([epoch])
+            reader._index.install(loaded, total, set())
+            loads.append(time.perf_counter() - started)
+        write, write_noise = _med(writes)
+        load, load_noise = _med(loads)
+    return [
+        Row("index snapshot write (at shutdown)", 1_000_000, f"{write:.2f} s {write_noise}", "", "", ""),
+        Row("index snapshot load", 1_000_000, f"{load:.2f} s {load_noise}", "", "", "≤ 2 s per million"),
+    ]
+
+
+MEASUREMENTS: list[Measurement] = [restart_rows, daemon_memory_rows, index_memory_rows, snapshot_rows]
+"""One function per group of rows; add one to add rows (issue #13 helpers extend this list)."""
+
+
+def table(rows: list[Row]) -> str:
+    lines = [
+        "| what | blocks | UCM | plain baseline, same run | ratio | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {r.what} | {r.blocks:,} | {r.ucm} | {r.baseline} | {r.ratio} | {r.target} |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", default="10000,100000", help="comma-separated block counts (4 KiB blocks)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", action="append", help="run only these measurement functions (by name)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ucm-scale-") as tmp:
+        opts = Options([int(x) for x in args.blocks.split(",")], args.repeats, Path(tmp))
+        rows: list[Row] = []
+        for measure in MEASUREMENTS:
+            if args.only and measure.__name__ not in args.only:
+                continue
+            started = time.monotonic()
+            rows += measure(opts)
+            print(f"{measure.__name__}: {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
+        text = (
+            "# The store at scale\n\n"
+            f"`python -m benchmarks.scale_bench --blocks {args.blocks} --repeats {args.repeats}`, "
+            f"4 KiB blocks, Posix tier only, on {os.cpu_count()} CPUs shared with other work; medians, "
+            "± half the spread of the repeats.\n\n" + table(rows) + "\n"
+        )
+        print(text, flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
