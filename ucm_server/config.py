@@ -148,12 +148,20 @@ class ServerConfig:
         ),
     )
     writeback_overflow: Literal["cache-only", "write-through"] = field(
-        default="cache-only",
+        default="write-through",
         metadata=_help(
             "What a dump does when the write-back backlog stayed full for writeback_wait_s (a saturated "
             "node): cache-only keeps it in the Cache without writing it down (counted in "
             "writeback_skipped; never for wait_durable); write-through writes it to the lower tiers "
             "before the dump completes."
+        ),
+    )
+    writeback_batch_blocks: int = field(
+        default=4,
+        metadata=_help(
+            "Blocks one write-back flusher hands the lower tiers at once (one batch write: a tier with "
+            "group commit pays one fsync for all of them). Flushers (io_threads / 2) x this many block "
+            "writes run at once and share io_threads with the dumps and loads being answered."
         ),
     )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
@@ -312,6 +320,7 @@ class ServerConfig:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
         for name in (
             "io_threads",
+            "writeback_batch_blocks",
             "max_batch_blocks",
             "max_block_bytes",
             "max_segments_per_block",

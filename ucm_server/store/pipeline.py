@@ -74,8 +74,8 @@ class Pipeline:
         executor: Executor | None = None,
         writeback_max_bytes: int = 0,
         writeback_wait_s: float = 0.02,
-        writeback_overflow: Overflow = "cache-only",
-        flush_batch: int = 16,
+        writeback_overflow: Overflow = "write-through",
+        flush_batch: int = 4,
     ) -> None:
         """``writeback_max_bytes``: Cache bytes that may await write-down at once (0: half the
         Cache); a dump waits up to ``writeback_wait_s`` for room, then ``writeback_overflow``
@@ -463,8 +463,10 @@ class Pipeline:
                 refused = [items[i][0] for i in direct if not top_results[i].ok]
                 if refused:  # an older version may still sit in the top tier: it must not shadow this one
                     await self.top.delete(refused)
-                for i in direct:  # and an older write-back must not land below after this one
-                    await self._settle(items[i][0])
+                for i in direct:  # and an older write-back must not land below after this one:
+                    if top_results[i].ok:  # superseded in the Cache, queued ones end now
+                        self._drop_queued(items[i][0])
+                    await self._settle(items[i][0])  # those under way are waited for
                 lower = await self._write_direct(items, direct, held, owned)
                 # What the lower tiers say decides: stored there is stored (even if the top refused it),
                 # and a write-through that fails below has failed.

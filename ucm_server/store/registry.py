@@ -98,6 +98,8 @@ class PipelineConfig(Protocol):
     @property
     def writeback_wait_s(self) -> float: ...
     @property
+    def writeback_batch_blocks(self) -> int: ...
+    @property
     def writeback_overflow(self) -> Literal["cache-only", "write-through"]: ...
     def tier_settings_for(self, name: str) -> Mapping[str, object]: ...
 
@@ -145,4 +147,5 @@ def build_pipeline(config: PipelineConfig, executor: Executor) -> Pipeline:
         writeback_max_bytes=config.writeback_max_bytes,
         writeback_wait_s=config.writeback_wait_s,
         writeback_overflow=config.writeback_overflow,
+        flush_batch=config.writeback_batch_blocks,
     )
