@@ -21,7 +21,7 @@ import abc
 import asyncio
 import ctypes
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -82,6 +82,45 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
                 last[2] += n
             else:
                 runs.append([d, s, n])
+    _memmove_runs(runs)
+
+
+SPLIT_COPY_BYTES = 8 << 20
+"""A batch at least this large is copied by two threads, each half of the bytes (GIL released)."""
+_helper: ThreadPoolExecutor | None = None
+
+
+def _memmove_runs(runs: list[list[int]]) -> None:
+    """Copy the runs; a large batch in two halves at once, this thread and one helper thread (a
+    ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy faster than one)."""
+    total = sum(n for _, _, n in runs)
+    if total < SPLIT_COPY_BYTES:
+        for d, s, n in runs:
+            ctypes.memmove(d, s, n)
+        return
+    global _helper
+    if _helper is None:
+        _helper = ThreadPoolExecutor(1, thread_name_prefix="ucm-copy")
+    half = total // 2
+    first: list[list[int]] = []
+    second: list[list[int]] = []
+    taken = 0
+    for d, s, n in runs:
+        if taken >= half:
+            second.append([d, s, n])
+        elif taken + n <= half:
+            first.append([d, s, n])
+        else:
+            k = half - taken
+            first.append([d, s, k])
+            second.append([d + k, s + k, n - k])
+        taken += n
+    other = _helper.submit(_memmove_all, second)
+    _memmove_all(first)
+    other.result()
+
+
+def _memmove_all(runs: list[list[int]]) -> None:
     for d, s, n in runs:
         ctypes.memmove(d, s, n)
 
