@@ -11,9 +11,11 @@ memory of the daemon's own (``owned=True``: the GPU path's pinned buffers, the b
 scratch buffers) skip the extra copy. Writes land in the top tier and reach
 the lower tiers either in the background (write-back, the default: the Cache keeps a lease on the
 block until every lower tier has it, so it cannot be evicted before it is safe) or before the write
-completes (write-through). A write the top tier cannot take (Cache full of in-use blocks) goes
-straight down instead of failing. ``durable=True`` on a write waits until the block is in the last
-persistent tier.
+completes (write-through). Write-back is a bounded backlog (:mod:`ucm_server.store.writeback`): a
+dump first takes room in it, waiting a little when it is full (backpressure), and on a saturated
+node is written through or kept in the Cache only, as configured; so the Cache never fills with
+blocks awaiting write-down. A write the top tier cannot take anyway goes straight down instead of
+failing. ``durable=True`` on a write waits until the block is in the last persistent tier.
 
 Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
 tiers (whose contents other nodes change), in one batch per tier.
