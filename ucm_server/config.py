@@ -141,10 +141,11 @@ class ServerConfig:
         ),
     )
     writeback_wait_s: float = field(
-        default=0.02,
+        default=1.0,
         metadata=_help(
             "Backpressure: how long a dump waits for room in a full write-back backlog before "
-            "writeback_overflow decides. A dump with wait_durable waits as long as it takes."
+            "writeback_overflow decides (dumps then run at the lower tier's pace instead of a few "
+            "stalling for seconds). A dump with wait_durable waits as long as it takes."
         ),
     )
     writeback_overflow: Literal["cache-only", "write-through"] = field(

@@ -75,7 +75,7 @@ class Pipeline:
         staging: StagingPool | None = None,
         executor: Executor | None = None,
         writeback_max_bytes: int = 0,
-        writeback_wait_s: float = 0.02,
+        writeback_wait_s: float = 1.0,
         writeback_overflow: Overflow = "write-through",
         flush_batch: int = 4,
     ) -> None:
