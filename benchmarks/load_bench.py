@@ -305,8 +305,9 @@ def run_load(target: str, spec: LoadSpec, seed: int = 0) -> LoadReport:
 
 
 def _tier_notes(target: str) -> str:
-    """What the tiers did during the run: evictions, and Cache writes refused because every cached
-    block was leased by pending write-back (those dumps went straight to disk: the slow tail)."""
+    """What the tiers did during the run: evictions, Cache writes refused because every cached block
+    was leased by pending write-back (those dumps went straight to disk: the slow tail), and what the
+    bounded write-back queue did (written down, kept in the Cache only, backpressure waits)."""
     with UcmClient(target, client_name="load-bench-stats") as c:
         stats = c.stats()
     parts = []
@@ -315,6 +316,14 @@ def _tier_notes(target: str) -> str:
         if "rejected_writes" in t.extra:
             note += f", {int(t.extra['rejected_writes'])} writes refused (all blocks leased)"
         parts.append(note)
+        wb = {k.removeprefix("writeback_"): v for k, v in t.extra.items() if k.startswith("writeback_")}
+        if wb:
+            parts.append(
+                f"write-back: {int(wb['written'])} written down, {int(wb['skipped'])} kept in the Cache "
+                f"only (node saturated), {int(wb['written_through'])} written through, "
+                f"{int(wb['backpressure_waits'])} backpressure waits ({wb['backpressure_wait_s']:.1f} s), "
+                f"backlog bound {int(wb['max_bytes']) >> 20} MiB"
+            )
     return "tiers after the run: " + "; ".join(parts)
 
 

@@ -139,6 +139,40 @@ class ServerConfig:
             "background, and until then a Lookup may miss a block a Load still finds."
         ),
     )
+    writeback_max_bytes: int = field(
+        default=0,
+        metadata=_help(
+            "Bound of the write-back backlog: Cache bytes (whole pages) that may await their "
+            "write-down at once; 0 = half of cache_capacity. The rest of the Cache stays evictable, "
+            "so a write is never refused because every cached block awaits write-back.",
+            size=True,
+        ),
+    )
+    writeback_wait_s: float = field(
+        default=1.0,
+        metadata=_help(
+            "Backpressure: how long a dump waits for room in a full write-back backlog before "
+            "writeback_overflow decides (dumps then run at the lower tier's pace instead of a few "
+            "stalling for seconds). A dump with wait_durable waits as long as it takes."
+        ),
+    )
+    writeback_overflow: Literal["cache-only", "write-through"] = field(
+        default="write-through",
+        metadata=_help(
+            "What a dump does when the write-back backlog stayed full for writeback_wait_s (a saturated "
+            "node): cache-only keeps it in the Cache without writing it down (counted in "
+            "writeback_skipped; never for wait_durable); write-through writes it to the lower tiers "
+            "before the dump completes."
+        ),
+    )
+    writeback_batch_blocks: int = field(
+        default=4,
+        metadata=_help(
+            "Blocks one write-back flusher hands the lower tiers at once (one batch write: a tier with "
+            "group commit pays one fsync for all of them). Flushers (io_threads / 2) x this many block "
+            "writes run at once and share io_threads with the dumps and loads being answered."
+        ),
+    )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
@@ -296,6 +330,7 @@ class ServerConfig:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
         for name in (
             "io_threads",
+            "writeback_batch_blocks",
             "max_batch_blocks",
             "max_block_bytes",
             "max_segments_per_block",
@@ -310,6 +345,10 @@ class ServerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0 <= self.writeback_wait_s <= 60:
+            raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
+        if self.writeback_max_bytes < 0:
+            raise ConfigError(f"writeback_max_bytes: must be 0 or more, got {self.writeback_max_bytes}")
         if not self.shared_lookup_ttl_s >= 0:
             raise ConfigError(f"shared_lookup_ttl_s: must be 0 or more, got {self.shared_lookup_ttl_s}")
         for name in ("task_retention_s", "heartbeat_interval_s"):

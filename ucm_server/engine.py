@@ -567,6 +567,7 @@ class Engine:
             lookup_hits=self.lookup_hits,
             pending_writeback=self.pipeline.pending_writeback,
             store_pipeline=self.pipeline.spec,
+            writeback=self.pipeline.writeback_figures(),
         )
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:

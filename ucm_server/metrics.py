@@ -126,5 +126,41 @@ class _SnapshotCollector(Collector):
             "Blocks waiting to be written down",
             value=snap.pending_writeback,
         )
+        yield from _writeback_metrics(snap)
         yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=snap.sessions)
         yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=snap.regions)
+
+
+def _writeback_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+    """The bounded write-back queue: depth, bytes held, backpressure and admission decisions."""
+    wb = snap.writeback
+    gauges: tuple[tuple[str, str, float], ...] = (
+        ("ucm_writeback_queue_depth", "Blocks queued or being written down", wb.queue_depth),
+        ("ucm_writeback_bytes_pending", "Cache bytes held by blocks awaiting write-down", wb.bytes_pending),
+        ("ucm_writeback_max_bytes", "Bound of the write-back backlog (0: write-back off)", wb.max_bytes),
+        ("ucm_writeback_waiting", "Dumps waiting for room in the backlog now", wb.waiting),
+    )
+    for name, help_, value in gauges:
+        yield GaugeMetricFamily(name, help_, value=value)
+    counters: tuple[tuple[str, str, float], ...] = (
+        (
+            "ucm_writeback_backpressure_waits",
+            "Blocks that waited for room in the backlog",
+            wb.backpressure_waits,
+        ),
+        (
+            "ucm_writeback_backpressure_wait_seconds",
+            "Seconds dumps spent waiting for room",
+            wb.backpressure_wait_s,
+        ),
+        ("ucm_writeback_skipped", "Blocks kept in the Cache only: the node was saturated", wb.skipped),
+        (
+            "ucm_writeback_written_through",
+            "Blocks written down before their dump completed: the node was saturated",
+            wb.written_through,
+        ),
+        ("ucm_writeback_written", "Blocks written down by write-back", wb.written),
+        ("ucm_writeback_failed", "Write-backs that failed in a lower tier", wb.failed),
+    )
+    for name, help_, value in counters:
+        yield CounterMetricFamily(name, help_, value=value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ucm_server.store.base import TierStats
+from ucm_server.store.writeback import WriteBackFigures
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +40,5 @@ class EngineSnapshot:
     lookup_hits: int
     pending_writeback: int
     store_pipeline: str
+    writeback: WriteBackFigures
+    """The bounded write-back queue (Admin stats: the top tier's ``writeback_*`` extra figures)."""

@@ -768,6 +768,8 @@ def test_dashboard_uses_only_exported_metrics(live: tuple[DaemonProcess, str]) -
         "ucm_tier_corrupt_total",
         "ucm_task_queue_depth",
         "ucm_writeback_pending",
+        "ucm_writeback_bytes_pending",
+        "ucm_writeback_skipped_total",
         "ucm_sessions",
         "ucm_rpc_errors_total",
     ):

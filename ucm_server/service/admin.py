@@ -53,6 +53,8 @@ class AdminServicer(rpc.AdminServicer):
     async def Stats(self, request: pb.StatsRequest, context: aio.ServicerContext) -> pb.StatsResponse:
         snap = self.engine.snapshot()
         tiers = [tier_stats(tier) for tier in snap.tiers]
+        if tiers and snap.writeback.max_bytes:  # the write-back queue drains the top tier's blocks
+            tiers[0].extra.update(snap.writeback.as_extra())
         return pb.StatsResponse(
             version=snap.version,
             uptime_s=snap.uptime_s,

@@ -11,9 +11,11 @@ memory of the daemon's own (``owned=True``: the GPU path's pinned buffers, the b
 scratch buffers) skip the extra copy. Writes land in the top tier and reach
 the lower tiers either in the background (write-back, the default: the Cache keeps a lease on the
 block until every lower tier has it, so it cannot be evicted before it is safe) or before the write
-completes (write-through). A write the top tier cannot take (Cache full of in-use blocks) goes
-straight down instead of failing. ``durable=True`` on a write waits until the block is in the last
-persistent tier.
+completes (write-through). Write-back is a bounded backlog (:mod:`ucm_server.store.writeback`): a
+dump first takes room in it, waiting a little when it is full (backpressure), and on a saturated
+node is written through or kept in the Cache only, as configured; so the Cache never fills with
+blocks awaiting write-down. A write the top tier cannot take anyway goes straight down instead of
+failing. ``durable=True`` on a write waits until the block is in the last persistent tier.
 
 Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
 tiers (whose contents other nodes change), in one batch per tier.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.staging import StagingPool, copy_pairs
+from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Lease, Reservation
@@ -52,11 +55,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Flush:
     key: BlockKey
     lease: Lease
     done: asyncio.Future[BlockResult]
+    nbytes: int
+    """Backlog bytes this job holds (whole Cache pages), given back when it ends."""
 
 
 class Pipeline:
@@ -69,7 +74,15 @@ class Pipeline:
         shared_lookup_ttl_s: float = 2.0,
         staging: StagingPool | None = None,
         executor: Executor | None = None,
+        writeback_max_bytes: int = 0,
+        writeback_wait_s: float = 1.0,
+        writeback_overflow: Overflow = "write-through",
+        flush_batch: int = 4,
     ) -> None:
+        """``writeback_max_bytes``: Cache bytes that may await write-down at once (0: half the
+        Cache); a dump waits up to ``writeback_wait_s`` for room, then ``writeback_overflow``
+        decides (:mod:`ucm_server.store.writeback`). A flusher writes up to ``flush_batch`` queued
+        blocks in one batch."""
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
@@ -80,9 +93,23 @@ class Pipeline:
         self._nflushers = flushers
         self.staging = staging or StagingPool()
         self._executor = executor
-        self._queue: asyncio.Queue[_Flush | None] = asyncio.Queue()
+        capacity = self.leasing.arena.capacity if self.leasing is not None else 0
+        self.backlog = Backlog(writeback_max_bytes or max(capacity // 2, 1))
+        self.writeback_wait_s = writeback_wait_s
+        self.writeback_overflow: Overflow = writeback_overflow
+        self._flush_batch = max(1, flush_batch)
+        self._jobs: deque[_Flush] = deque()
+        self._queued: dict[BlockKey, list[_Flush]] = {}  # jobs not yet taken by a flusher, by key
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False
         self._flushers: list[asyncio.Task[None]] = []
         self._pending = 0
+        self._skipped = 0
+        self._through = 0
+        self._written_down = 0
+        self._flush_failed = 0
         self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
         # What shared tiers answered recently (size or None, until when): vLLM's scheduler asks about
         # the same prefix again and again, and a remote lookup costs milliseconds to seconds.
@@ -102,6 +129,22 @@ class Pipeline:
     def pending_writeback(self) -> int:
         return self._pending
 
+    def writeback_figures(self) -> WriteBackFigures:
+        """The write-back queue now (no await: the metrics scrape thread calls it through the snapshot)."""
+        b = self.backlog
+        return WriteBackFigures(
+            queue_depth=self._pending,
+            bytes_pending=max(b.used, 0),
+            max_bytes=b.limit if self.write_back else 0,
+            waiting=b.waiting,
+            backpressure_waits=b.waits,
+            backpressure_wait_s=b.wait_s,
+            skipped=self._skipped,
+            written_through=self._through,
+            written=self._written_down,
+            failed=self._flush_failed,
+        )
+
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
             if name in (t.name, t.kind):
@@ -117,15 +160,17 @@ class Pipeline:
     async def close(self) -> None:
         """Finish every pending write-back, then close the tiers (bottom first)."""
         await self.drain()
-        for _ in self._flushers:
-            self._queue.put_nowait(None)
+        self._closing = True
+        self._wake.set()
         await asyncio.gather(*self._flushers, return_exceptions=True)
         for t in reversed(self.tiers):
             await t.close()
         self.staging.close()
 
     async def drain(self) -> None:
-        await self._queue.join()
+        """Wait until every queued write-back has ended."""
+        while self._pending:
+            await self._idle.wait()
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -366,28 +411,45 @@ class Pipeline:
         self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
     ) -> list[BlockResult]:
         self._stamp(k for k, _ in items)
-        top_results = await self.top.write_many(items)
         if len(self.tiers) == 1:
-            return top_results
+            return await self.top.write_many(items)
+        # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks
+        # awaiting write-down; None: the node is saturated and writeback_overflow decides.
+        room = await self._admit([iov_len(src) for _, src in items], durable) if self.write_back else None
+        try:
+            top_results = await self.top.write_many(items)
+        except BaseException:
+            if room:
+                self.backlog.give(room)
+            raise
         results = list(top_results)
         direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
+        skipped: list[BlockKey] = []
         if self.write_back:
             assert self.leasing is not None
-            loop = asyncio.get_running_loop()
             for i, r in enumerate(top_results):
                 if not r.ok:
                     continue
-                lease = self.leasing.lease(items[i][0])
+                key = items[i][0]
+                if room is None:  # saturated: never for a durable dump (it waits for room)
+                    if self.writeback_overflow == "write-through":
+                        direct.append(i)
+                        self._through += 1
+                    else:
+                        skipped.append(key)
+                    continue
+                lease = self.leasing.lease(key)
                 if lease is None:  # evicted already by a concurrent writer; write it down directly
                     direct.append(i)
                     continue
-                fut: asyncio.Future[BlockResult] = loop.create_future()
-                self._inflight.setdefault(items[i][0], []).append(fut)
-                self._pending += 1
-                self._queue.put_nowait(_Flush(items[i][0], lease, fut))
+                nbytes = self._cache_bytes(lease.size)
+                room -= nbytes
+                fut = self._enqueue(key, lease, nbytes)
                 if durable:
                     waits.append((i, fut))
+            if room:  # taken for blocks the top tier refused
+                self.backlog.give(room)
         else:
             direct = list(range(len(items)))
         # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
@@ -403,8 +465,10 @@ class Pipeline:
                 refused = [items[i][0] for i in direct if not top_results[i].ok]
                 if refused:  # an older version may still sit in the top tier: it must not shadow this one
                     await self.top.delete(refused)
-                for i in direct:  # and an older write-back must not land below after this one
-                    await self._settle(items[i][0])
+                for i in direct:  # and an older write-back must not land below after this one:
+                    if top_results[i].ok:  # superseded in the Cache, queued ones end now
+                        self._drop_queued(items[i][0])
+                    await self._settle(items[i][0])  # those under way are waited for
                 lower = await self._write_direct(items, direct, held, owned)
                 # What the lower tiers say decides: stored there is stored (even if the top refused it),
                 # and a write-through that fails below has failed.
@@ -413,11 +477,43 @@ class Pipeline:
         finally:
             for lease in held.values():
                 lease.release()
+        if skipped:
+            await self._skip(skipped)
         for i, fut in waits:
             r = await asyncio.shield(fut)
             if not r.ok:
                 results[i] = r
         return results
+
+    def _cache_bytes(self, size: int) -> int:
+        """What a block of ``size`` bytes holds of the Cache: whole pages."""
+        assert self.leasing is not None
+        arena = self.leasing.arena
+        return arena.pages_for(size) * arena.page_size
+
+    async def _admit(self, sizes: Sequence[int], durable: bool) -> int | None:
+        """Backlog room for a batch (all of it or none): the bytes taken, or ``None`` when the node
+        stayed saturated for ``writeback_wait_s``. A durable batch waits as long as it takes."""
+        nbytes = sum(self._cache_bytes(size) for size in sizes)
+        ok = await self.backlog.take(nbytes, None if durable else self.writeback_wait_s)
+        return nbytes if ok else None
+
+    async def _skip(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks admitted to the Cache only (``cache-only`` on a saturated node): an older version
+        below must not come back once the Cache evicts this one, so it goes (after any write-back of
+        it already under way), and queued write-backs of older versions are dropped."""
+        self._skipped += len(keys)
+        for key in keys:
+            self._drop_queued(key)
+            await self._settle(key)
+        for tier in self.tiers[1:]:
+            sizes = await tier.lookup(keys)
+            present = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
+            if present:
+                try:
+                    await tier.delete(present)
+                except Exception:  # logged: the older copy may come back after an eviction
+                    log.exception("dropping older copies of %d skipped blocks: %s", len(present), tier.name)
 
     async def _write_direct(
         self,
@@ -478,7 +574,22 @@ class Pipeline:
                 results[i] = failed("the block left the Cache before it could be written down")
             else:
                 leases.append((i, lease))
-        if not self.write_back:
+        room: int | None = None
+        if self.write_back:
+            try:
+                room = await self._admit([lease.size for _, lease in leases], durable)
+            except BaseException:
+                for _, lease in leases:
+                    lease.release()
+                raise
+            if room is None and self.writeback_overflow == "cache-only":
+                for _, lease in leases:
+                    lease.release()
+                await self._skip([keys[i] for i, _ in leases])
+                return results
+            if room is None:
+                self._through += len(leases)
+        if room is None:  # write-through, or a saturated node whose policy is write-through
             try:
                 for i, _ in leases:  # an older write-back must not land below after this one
                     await self._settle(keys[i])
@@ -489,13 +600,9 @@ class Pipeline:
             for (i, _), r in zip(leases, lower, strict=True):
                 results[i] = r
             return results
-        loop = asyncio.get_running_loop()
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         for i, lease in leases:
-            fut: asyncio.Future[BlockResult] = loop.create_future()
-            self._inflight.setdefault(keys[i], []).append(fut)
-            self._pending += 1
-            self._queue.put_nowait(_Flush(keys[i], lease, fut))
+            fut = self._enqueue(keys[i], lease, self._cache_bytes(lease.size))
             if durable:
                 waits.append((i, fut))
         for i, fut in waits:
@@ -522,33 +629,101 @@ class Pipeline:
         if earlier:
             await asyncio.gather(*(asyncio.shield(f) for f in earlier))
 
+    def _enqueue(self, key: BlockKey, lease: Lease, nbytes: int) -> asyncio.Future[BlockResult]:
+        """Queue one block's write-back; it holds ``lease`` and ``nbytes`` of the backlog until done."""
+        self._drop_queued(key)
+        fut: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
+        job = _Flush(key, lease, fut, nbytes)
+        self._inflight.setdefault(key, []).append(fut)
+        self._queued.setdefault(key, []).append(job)
+        self._jobs.append(job)
+        self._pending += 1
+        self._idle.clear()
+        self._wake.set()
+        return fut
+
+    def _drop_queued(self, key: BlockKey) -> None:
+        """Queued write-backs of older versions of ``key`` (superseded in the Cache) end now, as a
+        flusher would end them, instead of holding backlog room until their turn comes."""
+        jobs = self._queued.get(key)
+        if not jobs:
+            return
+        keep = []
+        for job in jobs:
+            if job.lease.superseded:
+                self._jobs.remove(job)
+                self._finish(job, OK)
+            else:
+                keep.append(job)
+        if keep:
+            self._queued[key] = keep
+        else:
+            del self._queued[key]
+
+    def _take_batch(self) -> list[_Flush]:
+        """Up to ``flush_batch`` jobs from the front of the queue, distinct keys (one key's
+        versions land in order: a second version waits for the next batch)."""
+        batch: list[_Flush] = []
+        keys: set[BlockKey] = set()
+        while self._jobs and len(batch) < self._flush_batch:
+            job = self._jobs[0]
+            if job.key in keys:
+                break
+            self._jobs.popleft()
+            keys.add(job.key)
+            queued = self._queued.get(job.key)
+            if queued is not None:
+                queued.remove(job)
+                if not queued:
+                    del self._queued[job.key]
+            batch.append(job)
+        return batch
+
+    def _finish(self, job: _Flush, r: BlockResult) -> None:
+        job.lease.release()
+        self.backlog.give(job.nbytes)
+        self._pending -= 1
+        waiting = self._inflight.get(job.key, [])
+        if job.done in waiting:
+            waiting.remove(job.done)
+        if not waiting:
+            self._inflight.pop(job.key, None)
+        if not job.done.done():
+            job.done.set_result(r)
+        if not self._pending:
+            self._idle.set()
+
     async def _flusher(self) -> None:
         while True:
-            job = await self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
-            r = OK
+            if not self._jobs:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._take_batch()
+            results: dict[int, BlockResult] = {}
+            interrupted: BlockResult = failed("write-back interrupted")
             try:
-                await self._settle(job.key, before=job.done)  # one key's versions land in order
-                if not job.lease.superseded:  # deleted or replaced since: the newer state wins
-                    (r,) = await self._write_down([(job.key, job.lease.iov)])
-                    if not r.ok:
-                        log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
+                for job in batch:
+                    await self._settle(job.key, before=job.done)  # one key's versions land in order
+                live = [job for job in batch if not job.lease.superseded]  # else the newer state wins
+                if live:
+                    got = await self._write_down([(job.key, job.lease.iov) for job in live])
+                    for job, r in zip(live, got, strict=True):
+                        results[id(job)] = r
+                        if r.ok:
+                            self._written_down += 1
+                        else:
+                            self._flush_failed += 1
+                            log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
+                interrupted = OK  # superseded jobs
             except Exception as exc:  # a tier bug must not kill the flusher
-                log.exception("write-back of %s crashed", job.key.hex())
-                r = failed(f"write-back error: {exc}")
+                log.exception("write-back of %d blocks crashed", len(batch))
+                interrupted = failed(f"write-back error: {exc}")
             finally:
-                job.lease.release()
-                self._pending -= 1
-                self._queue.task_done()
-                waiting = self._inflight.get(job.key, [])
-                if job.done in waiting:
-                    waiting.remove(job.done)
-                if not waiting:
-                    self._inflight.pop(job.key, None)
-            if not job.done.done():
-                job.done.set_result(r)
+                for job in batch:
+                    self._finish(job, results.get(id(job), interrupted))
 
     # -- other operations -------------------------------------------------------------------------------
     async def delete(self, keys: Sequence[BlockKey]) -> int:

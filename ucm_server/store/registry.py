@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ucm_protocol.errors import ConfigError
 from ucm_server.store.base import Tier, TierContext
@@ -93,6 +93,14 @@ class PipelineConfig(Protocol):
     def staging_bytes(self) -> int: ...
     @property
     def max_block_bytes(self) -> int: ...
+    @property
+    def writeback_max_bytes(self) -> int: ...
+    @property
+    def writeback_wait_s(self) -> float: ...
+    @property
+    def writeback_batch_blocks(self) -> int: ...
+    @property
+    def writeback_overflow(self) -> Literal["cache-only", "write-through"]: ...
     def tier_settings_for(self, name: str) -> Mapping[str, object]: ...
 
 
@@ -136,4 +144,8 @@ def build_pipeline(config: PipelineConfig, executor: Executor) -> Pipeline:
         shared_lookup_ttl_s=config.shared_lookup_ttl_s,
         staging=StagingPool(config.staging_bytes),
         executor=executor,
+        writeback_max_bytes=config.writeback_max_bytes,
+        writeback_wait_s=config.writeback_wait_s,
+        writeback_overflow=config.writeback_overflow,
+        flush_batch=config.writeback_batch_blocks,
     )

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ucm_server.store.arena import Arena, Extent
-from ucm_server.store.base import IoVec, copy_iov
+from ucm_server.store.base import IoVec, copy_all
 
 DEFAULT_CAPACITY = 256 << 20
 PAGE_SIZE = 64 << 10
@@ -124,5 +124,4 @@ class StagingPool:
 
 def copy_pairs(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     """Copy each ``(dst, src)`` pair (run in an executor: one hop for a whole batch)."""
-    for dst, src in pairs:
-        copy_iov(dst, src)
+    copy_all(pairs)

@@ -1,0 +1,51 @@
+"""Issue #13, item 4: the Cache's batch copy (``copy_all``: merged ``memmove`` runs, split over two
+threads when large) moves exactly the bytes the plain segment-by-segment copy moves, whatever the
+segmentation: blocks side by side (runs merge), apart (they do not), empty segments, blocks below the
+run threshold, and batches large enough to be split between two threads (a run cut in the middle)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ucm_server.store.base import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
+
+
+def _cut(view: memoryview, pos: int, size: int, rng: random.Random) -> tuple[list[memoryview], int]:
+    segs: list[memoryview] = []
+    left = size
+    while left:
+        n = min(left, rng.choice([1, 4096, 65536, 1 << 20, left]))
+        segs.append(view[pos : pos + n])
+        pos, left = pos + n, left - n
+        if rng.random() < 0.2:
+            segs.append(view[pos:pos])  # an empty segment
+    return segs, pos
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_copy_all_moves_the_same_bytes_as_copy_iov(seed: int) -> None:
+    rng = random.Random(seed)
+    total = 3 * SPLIT_COPY_BYTES
+    src = bytearray(rng.randbytes(total))
+    fast, slow = bytearray(total), bytearray(total)
+    pairs_fast: list[tuple[IoVec, IoVec]] = []
+    pairs_slow: list[tuple[IoVec, IoVec]] = []
+    spos = dpos = 0
+    while True:
+        size = rng.choice([100, RUN_COPY_MIN - 1, RUN_COPY_MIN, 1 << 20, 3 << 20])
+        if spos + size > total or dpos + size + 4096 > total:
+            break
+        s, spos_next = _cut(memoryview(src), spos, size, rng)
+        d, _ = _cut(memoryview(fast), dpos, size, random.Random(seed * 7 + dpos))
+        d2, dpos_next = _cut(memoryview(slow), dpos, size, random.Random(seed * 7 + dpos))
+        pairs_fast.append((d, s))
+        pairs_slow.append((d2, s))
+        spos = spos_next + (4096 if rng.random() < 0.3 else 0)
+        dpos = dpos_next + (4096 if rng.random() < 0.3 else 0)
+    copy_all(pairs_fast)
+    for d, s in pairs_slow:
+        copy_iov(d, s)
+    assert fast == slow
+    assert any(fast)
