@@ -22,6 +22,7 @@ BENCHMARKS = {
     "load": ["benchmarks.load_bench"],
     "e2e_vllm": ["benchmarks.e2e_vllm"],
     "sparse": ["benchmarks.sparse_bench"],
+    "small_objects": ["benchmarks.small_objects"],
 }
 
 
