@@ -79,13 +79,19 @@ def _find_openat2() -> Callable[..., int] | None:
 
 
 _syscall = _find_openat2()
+_HOWS: dict[tuple[int, int], _OpenHow] = {}
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 
 
 def _openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int:
     """``openat2`` below ``dir_fd``: no symlink anywhere in ``rel``, no escape; raises ``OSError``."""
     assert _syscall is not None
-    how = _OpenHow(flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = int(_syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how)))
+    how = _HOWS.get((flags, mode))
+    if how is None:  # built once per (flags, mode): the struct is read-only to the kernel
+        how = _HOWS[(flags, mode)] = _OpenHow(
+            flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        )
+    fd = int(_syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), _HOW_SIZE))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), rel)

@@ -80,6 +80,7 @@ from ucm_server.store.confined import (
 )
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
+    HEADER_SIZES,
     BlockHeader,
     CorruptBlock,
     UnsupportedFormat,
@@ -316,7 +317,7 @@ class PosixTier(Tier):
             todo.append(i)
         sizes = [self._index[items[i][0]].size if i in todo else 0 for i in range(len(items))]
         job = self._read_group_checked if checked else self._read_group
-        outcomes: list[bool | OSError] = await self._in_groups(
+        outcomes: list[_ReadOutcome] = await self._in_groups(
             job, [items[i] for i in todo], sizes, todo, checked
         )
         for i, outcome in zip(todo, outcomes, strict=True):
@@ -730,18 +731,15 @@ class PosixTier(Tier):
             except OSError as exc:  # a symlinked directory: nothing outside the roots is touched
                 log.warning("posix tier %s: not deleting %s: %s", self.name, p, exc)
 
-    def _read_group(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[bool | OSError]:
+    def _read_group(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[_ReadOutcome]:
         """:meth:`_read_file` of each block (True, or the error it raised), roots opened once."""
-        out: list[bool | OSError] = []
+        out: list[_ReadOutcome] = []
         with DirCache() as roots:
             for key, dest in items:
                 try:
                     fd, size = self._open_key(key, roots)
                     try:
-                        header = read_block_header(
-                            fd, expect=key, max_payload=self.max_block_bytes, size=size
-                        )
-                        _preadv_all(fd, dest, header.header_len)
+                        header = self._read_whole(fd, size, key, dest)
                     finally:
                         os.close(fd)
                     try:
@@ -750,32 +748,46 @@ class PosixTier(Tier):
                         _zero(dest)
                         raise
                     out.append(True)
-                except OSError as exc:
+                except (OSError, CorruptBlock) as exc:
                     out.append(exc)
         return out
 
-    def _read_group_checked(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[bool | OSError]:
+    def _read_group_checked(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[_ReadOutcome]:
         """:meth:`_read_file_checked` of each block (whether it matched, or the error it raised)."""
-        out: list[bool | OSError] = []
+        out: list[_ReadOutcome] = []
         with DirCache() as roots:
             for key, dest in items:
                 try:
                     fd, size = self._open_key(key, roots)
                     try:
-                        header = read_block_header(
-                            fd, expect=key, max_payload=self.max_block_bytes, size=size
-                        )
-                        try:
-                            _preadv_all(fd, dest, header.header_len)
-                            out.append(bool(payload_checksum(dest) == header.checksum))
-                        except BaseException:
-                            _zero(dest)
-                            raise
+                        header = self._read_whole(fd, size, key, dest)
                     finally:
                         os.close(fd)
-                except OSError as exc:
+                    out.append(bool(payload_checksum(dest) == header.checksum))
+                except (OSError, CorruptBlock) as exc:
                     out.append(exc)
         return out
+
+    def _read_whole(self, fd: int, size: int, key: BlockKey, dest: IoVec) -> BlockHeader:
+        """Header and payload of an open block file of ``size`` bytes in one ``preadv`` when the
+        size fits a header of either kind, else header first; the header is checked (key, CRC,
+        ``max_block_bytes``, file size) before the caller trusts anything, and on any error
+        ``dest`` is zeroed (none of the file's bytes stay where they were read)."""
+        try:
+            head_len = size - iov_len(dest)
+            if head_len not in HEADER_SIZES:
+                header = read_block_header(fd, expect=key, max_payload=self.max_block_bytes, size=size)
+                _preadv_all(fd, dest, header.header_len)
+                return header
+            head = bytearray(head_len)
+            _preadv_all(fd, [memoryview(head), *dest], 0)
+            header = decode_header(memoryview(head), expect=key, max_payload=self.max_block_bytes)
+            if header.stored_len != size:
+                raise CorruptBlock(f"file is {size} bytes, header promises {header.stored_len}")
+            return header
+        except BaseException:
+            _zero(dest)
+            raise
 
     def _open_key(self, key: BlockKey, roots: DirCache) -> tuple[int, int]:
         """``key``'s block file opened read-only below its root (confined, regular files only, as
@@ -1000,6 +1012,8 @@ class _Staged:
 
 
 _Outcome = _Staged | OSError
+_ReadOutcome = bool | OSError | CorruptBlock
+"""A batched read's result per block: read (checked: whether the bytes matched), or its error."""
 
 
 def _find_syncfs() -> Callable[[int], int] | None:
