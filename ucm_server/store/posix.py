@@ -4,17 +4,25 @@ Layout: ``<root>/<namespace hex>/<k[0:2]>/<k[2:4]>/<key hex>.blk`` where the roo
 several ``storage_backends`` by key, so blocks stripe across disks. Each file is a header of
 :mod:`ucm_server.store.format` followed by the payload.
 
-Writes use ``O_DIRECT`` when they can (``direct_io``, the default): the block's buffers are 4 KiB
-aligned (the Cache arena's pages and shared-memory regions are), its length is a multiple of 4 KiB,
-and the filesystem accepts the flag. The header is then padded to 4 KiB so the payload stays
-aligned. Skipping the page cache is the point: a buffered write of a 32 MiB block costs the kernel
-about 90 ms of CPU to copy it into the cache, a direct one under 3 ms, and on a node where vLLM
-computes on the same cores that CPU is taken from inference. Anything else is written buffered with
-the 128-byte header; readers take the payload offset from the header, so both kinds coexist.
+Writes use ``O_DIRECT`` when they can (``direct_io``, the default) and it pays: the block is at least
+``direct_min_bytes`` (256 KiB; below that a synchronous device write per block costs more than the page-
+cache copy it saves), its buffers are 4 KiB aligned (the Cache arena's pages and shared-memory regions
+are), its length is a multiple of 4 KiB, and the filesystem accepts the flag. The header is then padded
+to 4 KiB so the payload stays aligned. Skipping the page cache is the point: a buffered write of a 32
+MiB block costs the kernel about 90 ms of CPU to copy it into the cache, a direct one under 3 ms, and on
+a node where vLLM computes on the same cores that CPU is taken from inference. Anything else is written
+buffered with the 128-byte header; readers take the payload offset from the header, so both kinds
+coexist.
 
 Durability: a block is written to a temporary file in its final directory, fsynced, renamed over the
 final name and the directory fsynced, so after any crash a ``.blk`` file is either absent or complete;
-leftover temporary files are removed at start-up. ``durable=False`` skips the fsyncs (faster, and a
+leftover temporary files are removed at start-up. A batch (:meth:`PosixTier.write_many`) is written
+in executor jobs of up to :data:`GROUP_BLOCKS` blocks reusing directory descriptors, and a durable one
+is committed as a group where ``syncfs`` reports errors (Linux >= 5.8): all temporary files written,
+one ``syncfs`` per root (their data is on disk), all renames, one more ``syncfs`` per root (the names
+and any new directories are), then the blocks are acknowledged: two syncs per root per batch, and the
+same guarantee (a visible block is complete; an acknowledged one survives). Elsewhere each file is
+fsynced and each touched directory once per job. ``durable=False`` skips the fsyncs (faster, and a
 power loss may then lose recent blocks, but still never exposes a torn one: the header's length and
 checksum are verified on every read).
 
