@@ -23,6 +23,7 @@ BENCHMARKS = {
     "e2e_vllm": ["benchmarks.e2e_vllm"],
     "sparse": ["benchmarks.sparse_bench"],
     "scale": ["benchmarks.scale_bench"],
+    "small_objects": ["benchmarks.small_objects"],
 }
 
 

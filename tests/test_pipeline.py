@@ -70,7 +70,7 @@ def test_posix_only_pipeline(tmp_path: Path) -> None:
 
 
 def test_corrupted_block_file_is_reported_never_loaded(tmp_path: Path) -> None:
-    size = 64 << 10
+    size = 256 << 10  # from posix direct_min_bytes up, aligned blocks go out with O_DIRECT
     d = DaemonProcess(tmp_path / "ucm")
     with d, UcmClient(d.target) as c, SharedBuffer(size) as buf:
         buf.buf[:] = os.urandom(size)

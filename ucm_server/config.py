@@ -127,8 +127,9 @@ class ServerConfig:
     posix_direct_io: bool = field(
         default=True,
         metadata=_help(
-            "Write Posix block files with O_DIRECT when the block's buffers and the filesystem allow "
-            "it: flushing then skips the page cache and costs almost no CPU. Off: always buffered."
+            "Write Posix block files of 256 KiB and more with O_DIRECT when the block's buffers and the "
+            "filesystem allow it: flushing then skips the page cache and costs almost no CPU (smaller "
+            "blocks are faster buffered). Off: always buffered."
         ),
     )
     posix_index_wait_s: float = field(

@@ -367,6 +367,11 @@ class Tier(abc.ABC):
         """Write a batch. Default: ``write_from`` per block, ``max_concurrency`` at a time."""
         return await bounded_gather(self.max_concurrency, [self.write_from(k, s) for k, s in items])
 
+    async def read_checked_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult | None]:
+        """:meth:`read_checked` for a batch. Default: one block at a time, ``max_concurrency`` at
+        once; a tier overrides it to batch (the Posix tier: one executor job per group of blocks)."""
+        return await bounded_gather(self.max_concurrency, [self.read_checked(k, d) for k, d in items])
+
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         """Read a block straight into memory the daemon does not own (a client's region) and check
         it there, deciding nothing about the stored copy from what ``dest`` holds: OK when the bytes

@@ -7,7 +7,8 @@ would land outside the data directory), a symlink in place of a block file (a re
 
 - no symlink is followed: a symlinked component fails the operation (``ELOOP`` / ``ENOTDIR``) instead;
 - files are opened ``O_NOFOLLOW | O_NONBLOCK`` and kept only if ``fstat`` says they are regular
-  (:class:`NotRegularFile` otherwise, naming the kind), so neither a FIFO nor a device can hang us;
+  (:class:`NotRegularFile` otherwise, naming the kind), so neither a FIFO nor a device can hang us
+  (``O_NONBLOCK`` has no effect on a regular file's reads and writes, so it is not cleared);
 - a directory created on the way is made durable by fsyncing its parent (only when one was really
   created: opening existing directories costs no fsync).
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +32,17 @@ from pathlib import Path
 
 from ucm_server.api.paths import make_private_dirs
 
-__all__ = ["NotRegularFile", "file_kind", "open_block", "open_dir", "open_regular", "parent_dir"]
+__all__ = [
+    "DirCache",
+    "NotRegularFile",
+    "file_kind",
+    "open_block",
+    "open_block_sized",
+    "open_dir",
+    "open_regular",
+    "open_regular_sized",
+    "parent_dir",
+]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -69,13 +79,19 @@ def _find_openat2() -> Callable[..., int] | None:
 
 
 _syscall = _find_openat2()
+_HOWS: dict[tuple[int, int], _OpenHow] = {}
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 
 
 def _openat2(dir_fd: int, rel: str, flags: int, mode: int = 0) -> int:
     """``openat2`` below ``dir_fd``: no symlink anywhere in ``rel``, no escape; raises ``OSError``."""
     assert _syscall is not None
-    how = _OpenHow(flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = int(_syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), ctypes.sizeof(how)))
+    how = _HOWS.get((flags, mode))
+    if how is None:  # built once per (flags, mode): the struct is read-only to the kernel
+        how = _HOWS[(flags, mode)] = _OpenHow(
+            flags, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+        )
+    fd = int(_syscall(_SYS_OPENAT2, dir_fd, os.fsencode(rel), ctypes.byref(how), _HOW_SIZE))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), rel)
@@ -156,6 +172,61 @@ def open_dir(root: Path, parts: Sequence[str], *, create: bool = False, sync_cre
     return fd
 
 
+class DirCache:
+    """Directory descriptors below one or more roots, opened one component at a time relative to
+    their (cached) parent with ``O_NOFOLLOW | O_DIRECTORY`` and kept for a batch of operations, so
+    a batch of blocks costs one open (or mkdir + open) per directory it touches, not a walk per block.
+    Refuses what :func:`open_dir` refuses; close it (or use it as a context manager) when done."""
+
+    def __init__(self, *, create: bool = False, sync_created: bool = False) -> None:
+        self.create = create
+        self.sync_created = sync_created
+        self._fds: dict[tuple[Path, tuple[str, ...]], int] = {}
+
+    def __enter__(self) -> DirCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def get(self, root: Path, parts: tuple[str, ...]) -> int:
+        """The descriptor of ``root/parts...`` (owned by the cache: do not close it)."""
+        fd = self._fds.get((root, parts))
+        if fd is not None:
+            return fd
+        if not parts:
+            fd = open_dir(root, (), create=self.create)
+        else:
+            part = parts[-1]
+            if part in ("", ".", "..") or "/" in part:
+                raise OSError(errno.EINVAL, "path component not allowed", str(root.joinpath(*parts)))
+            fd = self._open_child(self.get(root, parts[:-1]), part, root, parts)
+        self._fds[(root, parts)] = fd
+        return fd
+
+    def _open_child(self, parent: int, part: str, root: Path, parts: tuple[str, ...]) -> int:
+        try:
+            try:
+                return os.open(part, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                if not self.create:
+                    raise
+            with contextlib.suppress(FileExistsError):  # a concurrent writer made it first
+                os.mkdir(part, 0o700, dir_fd=parent)
+                if self.sync_created:
+                    os.fsync(parent)
+            return os.open(part, _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in _REFUSED:
+                raise _refused(exc, root.joinpath(*parts)) from None
+            raise
+
+
 @contextlib.contextmanager
 def parent_dir(
     root: Path, parts: Sequence[str], *, create: bool = False, sync_created: bool = False
@@ -173,12 +244,24 @@ def open_block(root: Path, parts: Sequence[str], flags: int) -> int:
     """Open the regular file ``root/parts...`` (no symlink followed below ``root``, the file
     included); :class:`NotRegularFile` for a symlink, FIFO, socket or device there."""
     if _syscall is None:
-        with parent_dir(root, parts) as dfd:
-            return open_regular(parts[-1], flags, dir_fd=dfd, shown=str(root.joinpath(*parts)))
-    rel = "/".join(parts)
+        return open_block_sized(-1, root, parts, flags)[0]
     rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = _openat2(rfd, rel, flags | _FILE_FLAGS)
+        return open_block_sized(rfd, root, parts, flags)[0]
+    finally:
+        os.close(rfd)
+
+
+def open_block_sized(root_fd: int, root: Path, parts: Sequence[str], flags: int) -> tuple[int, int]:
+    """:func:`open_block` below ``root_fd`` (a descriptor of ``root`` the caller keeps open across a
+    batch; ignored where ``openat2`` is missing), and the file's size from the ``fstat`` that proved
+    it regular (so a reader need not ask again)."""
+    if _syscall is None:
+        with parent_dir(root, parts) as dfd:
+            return open_regular_sized(parts[-1], flags, dir_fd=dfd, shown=str(root.joinpath(*parts)))
+    rel = "/".join(parts)
+    try:
+        fd = _openat2(root_fd, rel, flags | _FILE_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # the file or a directory on the way is a symlink
             raise NotRegularFile(str(root / rel), "symlink") from None
@@ -187,36 +270,41 @@ def open_block(root: Path, parts: Sequence[str], flags: int) -> int:
         if exc.filename == rel:
             exc.filename = str(root / rel)  # name the whole path in messages
         raise
-    finally:
-        os.close(rfd)
-    return _keep_regular(fd, flags, "")
+    return _keep_regular(fd, "")
 
 
 def open_regular(name: str, flags: int, *, dir_fd: int, mode: int = 0o600, shown: str = "") -> int:
     """Open ``name`` in ``dir_fd`` only if it is a regular file, without following a symlink.
 
-    ``O_NONBLOCK`` makes opening a FIFO return at once; it is cleared again once ``fstat`` showed a
-    regular file. Raises :class:`NotRegularFile` (an ``OSError``) for anything else.
+    ``O_NONBLOCK`` makes opening a FIFO return at once (on a regular file it has no effect, so it
+    is left set). Raises :class:`NotRegularFile` (an ``OSError``) for anything else.
     """
+    return open_regular_sized(name, flags, dir_fd=dir_fd, mode=mode, shown=shown)[0]
+
+
+def open_regular_sized(
+    name: str, flags: int, *, dir_fd: int, mode: int = 0o600, shown: str = ""
+) -> tuple[int, int]:
+    """:func:`open_regular` and the file's size."""
     try:
         fd = os.open(name, flags | _FILE_FLAGS, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotRegularFile(shown or name, "symlink") from None
         raise
-    return _keep_regular(fd, flags, shown or name)
+    return _keep_regular(fd, shown or name)
 
 
-def _keep_regular(fd: int, flags: int, shown: str) -> int:
-    """``fd`` if ``fstat`` says regular file (``O_NONBLOCK`` cleared again), else closed and refused
-    (named ``shown``, or by the descriptor's own path when empty)."""
+def _keep_regular(fd: int, shown: str) -> tuple[int, int]:
+    """``fd`` and its size if ``fstat`` says regular file, else closed and refused (named
+    ``shown``, or by the descriptor's own path when empty). ``O_NONBLOCK`` stays: reads and writes
+    of a regular file ignore it, and clearing it cost a syscall per block on the data path."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             where = shown or str(Path(f"/proc/self/fd/{fd}").readlink())
             raise NotRegularFile(where, file_kind(st.st_mode))
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)  # the status flags we asked for
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_size

@@ -41,7 +41,6 @@ from ucm_server.store.base import (
     BlockState,
     IoVec,
     Tier,
-    bounded_gather,
     failed,
     iov_len,
 )
@@ -331,8 +330,8 @@ class Pipeline:
         got: list[BlockResult | None] = [None] * len(batch)
         direct = [j for j in range(len(batch)) if j not in reservations]
         if direct:  # not promoted: straight into the caller's memory where the tier checks it there
-            checked = [tier.read_checked(batch[j][0], batch[j][1]) for j in direct]
-            for j, r in zip(direct, await bounded_gather(tier.max_concurrency, checked), strict=True):
+            checked = await tier.read_checked_many([batch[j] for j in direct])
+            for j, r in zip(direct, checked, strict=True):
                 got[j] = r
         bounced = [j for j in direct if got[j] is None]
         if not reservations and not bounced:
