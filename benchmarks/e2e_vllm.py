@@ -328,7 +328,9 @@ def _table(
         f"Run: `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
         + "\n".join(rows)
         + f"\n\nCold TTFTs: {fmt(ttft['cold'])} s; warm: {fmt(ttft['warm'])} s; "
-        f"own hit: {fmt(ttft['own'])} s.\n" + (_batch_notes(batch, fmt) if batch["active"] else "")
+        f"own hit: {fmt(ttft['own'])} s.\n"
+        + _breakdown_notes(ttft, fmt)
+        + (_batch_notes(batch, fmt) if batch["active"] else "")
     )
 
 
@@ -367,6 +369,14 @@ def _batch_notes(batch: dict[str, Any], fmt: Any) -> str:
         "sides of each ratio see the same neighbours; separate-process comparisons on this machine swing by\n"
         "several times between identical runs.\n"
     )
+
+
+def _breakdown_notes(ttft: dict[str, Any], fmt: Any) -> str:
+    if not ttft.get("parts"):
+        return ""
+    waits = [p["wait"] for p in ttft["parts"]]
+    copies = [p["copy"] for p in ttft["parts"]]
+    return f"Warm requests' wait for load: {fmt(waits)} s; the daemon's copy: {fmt(copies)} s.\n"
 
 
 def _breakdown_rows(ttft: dict[str, Any]) -> list[str]:
