@@ -114,7 +114,7 @@ def _drain_and_reset(llm: Any) -> None:
     raise RuntimeError("vLLM's prefix cache could not be reset (blocks still held)")
 
 
-BREAKDOWN_PARTS = ("lookup", "plan", "submit", "wait", "copy", "daemon_faults")
+BREAKDOWN_PARTS = ("lookup", "plan", "submit", "wait", "other", "copy", "daemon_faults")
 """Where a warm request's time goes, as timed by ``_install_breakdown``; the rest is vLLM's own work."""
 
 
@@ -125,7 +125,8 @@ def _install_breakdown() -> dict[str, float]:
     ``update_state_after_alloc`` and ``build_connector_meta``; ``submit``: the worker's
     ``start_load_kv`` (the Load RPC); ``wait``: ``wait_for_layer_load`` (vLLM blocked until the
     copy ended); ``copy``: the daemon's own time for the load tasks waited for (``TaskResult``'s
-    ``elapsed_s``, from submission to end inside the daemon). Nothing is wrapped unless asked for.
+    ``elapsed_s``, from submission to end inside the daemon); ``other``: the connector's remaining
+    hooks (saves, ``get_finished``, ``request_finished``, stats). Nothing is wrapped unless asked for.
     """
     import functools
 
@@ -152,6 +153,14 @@ def _install_breakdown() -> dict[str, float]:
     timed(UCMConnector, "build_connector_meta", "plan")
     timed(UCMConnector, "start_load_kv", "submit")
     timed(UCMConnector, "wait_for_layer_load", "wait")
+    for method in (
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+        "request_finished",
+        "get_kv_connector_stats",
+    ):
+        timed(UCMConnector, method, "other")
     wait = UcmClient.wait
 
     @functools.wraps(wait)
@@ -400,9 +409,10 @@ def _breakdown_rows(ttft: dict[str, Any]) -> list[str]:
     )
     ms = {part: value * 1000 for part, value in median.items()}
     return [
-        f"| warm request's time: lookup / plan / submit / wait for load / rest (vLLM's scheduling, forward "
-        f"of the last token, sampling) | {ms['lookup']:.1f} / {ms['plan']:.1f} / {ms['submit']:.1f} / "
-        f"{ms['wait']:.1f} / {rest * 1000:.1f} ms | | |",
+        f"| warm request's time: lookup / plan / submit / wait for load / other connector hooks / rest "
+        f"(vLLM's scheduling, forward of the uncached tokens, sampling) | {ms['lookup']:.1f} / "
+        f"{ms['plan']:.1f} / {ms['submit']:.1f} / {ms['wait']:.1f} / {ms['other']:.1f} / "
+        f"{rest * 1000:.1f} ms | | |",
         f"| … of which the daemon's copy (task time inside the daemon, from submission to end) | "
         f"{ms['copy']:.1f} ms | | |",
         f"| … the daemon's minor page faults during a warm request (first writes into KV-cache pages its "
