@@ -42,6 +42,7 @@ from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
+from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.regions import (
     Region,
     RegionTable,
@@ -95,7 +96,9 @@ class Engine:
         self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
         self.pipeline = pipeline or build_pipeline(config, self.executor)
         self.regions = RegionTable(
-            max_regions=config.max_session_regions, max_bytes=config.max_session_region_bytes
+            max_regions=config.max_session_regions,
+            max_bytes=config.max_session_region_bytes,
+            prefaulter=RegionPrefaulter(config.region_prefault),
         )
         self.handovers = HandoverTable(config.max_pending_handovers)
         self.upkeep = Upkeep(self.pipeline, self._keys)
@@ -155,6 +158,8 @@ class Engine:
         await self.gpu.close()
         await self.pipeline.close()
         self.handovers.close()
+        if self.regions.prefaulter is not None:
+            self.regions.prefaulter.close()
         self.executor.shutdown(wait=True)
         self.metrics.close()
 

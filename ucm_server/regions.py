@@ -36,6 +36,7 @@ import numpy as np
 
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from ucm_server.gpu.region import GpuRegion
+from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.store.base import IoVec
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,11 @@ class SegmentColumns:
 class RegionTable:
     """All registered regions, by id, with per-session ownership."""
 
-    def __init__(self, *, max_regions: int = 4096, max_bytes: int = 1 << 40) -> None:
+    def __init__(
+        self, *, max_regions: int = 4096, max_bytes: int = 1 << 40, prefaulter: RegionPrefaulter | None = None
+    ) -> None:
+        self.prefaulter = prefaulter
+        """Populates new regions' page tables in the background (see :mod:`ucm_server.region_prefault`)."""
         self._regions: dict[int, Region | GpuRegion] = {}
         self._ids = itertools.count(1)
         self._gpu = 0  # GPU regions registered: host-only daemons skip the GPU check entirely
@@ -172,6 +177,8 @@ class RegionTable:
             owner_pid=pid,
         )
         self._insert(region)
+        if self.prefaulter is not None:
+            self.prefaulter.add(view, fd, lambda: region.closing)
         log.debug(
             "registered region %d (%d bytes from pid %d uid %d) for session %s",
             region.region_id,
