@@ -32,6 +32,7 @@ from pathlib import Path
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
+from ucm_server.api.paths import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class TenantLedger:
             finally:
                 os.close(fd)
             if created:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
 
     def _rewrite(self, owner: dict[bytes, str]) -> None:
         data = (json.dumps({"namespaces": {ns.hex(): t for ns, t in owner.items()}}) + "\n").encode()
@@ -157,7 +158,7 @@ class TenantLedger:
             finally:
                 os.close(fd)
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
 
 def read_ledger(path: Path) -> dict[bytes, str]:
@@ -248,10 +249,3 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         view = view[os.write(fd, view) :]
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

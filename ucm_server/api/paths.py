@@ -6,6 +6,7 @@ path re-exports them until 0.2); ``make_private_dirs`` is the daemon's own and s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ucm_protocol.paths import default_data_dir, default_socket_path, target_for
@@ -28,3 +29,12 @@ def make_private_dirs(path: Path) -> None:
     except FileExistsError:
         if not path.is_dir():
             raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (a new or renamed file in it survives power loss)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

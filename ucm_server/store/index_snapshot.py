@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ucm_server.api.paths import fsync_dir
+
 MAGIC = b"UCMISNAP"
 VERSION = 1
 SNAPSHOT_NAME = "index.snapshot"
@@ -72,7 +74,7 @@ def take_marker(root: Path) -> bytes | None:
             os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    _fsync_dir(root)
+    fsync_dir(root)
     return epoch if epoch is not None and len(epoch) == 16 else None
 
 
@@ -172,10 +174,3 @@ def _replace(root: Path, name: str, parts: list[bytes], *, durable: bool) -> Non
     finally:
         os.close(dfd)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -635,9 +635,8 @@ class PosixTier(Tier):
                 continue
             sizes[i] = entry.size
             todo.append(i)
-        job = self._read_group_checked if checked else self._read_group
         outcomes: list[_ReadOutcome] = await self._in_groups(
-            job, [items[i] for i in todo], sizes, todo, checked
+            self._read_group, [items[i] for i in todo], sizes, todo, checked
         )
         for i, outcome in zip(todo, outcomes, strict=True):
             key = items[i][0]
@@ -1058,8 +1057,10 @@ class PosixTier(Tier):
             except OSError as exc:  # a symlinked directory: nothing outside the roots is touched
                 log.warning("posix tier %s: not deleting %s: %s", self.name, p, exc)
 
-    def _read_group(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[_ReadOutcome]:
-        """:meth:`_read_file` of each block (True, or the error it raised), roots opened once."""
+    def _read_group(self, items: list[tuple[BlockKey, IoVec]], checked: bool) -> list[_ReadOutcome]:
+        """Each block of a group read into the caller's memory, roots opened once: True (payload
+        verified), or with ``checked`` whether the bytes there matched the header's checksum (see
+        :meth:`_read_file_checked`), or the error it raised."""
         out: list[_ReadOutcome] = []
         with DirCache() as roots:
             for key, dest in items:
@@ -1069,28 +1070,15 @@ class PosixTier(Tier):
                         header = self._read_whole(fd, size, key, dest)
                     finally:
                         os.close(fd)
+                    if checked:
+                        out.append(bool(payload_checksum(dest) == header.checksum))
+                        continue
                     try:
                         verify_payload(header, dest)
                     except CorruptBlock:
                         _zero(dest)
                         raise
                     out.append(True)
-                except (OSError, CorruptBlock) as exc:
-                    out.append(exc)
-        return out
-
-    def _read_group_checked(self, items: list[tuple[BlockKey, IoVec]], _: bool) -> list[_ReadOutcome]:
-        """:meth:`_read_file_checked` of each block (whether it matched, or the error it raised)."""
-        out: list[_ReadOutcome] = []
-        with DirCache() as roots:
-            for key, dest in items:
-                try:
-                    fd, size = self._open_key(key, roots)
-                    try:
-                        header = self._read_whole(fd, size, key, dest)
-                    finally:
-                        os.close(fd)
-                    out.append(bool(payload_checksum(dest) == header.checksum))
                 except (OSError, CorruptBlock) as exc:
                     out.append(exc)
         return out
@@ -1416,13 +1404,6 @@ def _zero(dest: IoVec) -> None:
     for seg in dest:
         seg[:] = bytes(seg.nbytes)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _block_key(key: bytes) -> BlockKey:
