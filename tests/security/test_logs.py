@@ -101,8 +101,15 @@ def test_admin_output_shows_no_control_characters(daemon_fmt: DaemonProcess) -> 
             )
             assert proc.returncode == 0, proc.stderr
             out = proc.stdout + proc.stderr
-            assert "\x1b" not in out and FORGED not in out
-            assert "sessions" in out
+            assert "\x1b" not in out and "\u202e" not in out and "\x00" not in out
+            assert not any(line.startswith(FORGED) for line in out.splitlines()), "a forged line"
+            # The hostile session is listed, its name escaped: its newline is the two characters
+            # backslash-n, so the forged text stays on the client's own line.
+            if mode:
+                (listed,) = json.loads(proc.stdout)["session_list"]
+                assert listed["client_name"].startswith("vllm-worker\\n2026-12-01"), listed
+            else:
+                assert "vllm-worker\\n2026-12-01" in out, out
     _alive(d)
 
 

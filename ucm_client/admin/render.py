@@ -96,6 +96,10 @@ def stats_dict(resp: Any, target: str) -> Json:
         "lookup_hit_rate": ratio(resp.lookup_hits, resp.lookup_keys),
         "pending_writeback": resp.pending_writeback,
         "tiers": [tier_dict(t) for t in resp.tiers],
+        "session_list": [
+            {"client_name": s.client_name, "pid": s.pid, "tenant": s.tenant, "age_s": round(s.age_s, 3)}
+            for s in resp.session_list
+        ],
     }
 
 
@@ -143,8 +147,26 @@ def stats_table(stats: Json, rates: dict[str, tuple[float, float]] | None = None
     return table
 
 
+def sessions_table(stats: Json) -> Table:
+    """One row per attached session; a client's name is its own text, shown escaped and capped."""
+    table = Table(show_edge=False, header_style="bold")
+    for name in ("CLIENT", "PID", "TENANT", "ATTACHED"):
+        table.add_column(name, justify="right" if name == "PID" else "left", no_wrap=True)
+    for s in stats.get("session_list", []):
+        table.add_row(
+            shown(s["client_name"], 64),
+            str(s["pid"]),
+            shown(s["tenant"] or "-", 64),
+            human_duration(s["age_s"]),
+        )
+    return table
+
+
 def stats_view(stats: Json, rates: dict[str, tuple[float, float]] | None = None) -> RenderableType:
-    return Group(stats_summary(stats), stats_table(stats, rates))
+    parts: list[RenderableType] = [stats_summary(stats), stats_table(stats, rates)]
+    if stats.get("session_list"):
+        parts.append(sessions_table(stats))
+    return Group(*parts)
 
 
 def _alarm(n: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from grpc import aio
@@ -52,6 +53,7 @@ class AdminServicer(rpc.AdminServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: aio.ServicerContext) -> pb.StatsResponse:
         snap = self.engine.snapshot()
+        now = time.time()
         tiers = [tier_stats(tier) for tier in snap.tiers]
         if tiers and snap.writeback.max_bytes:  # the write-back queue drains the top tier's blocks
             tiers[0].extra.update(snap.writeback.as_extra())
@@ -69,6 +71,12 @@ class AdminServicer(rpc.AdminServicer):
             lookup_hits=snap.lookup_hits,
             pending_writeback=snap.pending_writeback,
             store_pipeline=snap.store_pipeline,
+            session_list=[
+                pb.SessionInfo(
+                    client_name=s.client_name, pid=s.pid, tenant=s.tenant, age_s=now - s.attached_at
+                )
+                for s in sorted(list(self.engine.sessions.values()), key=lambda s: s.attached_at)
+            ],
         )
 
     async def ListBlocks(

@@ -314,7 +314,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline")
+    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline", "session_list")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class StatsResponse(_message.Message):
     LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
     PENDING_WRITEBACK_FIELD_NUMBER: _ClassVar[int]
     STORE_PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -341,7 +342,20 @@ class StatsResponse(_message.Message):
     lookup_hits: int
     pending_writeback: int
     store_pipeline: str
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ...) -> None: ...
+    session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("client_name", "pid", "tenant", "age_s")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    tenant: str
+    age_s: float
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "key", "size", "tiers", "stored_at", "checksum", "has_checksum")
