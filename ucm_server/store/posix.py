@@ -547,25 +547,14 @@ class PosixTier(Tier):
         want = iov_len(dest)
         if want != entry.size:
             return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        outcome: _ReadOutcome = True
         try:
             await self._run(self._read_file, self.path_of(key), key, dest)
-        except FileNotFoundError:
-            self._forget(key)  # evicted or deleted under us
-            self._stats.misses += 1
-            return MISSING
-        except UnsupportedFormat as exc:
-            self._forget(key)  # not ours to read, nor to quarantine
-            return failed(f"{self.name}: {exc}")
-        except CorruptBlock as exc:
-            await self._quarantine(key, str(exc))
-            return failed(f"corrupt block in {self.name}: {exc}")
-        except OSError as exc:
-            self._stats.errors += 1
-            return failed(f"{self.name} read error: {exc.strerror or exc}")
-        self._index.move_to_end(key)
-        self._stats.hits += 1
-        self._stats.read_bytes += entry.size
-        return OK
+        except (OSError, CorruptBlock) as exc:
+            outcome = exc
+        result = await self._read_result(key, outcome, entry.size)
+        assert result is not None  # only a checked read answers "not matched"
+        return result
 
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         if not self.client_reads:
@@ -579,25 +568,33 @@ class PosixTier(Tier):
             return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
         try:
             matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
-        except FileNotFoundError:
-            self._forget(key)
+        except (OSError, CorruptBlock) as exc:  # a corrupt header or length was read into daemon memory
+            return await self._read_result(key, exc, entry.size)
+        return await self._read_result(key, matched, entry.size)
+
+    async def _read_result(self, key: BlockKey, outcome: _ReadOutcome, size: int) -> BlockResult | None:
+        """What one block's read means for the caller and the tier (one place for the single-block
+        and the batched reads): True read (and verified), False read but not matching in the
+        caller's memory (None: read it again through daemon memory), or the error it raised."""
+        if outcome is True:
+            self._index.move_to_end(key)
+            self._stats.hits += 1
+            self._stats.read_bytes += size
+            return OK
+        if outcome is False:
+            return None
+        if isinstance(outcome, FileNotFoundError):
+            self._forget(key)  # evicted or deleted under us
             self._stats.misses += 1
             return MISSING
-        except UnsupportedFormat as exc:
-            self._forget(key)
-            return failed(f"{self.name}: {exc}")
-        except CorruptBlock as exc:  # header or file length: read into daemon memory, so it is the file
-            await self._quarantine(key, str(exc))
-            return failed(f"corrupt block in {self.name}: {exc}")
-        except OSError as exc:
-            self._stats.errors += 1
-            return failed(f"{self.name} read error: {exc.strerror or exc}")
-        if not matched:
-            return None
-        self._index.move_to_end(key)
-        self._stats.hits += 1
-        self._stats.read_bytes += entry.size
-        return OK
+        if isinstance(outcome, UnsupportedFormat):
+            self._forget(key)  # not ours to read, nor to quarantine
+            return failed(f"{self.name}: {outcome}")
+        if isinstance(outcome, CorruptBlock):
+            await self._quarantine(key, str(outcome))
+            return failed(f"corrupt block in {self.name}: {outcome}")
+        self._stats.errors += 1
+        return failed(f"{self.name} read error: {outcome.strerror or outcome}")
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """:meth:`read_into` for a batch, in executor jobs of many blocks (see :meth:`_read_batch`)."""
@@ -639,27 +636,7 @@ class PosixTier(Tier):
             self._read_group, [items[i] for i in todo], sizes, todo, checked
         )
         for i, outcome in zip(todo, outcomes, strict=True):
-            key = items[i][0]
-            if outcome is True:
-                self._index.move_to_end(key)
-                self._stats.hits += 1
-                self._stats.read_bytes += sizes[i]
-                results[i] = OK
-            elif outcome is False:
-                results[i] = None
-            elif isinstance(outcome, FileNotFoundError):
-                self._forget(key)  # evicted or deleted under us
-                self._stats.misses += 1
-            elif isinstance(outcome, UnsupportedFormat):
-                self._forget(key)  # not ours to read, nor to quarantine
-                results[i] = failed(f"{self.name}: {outcome}")
-            elif isinstance(outcome, CorruptBlock):
-                await self._quarantine(key, str(outcome))
-                results[i] = failed(f"corrupt block in {self.name}: {outcome}")
-            else:
-                assert isinstance(outcome, OSError)
-                self._stats.errors += 1
-                results[i] = failed(f"{self.name} read error: {outcome.strerror or outcome}")
+            results[i] = await self._read_result(items[i][0], outcome, sizes[i])
         return results
 
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
