@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 from support.blocks import NS, blocks_in
 from support.tls import self_signed, tcp_port
+from support.tokens import tokens_file
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_client.errors import PermissionDenied, Unauthenticated, Unavailable
@@ -17,17 +17,15 @@ from ucm_server.testing.daemon import DaemonProcess
 TOKENS = {"alice": "tok-alice-5b2f", "bob": "tok-bob-91c3", "ops": "tok-ops-77aa"}
 
 
-def _tokens_file(path: Path, quota: str = "0") -> Path:
-    def sha(t: str) -> str:
-        return hashlib.sha256(t.encode()).hexdigest()
-
-    path.write_text(
-        "tokens:\n"
-        f"  - {{token_sha256: {sha(TOKENS['alice'])}, tenant: alice, quota: {quota}}}\n"
-        f"  - {{token_sha256: {sha(TOKENS['bob'])}, tenant: bob}}\n"
-        f"  - {{token_sha256: {sha(TOKENS['ops'])}, tenant: '', admin: true}}\n"
+def _tokens_file(path: Path, quota: str | int = 0) -> Path:
+    return tokens_file(
+        path,
+        [
+            (TOKENS["alice"], "alice", {"quota": quota}),
+            (TOKENS["bob"], "bob", {}),
+            (TOKENS["ops"], "", {"admin": True}),
+        ],
     )
-    return path
 
 
 @pytest.fixture

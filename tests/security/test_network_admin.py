@@ -10,7 +10,6 @@ tokens, only an admin token may call Admin over TCP; over the Unix socket admin 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -22,6 +21,7 @@ import grpc
 import pytest
 from support.blocks import NS
 from support.tls import self_signed, tcp_port
+from support.tokens import tokens_file
 
 from ucm_client import UcmClient, key_digest
 from ucm_client.errors import PermissionDenied
@@ -134,15 +134,7 @@ def test_anonymous_tcp_peer_is_never_admin(
 
 
 def _tokens(path: Path) -> Path:
-    def sha(t: str) -> str:
-        return hashlib.sha256(t.encode()).hexdigest()
-
-    path.write_text(
-        "tokens:\n"
-        f"  - {{token_sha256: {sha(ADMIN_TOKEN)}, tenant: '', admin: true}}\n"
-        f"  - {{token_sha256: {sha(TENANT_TOKEN)}, tenant: team}}\n"
-    )
-    return path
+    return tokens_file(path, [(ADMIN_TOKEN, "", {"admin": True}), (TENANT_TOKEN, "team", {})])
 
 
 def test_with_tokens_only_an_admin_token_is_admin_over_tcp(tmp_path: Path, tls: tuple[Path, Path]) -> None:

@@ -10,13 +10,13 @@ healthy. The tests push past each limit as a runaway client would.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
 
 import pytest
 from support.blocks import NS
+from support.tokens import tokens_file
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import ResourceExhausted
@@ -92,15 +92,7 @@ def test_sessions_past_the_daemon_limit_are_refused_cleanly(tmp_path: Path) -> N
 
 
 def _tokens(path: Path) -> Path:
-    def sha(t: str) -> str:
-        return hashlib.sha256(t.encode()).hexdigest()
-
-    path.write_text(
-        "tokens:\n"
-        f"  - {{token_sha256: {sha('tok-a')}, tenant: team-a}}\n"
-        f"  - {{token_sha256: {sha('tok-b')}, tenant: team-b}}\n"
-    )
-    return path
+    return tokens_file(path, [("tok-a", "team-a", {}), ("tok-b", "team-b", {})])
 
 
 def test_one_tenant_cannot_take_every_session(tmp_path: Path) -> None:

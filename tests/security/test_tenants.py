@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support.blocks import NS, blocks_in
+from support.tokens import tokens_file
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import ResourceExhausted
@@ -36,14 +37,11 @@ TOKENS = {ALICE: "tok-long-alice", BOB: "tok-long-bob", PREFIX: "tok-prefix", ""
 KIB64 = 64 << 10
 
 
-def _tokens_file(path: Path, quota: str = "0") -> Path:
-    lines = ["tokens:"]
-    for tenant, token in TOKENS.items():
-        sha = hashlib.sha256(token.encode()).hexdigest()
-        extra = ", admin: true" if not tenant else f", quota: {quota}" if tenant == ALICE else ""
-        lines.append(f"  - {{token_sha256: {sha}, tenant: {json.dumps(tenant)}{extra}}}")
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def _tokens_file(path: Path, quota: str | int = 0) -> Path:
+    def extra(tenant: str) -> dict[str, object]:
+        return {"admin": True} if not tenant else {"quota": quota} if tenant == ALICE else {}
+
+    return tokens_file(path, [(token, tenant, extra(tenant)) for tenant, token in TOKENS.items()])
 
 
 @pytest.fixture
