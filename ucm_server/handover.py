@@ -3,7 +3,7 @@
 A client never names memory for the daemon to open (a name lets anyone who can reach the daemon map
 anything the daemon's user can open). It passes the memory itself: a memfd sealed with
 ``F_SEAL_SHRINK``, sent over ``<socket path>.fds`` with ``SCM_RIGHTS`` (wire format in
-:mod:`ucm_server.api.fdpass`). The seal is what keeps the daemon alive: memory that cannot shrink can
+:mod:`ucm_protocol.fdpass`). The seal is what keeps the daemon alive: memory that cannot shrink can
 never vanish under the daemon's mapping, so no ``SIGBUS``, whatever the client does to its own copy.
 
 The listener checks the peer (``SO_PEERCRED``: the daemon's own uid, or root) and the descriptor (a
