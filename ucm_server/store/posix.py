@@ -539,7 +539,9 @@ class PosixTier(Tier):
             return await super().lookup_digests(namespace, digests)
         return self._sizes.lookup_digests(namespace, digests)
 
-    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+    async def _sized_entry(self, key: BlockKey, dest: IoVec) -> Stamp | BlockResult:
+        """The indexed entry of ``key`` when ``dest`` has its size; else the answer to give (missing,
+        or a length mismatch)."""
         entry = await self._entry(key)
         if entry is None:
             self._stats.misses += 1
@@ -547,6 +549,12 @@ class PosixTier(Tier):
         want = iov_len(dest)
         if want != entry.size:
             return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        return entry
+
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        entry = await self._sized_entry(key, dest)
+        if isinstance(entry, BlockResult):
+            return entry
         outcome: _ReadOutcome = True
         try:
             await self._run(self._read_file, self.path_of(key), key, dest)
@@ -559,13 +567,9 @@ class PosixTier(Tier):
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         if not self.client_reads:
             return None
-        entry = await self._entry(key)
-        if entry is None:
-            self._stats.misses += 1
-            return MISSING
-        want = iov_len(dest)
-        if want != entry.size:
-            return failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+        entry = await self._sized_entry(key, dest)
+        if isinstance(entry, BlockResult):
+            return entry
         try:
             matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
         except (OSError, CorruptBlock) as exc:  # a corrupt header or length was read into daemon memory

@@ -50,6 +50,25 @@ class Usrbio:
             except BufferError:  # the binding may still hold a view; the mapping goes with the process
                 log.debug("USRBIO shared memory still referenced at close")
 
+    def _open_registered(
+        self,
+        path: Path,
+        opener: Callable[[Path], int],
+        fds: list[int | None],
+        errs: list[OSError | None],
+    ) -> None:
+        """Open ``path`` and register its fd with the binding, appending (fd, None), or (None, the
+        error) when it cannot be opened, so one bad file fails only its own slot of the batch."""
+        try:
+            fd = opener(path)
+        except OSError as exc:
+            fds.append(None)
+            errs.append(exc)
+            return
+        self._h3io.register_fd(fd)
+        fds.append(fd)
+        errs.append(None)
+
     def read(
         self, paths: Sequence[Path], sizes: Sequence[int], opener: Callable[[Path], int]
     ) -> list[tuple[memoryview, OSError | None]]:
@@ -59,15 +78,7 @@ class Usrbio:
             fds: list[int | None] = []
             errs: list[OSError | None] = []
             for p in paths:
-                try:
-                    fd = opener(p)
-                except OSError as exc:
-                    fds.append(None)
-                    errs.append(exc)
-                    continue
-                self._h3io.register_fd(fd)
-                fds.append(fd)
-                errs.append(None)
+                self._open_registered(p, opener, fds, errs)
             try:
                 offsets = self._submit(self._read_ring, fds, sizes, True, errs)
             finally:
@@ -96,15 +107,7 @@ class Usrbio:
                 copy_iov([self._buf[off : off + n]], blob)
                 off += n
                 sizes.append(n)
-                try:
-                    fd = create(p)
-                except OSError as exc:
-                    fds.append(None)
-                    errs.append(exc)
-                    continue
-                self._h3io.register_fd(fd)
-                fds.append(fd)
-                errs.append(None)
+                self._open_registered(p, create, fds, errs)
             try:
                 self._submit(self._write_ring, fds, sizes, False, errs)
                 for i, maybe_fd in enumerate(fds):
