@@ -70,6 +70,14 @@ class SparseMeta:
     """Everything a worker learns from the scheduler about one step."""
 
     requests: Mapping[str, RequestSparseMeta] = field(default_factory=lambda: MappingProxyType({}))
+    write_blocks: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
+    """Physical block receiving each scheduled request's last token this step → request id.
+
+    How a worker tells which batch row is which request: the block being written is owned by one
+    request only, even when prefix caching shares every block before it (a row's *first* block is
+    shared by every request with the same prefix, so it cannot name a request)."""
+    finished: frozenset[str] = frozenset()
+    """Requests the scheduler finished since the last step; workers drop their state."""
 
 
 @dataclass(frozen=True, slots=True)

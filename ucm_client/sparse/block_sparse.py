@@ -89,7 +89,7 @@ class BlockSparseMethod(UcmSparseBase):
         self._states: dict[tuple[str, int], DecodeState] = {}
         self._step_meta: SparseMeta | None = None
         self._rows_seen: set[str] = set()
-        self.stats = {"sparse_rows": 0, "dense_rows": 0, "retrievals": 0}
+        self.stats = {"sparse_rows": 0, "dense_rows": 0, "retrievals": 0, "feature_blocks": 0}
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------ algorithm
@@ -154,6 +154,7 @@ class BlockSparseMethod(UcmSparseBase):
         if full > state.features_blocks:
             start = state.features_blocks * block_size
             new = self._features(read_keys(start, full * block_size), block_size, state)
+            self.stats["feature_blocks"] += full - state.features_blocks
             state.features = new if state.features is None else torch.cat([state.features, new])
             state.features_blocks = full
         scores = torch.full((num_blocks,), float("-inf"), dtype=torch.float32, device=device)
