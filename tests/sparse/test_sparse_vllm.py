@@ -265,3 +265,27 @@ def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) 
         assert hooks["hooks"][f"attention_begin:{layer}"] >= 12
         assert hooks["hooks"][f"attention_finished:{layer}"] >= 12
     assert json.loads(out.read_text()) == _generate(engine, None)
+
+
+def test_seed_form_method_runs_in_the_engine(engine: Any) -> None:
+    # Written as seed 000's example (tests/sparse/test_sparse_seed_form.py), loaded by module path.
+    from ucm_client.sparse.base import UcmSparseRole
+    from ucm_client.sparse.config import UcmSparseConfig
+    from ucm_client.sparse.factory import UcmSparseFactory
+    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+
+    config = UcmSparseConfig.from_dict(
+        {
+            "MySparse": None,
+            "module_path": "tests.sparse.test_sparse_seed_form",
+            "class_name": "MySparsAlgorithm",
+        }
+    )
+    method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
+    runtime = SparseWorkerRuntime(method, vllm_config=engine.ucm_runtime.vllm_config)
+    dense = _generate(engine, None)
+    assert _generate(engine, runtime) == dense
+    calls = method.inner.calls  # type: ignore[attr-defined]
+    for layer in range(LAYERS):
+        assert calls.count(f"attention_begin:{layer}") >= 12
+    assert calls.count("execute_begin") == runtime.trace[("execute_begin", -1)]

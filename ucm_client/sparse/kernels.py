@@ -88,19 +88,22 @@ def aggregate_heads(scores: torch.Tensor) -> torch.Tensor:
 
 
 def select_blocks(scores: torch.Tensor, keep: int, init_window: int, local_window: int) -> torch.Tensor:
-    """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``."""
+    """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``.
+
+    One ``topk`` over scores with the windows forced to +inf: the count is known on the host from the
+    integers given, so nothing is read back from the scores' device.
+    """
     num_blocks = int(scores.shape[0])
     if keep >= num_blocks:
         return torch.arange(num_blocks, device=scores.device)
+    init = min(init_window, num_blocks)
+    local_start = max(init, num_blocks - local_window)
     forced = torch.zeros(num_blocks, dtype=torch.bool, device=scores.device)
-    forced[: min(init_window, num_blocks)] = True
-    forced[max(0, num_blocks - local_window) :] = True
-    remaining = keep - int(forced.sum())
-    chosen = forced.clone()
-    if remaining > 0:
-        masked = scores.masked_fill(forced, float("-inf"))
-        chosen[torch.topk(masked, remaining).indices] = True
-    return torch.nonzero(chosen).flatten()
+    forced[:init] = True
+    forced[local_start:] = True
+    count = max(keep, init + (num_blocks - local_start))
+    masked = scores.float().masked_fill(forced, float("inf"))
+    return torch.topk(masked, count).indices.sort().values
 
 
 def blocks_to_tokens(block_ids: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
