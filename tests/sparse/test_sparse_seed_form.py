@@ -91,13 +91,26 @@ class MySparsAlgorithm(UcmSparseBase):
         return (key[:-1], value[:-1]) if self.drop_tokens else (key, value)
 
 
-UcmSparseFactory.register_sparse_method("MySparse", __name__, "MySparsAlgorithm")
 HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 16
 
 
+def _config(**config: Any) -> UcmSparseConfig:
+    """The seed's `MySparse:` entry (an empty body when no keys are given), loaded by module path.
+
+    The path is the one vLLM's workers import too (tests/sparse has no package marker, so this
+    module's own ``__name__`` differs), which keeps the factory's registration of the name unique.
+    """
+    return UcmSparseConfig.from_dict(
+        {
+            "MySparse": config or None,
+            "module_path": "tests.sparse.test_sparse_seed_form",
+            "class_name": "MySparsAlgorithm",
+        }
+    )
+
+
 def _worker(**config: Any) -> Any:
-    raw = {"MySparse": config or None}  # the seed's `MySparse:` entry with an empty body
-    method = UcmSparseFactory.from_config(UcmSparseConfig.from_dict(raw), UcmSparseRole.WORKER)
+    method = UcmSparseFactory.from_config(_config(**config), UcmSparseRole.WORKER)
     caches = {i: torch.zeros(8, KV_HEADS, BS, 2 * DIM) for i in range(2)}
     method.register_kv_caches(caches, num_heads=HEADS, layout=PageLayout.TOKEN_MAJOR)
     return method
@@ -117,9 +130,9 @@ def _layer_args() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttent
 
 def test_seed_form_class_loads_from_an_empty_section_and_runs_a_checked_step() -> None:
     method = _worker()
-    assert isinstance(method, SeedFormAdapter) and isinstance(method.inner, MySparsAlgorithm)
+    assert isinstance(method, SeedFormAdapter) and type(method.inner).__name__ == "MySparsAlgorithm"
     assert set(method.inner._kv_caches) == {0, 1}  # register_kv_caches(kv_caches), the seed's signature
-    sched = UcmSparseFactory.create_sparse_method("MySparse", UcmSparseRole.SCHEDULER, {"sparse_ratio": 0.5})
+    sched = UcmSparseFactory.from_config(_config(sparse_ratio=0.5), UcmSparseRole.SCHEDULER)
     sched.request_begin("r", list(range(64)))
     meta = sched.build_sparse_meta(None, [type("R", (), {"request_id": "r", "num_tokens": 64})()], {})
     assert meta.ucm_sparse_meta == {"r": [0, 1]}

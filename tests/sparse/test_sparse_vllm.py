@@ -274,7 +274,7 @@ def test_seed_form_method_runs_in_the_engine(engine: Any) -> None:
     from ucm_client.sparse.factory import UcmSparseFactory
     from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
 
-    config = UcmSparseConfig.from_dict(
+    config = UcmSparseConfig.from_dict(  # the same entry test_sparse_seed_form.py uses
         {
             "MySparse": None,
             "module_path": "tests.sparse.test_sparse_seed_form",
