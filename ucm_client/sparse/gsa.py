@@ -85,14 +85,16 @@ def popcount64(x: torch.Tensor) -> torch.Tensor:
 def hamming_words(words: torch.Tensor, query_words: torch.Tensor, *, on_device: bool) -> torch.Tensor:
     """Bit differences between packed codes ``[..., W]`` and ``query_words`` (broadcast), summed over W.
 
-    On a CPU tensor (and not ``on_device``) numpy's ``bitwise_count`` does the count in one pass over
-    uint64 words; elsewhere :func:`popcount64` keeps it on the tensor's device.
+    On a CPU tensor (and not ``on_device``) numpy's ``bitwise_count`` counts uint64 words in one pass
+    (zero-copy views of the tensors); elsewhere :func:`popcount64` keeps it on the tensor's device.
     """
-    diff = torch.bitwise_xor(words, query_words)
-    if not on_device and diff.device.type == "cpu":
-        counts = np.bitwise_count(diff.numpy().view(np.uint64)).sum(axis=-1, dtype=np.int16)
-        return torch.from_numpy(counts)
-    return popcount64(diff).sum(dim=-1)
+    if not on_device and words.device.type == "cpu" and query_words.device.type == "cpu":
+        counts = np.bitwise_count(words.numpy().view(np.uint64) ^ query_words.numpy().view(np.uint64))
+        total = counts[..., 0].astype(np.int16)
+        for w in range(1, counts.shape[-1]):
+            total += counts[..., w]
+        return torch.from_numpy(total)
+    return popcount64(torch.bitwise_xor(words, query_words)).sum(dim=-1)
 
 
 class GSA(BlockSparseMethod):
