@@ -137,7 +137,7 @@ def test_kvstar_keeps_the_configured_dimensions_and_groups_queries() -> None:
         )
         assert case.recall(res.block_ids) == 1.0
     assert state.aux["dims"].shape == (2, 16)
-    assert state.features is not None and state.features.shape[-1] == 16
+    assert state.features is not None and state.features.shape == (2, 16, 4096)  # [H, kept dims, tokens]
     assert len(state.queries) == 3  # the last query_group decode queries, no more
 
 

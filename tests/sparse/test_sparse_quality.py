@@ -35,13 +35,8 @@ METHODS = ["ESA", "GSA", "KVStarMultiStep"]
 SEEDS = (0, 1)
 # (method, pattern) pairs the methods do not meet yet: strict, so fixing one fails until it is removed.
 KNOWN_MISSES = {
-    ("ESA", "single-token"),
-    ("KVStarMultiStep", "single-token"),
-    ("ESA", "per-head"),
-    ("GSA", "per-head"),
-    ("KVStarMultiStep", "per-head"),
-    ("KVStarMultiStep", "distractors"),
-    ("ESA", "drift"),
+    # Mid-drift (two needle sets of 4 blocks per head at once) KVStar's pruned channels and query
+    # group miss a needle block on some steps: 19-21 of 24 steps pass over the two seeds.
     ("KVStarMultiStep", "drift"),
 }
 
@@ -76,6 +71,7 @@ def test_method_meets_the_target(name: str, pattern: str) -> None:
             state=DecodeState(),
             block_size=case.block_size,
             scale=case.scale,
+            per_head=True,
         )
         quality = assess(case, res.block_ids, res.output)
         assert quality.passes, (seed, quality)
@@ -101,7 +97,13 @@ def _drift(name: str | None, seed: int) -> list[float]:
     first: torch.Tensor | None = None
     for case in cases:
         res = method.decode(
-            case.query, case.keys, case.values, state=state, block_size=case.block_size, scale=case.scale
+            case.query,
+            case.keys,
+            case.values,
+            state=state,
+            block_size=case.block_size,
+            scale=case.scale,
+            per_head=True,
         )
         if name is None:
             first = res.block_ids if first is None else first

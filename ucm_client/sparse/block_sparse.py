@@ -31,7 +31,10 @@ from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.kernels import (
     aggregate_heads,
     blocks_to_tokens,
+    group_query,
+    per_head_sparse_attention,
     select_blocks,
+    select_blocks_per_head,
     sparse_decode_attention,
 )
 from ucm_client.sparse.paged import read_request_kv
@@ -54,7 +57,12 @@ class DecodeState:
 
     step: int = 0
     selection: torch.Tensor | None = None
-    """Logical block ids chosen at the last retrieval."""
+    """Logical block ids chosen at the last retrieval: ``[k]`` shared, or ``[kv_heads, k]`` per head."""
+    selected_blocks: int = 0
+    """Blocks the context had at the last retrieval (later ones join the reused selection)."""
+    anchor: torch.Tensor | None = None
+    """The per-KV-head query direction at the last retrieval, to notice the query drifting away."""
+    drift_refreshes: int = 0
     features: torch.Tensor | None = None
     """Cached features of the first ``features_blocks`` full blocks."""
     features_blocks: int = 0
@@ -104,6 +112,10 @@ class BlockSparseMethod(UcmSparseBase):
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Scores ``[kv_heads, m]`` of ``m`` featured blocks for ``queries`` ``[G, num_heads, D]``."""
 
+    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Features of blocks that filled since, after the cached ones (block-major by default)."""
+        return torch.cat([old, new])
+
     def _queries_for_retrieval(self, state: DecodeState) -> torch.Tensor:
         """The queries retrieval scores against: by default only the newest."""
         return state.queries[-1][None]
@@ -121,13 +133,18 @@ class BlockSparseMethod(UcmSparseBase):
         read_keys: Callable[[int, int], torch.Tensor],
         *,
         retrieve: bool | None = None,
+        per_head: bool = False,
     ) -> tuple[torch.Tensor, bool]:
         """Block ids for this decode step, and whether retrieval ran (else the last selection was reused).
 
         ``read_keys(start, end)`` returns keys of tokens ``[start, end)``; it is called only for blocks
         that filled up since the last retrieval, so callers whose keys live elsewhere (paged cache,
         daemon) read each block once. ``retrieve`` is the scheduler's decision when it made one
-        (``SparseMeta``); ``None`` counts ``retrieval_stride`` locally.
+        (``SparseMeta``); ``None`` counts ``retrieval_stride`` locally. Either way a retrieval also
+        runs when the query has drifted from the one the selection was made for (cosine per KV head
+        below ``drift_cosine``), since a kept selection is only as good as the query it answered.
+        ``per_head``: one block list per KV head (``[kv_heads, k]``), else one shared list (``[k]``,
+        what a paged kernel's block table can express).
         """
         device = query.device
         num_blocks = -(-num_tokens // block_size)
@@ -140,35 +157,69 @@ class BlockSparseMethod(UcmSparseBase):
             return torch.arange(num_blocks, device=device), False
         if retrieve is None:
             retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
-        if state.selection is not None and not retrieve:
-            forced = torch.cat(
-                [
-                    torch.arange(min(self._budget.init_window_sz, num_blocks), device=device),
-                    torch.arange(
-                        max(0, num_blocks - self._budget.local_window_sz), num_blocks, device=device
-                    ),
-                ]
-            )
-            return torch.unique(torch.cat([state.selection, forced])), False
+        if state.selection is not None and not retrieve and state.anchor is not None:
+            direction = self._direction(query, state.anchor.shape[0])
+            cosine = float((direction * state.anchor).sum(-1).min())
+            if cosine < self._drift_cosine():
+                retrieve = True
+                state.drift_refreshes += 1
+                del state.queries[:-1]  # older queries point elsewhere now: score for the new one
+        if state.selection is not None and not retrieve and (state.selection.dim() == 2) == per_head:
+            new = torch.arange(state.selected_blocks, num_blocks, device=device)
+            if per_head:
+                new = new[None].expand(state.selection.shape[0], -1)
+            return torch.cat([state.selection, new], dim=-1), False
         full = num_tokens // block_size
         if full > state.features_blocks:
             start = state.features_blocks * block_size
-            new = self._features(read_keys(start, full * block_size), block_size, state)
+            new_features = self._features(read_keys(start, full * block_size), block_size, state)
             self.stats["feature_blocks"] += full - state.features_blocks
-            state.features = new if state.features is None else torch.cat([state.features, new])
-            state.features_blocks = full
-        scores = torch.full((num_blocks,), float("-inf"), dtype=torch.float32, device=device)
-        if full:
-            assert state.features is not None
-            scores[:full] = aggregate_heads(
-                self._score(self._queries_for_retrieval(state), state.features, state)
+            state.features = (
+                new_features
+                if state.features is None
+                else self._append_features(state.features, new_features)
             )
-        state.selection = select_blocks(
-            scores, keep, self._budget.init_window_sz, self._budget.local_window_sz
-        )
+            state.features_blocks = full
+        assert state.features is not None and full  # keep < num_blocks implies a full block
+        if len(state.queries) > 1:
+            # A query group serves the coming steps only while it points where the newest one does:
+            # keep the queries within half the drift threshold's angle of it.
+            kv_heads = state.anchor.shape[0] if state.anchor is not None else self._kv_heads(state.features)
+            newest = self._direction(query, kv_heads)
+            tight = (1.0 + self._drift_cosine()) / 2
+            state.queries[:] = [
+                q
+                for q in state.queries
+                if float((self._direction(q, kv_heads) * newest).sum(-1).min()) >= tight
+            ]
+        block_scores = self._score(self._queries_for_retrieval(state), state.features, state)
+        heads = block_scores.shape[0]
+        scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
+        scores[:, :full] = block_scores
+        init, local = self._budget.init_window_sz, self._budget.local_window_sz
+        if per_head:
+            state.selection = select_blocks_per_head(scores, keep, init, local)
+        else:
+            state.selection = select_blocks(aggregate_heads(scores), keep, init, local)
+        state.selected_blocks = num_blocks
+        state.anchor = self._direction(query, heads)
         state.retrievals += 1
         self.stats["retrievals"] += 1
         return state.selection, True
+
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        """KV heads in ``features`` (axis 1 of block-major features; channel-major ones override)."""
+        return int(features.shape[1])
+
+    def _drift_cosine(self) -> float:
+        return float(getattr(self.spec, "drift_cosine", 0.0))
+
+    @staticmethod
+    def _direction(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Unit direction of each KV head's summed query group ``[kv_heads, D]``."""
+        q = group_query(query.float(), kv_heads).sum(dim=1)
+        unit: torch.Tensor = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return unit
 
     def decode(
         self,
@@ -179,11 +230,22 @@ class BlockSparseMethod(UcmSparseBase):
         state: DecodeState,
         block_size: int,
         scale: float,
+        per_head: bool = False,
     ) -> DecodeResult:
-        """One decode step over token-major KV: select blocks, then exact attention over them."""
+        """One decode step over token-major KV: select blocks, then exact attention over them.
+
+        ``per_head``: each KV head attends to its own blocks (``block_ids`` ``[kv_heads, k]``,
+        ``token_idx`` ``[kv_heads, k * block_size]`` clipped to the context).
+        """
         block_ids, retrieved = self.select(
-            query, keys.shape[0], state, block_size, lambda start, end: keys[start:end]
+            query, keys.shape[0], state, block_size, lambda start, end: keys[start:end], per_head=per_head
         )
+        if block_ids.dim() == 2:
+            out = per_head_sparse_attention(query, keys, values, block_ids, block_size, scale)
+            tokens = (
+                block_ids[:, :, None] * block_size + torch.arange(block_size, device=keys.device)
+            ).flatten(1)
+            return DecodeResult(output=out, block_ids=block_ids, token_idx=tokens, retrieved=retrieved)
         tokens = blocks_to_tokens(block_ids, block_size, keys.shape[0])
         out = sparse_decode_attention(
             query, keys, values, tokens, scale, workspace=self._gather_workspace(keys, tokens.numel())

@@ -34,16 +34,26 @@ class GsaSpec:
     retrieval_stride: int = 1
     min_blocks: int = 4
     block_size: int = 128
-    hash_bits: int = 128
-    """Sign bits per key and head; more bits, finer angle estimate."""
+    hash_bits: int = 256
+    """Sign bits per key and head (32 bytes at 256; a float32 key of head_dim 128 is 512)."""
+    reliable_bits: float = 0.5
+    """Fraction of the bits compared at retrieval: those whose hyperplane the query is farthest from
+    (largest ``|q·r|``), where a matching key agrees most reliably and a random one still at chance.
+    Measured: with all 256 bits, needles at 60° from the query fall among the haystack's best."""
     seed: int = 0
     """Seed of the projection; workers must agree, so it is config, not randomness."""
+    drift_cosine: float = 0.9
+    """Retrieve before the stride is up when the query direction turned this far (0 disables)."""
 
     def __post_init__(self) -> None:
         if self.retrieval_stride < 1 or self.block_size < 1:
             raise ValueError("retrieval_stride and block_size must be >= 1")
         if self.hash_bits < 8 or self.hash_bits % 8:
             raise ValueError(f"hash_bits must be a positive multiple of 8, got {self.hash_bits}")
+        if not 0.0 < self.reliable_bits <= 1.0:
+            raise ValueError(f"reliable_bits must be in (0, 1], got {self.reliable_bits}")
+        if not -1.0 <= self.drift_cosine <= 1.0:
+            raise ValueError(f"drift_cosine must be in [-1, 1], got {self.drift_cosine}")
         self.budget()
 
     def budget(self) -> BlockBudget:
@@ -82,19 +92,28 @@ def popcount64(x: torch.Tensor) -> torch.Tensor:
     return (x * 0x0101010101010101) >> 56  # the top byte holds the count (<= 64: sign bit clear)
 
 
-def hamming_words(words: torch.Tensor, query_words: torch.Tensor, *, on_device: bool) -> torch.Tensor:
+def hamming_words(
+    words: torch.Tensor, query_words: torch.Tensor, *, on_device: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Bit differences between packed codes ``[..., W]`` and ``query_words`` (broadcast), summed over W.
 
-    On a CPU tensor (and not ``on_device``) numpy's ``bitwise_count`` counts uint64 words in one pass
-    (zero-copy views of the tensors); elsewhere :func:`popcount64` keeps it on the tensor's device.
+    ``mask`` (packed like the codes, broadcast) limits the count to its set bits. On a CPU tensor
+    (and not ``on_device``) numpy's ``bitwise_count`` counts uint64 words in one pass over zero-copy
+    views; elsewhere :func:`popcount64` keeps it on the tensor's device.
     """
     if not on_device and words.device.type == "cpu" and query_words.device.type == "cpu":
-        counts = np.bitwise_count(words.numpy().view(np.uint64) ^ query_words.numpy().view(np.uint64))
+        diff = words.numpy().view(np.uint64) ^ query_words.numpy().view(np.uint64)
+        if mask is not None:
+            diff &= mask.numpy().view(np.uint64)
+        counts = np.bitwise_count(diff)
         total = counts[..., 0].astype(np.int16)
         for w in range(1, counts.shape[-1]):
             total += counts[..., w]
         return torch.from_numpy(total)
-    return popcount64(torch.bitwise_xor(words, query_words)).sum(dim=-1)
+    diff_t = torch.bitwise_xor(words, query_words)
+    if mask is not None:
+        diff_t = diff_t & mask
+    return popcount64(diff_t).sum(dim=-1)
 
 
 class GSA(BlockSparseMethod):
@@ -124,14 +143,22 @@ class GSA(BlockSparseMethod):
         codes = hash_codes(keys, self._projection(dim, keys.device, state))  # [n, H, bits]
         return pack_words(codes).reshape(n // block_size, block_size, heads, -1)
 
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        return int(features.shape[2])  # [m, block_size, H, words]
+
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads = features.shape[2]
         proj = self._projection(queries.shape[-1], features.device, state)
         q = torch.stack([group_query(qi, heads) for qi in queries]).sum(dim=(0, 2))  # [H, D]
-        qwords = pack_words(hash_codes(q, proj))  # [H, W]
-        dist = hamming_words(features, qwords[None, None], on_device=self.on_device)  # [m, bs, H]
-        sim = self.spec.hash_bits - dist.amin(dim=1).T.to(features.device)  # a block scores its best token
-        return sim.float() / math.sqrt(self.spec.hash_bits)
+        projected = q.float() @ proj  # [H, bits]
+        qwords = pack_words(projected > 0)  # [H, W]
+        used = max(1, round(self.spec.reliable_bits * self.spec.hash_bits))
+        reliable = torch.zeros_like(projected, dtype=torch.bool)
+        reliable.scatter_(1, projected.abs().topk(used, dim=-1).indices, True)
+        mask = pack_words(reliable)[None, None]
+        dist = hamming_words(features, qwords[None, None], on_device=self.on_device, mask=mask)  # [m, bs, H]
+        sim = used - dist.amin(dim=1).T.to(features.device)  # a block scores its best token
+        return sim.float() / math.sqrt(used)
 
 
 class GSAOnDevice(GSA):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm_client.sparse.kernels import dense_decode_attention, group_query
+from ucm_client.sparse.kernels import dense_decode_attention, group_query, per_head_sparse_attention
 from ucm_client.sparse.testing import NeedleCase, relative_error
 
 __all__ = [
@@ -62,20 +62,8 @@ def per_head_block_attention(
 ) -> torch.Tensor:
     """Exact attention where KV head ``h`` attends only to the blocks ``selection[h]``."""
     query = case.query if query is None else query
-    n, kv_heads, _ = case.keys.shape
-    sel = _per_head(selection, kv_heads).long()
-    bs = case.block_size
-    tokens = (sel[:, :, None] * bs + torch.arange(bs)).flatten(1)  # [H, k*bs]
-    valid = tokens < n
-    tokens = tokens.clamp_max(n - 1)
-    heads = torch.arange(kv_heads)[:, None]
-    k = case.keys[tokens, heads]  # [H, T, D]
-    v = case.values[tokens, heads]
-    q = group_query(query, kv_heads)  # [H, g, D]
-    logits = torch.einsum("hgd,htd->hgt", q, k) * case.scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    out = torch.einsum("hgt,htd->hgd", torch.softmax(logits, dim=-1), v)
-    return out.reshape(query.shape)
+    sel = _per_head(selection, case.keys.shape[1])
+    return per_head_sparse_attention(query, case.keys, case.values, sel, case.block_size, case.scale)
 
 
 def block_attention_mass(case: NeedleCase, query: torch.Tensor | None = None) -> torch.Tensor:
