@@ -94,6 +94,29 @@ def _block_rows(case: NeedleCase, tokens: int, ratio: float, repeat: int) -> lis
     return rows
 
 
+def _first_step_rows(case: NeedleCase, tokens: int, ratio: float) -> list[str]:
+    """Issue #14 item 5: the first sparse decode step with features built at prefill, and without."""
+    rows = []
+    for name in ("ESA", "GSA", "KVStarMultiStep"):
+        method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": ratio})
+        assert isinstance(method, BlockSparseMethod)
+
+        def first(prebuilt: bool, method: BlockSparseMethod = method) -> tuple[float, float]:
+            state = DecodeState()
+            start = time.perf_counter()
+            if prebuilt:  # what the worker does after each prefill layer
+                method.extend_features(state, tokens, BLOCK, lambda a, b: case.keys[a:b])
+            built = time.perf_counter()
+            method.decode(case.query, case.keys, case.values, state=state, block_size=BLOCK, scale=case.scale)
+            return 1e3 * (built - start), 1e3 * (time.perf_counter() - built)
+
+        first(True)  # warm
+        prefill_ms, step_ms = min(first(True) for _ in range(2))
+        _, cold_ms = min(first(False) for _ in range(2))
+        rows.append(f"| {name} | {tokens // 1024}k | {prefill_ms:.1f} | {step_ms:.1f} | {cold_ms:.1f} |")
+    return rows
+
+
 def _rerope_row(case: NeedleCase, tokens: int, repeat: int) -> str:
     # Pre-RoPE keys are the case's keys; plain RoPE attention is the baseline.
     window = tokens // 4
@@ -227,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|",
         *(_quality_rows(args.ratio, args.seeds) if args.seeds else ["| (skipped) | | | | | |"]),
     ]
+    first_rows = [
+        "",
+        "First sparse decode step per layer (issue #14 item 5): block features built during prefill "
+        "(the worker features each layer's blocks after its attention wrote them) vs built by the first "
+        "retrieval. Best of 2, ms.",
+        "",
+        "| method | tokens | features at prefill | first step, prebuilt | first step, not prebuilt |",
+        "|---|---|---|---|---|",
+    ]
     rows = []
     for tokens in args.tokens:
         case = planted_needles(
@@ -241,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows += _block_rows(case, tokens, args.ratio, args.repeat)
         rows.append(_rerope_row(case, tokens, args.repeat))
+        first_rows += _first_step_rows(case, tokens, args.ratio)
     footer = [
         "",
         "GSA scans every token's code each retrieval: 256 bits = four uint64 words per key and head, XOR, "
@@ -254,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean of 4 prompts, deviation vs random selection (3 draws each, same schedule): 15% recompute "
         "0.33 vs 0.48, 20% 0.27 vs 0.45, 30% 0.17 vs 0.37 (`tests/sparse/test_sparse_blend.py`).",
     ]
-    text = "\n".join(header + rows + footer + quality) + "\n"
+    text = "\n".join(header + rows + footer + first_rows + quality) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

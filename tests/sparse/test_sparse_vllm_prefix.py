@@ -170,3 +170,18 @@ def test_verify_patches_reports_the_scheduler_channel(engine: Any) -> None:
         "request_finished_in_worker",
     ):
         assert rows[hook].active, rows[hook]
+
+
+def test_features_are_built_during_prefill_not_at_the_first_sparse_step(engine: Any) -> None:
+    runtime = _runtime(engine, 0.25)
+    _generate(engine, runtime)
+    stats = runtime.method.stats
+    assert stats["sparse_rows"] > 0 and stats["feature_blocks"] > 0
+    # Every block was featured after the layer that wrote it; no decode step waited for features.
+    assert stats["features_at_retrieval"] == 0, stats
+
+    # Negative control: featuring only when a retrieval needs them puts it all on decode steps.
+    control = _runtime(engine, 0.25)
+    control.method.prebuild_features = False
+    _generate(engine, control)
+    assert control.method.stats["features_at_retrieval"] >= control.method.stats["feature_blocks"] > 0

@@ -10,6 +10,7 @@ head's query code, and a block scores its best token, so one relevant token is e
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,10 @@ def pack_words(codes: torch.Tensor) -> torch.Tensor:
     words = -(-bits // _WORD_BITS)
     if words * _WORD_BITS != bits:
         codes = torch.nn.functional.pad(codes, (0, words * _WORD_BITS - bits))
+    if codes.device.type == "cpu" and sys.byteorder == "little":
+        # numpy packs 8 bits per byte in one pass; little-endian bytes of a word are its bits in order
+        packed = np.packbits(codes.numpy(), axis=-1, bitorder="little")
+        return torch.from_numpy(np.ascontiguousarray(packed).view(np.int64))
     grouped = codes.reshape(*codes.shape[:-1], words, _WORD_BITS).to(torch.int64)
     return (grouped * _bit_weights(codes.device)).sum(dim=-1)
 
