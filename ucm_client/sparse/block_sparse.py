@@ -352,6 +352,8 @@ class BlockSparseMethod(UcmSparseBase):
         meta: PagedAttentionMeta,
         output: torch.Tensor,
     ) -> AttentionInputs:
+        if self._budget.sparse_ratio >= 1.0:
+            return AttentionInputs(query, key, value, output)  # never sparse: no state, no features
         cache = self._kv_caches[spec.layer_idx]
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
@@ -368,7 +370,7 @@ class BlockSparseMethod(UcmSparseBase):
             blocks = meta.block_table[row, :num_blocks]
             state = self._row_state(row_key, spec.layer_idx, blocks)
             read_keys = self._paged_reader(cache, spec, blocks)
-            pending.append((state, n, read_keys))  # feature newly full blocks once they are written
+            pending.append((state, n, read_keys))  # feature new full blocks once written
             if qsl[row + 1] - qsl[row] != 1 or self._budget.num_kept(num_blocks) >= num_blocks:
                 self.stats["dense_rows"] += 1
                 continue  # prefill, or the budget covers everything: dense

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,10 @@ class SparseWorkerRuntime:
         self._vllm_config: Any = vllm_config
         self._trace_path = os.environ.get(TRACE_ENV)
         self._step_meta: SparseMeta | None = None
+        self._step_start = 0.0
+        self._decode_only = False
+        self.decode_step_s: list[float] = []
+        """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
 
     def bind_step_meta(self, meta: SparseMeta | None) -> None:
         """The scheduler's metadata for the next step (from the sparse connector), before the forward.
@@ -123,6 +128,8 @@ class SparseWorkerRuntime:
         if not self._registered:
             self._register(layer_name, kv_cache, key[0], int(slot_mapping[0]), num_heads)
         if not self.method.session.is_open:
+            self._step_start = time.perf_counter()
+            self._decode_only = num_actual_tokens == int(seq_lens.numel())
             self.method.execute_begin(self._step_meta)
             self.trace[("execute_begin", -1)] += 1
         row_keys = self._row_keys(block_table, seq_lens, kv_cache.shape[2])
@@ -171,6 +178,8 @@ class SparseWorkerRuntime:
         if idx == self._last_layer:
             self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
             self._step_meta = None
+            if self._decode_only:
+                self.decode_step_s.append(time.perf_counter() - self._step_start)
             self.trace[("execute_finished", -1)] += 1
             if self._trace_path:
                 self._write_trace(self._trace_path)
