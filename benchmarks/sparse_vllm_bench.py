@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.support.tiny_llama import build_tiny_llama
     from ucm_client.sparse import vllm_plugin, vllm_runtime
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
 
     vllm_plugin.register()
     vllm_runtime.reset_runtime()
@@ -99,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK,
         enable_prefix_caching=True,
         seed=0,
-        kv_transfer_config={
-            "kv_connector": "UcmSparseConnector",
-            "kv_connector_module_path": "ucm_client.sparse.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"ucm_sparse_config": {"ESA": {"sparse_ratio": 1.0}}},
-        },
+        kv_transfer_config=kv_transfer_config({"ESA": {"sparse_ratio": 1.0}}),
     )
     base = vllm_runtime.worker_runtime()
     assert base is not None, "the engine built no sparse runtime from its connector config"

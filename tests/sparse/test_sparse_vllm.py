@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.tiny_llama import build_tiny_llama
+from tests.support.sparse_engine import sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -30,40 +30,15 @@ BLOCK = 32
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
     # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format.
-    env = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        ENV_VAR: json.dumps({"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}),
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
-
-    vllm_plugin.register()
-    vllm_runtime.reset_runtime()
-    from vllm import LLM
-
-    model = build_tiny_llama(tmp_path_factory.mktemp("models"), layers=LAYERS)
-    llm = LLM(
-        model=str(model),
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=2048,
+    env = {ENV_VAR: json.dumps({"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}})}
+    with sparse_llm(
+        tmp_path_factory.mktemp("models"),
+        layers=LAYERS,
         block_size=BLOCK,
+        env=env,
         enable_prefix_caching=False,
-        seed=0,
-    )
-    llm.ucm_runtime = vllm_runtime.worker_runtime()  # type: ignore[attr-defined]
-    llm.ucm_model_path = model  # type: ignore[attr-defined]
-    yield llm
-    vllm_runtime.reset_runtime()
-    del llm
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    ) as llm:
+        yield llm
 
 
 def test_runtime_built_from_the_sparse_config(engine: Any) -> None:

@@ -10,13 +10,12 @@ block features are rebuilt over and over, which the assertions on ``feature_bloc
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.support.tiny_llama import build_tiny_llama
+from tests.support.sparse_engine import sparse_llm
 from ucm_client.sparse.base import SparseMeta
 
 pytestmark = pytest.mark.vllm
@@ -32,40 +31,16 @@ SPARSE = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
 
-    vllm_plugin.register()
-    vllm_runtime.reset_runtime()
-    from vllm import LLM
-
-    model = build_tiny_llama(tmp_path_factory.mktemp("models"), layers=LAYERS)
-    llm = LLM(
-        model=str(model),
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=2048,
+    with sparse_llm(
+        tmp_path_factory.mktemp("models"),
+        layers=LAYERS,
         block_size=BLOCK,
         enable_prefix_caching=True,
-        seed=0,
-        kv_transfer_config={
-            "kv_connector": "UcmSparseConnector",
-            "kv_connector_module_path": "ucm_client.sparse.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"ucm_sparse_config": SPARSE},
-        },
-    )
-    llm.ucm_runtime = vllm_runtime.worker_runtime()  # type: ignore[attr-defined]
-    yield llm
-    vllm_runtime.reset_runtime()
-    del llm
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+        kv_transfer_config=kv_transfer_config(SPARSE),
+    ) as llm:
+        yield llm
 
 
 def _runtime(llm: Any, ratio: float, *, scheduler_channel: bool = True) -> Any:

@@ -39,7 +39,7 @@ from ucm_client.sparse.kernels import (
 )
 from ucm_client.sparse.paged import read_request_kv
 
-__all__ = ["BlockSparseMethod", "BlockSparseSpec", "DecodeResult", "DecodeState"]
+__all__ = ["BlockSparseMethod", "BlockSparseSpec", "ChannelMajorFeatures", "DecodeResult", "DecodeState"]
 
 
 class BlockSparseSpec(Protocol):
@@ -436,3 +436,14 @@ class BlockSparseMethod(UcmSparseBase):
     def _on_request_finished_in_worker(self, request_id: str) -> None:
         for key in [k for k in self._states if k[0] == request_id]:
             del self._states[key]
+
+
+class ChannelMajorFeatures(BlockSparseMethod):
+    """Features kept as ``[kv_heads, channels, tokens]`` (``kernels.channel_major_keys``): blocks
+    append along the token axis."""
+
+    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat([old, new], dim=-1)
+
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        return int(features.shape[0])

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import channel_major_keys, channel_token_max, group_query
 
@@ -62,7 +62,7 @@ class EsaSpec:
         return BlockBudget(self.sparse_ratio, self.init_window_sz, self.local_window_sz, self.min_blocks)
 
 
-class ESA(BlockSparseMethod):
+class ESA(ChannelMajorFeatures):
     """Mean-key block representatives, inner-product top-k."""
 
     spec: EsaSpec
@@ -73,12 +73,6 @@ class ESA(BlockSparseMethod):
     def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
         state.aux["block_size"] = torch.tensor(block_size)
         return channel_major_keys(keys)  # [H, D, n]
-
-    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        return torch.cat([old, new], dim=-1)
-
-    def _kv_heads(self, features: torch.Tensor) -> int:
-        return int(features.shape[0])
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads, dim = features.shape[0], features.shape[1]

@@ -131,28 +131,18 @@ def aggregate_heads(scores: torch.Tensor) -> torch.Tensor:
 
 
 def select_blocks(scores: torch.Tensor, keep: int, init_window: int, local_window: int) -> torch.Tensor:
-    """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``.
-
-    One ``topk`` over scores with the windows forced to +inf: the count is known on the host from the
-    integers given, so nothing is read back from the scores' device.
-    """
-    num_blocks = int(scores.shape[0])
-    if keep >= num_blocks:
-        return torch.arange(num_blocks, device=scores.device)
-    init = min(init_window, num_blocks)
-    local_start = max(init, num_blocks - local_window)
-    forced = torch.zeros(num_blocks, dtype=torch.bool, device=scores.device)
-    forced[:init] = True
-    forced[local_start:] = True
-    count = max(keep, init + (num_blocks - local_start))
-    masked = scores.float().masked_fill(forced, float("inf"))
-    return torch.topk(masked, count).indices.sort().values
+    """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``."""
+    return select_blocks_per_head(scores[None], keep, init_window, local_window)[0]
 
 
 def select_blocks_per_head(
     scores: torch.Tensor, keep: int, init_window: int, local_window: int
 ) -> torch.Tensor:
-    """:func:`select_blocks` for each KV head's scores ``[kv_heads, num_blocks]`` → ``[kv_heads, k]``."""
+    """:func:`select_blocks` for each KV head's scores ``[kv_heads, num_blocks]`` → ``[kv_heads, k]``.
+
+    One ``topk`` over scores with the windows forced to +inf: the count is known on the host from the
+    integers given, so nothing is read back from the scores' device.
+    """
     heads, num_blocks = scores.shape
     if keep >= num_blocks:
         return torch.arange(num_blocks, device=scores.device)[None].expand(heads, -1)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import channel_major_keys, channel_token_max, group_query
 
@@ -58,7 +58,7 @@ class KvStarSpec:
         return BlockBudget(self.sparse_ratio, self.init_window_sz, self.local_window_sz, self.min_blocks)
 
 
-class KVStarMultiStep(BlockSparseMethod):
+class KVStarMultiStep(ChannelMajorFeatures):
     """Pruned mean-key representatives, multi-query scoring."""
 
     spec: KvStarSpec
@@ -86,12 +86,6 @@ class KVStarMultiStep(BlockSparseMethod):
         pruned = torch.gather(keys, 2, dims[None].expand(keys.shape[0], -1, -1))  # [n, H, r]
         state.aux["block_size"] = torch.tensor(block_size)
         return channel_major_keys(pruned)  # [H, r, n]
-
-    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        return torch.cat([old, new], dim=-1)
-
-    def _kv_heads(self, features: torch.Tensor) -> int:
-        return int(features.shape[0])
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         dims = state.aux["dims"]

@@ -19,6 +19,7 @@ it next to the UCM connector, list both in vLLM's ``MultiConnector``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,19 @@ from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.scheduler_bridge import SparseSchedulerBridge
 from ucm_client.sparse.vllm_runtime import worker_runtime
 
-__all__ = ["SparseConnectorMetadata", "UcmSparseConnector", "scheduler_bridge"]
+__all__ = ["SparseConnectorMetadata", "UcmSparseConnector", "kv_transfer_config", "scheduler_bridge"]
 
 _BRIDGE: SparseSchedulerBridge | None = None
+
+
+def kv_transfer_config(ucm_sparse_config: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that loads this connector with ``ucm_sparse_config``."""
+    return {
+        "kv_connector": "UcmSparseConnector",
+        "kv_connector_module_path": __name__,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"ucm_sparse_config": dict(ucm_sparse_config)},
+    }
 
 
 def scheduler_bridge() -> SparseSchedulerBridge | None:
