@@ -76,3 +76,12 @@ def test_bridge_refuses_a_worker_instance() -> None:
     method = UcmSparseFactory.create_sparse_method("ESA", UcmSparseRole.WORKER, {})
     with pytest.raises(SparseInputError, match="SCHEDULER"):
         SparseSchedulerBridge(method, BS)
+
+
+def test_step_meta_survives_pickling_to_a_worker_process() -> None:
+    # vLLM pickles connector metadata when the workers are separate processes.
+    import pickle
+
+    meta = _bridge().build(_out([_new("a", [7, 8, 9], 0, 10)], [], {"a": 10}, finished={"z"}))
+    again = pickle.loads(pickle.dumps(meta))
+    assert again == meta and dict(again.write_blocks) == {9: "a"}

@@ -194,8 +194,11 @@ from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
     model, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    # the sparse connector: its scheduler half runs in the engine core, its metadata reaches the worker
+    kv = {"kv_connector": "UcmSparseConnector", "kv_role": "kv_both",
+          "kv_connector_module_path": "ucm_client.sparse.vllm_connector"}
     llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=2048, block_size=32,
-              enable_prefix_caching=False, seed=0)
+              enable_prefix_caching=True, seed=0, kv_transfer_config=kv)
     res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     with open(out, "w") as f:
         json.dump([list(r.outputs[0].token_ids) for r in res], f)
@@ -236,6 +239,8 @@ def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     hooks = json.loads(trace.read_text())
     assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
+    assert hooks["hooks"]["bind_step_meta:-1"] >= 12  # scheduler metadata crossed into the worker
+    assert hooks["hooks"].get("row_key_fallback:-1", 0) == 0  # rows named by request id
     for layer in range(LAYERS):
         assert hooks["hooks"][f"attention_begin:{layer}"] >= 12
         assert hooks["hooks"][f"attention_finished:{layer}"] >= 12

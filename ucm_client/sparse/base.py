@@ -70,8 +70,10 @@ class RequestSparseMeta:
 class SparseMeta:
     """Everything a worker learns from the scheduler about one step."""
 
-    requests: Mapping[str, RequestSparseMeta] = field(default_factory=lambda: MappingProxyType({}))
-    write_blocks: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Plain dicts (typed read-only): this travels from the engine core to workers, and vLLM pickles it
+    # when they are other processes; a MappingProxyType cannot be pickled.
+    requests: Mapping[str, RequestSparseMeta] = field(default_factory=dict)
+    write_blocks: Mapping[int, str] = field(default_factory=dict)
     """Physical block receiving each scheduled request's last token this step → request id.
 
     How a worker tells which batch row is which request: the block being written is owned by one

@@ -18,7 +18,6 @@ import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from ucm_client.sparse.base import SparseMeta, UcmSparseBase, UcmSparseRole
@@ -84,7 +83,7 @@ class SparseSchedulerBridge:
                 write_blocks[blocks[last]] = req_id
         meta = self.method.build_sparse_meta(scheduler_output, scheduled, {})
         self.trace["build_sparse_meta"] += 1
-        return dataclasses.replace(meta, write_blocks=MappingProxyType(write_blocks), finished=finished)
+        return dataclasses.replace(meta, write_blocks=write_blocks, finished=finished)
 
     def finish(self, request_id: str) -> None:
         """The request left the scheduler (finished or aborted); idempotent."""
