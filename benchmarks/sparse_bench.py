@@ -9,7 +9,7 @@ Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128, float32), 128-token 
 - *dense ms*: exact dense attention over the same KV, measured right before the method's step (the
   machine is shared; only back-to-back ratios are meaningful); *speed-up* = dense / step.
 - *KV read*: bytes of K and V the step attends to; *index read*: bytes of block features read by
-  retrieval, in the storage our implementation uses (GSA keeps its sign bits as one byte each).
+  retrieval, in the storage our implementation uses (GSA: 128 sign bits as two int64 words).
 - *recall*: fraction of needle blocks selected; *rel. err*: ``||out - dense|| / ||dense||``.
 ReRoPE is not a sparsifier: it attends to every token with clamped positions beyond its window
 (25% of the context here), so its row reports its cost over plain RoPE attention (keys pre-rotated
@@ -26,16 +26,19 @@ import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.kernels import causal_attention, dense_decode_attention
+from ucm_client.sparse.quality import CONTROLS, assess
 from ucm_client.sparse.rerope import rerope_attention, rerope_logits
 from ucm_client.sparse.rope import apply_rope
-from ucm_client.sparse.testing import NeedleCase, planted_needles, relative_error
+from ucm_client.sparse.testing import NeedleCase, drifting_needles, planted_needles, relative_error
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 128
 RESULTS = Path(__file__).parent / "results" / "sparse.md"
@@ -91,6 +94,29 @@ def _block_rows(case: NeedleCase, tokens: int, ratio: float, repeat: int) -> lis
     return rows
 
 
+def _first_step_rows(case: NeedleCase, tokens: int, ratio: float) -> list[str]:
+    """Issue #14 item 5: the first sparse decode step with features built at prefill, and without."""
+    rows = []
+    for name in ("ESA", "GSA", "KVStarMultiStep"):
+        method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": ratio})
+        assert isinstance(method, BlockSparseMethod)
+
+        def first(prebuilt: bool, method: BlockSparseMethod = method) -> tuple[float, float]:
+            state = DecodeState()
+            start = time.perf_counter()
+            if prebuilt:  # what the worker does after each prefill layer
+                method.extend_features(state, tokens, BLOCK, lambda a, b: case.keys[a:b])
+            built = time.perf_counter()
+            method.decode(case.query, case.keys, case.values, state=state, block_size=BLOCK, scale=case.scale)
+            return 1e3 * (built - start), 1e3 * (time.perf_counter() - built)
+
+        first(True)  # warm
+        prefill_ms, step_ms = min(first(True) for _ in range(2))
+        _, cold_ms = min(first(False) for _ in range(2))
+        rows.append(f"| {name} | {tokens // 1024}k | {prefill_ms:.1f} | {step_ms:.1f} | {cold_ms:.1f} |")
+    return rows
+
+
 def _rerope_row(case: NeedleCase, tokens: int, repeat: int) -> str:
     # Pre-RoPE keys are the case's keys; plain RoPE attention is the baseline.
     window = tokens // 4
@@ -119,6 +145,81 @@ def _rerope_row(case: NeedleCase, tokens: int, repeat: int) -> str:
     )
 
 
+QUALITY_PATTERNS: dict[str, dict[str, Any]] = {
+    "spread (4 tokens)": {"num_needles": 6},
+    "single token": {"num_needles": 6, "needle_tokens": 1},
+    "per KV head": {"num_needles": 2, "per_head": True},
+    "distractors": {"num_needles": 6, "distractors": 12},
+}
+
+
+def _quality_rows(ratio: float, seeds: int) -> list[str]:
+    """Item 2/3 of issue #14: each pattern at 8k, per-KV-head selection, and the negative controls.
+
+    Figures are means over ``seeds`` seeds; *pass* is ``Quality.passes`` on every seed (recall >= 0.95
+    and error <= 1.25x the oracle's + 0.005). Drift: 12 steps with each method's default stride, the
+    worst step's recall and the number of steps passing.
+    """
+    shape = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": DIM, "block_size": BLOCK}
+    tokens = 8192
+    rows = []
+    keep = BlockBudget(ratio, 1, 2, 4).num_kept(tokens // BLOCK)
+    for pattern, kw in QUALITY_PATTERNS.items():
+        cases = [planted_needles(tokens, seed=seed, **shape, **kw) for seed in range(seeds)]
+        selectors: dict[str, Callable[[NeedleCase], tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        for name, per_head in [(m, p) for m in ("ESA", "GSA", "KVStarMultiStep") for p in (True, False)]:
+            method = UcmSparseFactory.create_sparse_method(
+                name, UcmSparseRole.WORKER, {"sparse_ratio": ratio}
+            )
+            assert isinstance(method, BlockSparseMethod)
+
+            def run(
+                case: NeedleCase, method: BlockSparseMethod = method, per_head: bool = per_head
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                res = method.decode(
+                    case.query,
+                    case.keys,
+                    case.values,
+                    state=DecodeState(),
+                    block_size=BLOCK,
+                    scale=case.scale,
+                    per_head=per_head,
+                )
+                return res.block_ids, res.output
+
+            selectors[name if per_head else f"{name}, one list for all heads (vLLM)"] = run
+        for control, fn in CONTROLS.items():
+            selectors[f"control: {control}"] = lambda case, fn=fn: (fn(case, keep), None)
+        for name, select in selectors.items():
+            qs = [assess(case, *select(case)) for case in cases]
+            recall, error = sum(q.recall for q in qs) / len(qs), sum(q.error for q in qs) / len(qs)
+            oracle = sum(q.oracle_error for q in qs) / len(qs)
+            verdict = "yes" if all(q.passes for q in qs) else "no"
+            rows.append(f"| {pattern} | {name} | {recall:.2f} | {error:.3f} | {oracle:.3f} | {verdict} |")
+    for name in ("ESA", "GSA", "KVStarMultiStep"):
+        worst, passed, total = 1.0, 0, 0
+        for seed in range(seeds):
+            method = UcmSparseFactory.create_sparse_method(
+                name, UcmSparseRole.WORKER, {"sparse_ratio": ratio}
+            )
+            assert isinstance(method, BlockSparseMethod)
+            state = DecodeState()
+            for case in drifting_needles(tokens, seed=seed, steps=12, num_needles=4, **shape):
+                res = method.decode(
+                    case.query,
+                    case.keys,
+                    case.values,
+                    state=state,
+                    block_size=BLOCK,
+                    scale=case.scale,
+                    per_head=True,
+                )
+                q = assess(case, res.block_ids, res.output)
+                worst, passed, total = min(worst, q.recall), passed + q.passes, total + 1
+        rows.append(f"| drift, 12 steps | {name} | worst step {worst:.2f} | | | {passed}/{total} steps |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -126,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared box)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of the quality table (0: skip it)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     header = [
@@ -137,6 +239,25 @@ def main(argv: list[str] | None = None) -> int:
         "| method | tokens | budget | step ms | dense ms | speed-up | KV read (share) | index read | "
         "needle recall | rel. err vs dense |",
         "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    quality = [
+        "",
+        f"Selection quality at 8k tokens, {args.ratio:.0%} budget, per-KV-head selection, mean of "
+        f"{args.seeds} seeds (`ucm_client.sparse.quality`; the same assertions as "
+        "`tests/sparse/test_sparse_quality.py`):",
+        "",
+        "| pattern | selector | needle recall | rel. err | oracle err | passes |",
+        "|---|---|---|---|---|---|",
+        *(_quality_rows(args.ratio, args.seeds) if args.seeds else ["| (skipped) | | | | | |"]),
+    ]
+    first_rows = [
+        "",
+        "First sparse decode step per layer (issue #14 item 5): block features built during prefill "
+        "(the worker features each layer's blocks after its attention wrote them) vs built by the first "
+        "retrieval. Best of 2, ms.",
+        "",
+        "| method | tokens | features at prefill | first step, prebuilt | first step, not prebuilt |",
+        "|---|---|---|---|---|",
     ]
     rows = []
     for tokens in args.tokens:
@@ -152,16 +273,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows += _block_rows(case, tokens, args.ratio, args.repeat)
         rows.append(_rerope_row(case, tokens, args.repeat))
+        first_rows += _first_step_rows(case, tokens, args.ratio)
     footer = [
         "",
-        "GSA scans every token's packed code each retrieval; torch on CPU has no popcount, so the XOR + "
-        "lookup-table count is slower than the BLAS dense kernel at 32k. Its saving is the index size "
-        "(bits/8 bytes per key and head vs 4·head_dim for keys), which the *index read* column shows.",
-        "Blend (prefill): 2 chunks × 96 tokens + 16-token question on a 4-layer random Llama; recomputing "
-        "30% of reused tokens gives 0.18 relative logit error vs full prefill (0% → 0.51), top-1 token kept "
-        "(`tests/sparse/test_sparse_blend.py`).",
+        "GSA scans every token's code each retrieval: 256 bits = four uint64 words per key and head, XOR, "
+        "masked to the half of the bits the query is most sure of, and numpy `bitwise_count` over "
+        "zero-copy views (GSAOnDevice: torch SWAR ops on the cache's device), then the best token per "
+        "block. Its index is 32 bytes per key and head (512 for the float32 key), the *index read* column. "
+        "ESA keeps float16 channel-major keys and reads the query's 16 largest channels of every token; "
+        "KVStar the same over its kept half of the channels, for each recent query.",
+        "Blend (prefill): 2 chunks × 96 tokens + 16-token question on a 4-layer random Llama, deviation "
+        "checked from layer 1 with gradual filtering over 2 layers; relative logit error vs full prefill, "
+        "mean of 4 prompts, deviation vs random selection (3 draws each, same schedule): 15% recompute "
+        "0.33 vs 0.48, 20% 0.27 vs 0.45, 30% 0.17 vs 0.37 (`tests/sparse/test_sparse_blend.py`).",
     ]
-    text = "\n".join(header + rows + footer) + "\n"
+    text = "\n".join(header + rows + footer + first_rows + quality) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -7,6 +7,7 @@ the Hugging Face modules; the adapter itself is checked against ``LlamaForCausal
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -114,17 +115,56 @@ def test_selective_recompute_is_close_and_recomputes_only_the_ratio(
     steps: HFLlamaSteps, case: dict[str, Any]
 ) -> None:
     res = _run(steps, case, recompute_ratio=0.3)
-    # exactly ceil(30% of the 192 reused tokens) were recomputed after the check layer
+    # exactly ceil(30% of the 192 reused tokens) were recomputed through the last layer
     assert res.recomputed.numel() == 58
     assert res.num_reused == 192
     # The first chunk is a true prefix: its cached KV is exact, so nothing there deviates.
     assert int((res.recomputed < 96).sum()) == 0
-    # Measured on this model: 0% → 0.51, 10% → 0.39, 20% → 0.29, 30% → 0.18 relative logit error.
     errors = [_rel(_run(steps, case, recompute_ratio=r).last_logits, case["full"]) for r in (0.0, 0.1, 0.2)]
     errors.append(_rel(res.last_logits, case["full"]))
     assert errors == sorted(errors, reverse=True), errors
-    assert errors[-1] < 0.25 and errors[-1] < 0.5 * errors[0], errors
-    assert int(res.last_logits.argmax()) == int(case["full"].argmax())
+    assert errors[-1] < 0.5 * errors[0], errors
+
+
+def _random_chooser(seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    return lambda deviation, count: torch.randperm(deviation.numel(), generator=gen)[:count]
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.2, 0.3])
+def test_deviation_selection_beats_random_selection(steps: HFLlamaSteps, ratio: float) -> None:
+    # Averaged over 4 prompts (random: 3 draws each), with the same gradual-filtering schedule, so both
+    # recompute exactly as many tokens per layer. Measured: 15% 0.33 vs 0.48, 20% 0.27 vs 0.45,
+    # 30% 0.17 vs 0.37 relative logit error (deviation vs random).
+    spec = BlendSpec(recompute_ratio=ratio)
+    ours, control = [], []
+    with torch.no_grad():
+        for seed in range(4):
+            a, b, q = _ids(10 * seed + 1, 96), _ids(10 * seed + 2, 96), _ids(10 * seed + 3, 16)
+            full, _ = prefill(steps, torch.cat([a, b, q]))
+            chunks = [prefill(steps, a)[1], prefill(steps, b)[1]]
+            ours.append(_rel(blend(steps, chunks, q, spec).last_logits, full))
+            for draw in range(3):
+                res = blend(steps, chunks, q, spec, chooser=_random_chooser(draw))
+                assert res.recomputed.numel() == math.ceil(ratio * 192)
+                control.append(_rel(res.last_logits, full))
+    mean_ours, mean_control = sum(ours) / len(ours), sum(control) / len(control)
+    assert mean_ours < 0.8 * mean_control, (mean_ours, mean_control)
+
+
+def test_layer_zero_check_is_refused() -> None:
+    # Layer-0 K/V are projections of the token alone: equal in any context, deviation = noise.
+    with pytest.raises(ValueError, match="check_layer must be >= 1"):
+        BlendSpec(check_layer=0)
+
+
+def test_layer_zero_kv_does_not_depend_on_context(steps: HFLlamaSteps, case: dict[str, Any]) -> None:
+    with torch.no_grad():
+        _, full_kv = prefill(steps, case["ids"])
+    chunk_b = case["chunks"][1]
+    # values carry no RoPE: compare directly; layer 0 equal (noise), layer 1 clearly not
+    assert float((full_kv.values[0][96:192] - chunk_b.values[0]).abs().max()) < 1e-4
+    assert float((full_kv.values[1][96:192] - chunk_b.values[1]).abs().max()) > 1e-2
 
 
 def test_rope_correction_moves_cached_keys_to_their_new_positions(
@@ -147,6 +187,8 @@ def test_blend_method_from_factory_uses_its_spec(steps: HFLlamaSteps, case: dict
     with torch.no_grad():
         res = method.run(steps, case["chunks"], case["suffix"])
     assert res.recomputed.numel() == 96
+    with pytest.raises(ValueError, match="exceed the model"):
+        blend(steps, case["chunks"], case["suffix"], BlendSpec(check_layer=3, filter_layers=2))
 
 
 def test_blend_model_path_is_reused(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """ESA, GSA and KVStarMultiStep on planted-needle workloads, against exact dense attention.
 
 Stated bounds: at full budget the output equals dense attention to 1e-6 (relative); at 20% and 30%
-budget every needle block is retrieved on every seed (recall 1.0, required >= 0.95) and the output's
-relative L2 error against dense attention stays below 0.02.
+budget exactly the budget is attended. Quality on hard patterns, against negative controls that must
+fail, is ``test_sparse_quality.py``.
 """
 
 from __future__ import annotations
@@ -45,25 +45,18 @@ def test_full_budget_reproduces_dense(name: str) -> None:
 
 @pytest.mark.parametrize("name", METHODS)
 @pytest.mark.parametrize("ratio", [0.2, 0.3])
-def test_low_budget_finds_needles_and_stays_close_to_dense(name: str, ratio: float) -> None:
-    recalls, errors = [], []
-    for seed in range(4):
-        case = planted_needles(8192, seed=seed, num_needles=6)
-        dense = dense_decode_attention(case.query, case.keys, case.values, case.scale)
-        res = _method(name, sparse_ratio=ratio).decode(
-            case.query,
-            case.keys,
-            case.values,
-            state=DecodeState(),
-            block_size=case.block_size,
-            scale=case.scale,
-        )
-        num_blocks = 8192 // case.block_size
-        assert res.block_ids.numel() == round(ratio * num_blocks + 0.4999)  # ceil, the budget exactly
-        recalls.append(case.recall(res.block_ids))
-        errors.append(relative_error(res.output, dense))
-    assert min(recalls) >= 0.95, recalls
-    assert max(errors) < ERROR_BOUND, errors
+def test_low_budget_attends_exactly_the_budget(name: str, ratio: float) -> None:
+    # Recall and error on hard patterns, with negative controls, are in test_sparse_quality.py.
+    case = planted_needles(8192, seed=0, num_needles=6)
+    res = _method(name, sparse_ratio=ratio).decode(
+        case.query, case.keys, case.values, state=DecodeState(), block_size=case.block_size, scale=case.scale
+    )
+    num_blocks = 8192 // case.block_size
+    assert res.block_ids.numel() == round(ratio * num_blocks + 0.4999)  # ceil, the budget exactly
+    assert (
+        relative_error(res.output, dense_decode_attention(case.query, case.keys, case.values, case.scale))
+        < 0.02
+    )
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -144,7 +137,7 @@ def test_kvstar_keeps_the_configured_dimensions_and_groups_queries() -> None:
         )
         assert case.recall(res.block_ids) == 1.0
     assert state.aux["dims"].shape == (2, 16)
-    assert state.features is not None and state.features.shape[-1] == 16
+    assert state.features is not None and state.features.shape == (2, 16, 4096)  # [H, kept dims, tokens]
     assert len(state.queries) == 3  # the last query_group decode queries, no more
 
 

@@ -89,11 +89,16 @@ def test_third_party_method_by_module_path(tmp_path: Path, monkeypatch: pytest.M
     _write_plugin(tmp_path, "my_sparse_mod")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = UcmSparseConfig.from_dict(
-        {"algorithm": "MySparse", "module_path": "my_sparse_mod", "class_name": "Everything", "MySparse": {}}
+        {
+            "algorithm": "ThirdPartySparse",
+            "module_path": "my_sparse_mod",
+            "class_name": "Everything",
+            "ThirdPartySparse": {},
+        }
     )
     method = UcmSparseFactory.from_config(cfg, UcmSparseRole.SCHEDULER)
     assert type(method).__name__ == "Everything"
-    assert "MySparse" in UcmSparseFactory.known_methods()
+    assert "ThirdPartySparse" in UcmSparseFactory.known_methods()
 
 
 def test_third_party_method_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,6 +91,7 @@ def build_tiny_llama(
     head_dim: int = 32,
     vocab: int = 1000,
     dtype: str = "float32",
+    max_positions: int = 4096,
 ) -> Path:
     """Build (or reuse) a tiny Llama checkpoint under ``path`` and return its directory.
 
@@ -108,6 +109,8 @@ def build_tiny_llama(
         "vocab": vocab,
         "dtype": dtype,
     }
+    if max_positions != 4096:  # only then: existing checkpoints keep their directory names
+        params["max_positions"] = max_positions
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(path) / f"tiny-llama-{key}"
     if (out / _DONE_MARKER).exists():
@@ -144,7 +147,7 @@ def build_tiny_llama(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,

@@ -27,6 +27,7 @@ from ucm_client.sparse.paged import PageLayout
 from ucm_client.sparse.session import ExecutionSession, check_tensor
 
 __all__ = [
+    "PUBLIC_HOOKS",
     "AttentionInputs",
     "LayerSpec",
     "PagedAttentionMeta",
@@ -69,7 +70,24 @@ class RequestSparseMeta:
 class SparseMeta:
     """Everything a worker learns from the scheduler about one step."""
 
-    requests: Mapping[str, RequestSparseMeta] = field(default_factory=lambda: MappingProxyType({}))
+    # Plain dicts (typed read-only): this travels from the engine core to workers, and vLLM pickles it
+    # when they are other processes; a MappingProxyType cannot be pickled.
+    requests: Mapping[str, RequestSparseMeta] = field(default_factory=dict)
+    write_blocks: Mapping[int, str] = field(default_factory=dict)
+    """Physical block receiving each scheduled request's last token this step → request id.
+
+    How a worker tells which batch row is which request: the block being written is owned by one
+    request only, even when prefix caching shares every block before it (a row's *first* block is
+    shared by every request with the same prefix, so it cannot name a request)."""
+    finished: frozenset[str] = frozenset()
+    """Requests the scheduler finished since the last step; workers drop their state."""
+    custom: Any = None
+    """What a seed-form method's ``build_sparse_meta`` returned (any object; see ``seed_form``)."""
+
+    @property
+    def ucm_sparse_meta(self) -> Any:
+        """The seed's name for the method's own metadata (``scheduler_output.ucm_sparse_meta``)."""
+        return self.custom
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +150,51 @@ class AttentionInputs:
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _seed_form_stub(name: str) -> Any:
+    def stub(self: UcmSparseBase, *args: Any, **kwargs: Any) -> Any:
+        raise SparseRoleError(
+            f"{type(self).__name__} is written in the seed form (it overrides the public hooks); "
+            f"{name} is never called: run it through UcmSparseFactory, which wraps it in SeedFormAdapter"
+        )
+
+    return stub
+
+
+PUBLIC_HOOKS = (
+    "request_begin",
+    "estimate_num_slots_sparsed",
+    "build_sparse_meta",
+    "request_finished_in_scheduler",
+    "register_kv_caches",
+    "execute_begin",
+    "attention_begin",
+    "attention_finished",
+    "execute_finished",
+    "request_finished_in_worker",
+)
+"""The seed's hooks; a subclass that overrides one of them is written in the seed's form."""
+
+
 class UcmSparseBase(ABC):
-    """Base of every sparse method; see the module docstring for the contract."""
+    """Base of every sparse method; see the module docstring for the contract.
+
+    Two ways to write a method: the *checked form* implements the ``_on_*`` methods and inherits the
+    final public hooks; the *seed form* (seed 000's example) overrides the public hooks themselves.
+    A seed-form class is instantiable (its ``_on_*`` are filled in here) and the factory runs it
+    inside :class:`ucm_client.sparse.seed_form.SeedFormAdapter`, which is a checked-form method: the
+    session and tensor checks apply to it too.
+    """
+
+    seed_form: bool = False
+    """True for a subclass that overrides the public hooks (set automatically)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if any(hook in vars(cls) for hook in PUBLIC_HOOKS):
+            cls.seed_form = True
+            for name in [n for n in dir(UcmSparseBase) if n.startswith("_on_")]:
+                if getattr(getattr(cls, name), "__isabstractmethod__", False):
+                    setattr(cls, name, _seed_form_stub(name))
 
     def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
         self.role = role

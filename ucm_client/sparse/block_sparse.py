@@ -31,12 +31,15 @@ from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.kernels import (
     aggregate_heads,
     blocks_to_tokens,
+    group_query,
+    per_head_sparse_attention,
     select_blocks,
+    select_blocks_per_head,
     sparse_decode_attention,
 )
 from ucm_client.sparse.paged import read_request_kv
 
-__all__ = ["BlockSparseMethod", "BlockSparseSpec", "DecodeResult", "DecodeState"]
+__all__ = ["BlockSparseMethod", "BlockSparseSpec", "ChannelMajorFeatures", "DecodeResult", "DecodeState"]
 
 
 class BlockSparseSpec(Protocol):
@@ -54,7 +57,12 @@ class DecodeState:
 
     step: int = 0
     selection: torch.Tensor | None = None
-    """Logical block ids chosen at the last retrieval."""
+    """Logical block ids chosen at the last retrieval: ``[k]`` shared, or ``[kv_heads, k]`` per head."""
+    selected_blocks: int = 0
+    """Blocks the context had at the last retrieval (later ones join the reused selection)."""
+    anchor: torch.Tensor | None = None
+    """The per-KV-head query direction at the last retrieval, to notice the query drifting away."""
+    drift_refreshes: int = 0
     features: torch.Tensor | None = None
     """Cached features of the first ``features_blocks`` full blocks."""
     features_blocks: int = 0
@@ -79,6 +87,8 @@ class BlockSparseMethod(UcmSparseBase):
     """Base of block-sparse methods; subclasses define ``_features`` and ``_score``."""
 
     spec: BlockSparseSpec
+    prebuild_features = True
+    """Feature blocks as prefill and decode fill them (False: only when a retrieval needs them)."""
 
     def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
         super().__init__(role, config, min_seq_len=min_seq_len)
@@ -89,8 +99,17 @@ class BlockSparseMethod(UcmSparseBase):
         self._states: dict[tuple[str, int], DecodeState] = {}
         self._step_meta: SparseMeta | None = None
         self._rows_seen: set[str] = set()
-        self.stats = {"sparse_rows": 0, "dense_rows": 0, "retrievals": 0}
+        self.stats = {
+            "sparse_rows": 0,
+            "dense_rows": 0,
+            "retrievals": 0,
+            "feature_blocks": 0,
+            "features_at_retrieval": 0,
+        }
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_features: dict[
+            int, list[tuple[DecodeState, int, Callable[[int, int], torch.Tensor]]]
+        ] = {}
 
     # ------------------------------------------------------------ algorithm
     @abstractmethod
@@ -103,6 +122,36 @@ class BlockSparseMethod(UcmSparseBase):
     @abstractmethod
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Scores ``[kv_heads, m]`` of ``m`` featured blocks for ``queries`` ``[G, num_heads, D]``."""
+
+    def extend_features(
+        self,
+        state: DecodeState,
+        num_tokens: int,
+        block_size: int,
+        read_keys: Callable[[int, int], torch.Tensor],
+    ) -> int:
+        """Feature every full block of the first ``num_tokens`` not featured yet; returns the featured blocks.
+
+        Called at prefill (after the layer's attention wrote the prompt's KV) and whenever a block
+        fills during decode, so a retrieval never has to feature the whole context at once (before:
+        82 / 168 / 353 ms per layer on the first decode step at 8k / 16k / 32k, issue #14).
+        """
+        full = num_tokens // block_size
+        if full > state.features_blocks:
+            start = state.features_blocks * block_size
+            new_features = self._features(read_keys(start, full * block_size), block_size, state)
+            self.stats["feature_blocks"] += full - state.features_blocks
+            state.features = (
+                new_features
+                if state.features is None
+                else self._append_features(state.features, new_features)
+            )
+            state.features_blocks = full
+        return state.features_blocks
+
+    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Features of blocks that filled since, after the cached ones (block-major by default)."""
+        return torch.cat([old, new])
 
     def _queries_for_retrieval(self, state: DecodeState) -> torch.Tensor:
         """The queries retrieval scores against: by default only the newest."""
@@ -121,13 +170,21 @@ class BlockSparseMethod(UcmSparseBase):
         read_keys: Callable[[int, int], torch.Tensor],
         *,
         retrieve: bool | None = None,
+        per_head: bool = False,
+        written_tokens: int | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """Block ids for this decode step, and whether retrieval ran (else the last selection was reused).
 
         ``read_keys(start, end)`` returns keys of tokens ``[start, end)``; it is called only for blocks
         that filled up since the last retrieval, so callers whose keys live elsewhere (paged cache,
         daemon) read each block once. ``retrieve`` is the scheduler's decision when it made one
-        (``SparseMeta``); ``None`` counts ``retrieval_stride`` locally.
+        (``SparseMeta``); ``None`` counts ``retrieval_stride`` locally. Either way a retrieval also
+        runs when the query has drifted from the one the selection was made for (cosine per KV head
+        below ``drift_cosine``), since a kept selection is only as good as the query it answered.
+        ``per_head``: one block list per KV head (``[kv_heads, k]``), else one shared list (``[k]``,
+        what a paged kernel's block table can express). ``written_tokens``: how many tokens
+        ``read_keys`` can already see (a paged cache receives this step's key only during attention);
+        a block past it is scored once written, and is in the local window meanwhile.
         """
         device = query.device
         num_blocks = -(-num_tokens // block_size)
@@ -140,34 +197,63 @@ class BlockSparseMethod(UcmSparseBase):
             return torch.arange(num_blocks, device=device), False
         if retrieve is None:
             retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
-        if state.selection is not None and not retrieve:
-            forced = torch.cat(
-                [
-                    torch.arange(min(self._budget.init_window_sz, num_blocks), device=device),
-                    torch.arange(
-                        max(0, num_blocks - self._budget.local_window_sz), num_blocks, device=device
-                    ),
-                ]
-            )
-            return torch.unique(torch.cat([state.selection, forced])), False
-        full = num_tokens // block_size
-        if full > state.features_blocks:
-            start = state.features_blocks * block_size
-            new = self._features(read_keys(start, full * block_size), block_size, state)
-            state.features = new if state.features is None else torch.cat([state.features, new])
-            state.features_blocks = full
-        scores = torch.full((num_blocks,), float("-inf"), dtype=torch.float32, device=device)
-        if full:
-            assert state.features is not None
-            scores[:full] = aggregate_heads(
-                self._score(self._queries_for_retrieval(state), state.features, state)
-            )
-        state.selection = select_blocks(
-            scores, keep, self._budget.init_window_sz, self._budget.local_window_sz
+        if state.selection is not None and not retrieve and state.anchor is not None:
+            direction = self._direction(query, state.anchor.shape[0])
+            cosine = float((direction * state.anchor).sum(-1).min())
+            if cosine < self._drift_cosine():
+                retrieve = True
+                state.drift_refreshes += 1
+                del state.queries[:-1]  # older queries point elsewhere now: score for the new one
+        if state.selection is not None and not retrieve and (state.selection.dim() == 2) == per_head:
+            new = torch.arange(state.selected_blocks, num_blocks, device=device)
+            if per_head:
+                new = new[None].expand(state.selection.shape[0], -1)
+            return torch.cat([state.selection, new], dim=-1), False
+        before = state.features_blocks
+        full = self.extend_features(
+            state, num_tokens if written_tokens is None else written_tokens, block_size, read_keys
         )
+        self.stats["features_at_retrieval"] += full - before  # work a decode step waited for
+        assert state.features is not None and full  # keep < num_blocks implies a written full block
+        if len(state.queries) > 1:
+            # A query group serves the coming steps only while it points where the newest one does:
+            # keep the queries within half the drift threshold's angle of it.
+            kv_heads = state.anchor.shape[0] if state.anchor is not None else self._kv_heads(state.features)
+            newest = self._direction(query, kv_heads)
+            tight = (1.0 + self._drift_cosine()) / 2
+            state.queries[:] = [
+                q
+                for q in state.queries
+                if float((self._direction(q, kv_heads) * newest).sum(-1).min()) >= tight
+            ]
+        block_scores = self._score(self._queries_for_retrieval(state), state.features, state)
+        heads = block_scores.shape[0]
+        scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
+        scores[:, :full] = block_scores
+        init, local = self._budget.init_window_sz, self._budget.local_window_sz
+        if per_head:
+            state.selection = select_blocks_per_head(scores, keep, init, local)
+        else:
+            state.selection = select_blocks(aggregate_heads(scores), keep, init, local)
+        state.selected_blocks = num_blocks
+        state.anchor = self._direction(query, heads)
         state.retrievals += 1
         self.stats["retrievals"] += 1
         return state.selection, True
+
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        """KV heads in ``features`` (axis 1 of block-major features; channel-major ones override)."""
+        return int(features.shape[1])
+
+    def _drift_cosine(self) -> float:
+        return float(getattr(self.spec, "drift_cosine", 0.0))
+
+    @staticmethod
+    def _direction(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Unit direction of each KV head's summed query group ``[kv_heads, D]``."""
+        q = group_query(query.float(), kv_heads).sum(dim=1)
+        unit: torch.Tensor = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return unit
 
     def decode(
         self,
@@ -178,11 +264,22 @@ class BlockSparseMethod(UcmSparseBase):
         state: DecodeState,
         block_size: int,
         scale: float,
+        per_head: bool = False,
     ) -> DecodeResult:
-        """One decode step over token-major KV: select blocks, then exact attention over them."""
+        """One decode step over token-major KV: select blocks, then exact attention over them.
+
+        ``per_head``: each KV head attends to its own blocks (``block_ids`` ``[kv_heads, k]``,
+        ``token_idx`` ``[kv_heads, k * block_size]`` clipped to the context).
+        """
         block_ids, retrieved = self.select(
-            query, keys.shape[0], state, block_size, lambda start, end: keys[start:end]
+            query, keys.shape[0], state, block_size, lambda start, end: keys[start:end], per_head=per_head
         )
+        if block_ids.dim() == 2:
+            out = per_head_sparse_attention(query, keys, values, block_ids, block_size, scale)
+            tokens = (
+                block_ids[:, :, None] * block_size + torch.arange(block_size, device=keys.device)
+            ).flatten(1)
+            return DecodeResult(output=out, block_ids=block_ids, token_idx=tokens, retrieved=retrieved)
         tokens = blocks_to_tokens(block_ids, block_size, keys.shape[0])
         out = sparse_decode_attention(
             query, keys, values, tokens, scale, workspace=self._gather_workspace(keys, tokens.numel())
@@ -255,40 +352,29 @@ class BlockSparseMethod(UcmSparseBase):
         meta: PagedAttentionMeta,
         output: torch.Tensor,
     ) -> AttentionInputs:
+        if self._budget.sparse_ratio >= 1.0:
+            return AttentionInputs(query, key, value, output)  # never sparse: no state, no features
         cache = self._kv_caches[spec.layer_idx]
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         new_table: torch.Tensor | None = None
         new_lens: torch.Tensor | None = None
+        pending = self._pending_features[spec.layer_idx] = []
         for row, row_key in enumerate(meta.row_keys):
             self._rows_seen.add(row_key)
             n = int(seq_lens[row])
-            if qsl[row + 1] - qsl[row] != 1 or n < max(self.min_seq_len, 1):
+            if n < max(self.min_seq_len, 1):
                 self.stats["dense_rows"] += 1
-                continue  # prefill or short: dense
+                continue  # short: dense, and no features yet
             num_blocks = -(-n // spec.block_size)
-            state = self._states.setdefault((row_key, spec.layer_idx), DecodeState())
-            row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
-            if self._budget.num_kept(num_blocks) >= num_blocks:
-                self.stats["dense_rows"] += 1
-                continue
             blocks = meta.block_table[row, :num_blocks]
-            known = state.aux.get("block_ids")
-            if known is not None and not torch.equal(known, blocks[: known.numel()]):
-                # The row key now names another request (a surrogate key was reused): start afresh.
-                state = self._states[(row_key, spec.layer_idx)] = DecodeState()
-            state.aux["block_ids"] = blocks.clone()
-
-            def read_keys(start: int, end: int, blocks: torch.Tensor = blocks) -> torch.Tensor:
-                first = start // spec.block_size
-                keys, _ = read_request_kv(
-                    cache,
-                    blocks[first : -(-end // spec.block_size)],
-                    end - first * spec.block_size,
-                    spec.layout,
-                )
-                return keys[start - first * spec.block_size :]
-
+            state = self._row_state(row_key, spec.layer_idx, blocks)
+            read_keys = self._paged_reader(cache, spec, blocks)
+            pending.append((state, n, read_keys))  # feature new full blocks once written
+            if qsl[row + 1] - qsl[row] != 1 or self._budget.num_kept(num_blocks) >= num_blocks:
+                self.stats["dense_rows"] += 1
+                continue  # prefill, or the budget covers everything: dense
+            row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
             sel, _ = self.select(
                 query[qsl[row]],
                 n,
@@ -296,6 +382,7 @@ class BlockSparseMethod(UcmSparseBase):
                 spec.block_size,
                 read_keys,
                 retrieve=None if row_meta is None else row_meta.retrieve,
+                written_tokens=n - 1,  # this step's key reaches the cache during attention
             )
             if new_table is None:
                 new_table = meta.block_table.clone()
@@ -305,6 +392,38 @@ class BlockSparseMethod(UcmSparseBase):
             new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
             self.stats["sparse_rows"] += 1
         return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
+
+    def _row_state(self, row_key: str, layer_idx: int, blocks: torch.Tensor) -> DecodeState:
+        state = self._states.setdefault((row_key, layer_idx), DecodeState())
+        known = state.aux.get("block_ids")
+        if known is not None and not torch.equal(known, blocks[: known.numel()]):
+            # The row key now names another request (a surrogate key was reused, or the request was
+            # preempted and its blocks reallocated): start afresh.
+            state = self._states[(row_key, layer_idx)] = DecodeState()
+        state.aux["block_ids"] = blocks.clone()
+        return state
+
+    @staticmethod
+    def _paged_reader(
+        cache: torch.Tensor, spec: LayerSpec, blocks: torch.Tensor
+    ) -> Callable[[int, int], torch.Tensor]:
+        def read_keys(start: int, end: int) -> torch.Tensor:
+            first = start // spec.block_size
+            keys, _ = read_request_kv(
+                cache, blocks[first : -(-end // spec.block_size)], end - first * spec.block_size, spec.layout
+            )
+            return keys[start - first * spec.block_size :]
+
+        return read_keys
+
+    def _on_attention_finished(self, spec: LayerSpec, output: torch.Tensor) -> torch.Tensor:
+        # The layer's KV is in the cache now: feature the blocks that prefill or decode just filled,
+        # so no retrieval pays for many blocks at once.
+        pending = self._pending_features.pop(spec.layer_idx, [])
+        if self.prebuild_features:
+            for state, n, read_keys in pending:
+                self.extend_features(state, n, spec.block_size, read_keys)
+        return output
 
     def _on_execute_finished(self, logits_indices: torch.Tensor) -> torch.Tensor:
         if self._step_meta is None:
@@ -317,3 +436,14 @@ class BlockSparseMethod(UcmSparseBase):
     def _on_request_finished_in_worker(self, request_id: str) -> None:
         for key in [k for k in self._states if k[0] == request_id]:
             del self._states[key]
+
+
+class ChannelMajorFeatures(BlockSparseMethod):
+    """Features kept as ``[kv_heads, channels, tokens]`` (``kernels.channel_major_keys``): blocks
+    append along the token axis."""
+
+    def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return torch.cat([old, new], dim=-1)
+
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        return int(features.shape[0])

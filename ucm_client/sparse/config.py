@@ -131,7 +131,7 @@ class UcmSparseConfig:
             raise SparseConfigError(
                 f"ucm_sparse_config: section(s) {extra} do not match algorithm {algorithm!r}"
             )
-        section = sections.get(algorithm, {})
+        section = sections.get(algorithm) or {}  # the seed's `MySparse:` with an empty body is None
         if not isinstance(section, Mapping):
             raise SparseConfigError(f"ucm_sparse_config.{algorithm}: expected a mapping")
         min_seq_len = raw.get("min_seq_len", 0)

@@ -1,8 +1,11 @@
-"""ESA: retrieval by block representatives (the mean key of each block, per KV head).
+"""ESA: retrieval by block representatives that keep single-token outliers, per KV head.
 
-Each full block is summarised once by its mean key; at retrieval the query's inner product with those
-means ranks the blocks, and the top ones, plus the initial and local windows, are attended exactly.
-Retrieval runs every ``retrieval_stride`` decode steps. Where blocks live off-device (in the UCM
+Each full block is kept once as float16 channel-major keys; at retrieval the query's largest
+``score_channels`` channels (per KV head) give every token an approximate logit, and a block scores
+its best token, so one needle token is enough to fetch its block (a mean key dilutes it 1:block_size:
+measured recall 0.5 on single-token needles). The top blocks, plus the initial and local windows, are
+attended exactly. Retrieval runs every ``retrieval_stride`` decode steps, and earlier when the query
+drifts (``drift_cosine``). Where blocks live off-device (in the UCM
 daemon), :mod:`ucm_client.sparse.esa_offload` fetches the selected ones that are not resident.
 """
 
@@ -15,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import block_means, group_query
+from ucm_client.sparse.kernels import channel_major_keys, channel_token_max, group_query
 
 __all__ = ["ESA", "EsaSpec"]
 
@@ -38,19 +41,28 @@ class EsaSpec:
     """Lower bound on attended blocks."""
     block_size: int = 128
     """Tokens per block as the scheduler counts them (the worker reads it from the cache)."""
+    score_channels: int = 16
+    """Key channels read per token at retrieval: the query's largest ones (per KV head)."""
+    drift_cosine: float = 0.9
+    """Retrieve before the stride is up when a KV head's query direction has turned this far
+    (cosine to the query of the last retrieval below this; 0 disables)."""
 
     def __post_init__(self) -> None:
         if self.retrieval_stride < 1:
             raise ValueError(f"retrieval_stride must be >= 1, got {self.retrieval_stride}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.block_size < 1 or self.score_channels < 1:
+            raise ValueError(
+                f"block_size and score_channels must be >= 1, got {self.block_size}, {self.score_channels}"
+            )
+        if not -1.0 <= self.drift_cosine <= 1.0:
+            raise ValueError(f"drift_cosine must be in [-1, 1], got {self.drift_cosine}")
         self.budget()  # validates the shared fields
 
     def budget(self) -> BlockBudget:
         return BlockBudget(self.sparse_ratio, self.init_window_sz, self.local_window_sz, self.min_blocks)
 
 
-class ESA(BlockSparseMethod):
+class ESA(ChannelMajorFeatures):
     """Mean-key block representatives, inner-product top-k."""
 
     spec: EsaSpec
@@ -59,9 +71,11 @@ class ESA(BlockSparseMethod):
         return parse_fields(EsaSpec, config, "ucm_sparse_config.ESA")
 
     def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
-        return block_means(keys.float(), block_size)
+        state.aux["block_size"] = torch.tensor(block_size)
+        return channel_major_keys(keys)  # [H, D, n]
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        heads = features.shape[1]
-        q = torch.stack([group_query(qi.float(), heads) for qi in queries])  # [G, H, g, D]
-        return torch.einsum("xhgd,bhd->hb", q, features) / math.sqrt(features.shape[-1])
+        heads, dim = features.shape[0], features.shape[1]
+        q = group_query(queries[-1].float(), heads).sum(dim=1)  # [H, D]: the KV head's query group
+        block_size = int(state.aux["block_size"])
+        return channel_token_max(q[None], features, self.spec.score_channels, block_size)[0] / math.sqrt(dim)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from ucm_client.sparse.base import UcmSparseBase, UcmSparseRole
 from ucm_client.sparse.config import UcmSparseConfig
 from ucm_client.sparse.errors import SparseConfigError, UnknownSparseMethodError
+from ucm_client.sparse.seed_form import SeedFormAdapter, is_seed_form
 
 __all__ = ["ENTRY_POINT_GROUP", "UcmSparseFactory"]
 
@@ -71,9 +72,13 @@ class UcmSparseFactory:
             raise SparseConfigError(
                 f"sparse method {name!r}: cannot load {module_path}.{class_name}: {exc}"
             ) from exc
-        if not (isinstance(sparse_cls, type) and issubclass(sparse_cls, UcmSparseBase)):
+        if not (
+            isinstance(sparse_cls, type)
+            and (issubclass(sparse_cls, UcmSparseBase) or is_seed_form(sparse_cls))
+        ):
             raise SparseConfigError(
-                f"sparse method {name!r}: {module_path}.{class_name} is not a UcmSparseBase"
+                f"sparse method {name!r}: {module_path}.{class_name} is not a UcmSparseBase "
+                "(nor a class with all of seed 000's hooks)"
             )
         return sparse_cls
 
@@ -81,8 +86,16 @@ class UcmSparseFactory:
     def create_sparse_method(
         cls, name: str, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0
     ) -> UcmSparseBase:
-        """Instantiate ``name`` for ``role`` with its own config section."""
-        return cls.load_class(name)(role, config, min_seq_len=min_seq_len)
+        """Instantiate ``name`` for ``role`` with its own config section.
+
+        A class written in seed 000's form is built as the seed builds it (``cls(role, config)``)
+        and run inside :class:`SeedFormAdapter`, so the session checks apply to it too.
+        """
+        sparse_cls = cls.load_class(name)
+        if is_seed_form(sparse_cls):
+            inner = sparse_cls(role, dict(config))
+            return SeedFormAdapter(role, config, inner=inner, min_seq_len=min_seq_len)
+        return sparse_cls(role, config, min_seq_len=min_seq_len)
 
     @classmethod
     def from_config(cls, config: UcmSparseConfig, role: UcmSparseRole) -> UcmSparseBase:
@@ -97,6 +110,7 @@ class UcmSparseFactory:
 for _name, _module, _cls in (
     ("ESA", "ucm_client.sparse.esa", "ESA"),
     ("GSA", "ucm_client.sparse.gsa", "GSA"),
+    ("GSAOnDevice", "ucm_client.sparse.gsa", "GSAOnDevice"),
     ("KVStarMultiStep", "ucm_client.sparse.kvstar", "KVStarMultiStep"),
     ("Blend", "ucm_client.sparse.blend", "Blend"),
     ("ReRoPE", "ucm_client.sparse.rerope", "ReRoPE"),

@@ -10,17 +10,19 @@ head's query code, and a block scores its best token, so one relevant token is e
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import group_query
 
-__all__ = ["GSA", "GsaSpec", "hamming", "hash_codes", "pack_bits"]
+__all__ = ["GSA", "GSAOnDevice", "GsaSpec", "hamming_words", "hash_codes", "pack_words", "popcount64"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +35,26 @@ class GsaSpec:
     retrieval_stride: int = 1
     min_blocks: int = 4
     block_size: int = 128
-    hash_bits: int = 128
-    """Sign bits per key and head; more bits, finer angle estimate."""
+    hash_bits: int = 256
+    """Sign bits per key and head (32 bytes at 256; a float32 key of head_dim 128 is 512)."""
+    reliable_bits: float = 0.5
+    """Fraction of the bits compared at retrieval: those whose hyperplane the query is farthest from
+    (largest ``|q·r|``), where a matching key agrees most reliably and a random one still at chance.
+    Measured: with all 256 bits, needles at 60° from the query fall among the haystack's best."""
     seed: int = 0
     """Seed of the projection; workers must agree, so it is config, not randomness."""
+    drift_cosine: float = 0.9
+    """Retrieve before the stride is up when the query direction turned this far (0 disables)."""
 
     def __post_init__(self) -> None:
         if self.retrieval_stride < 1 or self.block_size < 1:
             raise ValueError("retrieval_stride and block_size must be >= 1")
         if self.hash_bits < 8 or self.hash_bits % 8:
             raise ValueError(f"hash_bits must be a positive multiple of 8, got {self.hash_bits}")
+        if not 0.0 < self.reliable_bits <= 1.0:
+            raise ValueError(f"reliable_bits must be in (0, 1], got {self.reliable_bits}")
+        if not -1.0 <= self.drift_cosine <= 1.0:
+            raise ValueError(f"drift_cosine must be in [-1, 1], got {self.drift_cosine}")
         self.budget()
 
     def budget(self) -> BlockBudget:
@@ -54,51 +66,109 @@ def hash_codes(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return (x.float() @ projection) > 0
 
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int16)
+_WORD_BITS = 64
 
 
-def pack_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Bool ``[..., bits]`` → uint8 ``[..., bits / 8]`` (what is stored per key and head)."""
-    grouped = codes.reshape(*codes.shape[:-1], -1, 8).to(torch.uint8)
-    return (grouped * _BIT_WEIGHTS.to(codes.device)).sum(dim=-1, dtype=torch.uint8)
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    # 1 << 63 does not fit an int64; its two's-complement value does, and summing distinct bits is OR.
+    w = [1 << i for i in range(_WORD_BITS - 1)] + [-(1 << (_WORD_BITS - 1))]
+    return torch.tensor(w, dtype=torch.int64, device=device)
 
 
-def hamming(packed_a: torch.Tensor, packed_b: torch.Tensor) -> torch.Tensor:
-    """Bit differences between packed codes (broadcasting), summed over the last axis."""
-    diff = torch.bitwise_xor(packed_a, packed_b)
-    return _POPCOUNT.to(diff.device)[diff.long()].sum(dim=-1)
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """Bool ``[..., bits]`` → int64 ``[..., ceil(bits / 64)]`` (zero-padded: padding bits never differ)."""
+    bits = codes.shape[-1]
+    words = -(-bits // _WORD_BITS)
+    if words * _WORD_BITS != bits:
+        codes = torch.nn.functional.pad(codes, (0, words * _WORD_BITS - bits))
+    if codes.device.type == "cpu" and sys.byteorder == "little":
+        # numpy packs 8 bits per byte in one pass; little-endian bytes of a word are its bits in order
+        packed = np.packbits(codes.numpy(), axis=-1, bitorder="little")
+        return torch.from_numpy(np.ascontiguousarray(packed).view(np.int64))
+    grouped = codes.reshape(*codes.shape[:-1], words, _WORD_BITS).to(torch.int64)
+    return (grouped * _bit_weights(codes.device)).sum(dim=-1)
+
+
+def popcount64(x: torch.Tensor) -> torch.Tensor:
+    """Set bits per int64 element, in torch elementwise ops on ``x``'s device (SWAR; no host trip)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x * 0x0101010101010101) >> 56  # the top byte holds the count (<= 64: sign bit clear)
+
+
+def hamming_words(
+    words: torch.Tensor, query_words: torch.Tensor, *, on_device: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bit differences between packed codes ``[..., W]`` and ``query_words`` (broadcast), summed over W.
+
+    ``mask`` (packed like the codes, broadcast) limits the count to its set bits. On a CPU tensor
+    (and not ``on_device``) numpy's ``bitwise_count`` counts uint64 words in one pass over zero-copy
+    views; elsewhere :func:`popcount64` keeps it on the tensor's device.
+    """
+    if not on_device and words.device.type == "cpu" and query_words.device.type == "cpu":
+        diff = words.numpy().view(np.uint64) ^ query_words.numpy().view(np.uint64)
+        if mask is not None:
+            diff &= mask.numpy().view(np.uint64)
+        counts = np.bitwise_count(diff)
+        total = counts[..., 0].astype(np.int16)
+        for w in range(1, counts.shape[-1]):
+            total += counts[..., w]
+        return torch.from_numpy(total)
+    diff_t = torch.bitwise_xor(words, query_words)
+    if mask is not None:
+        diff_t = diff_t & mask
+    return popcount64(diff_t).sum(dim=-1)
 
 
 class GSA(BlockSparseMethod):
-    """SimHash codes per token (packed, ``hash_bits / 8`` bytes), Hamming-similarity top-k blocks.
+    """SimHash codes per token (``hash_bits / 8`` bytes as int64 words), Hamming-similarity top-k blocks.
 
     The query side uses one code per KV head, hashed from the sum of that head's query group, so a
-    step costs one XOR-popcount pass over the stored codes.
+    step costs one XOR-popcount pass over the stored codes: 2 words per key and head at 128 bits.
     """
 
     spec: GsaSpec
+    on_device = False
+    """Count bits with torch ops on the cache's device instead of numpy on the host."""
 
     def _parse_spec(self, config: Mapping[str, Any]) -> GsaSpec:
-        return parse_fields(GsaSpec, config, "ucm_sparse_config.GSA")
+        return parse_fields(GsaSpec, config, f"ucm_sparse_config.{type(self).__name__}")
 
-    def _projection(self, head_dim: int, state: DecodeState) -> torch.Tensor:
+    def _projection(self, head_dim: int, device: torch.device, state: DecodeState) -> torch.Tensor:
         proj = state.aux.get("projection")
-        if proj is None:
+        if proj is None or proj.device != device:
             gen = torch.Generator().manual_seed(self.spec.seed)
-            proj = torch.randn(head_dim, self.spec.hash_bits, generator=gen)
+            proj = torch.randn(head_dim, self.spec.hash_bits, generator=gen).to(device)
             state.aux["projection"] = proj
         return proj
 
     def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
         n, heads, dim = keys.shape
-        codes = hash_codes(keys, self._projection(dim, state).to(keys.device))  # [n, H, bits]
-        return pack_bits(codes).reshape(n // block_size, block_size, heads, -1)
+        codes = hash_codes(keys, self._projection(dim, keys.device, state))  # [n, H, bits]
+        return pack_words(codes).reshape(n // block_size, block_size, heads, -1)
+
+    def _kv_heads(self, features: torch.Tensor) -> int:
+        return int(features.shape[2])  # [m, block_size, H, words]
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads = features.shape[2]
-        proj = self._projection(queries.shape[-1], state).to(queries.device)
+        proj = self._projection(queries.shape[-1], features.device, state)
         q = torch.stack([group_query(qi, heads) for qi in queries]).sum(dim=(0, 2))  # [H, D]
-        qcode = pack_bits(hash_codes(q, proj))  # [H, bytes]
-        sim = self.spec.hash_bits - hamming(features, qcode[None, None])  # [m, bs, H]
-        return sim.amax(dim=1).T.float() / math.sqrt(self.spec.hash_bits)
+        projected = q.float() @ proj  # [H, bits]
+        qwords = pack_words(projected > 0)  # [H, W]
+        used = max(1, round(self.spec.reliable_bits * self.spec.hash_bits))
+        reliable = torch.zeros_like(projected, dtype=torch.bool)
+        reliable.scatter_(1, projected.abs().topk(used, dim=-1).indices, True)
+        mask = pack_words(reliable)[None, None]
+        dist = hamming_words(features, qwords[None, None], on_device=self.on_device, mask=mask)  # [m, bs, H]
+        sim = used - dist.amin(dim=1).T.to(features.device)  # a block scores its best token
+        return sim.float() / math.sqrt(used)
+
+
+class GSAOnDevice(GSA):
+    """GSA with selection kept on the KV cache's device: codes, projection, bit counts and top-k are
+    torch ops there, and no value is read back to the host during retrieval (seed 000's variant for
+    accelerators, where a host round trip per layer and step would cost more than the scoring)."""
+
+    on_device = True

@@ -16,9 +16,13 @@ __all__ = [
     "block_means",
     "blocks_to_tokens",
     "causal_attention",
+    "channel_major_keys",
+    "channel_token_max",
     "dense_decode_attention",
     "group_query",
+    "per_head_sparse_attention",
     "select_blocks",
+    "select_blocks_per_head",
     "sparse_decode_attention",
 ]
 
@@ -77,6 +81,45 @@ def block_means(keys: torch.Tensor, block_size: int) -> torch.Tensor:
     return sums / counts[:, None, None]
 
 
+def channel_major_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Token-major keys ``[n, H, D]`` → float16 ``[H, D, n]``.
+
+    Channel-major per KV head, as vLLM's CPU cache pages are, so reading a few channels of every
+    token is reading a few contiguous rows; float16 halves what is kept and read. Blocks append
+    along the last axis.
+    """
+    return keys.permute(1, 2, 0).to(torch.float16).contiguous()
+
+
+def channel_token_max(
+    queries: torch.Tensor, keys_cm: torch.Tensor, channels: int, block_size: int
+) -> torch.Tensor:
+    """Per block, the best token's approximate logit, from the query's ``channels`` largest channels.
+
+    ``queries`` ``[X, H, D]`` (one per KV head), ``keys_cm`` ``[H, D, m * block_size]``
+    (:func:`channel_major_keys`) → ``[X, H, m]``. The channels are chosen per query and KV head by
+    magnitude (SparQ): they carry most of ``q·k``, so a block's score is its best token's, and a
+    single-token needle keeps its block's score where a mean would dilute it by the block size.
+
+    A partial dot product of a key with a large norm is noise of that size even when the full one is
+    ~0 (keys that no query matches); so a token whose key is longer on the chosen channels than the
+    median token's is scored as if it had the median length (its direction still counts).
+    """
+    heads, dim, n = keys_cm.shape
+    r = min(channels, dim)
+    chosen = torch.topk(queries.abs(), r, dim=-1).indices  # [X, H, r]
+    out = torch.empty(queries.shape[0], heads, n // block_size, dtype=torch.float32, device=keys_cm.device)
+    for x in range(queries.shape[0]):
+        for h in range(heads):
+            sel = keys_cm[h].index_select(0, chosen[x, h]).float()  # [r, n] contiguous rows
+            dots = queries[x, h].float().index_select(0, chosen[x, h]) @ sel  # [n]
+            norms = (sel * sel).sum(dim=0)  # squared
+            typical = norms[:: max(1, n // 2048)].median()  # a sample: a median needs no exact population
+            shrink = (typical / norms.clamp_min(1e-24)).clamp_max(1.0).sqrt()
+            out[x, h] = (dots * shrink).view(-1, block_size).amax(dim=-1)
+    return out
+
+
 def aggregate_heads(scores: torch.Tensor) -> torch.Tensor:
     """Per-head block scores ``[num_kv_heads, num_blocks]`` → one score per block.
 
@@ -89,18 +132,57 @@ def aggregate_heads(scores: torch.Tensor) -> torch.Tensor:
 
 def select_blocks(scores: torch.Tensor, keep: int, init_window: int, local_window: int) -> torch.Tensor:
     """Sorted block ids: the init and local windows, then the top-scoring blocks up to ``keep``."""
-    num_blocks = int(scores.shape[0])
+    return select_blocks_per_head(scores[None], keep, init_window, local_window)[0]
+
+
+def select_blocks_per_head(
+    scores: torch.Tensor, keep: int, init_window: int, local_window: int
+) -> torch.Tensor:
+    """:func:`select_blocks` for each KV head's scores ``[kv_heads, num_blocks]`` → ``[kv_heads, k]``.
+
+    One ``topk`` over scores with the windows forced to +inf: the count is known on the host from the
+    integers given, so nothing is read back from the scores' device.
+    """
+    heads, num_blocks = scores.shape
     if keep >= num_blocks:
-        return torch.arange(num_blocks, device=scores.device)
+        return torch.arange(num_blocks, device=scores.device)[None].expand(heads, -1)
+    init = min(init_window, num_blocks)
+    local_start = max(init, num_blocks - local_window)
     forced = torch.zeros(num_blocks, dtype=torch.bool, device=scores.device)
-    forced[: min(init_window, num_blocks)] = True
-    forced[max(0, num_blocks - local_window) :] = True
-    remaining = keep - int(forced.sum())
-    chosen = forced.clone()
-    if remaining > 0:
-        masked = scores.masked_fill(forced, float("-inf"))
-        chosen[torch.topk(masked, remaining).indices] = True
-    return torch.nonzero(chosen).flatten()
+    forced[:init] = True
+    forced[local_start:] = True
+    count = max(keep, init + (num_blocks - local_start))
+    masked = scores.float().masked_fill(forced[None], float("inf"))
+    return torch.topk(masked, count, dim=-1).indices.sort(dim=-1).values
+
+
+def per_head_sparse_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention where KV head ``h`` attends only to blocks ``block_ids[h]`` (``[kv_heads, k]``).
+
+    Each head gathers its own rows (one ``index_select`` per head over that head's column of the KV),
+    and positions past the context (a partial last block) are masked out.
+    """
+    n, kv_heads, _ = keys.shape
+    tokens = (
+        block_ids[:, :, None].long() * block_size + torch.arange(block_size, device=keys.device)
+    ).flatten(1)
+    valid = tokens < n
+    tokens = tokens.clamp_max(n - 1)
+    k = torch.stack([keys[:, h].index_select(0, tokens[h]) for h in range(kv_heads)])  # [H, T, D]
+    v = torch.stack([values[:, h].index_select(0, tokens[h]) for h in range(kv_heads)])
+    q = group_query(query, kv_heads)  # [H, g, D]
+    logits = torch.einsum("hgd,htd->hgt", q, k) * scale
+    if not bool(valid.all()):
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    out = torch.einsum("hgt,htd->hgd", torch.softmax(logits, dim=-1), v)
+    return out.reshape(query.shape)
 
 
 def blocks_to_tokens(block_ids: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """KVStarMultiStep: pruned-dimension block representatives, scored against a group of recent queries.
 
-Two savings over ESA. (1) Only the ``dim_keep_ratio`` channels with the largest mean magnitude per KV
-head, chosen once from the prefix, are kept in the block representatives: keys of real models
-concentrate their energy in few channels, so the inner product survives the pruning while the
-representative store shrinks. (2) Retrieval runs every ``retrieval_stride`` steps and scores blocks
-against the last ``query_group`` decode queries together, so the selection serves the steps that
-follow rather than only the step that triggered it.
+Two savings over ESA. (1) Only the ``dim_keep_ratio`` channels with the largest median magnitude per
+KV head, chosen once from the prefix, are kept (float16, per token): keys of real models concentrate
+their energy in few channels, so the inner product survives the pruning while the store shrinks; at
+retrieval the queries' largest ``score_channels`` of them score every token and a block scores its
+best token (single-token needles survive). (2) Retrieval runs every ``retrieval_stride`` steps
+(earlier when the query drifts) and scores blocks against the recent decode queries (up to
+``query_group``, those still pointing where the newest does) together, so the selection serves the
+steps that follow rather than only the step that triggered it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import block_means, group_query
+from ucm_client.sparse.kernels import channel_major_keys, channel_token_max, group_query
 
 __all__ = ["KVStarMultiStep", "KvStarSpec"]
 
@@ -38,10 +40,16 @@ class KvStarSpec:
     """Fraction of head_dim channels kept in the representatives."""
     query_group: int = 4
     """Recent decode queries scored together at a retrieval."""
+    score_channels: int = 16
+    """Kept channels read per token at retrieval: the queries' largest ones (per KV head)."""
+    drift_cosine: float = 0.9
+    """Retrieve before the stride is up when the query direction turned this far (0 disables)."""
 
     def __post_init__(self) -> None:
-        if self.retrieval_stride < 1 or self.block_size < 1 or self.query_group < 1:
-            raise ValueError("retrieval_stride, block_size and query_group must be >= 1")
+        if min(self.retrieval_stride, self.block_size, self.query_group, self.score_channels) < 1:
+            raise ValueError("retrieval_stride, block_size, query_group and score_channels must be >= 1")
+        if not -1.0 <= self.drift_cosine <= 1.0:
+            raise ValueError(f"drift_cosine must be in [-1, 1], got {self.drift_cosine}")
         if not 0.0 < self.dim_keep_ratio <= 1.0:
             raise ValueError(f"dim_keep_ratio must be in (0, 1], got {self.dim_keep_ratio}")
         self.budget()
@@ -50,7 +58,7 @@ class KvStarSpec:
         return BlockBudget(self.sparse_ratio, self.init_window_sz, self.local_window_sz, self.min_blocks)
 
 
-class KVStarMultiStep(BlockSparseMethod):
+class KVStarMultiStep(ChannelMajorFeatures):
     """Pruned mean-key representatives, multi-query scoring."""
 
     spec: KvStarSpec
@@ -69,19 +77,25 @@ class KVStarMultiStep(BlockSparseMethod):
         dims = state.aux.get("dims")
         if dims is None:
             keep = max(1, math.ceil(self.spec.dim_keep_ratio * keys.shape[-1]))
-            energy = keys.abs().mean(dim=0)  # [H, D]
+            # median, not mean: a few loud blocks (keys of large norm that no query matches) must not
+            # decide which channels every later score is computed from
+            sample = keys[:: max(1, keys.shape[0] // 2048)]  # a median needs no exact population
+            energy = sample.abs().median(dim=0).values  # [H, D]
             dims = torch.topk(energy, keep, dim=-1).indices.sort(dim=-1).values  # [H, r]
             state.aux["dims"] = dims
-        means = block_means(keys, block_size)  # [m, H, D]
-        return torch.gather(means, 2, dims[None].expand(means.shape[0], -1, -1))
+        pruned = torch.gather(keys, 2, dims[None].expand(keys.shape[0], -1, -1))  # [n, H, r]
+        state.aux["block_size"] = torch.tensor(block_size)
+        return channel_major_keys(pruned)  # [H, r, n]
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         dims = state.aux["dims"]
-        heads = features.shape[1]
-        q = torch.stack([group_query(qi.float(), heads) for qi in queries])  # [G, H, g, D]
-        idx = dims[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)
-        qp = torch.gather(q, 3, idx)  # [G, H, g, r]
-        logits = torch.einsum("xhgr,bhr->xhgb", qp, features) / math.sqrt(q.shape[-1])
+        heads = features.shape[0]
+        q = torch.stack([group_query(qi.float(), heads).sum(dim=1) for qi in queries])  # [G, H, D]
+        qp = torch.gather(q, 2, dims[None].expand(q.shape[0], -1, -1))  # [G, H, r]
+        block_size = int(state.aux["block_size"])
+        logits = channel_token_max(qp, features, self.spec.score_channels, block_size) / math.sqrt(
+            q.shape[-1]
+        )
         # Each query votes with its own distribution over blocks, so one step's outlier cannot
         # dominate the group; summing logits instead would let the largest-norm query decide.
-        return torch.softmax(logits, dim=-1).sum(dim=(0, 2)).clamp_min(1e-30).log()
+        return torch.softmax(logits, dim=-1).sum(dim=0).clamp_min(1e-30).log()

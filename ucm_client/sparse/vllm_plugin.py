@@ -121,18 +121,29 @@ def verify_patches() -> list[HookStatus]:
         ("execute_finished", "after the last attention layer of each step"),
     ):
         rows.append(HookStatus(hook, backend_active, how if backend_active else why))
+    from ucm_client.sparse.vllm_runtime import worker_runtime
+
+    runtime = worker_runtime()
+    channel = runtime is not None and runtime.trace[("bind_step_meta", -1)] > 0
     for hook in (
         "request_begin",
-        "estimate_num_slots_sparsed",
         "build_sparse_meta",
         "request_finished_in_scheduler",
         "request_finished_in_worker",
     ):
         rows.append(
             HookStatus(
-                hook, False, "needs the UCM connector's scheduler channel; workers key rows by block id"
+                hook,
+                channel,
+                "scheduler metadata arrives through UcmSparseConnector; rows keyed by request id"
+                if channel
+                else "configure ucm_client.sparse.vllm_connector.UcmSparseConnector (else rows are keyed "
+                "by first block, wrong under prefix caching)",
             )
         )
+    rows.append(
+        HookStatus("estimate_num_slots_sparsed", False, "vLLM 0.32 allocates every block; no scheduler hook")
+    )
     rows.append(HookStatus("ReRoPE rotary embedding", False, "vLLM 0.32 has no rotary hook without patching"))
     rows.append(
         HookStatus("Blend selective recompute", False, "needs model-runner support; tensor-level only")

