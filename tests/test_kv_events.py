@@ -1,0 +1,193 @@
+"""KV events from a real daemon, read by a real subscriber written for vLLM's events.
+
+The subscriber is ``examples/kv_events_indexer.py`` (vLLM's own ``KVEventBatch`` classes over a
+ZeroMQ SUB socket, gaps repaired through the replay socket). After each kind of change (stores,
+LRU eviction, ``ucm-admin evict`` and ``delete``, the Delete RPC, a quarantined corrupt block, a
+restart) its index must equal what ``ucm-admin ls --json`` lists, projected to (medium, digest).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.blocks import NS, blocks_in
+from test_admin import admin, json_of
+
+from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch
+from ucm_server.testing.daemon import DaemonProcess
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+msgspec = pytest.importorskip("msgspec")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import zmq  # noqa: E402
+from kv_events_indexer import NodeSubscriber  # noqa: E402
+
+BLOCK = 4096
+MEDIUM = {"Cache": "CPU", "Posix": "DISK"}
+NS2 = namespace_id(model="pytest-kv-events-rank1", dtype="uint8")
+
+
+def test_wire_is_byte_identical_to_vllms_encoder() -> None:
+    """What the daemon writes is what vLLM's msgspec encoder writes for the same batch."""
+    ours = encode_batch(
+        12.5,
+        [Stored([b"a" * 32, b"b" * 32], "DISK"), Removed([b"c" * 32], "CPU"), Cleared()],
+    )
+    theirs = msgspec.msgpack.encode(
+        kv_events.KVEventBatch(
+            ts=12.5,
+            events=[
+                kv_events.BlockStored(
+                    block_hashes=[b"a" * 32, b"b" * 32],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium="DISK",
+                    lora_name=None,
+                ),
+                kv_events.BlockRemoved(block_hashes=[b"c" * 32], medium="CPU"),
+                kv_events.AllBlocksCleared(),
+            ],
+        )
+    )
+    assert ours == theirs
+    decoded = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch).decode(ours)
+    assert [type(e).__name__ for e in decoded.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert decoded.events[1].medium == "CPU" and decoded.events[0].block_hashes[1] == b"b" * 32
+    # negative control: a different medium is a different payload
+    removed = [b"c" * 32]
+    assert encode_batch(12.5, [Removed(removed, "DISK")]) != encode_batch(12.5, [Removed(removed, "CPU")])
+
+
+def listed(d: DaemonProcess) -> set[tuple[str, bytes]]:
+    """``ucm-admin ls --json --all`` as (medium, digest) pairs: what a router should believe."""
+    proc = admin(d, "--json", "ls", "--all")
+    assert proc.returncode == 0, proc.stderr
+    return {(MEDIUM[t], bytes.fromhex(b["digest"])) for b in json_of(proc)["blocks"] for t in b["tiers"]}
+
+
+def settle(sub: NodeSubscriber, d: DaemonProcess, timeout_s: float = 10.0) -> set[tuple[str, bytes]]:
+    """Poll until the subscriber's index equals the daemon's listing (or time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    want = listed(d)
+    while time.monotonic() < deadline:
+        sub.poll(100)
+        if sub.state.pairs() == want:
+            return want
+        want = listed(d)
+    assert sub.state.pairs() == want, (len(sub.state.pairs()), len(want))
+    return want
+
+
+@pytest.fixture
+def events_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, str]]:
+    pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
+    args = [
+        "--cache-capacity", f"{16 * BLOCK}", "--cache-page-size", f"{BLOCK}",
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+        "--kv-events-node", "node-a",
+    ]  # fmt: skip
+    with DaemonProcess(tmp_path / "ucm", args=args) as d:
+        yield d, pub, replay
+
+
+def test_index_follows_every_change_and_a_restart(
+    events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer
+) -> None:
+    d, pub, replay = events_daemon
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = NodeSubscriber(ctx, pub, replay)
+    removals: list[Any] = []
+    original_apply = sub.state.apply
+
+    def apply(batch: Any) -> None:  # record removals to prove they were published, not inferred
+        removals.extend(e for e in batch.events if isinstance(e, kv_events.BlockRemoved))
+        original_apply(batch)
+
+    sub.state.apply = apply  # type: ignore[method-assign]
+    try:
+        sub.sync()  # a late joiner: snapshot of an empty index
+        with UcmClient(d.target, client_name="pytest-events") as client:
+            region = client.register(shm)
+            shm.buf[: 40 * BLOCK] = os.urandom(40 * BLOCK)
+            first = blocks_in(region, 12, BLOCK)
+            assert client.wait(client.dump(NS, first, wait_durable=True), 30).ok
+            # the same digests under a second namespace (another TP rank): one hash, two holders
+            assert client.wait(client.dump(NS2, first[:4], wait_durable=True), 30).ok
+            want = settle(sub, d)
+            assert ("CPU", first[0].key) in want and ("DISK", first[0].key) in want
+
+            # LRU eviction: 20 more blocks through a 16-block Cache
+            more = blocks_in(region, 20, BLOCK, first=100, offset=12 * BLOCK)
+            assert client.wait(client.dump(NS, more, wait_durable=True), 30).ok
+            want = settle(sub, d)
+            assert ("CPU", first[0].key) not in want and ("DISK", first[0].key) in want
+            assert any(e.medium == "CPU" for e in removals), "LRU evictions published no BlockRemoved"
+
+            # one rank's copy deleted: the hash stays held (the other namespace has it)
+            assert client.delete(NS2, [first[0].key]) == 1
+            assert ("DISK", first[0].key) in settle(sub, d)
+            # Delete RPC of the last holder, then ucm-admin delete and evict
+            assert client.delete(NS, [first[0].key]) == 1
+            assert ("DISK", first[0].key) not in settle(sub, d)
+            assert admin(d, "delete", f"{NS.hex()}/{first[5].key.hex()}").returncode == 0
+            assert admin(d, "evict", "--tier", "Cache", f"{NS.hex()}/{more[-1].key.hex()}").returncode == 0
+            want = settle(sub, d)
+            assert ("DISK", first[5].key) not in want and ("CPU", more[-1].key) not in want
+
+        # quarantine: a corrupt file found by verify is removed from the index and from the stream
+        victim = first[6].key
+        path = d.data_dir / "blocks" / NS.hex() / victim.hex()[:2] / victim.hex()[2:4] / f"{victim.hex()}.blk"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+        report = admin(d, "--json", "verify", "--tier", "Posix")
+        assert report.returncode == 1 and json_of(report)["corrupt"] == 1, report.stdout
+        assert ("DISK", victim) not in settle(sub, d)
+
+        # negative control: an index that ignored removals would not match
+        assert len(removals) >= 4
+
+        # restart: the Cache is gone, the Posix index is re-adopted and announced
+        before = sub.state.seq
+        d.stop()
+        d.start()
+        want = settle(sub, d, timeout_s=20)
+        assert want and all(medium == "DISK" for medium, _ in want)
+        assert sub.state.seq > before
+    finally:
+        sub.close()
+        ctx.term()
+
+
+def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
+    events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer, tmp_path: Path
+) -> None:
+    d, pub, replay = events_daemon
+    with UcmClient(d.target, client_name="pytest-events") as client:
+        region = client.register(shm)
+        assert client.wait(client.dump(NS, blocks_in(region, 5, BLOCK), wait_durable=True), 30).ok
+    ctx: zmq.Context[Any] = zmq.Context()
+    late = NodeSubscriber(ctx, pub, replay)
+    no_replay = NodeSubscriber(ctx, pub, None)
+    try:
+        late.sync()  # everything so far, without having seen a single streamed batch
+        assert late.state.pairs() == listed(d) and len(late.state.pairs()) == 10
+        no_replay.poll(300)
+        assert no_replay.state.pairs() != listed(d)  # negative control: the stream alone missed it
+    finally:
+        late.close()
+        no_replay.close()
+        ctx.term()
+    bad = DaemonProcess(tmp_path / "bad", args=["--kv-events-endpoint", "http://nope"])
+    with pytest.raises(RuntimeError, match="kv_events_endpoint"):
+        bad.start(timeout_s=20)
+    assert key_digest("x")  # the helper module is the one the daemon's keys come from
