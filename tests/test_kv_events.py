@@ -9,28 +9,24 @@ restart) its index must equal what ``ucm-admin ls --json`` lists, projected to (
 from __future__ import annotations
 
 import os
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from support.blocks import NS, blocks_in
+from support.kv_events import NodeSubscriber, listed, settle, vllm_hash
 from test_admin import admin, json_of
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
-from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch
+from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch, external_hashes
 from ucm_server.testing.daemon import DaemonProcess
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
+kv_events = pytest.importorskip("vllm.distributed.kv_events")  # the subscriber's classes are vLLM's
 msgspec = pytest.importorskip("msgspec")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import zmq  # noqa: E402
-from kv_events_indexer import NodeSubscriber  # noqa: E402
 
 BLOCK = 4096
-MEDIUM = {"Cache": "CPU", "Posix": "DISK"}
 NS2 = namespace_id(model="pytest-kv-events-rank1", dtype="uint8")
 
 
@@ -62,29 +58,15 @@ def test_wire_is_byte_identical_to_vllms_encoder() -> None:
     decoded = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch).decode(ours)
     assert [type(e).__name__ for e in decoded.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert decoded.events[1].medium == "CPU" and decoded.events[0].block_hashes[1] == b"b" * 32
+    # int64 (the default) is what vLLM's own events carry for the same 32-byte hash
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    digest = bytes(range(32))
+    assert external_hashes([digest], "int64") == [maybe_convert_block_hash(BlockHash(digest))]
+    assert external_hashes([digest], "bytes") == [digest]
     # negative control: a different medium is a different payload
     removed = [b"c" * 32]
     assert encode_batch(12.5, [Removed(removed, "DISK")]) != encode_batch(12.5, [Removed(removed, "CPU")])
-
-
-def listed(d: DaemonProcess) -> set[tuple[str, bytes]]:
-    """``ucm-admin ls --json --all`` as (medium, digest) pairs: what a router should believe."""
-    proc = admin(d, "--json", "ls", "--all")
-    assert proc.returncode == 0, proc.stderr
-    return {(MEDIUM[t], bytes.fromhex(b["digest"])) for b in json_of(proc)["blocks"] for t in b["tiers"]}
-
-
-def settle(sub: NodeSubscriber, d: DaemonProcess, timeout_s: float = 10.0) -> set[tuple[str, bytes]]:
-    """Poll until the subscriber's index equals the daemon's listing (or time runs out)."""
-    deadline = time.monotonic() + timeout_s
-    want = listed(d)
-    while time.monotonic() < deadline:
-        sub.poll(100)
-        if sub.state.pairs() == want:
-            return want
-        want = listed(d)
-    assert sub.state.pairs() == want, (len(sub.state.pairs()), len(want))
-    return want
 
 
 @pytest.fixture
@@ -123,25 +105,28 @@ def test_index_follows_every_change_and_a_restart(
             # the same digests under a second namespace (another TP rank): one hash, two holders
             assert client.wait(client.dump(NS2, first[:4], wait_durable=True), 30).ok
             want = settle(sub, d)
-            assert ("CPU", first[0].key) in want and ("DISK", first[0].key) in want
+            assert ("CPU", vllm_hash(first[0].key)) in want and ("DISK", vllm_hash(first[0].key)) in want
 
             # LRU eviction: 20 more blocks through a 16-block Cache
             more = blocks_in(region, 20, BLOCK, first=100, offset=12 * BLOCK)
             assert client.wait(client.dump(NS, more, wait_durable=True), 30).ok
             want = settle(sub, d)
-            assert ("CPU", first[0].key) not in want and ("DISK", first[0].key) in want
+            assert ("CPU", vllm_hash(first[0].key)) not in want and ("DISK", vllm_hash(first[0].key)) in want
             assert any(e.medium == "CPU" for e in removals), "LRU evictions published no BlockRemoved"
 
             # one rank's copy deleted: the hash stays held (the other namespace has it)
             assert client.delete(NS2, [first[0].key]) == 1
-            assert ("DISK", first[0].key) in settle(sub, d)
+            assert ("DISK", vllm_hash(first[0].key)) in settle(sub, d)
             # Delete RPC of the last holder, then ucm-admin delete and evict
             assert client.delete(NS, [first[0].key]) == 1
-            assert ("DISK", first[0].key) not in settle(sub, d)
+            assert ("DISK", vllm_hash(first[0].key)) not in settle(sub, d)
             assert admin(d, "delete", f"{NS.hex()}/{first[5].key.hex()}").returncode == 0
             assert admin(d, "evict", "--tier", "Cache", f"{NS.hex()}/{more[-1].key.hex()}").returncode == 0
             want = settle(sub, d)
-            assert ("DISK", first[5].key) not in want and ("CPU", more[-1].key) not in want
+            assert ("DISK", vllm_hash(first[5].key)) not in want and (
+                "CPU",
+                vllm_hash(more[-1].key),
+            ) not in want
 
         # quarantine: a corrupt file found by verify is removed from the index and from the stream
         victim = first[6].key
@@ -151,7 +136,7 @@ def test_index_follows_every_change_and_a_restart(
         path.write_bytes(bytes(data))
         report = admin(d, "--json", "verify", "--tier", "Posix")
         assert report.returncode == 1 and json_of(report)["corrupt"] == 1, report.stdout
-        assert ("DISK", victim) not in settle(sub, d)
+        assert ("DISK", vllm_hash(victim)) not in settle(sub, d)
 
         # negative control: an index that ignored removals would not match
         assert len(removals) >= 4

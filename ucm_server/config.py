@@ -300,6 +300,14 @@ class ServerConfig:
         default="",
         metadata=_help("This daemon's node identity in the KV events topic; empty = the host name."),
     )
+    kv_events_hash_format: Literal["int64", "bytes"] = field(
+        default="int64",
+        metadata=_help(
+            "How KV events carry block hashes, to match vLLM's own events: int64 = the key's low 64 "
+            "bits as an unsigned integer (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); "
+            "bytes = the whole 32-byte key (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."
+        ),
+    )
     kv_events_buffer_batches: int = field(
         default=10000, metadata=_help("Past KV event batches kept for replay before a snapshot is needed.")
     )

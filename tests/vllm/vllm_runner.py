@@ -7,8 +7,10 @@ cache is empty, and any hit must have come from the daemon. Input and output are
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
 ``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
-"data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
+``check_shm``, ``report_keys``, ``kv_events`` (``{"endpoint": ...}``: vLLM's own ZeroMQ publisher),
+``pause_s`` (a pause before each prompt after the first), and ``start_daemon``
+(``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real daemon in the middle of
+the run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
 block keys, and whether vLLM's KV cache lies in the daemon-shared memory.
@@ -101,6 +103,12 @@ def main(spec_path: str, result_path: str) -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec.get("extra_config", {}),
         }
+    if spec.get("kv_events"):  # vLLM's own publisher (its GPU events plus the connector's take_events)
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events"]["endpoint"]
+        )
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
@@ -117,6 +125,8 @@ def main(spec_path: str, result_path: str) -> None:
             daemon = DaemonProcess(workdir, socket=Path(start["socket"]), data_dir=Path(start["data_dir"]))
             daemon.start()
             time.sleep(start.get("settle_s", 0.0))
+        if index and spec.get("pause_s"):
+            time.sleep(spec["pause_s"])
         prompt = TokensPrompt(prompt_token_ids=tokens)
         if salt:
             prompt["cache_salt"] = salt
@@ -132,6 +142,8 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("connector") and spec.get("check_shm"):
         report["shm"] = _kv_in_shm(llm)
     Path(result_path).write_text(json.dumps(report))
+    if spec.get("kv_events"):
+        time.sleep(1.0)  # vLLM's publisher thread sends the last batches
     if daemon is not None:
         daemon.stop()
 

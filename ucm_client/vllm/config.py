@@ -108,6 +108,16 @@ class ConnectorConfig:
     """Seed option where rank 0 loads for everyone. Only ``false`` is supported: each TP rank loads
     its own shard, and lookups check every rank's shard."""
 
+    kv_events_endpoint: str | None = None
+    """The daemon's KV events address (its ``kv_events_endpoint``, e.g. ``tcp://127.0.0.1:5557`` or
+    ``ipc:///run/ucm/events``). With vLLM's ``kv_events_config`` on, the scheduler subscribes and
+    ``take_events`` forwards the daemon's tiers (CPU / DISK / SHARED) through vLLM's own publisher,
+    so one stream carries GPU and UCM blocks. None: only vLLM's own GPU events."""
+
+    kv_events_replay_endpoint: str | None = None
+    """The daemon's ``kv_events_replay_endpoint``: the forwarder starts from a snapshot and repairs
+    gaps through it. None: forwarding starts from whatever is published after vLLM starts."""
+
     ucm_connectors: tuple[Mapping[str, Any], ...] = ()
     """Seed store list (``store_pipeline``, ``storage_backends``...): daemon settings, not ours."""
 
@@ -132,6 +142,13 @@ class ConnectorConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _HINTS = get_type_hints(ConnectorConfig)
 _ENV_ALIASES = {"UCM_SOCKET": "target", "UCM_TARGET": "target"}
+_OPTIONAL_STRINGS = (
+    "target",
+    "model_id",
+    "metrics_config_path",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+)
 
 
 def _settle(name: str, value: Any, where: str) -> Any:
@@ -139,7 +156,7 @@ def _settle(name: str, value: Any, where: str) -> Any:
     string means "not set" for optional strings."""
     if _HINTS[name] is float and value <= 0:
         raise ConfigError(f"{where}: expected a positive number, got {value!r}")
-    if name in ("target", "model_id", "metrics_config_path"):
+    if name in _OPTIONAL_STRINGS:
         return value or None
     return value
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from ucm_protocol.keys import NAMESPACE_BYTES
-from ucm_server.kv_events.wire import Cleared, Event, Removed, Stored
+from ucm_server.kv_events.wire import Cleared, Event, HashFormat, Removed, Stored, external_hashes
 from ucm_server.store.base import Tier
 
 __all__ = ["HASHES_PER_EVENT", "Ledger", "TierWatch", "medium_of"]
@@ -69,7 +69,10 @@ class TierWatch:
 class Ledger:
     """Holders per ``(medium, digest)`` and the pending visible transitions, oldest first."""
 
-    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, on_change: Callable[[], None] = lambda: None, hash_format: HashFormat = "int64"
+    ) -> None:
+        self.hash_format: HashFormat = hash_format
         self._counts: dict[str, dict[bytes, int]] = {}
         self._pending: list[tuple[bool, str, bytes]] = []
         self._on_change = on_change
@@ -116,11 +119,11 @@ class Ledger:
         for stored, medium, digest in pending:
             if (stored, medium) != kind or len(run) >= HASHES_PER_EVENT:
                 if kind is not None:
-                    events.append(_event(kind, run))
+                    events.append(self._event(kind, run))
                 kind, run = (stored, medium), []
             run.append(digest)
         if kind is not None:
-            events.append(_event(kind, run))
+            events.append(self._event(kind, run))
         return events
 
     def snapshot(self) -> list[Event]:
@@ -129,14 +132,14 @@ class Ledger:
         for medium, counts in sorted(self._counts.items()):
             digests = list(counts)
             for i in range(0, len(digests), HASHES_PER_EVENT):
-                events.append(Stored(digests[i : i + HASHES_PER_EVENT], medium))
+                events.append(self._event((True, medium), digests[i : i + HASHES_PER_EVENT]))
         return events
 
     def held(self) -> dict[str, set[bytes]]:
         """The digests each medium holds (tests, ``ucm-admin``-style comparisons)."""
         return {m: set(c) for m, c in self._counts.items() if c}
 
-
-def _event(kind: tuple[bool, str], digests: list[bytes]) -> Event:
-    stored, medium = kind
-    return Stored(digests, medium) if stored else Removed(digests, medium)
+    def _event(self, kind: tuple[bool, str], digests: list[bytes]) -> Event:
+        stored, medium = kind
+        hashes = external_hashes(digests, self.hash_format)
+        return Stored(hashes, medium) if stored else Removed(hashes, medium)

@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from ucm_protocol.errors import ConfigError
 from ucm_server.kv_events.ledger import Ledger
-from ucm_server.kv_events.wire import END_SEQ, Cleared, Event, encode_batch, seq_bytes
+from ucm_server.kv_events.wire import END_SEQ, Cleared, Event, HashFormat, encode_batch, seq_bytes
 from ucm_server.store.base import Tier
 from ucm_server.store.watch import Watchable
 
@@ -50,6 +50,8 @@ class EventsSettings:
     replay_endpoint: str = ""
     """ROUTER address for replay and snapshots (always bound); empty: no replay."""
     topic: str = ""
+    hash_format: HashFormat = "int64"
+    """``int64`` (vLLM's default event hashes) or ``bytes`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
     buffer_batches: int = 10_000
     hwm: int = 100_000
 
@@ -59,7 +61,7 @@ class KvEventPublisher:
 
     def __init__(self, settings: EventsSettings, tiers: Sequence[Tier]) -> None:
         self.settings = settings
-        self.ledger = Ledger(self._schedule)
+        self.ledger = Ledger(self._schedule, settings.hash_format)
         self._topic = settings.topic.encode()
         # Numbers start at the start time in microseconds, so they keep growing across restarts: a
         # subscriber that outlived a daemon sees a gap (and replays), never numbers it has seen.
@@ -192,6 +194,7 @@ def kv_event_publisher(config: ServerConfig, tiers: Sequence[Tier]) -> KvEventPu
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
         topic=config.kv_events_topic_name,
+        hash_format=config.kv_events_hash_format,
         buffer_batches=config.kv_events_buffer_batches,
     )
     return KvEventPublisher(settings, tiers)

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgpack
 
-__all__ = ["END_SEQ", "Cleared", "Removed", "Stored", "encode_batch", "seq_bytes"]
+__all__ = ["END_SEQ", "Cleared", "Removed", "Stored", "encode_batch", "external_hashes", "seq_bytes"]
 
 Medium = Literal["CPU", "DISK", "SHARED"]
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -28,7 +28,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class Stored:
     """vLLM's ``BlockStored``: ``hashes`` are now held in ``medium`` (by the tier ``ownership``)."""
 
-    hashes: Sequence[bytes]
+    hashes: Sequence[bytes] | Sequence[int]
     medium: str
     ownership: str | None = None
 
@@ -37,7 +37,7 @@ class Stored:
 class Removed:
     """vLLM's ``BlockRemoved``: ``hashes`` are no longer held in ``medium``."""
 
-    hashes: Sequence[bytes]
+    hashes: Sequence[bytes] | Sequence[int]
     medium: str
     ownership: str | None = None
 
@@ -77,6 +77,18 @@ def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | N
     """One ``KVEventBatch`` payload, byte for byte what vLLM's msgspec encoder writes for it."""
     payload: bytes = msgpack.packb([ts, [_event(e) for e in events], data_parallel_rank], use_bin_type=True)
     return payload
+
+
+HashFormat = Literal["int64", "bytes"]
+
+
+def external_hashes(digests: Sequence[bytes], fmt: HashFormat) -> list[bytes] | list[int]:
+    """Digests as vLLM's events carry block hashes: vLLM's ``maybe_convert_block_hash`` turns its
+    32-byte hash into the unsigned integer of its last 8 bytes unless
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (then the bytes are sent as they are)."""
+    if fmt == "bytes":
+        return list(digests)
+    return [int.from_bytes(d[-8:], "big") for d in digests]
 
 
 def seq_bytes(seq: int) -> bytes:
