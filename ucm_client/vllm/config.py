@@ -69,6 +69,11 @@ class ConnectorConfig:
     forward. Keeps a long load from stalling a batch of running requests, at the cost of one extra
     step of latency for the loading request."""
 
+    prefetch_on_lookup: bool = True
+    """When the scheduler's lookup finds a hit, ask the daemon to promote it into its Cache at once
+    (``Prefetch``), so blocks only on Posix or a shared tier are read while vLLM schedules, and the
+    worker's load reads memory. Off: the load reads the lower tier itself."""
+
     load_timeout_s: float = 30.0
     """A load not done in this time is cancelled and its blocks recomputed."""
 

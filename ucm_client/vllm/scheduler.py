@@ -26,6 +26,7 @@ from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, block_keys, layer_key
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+from ucm_client.vllm.prefetch import start_prefetch
 from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
@@ -143,6 +144,8 @@ class UcmScheduler:
         finally:
             self._stats.add(lookup_seconds=time.monotonic() - started)
         self._link.succeeded()
+        if prefix and self._config.prefetch_on_lookup:  # issue #17 item 3: promote while vLLM schedules
+            start_prefetch(client, self._namespaces, stored[: prefix * per_block])
         return prefix
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
