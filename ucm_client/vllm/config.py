@@ -69,6 +69,11 @@ class ConnectorConfig:
     forward. Keeps a long load from stalling a batch of running requests, at the cost of one extra
     step of latency for the loading request."""
 
+    pd_wait_timeout_s: float = 30.0
+    """Prefill/decode disaggregation (``kv_role: kv_consumer``): how long a decode request whose
+    prefill promised blocks (``kv_transfer_params``) waits for them to be visible in the daemon
+    before it takes what is there and recomputes the rest."""
+
     prefetch_on_lookup: bool = True
     """When the scheduler's lookup finds a hit, ask the daemon to promote it into its Cache at once
     (``Prefetch``), so blocks only on Posix or a shared tier are read while vLLM schedules, and the
