@@ -3,12 +3,14 @@
 The subscriber is ``examples/kv_events_indexer.py`` (vLLM's own ``KVEventBatch`` classes over a
 ZeroMQ SUB socket, gaps repaired through the replay socket). After each kind of change (stores,
 LRU eviction, ``ucm-admin evict`` and ``delete``, the Delete RPC, a quarantined corrupt block, a
-restart) its index must equal what ``ucm-admin ls --json`` lists, projected to (medium, digest).
+restart) its index must equal what ``ucm-admin ls --json`` lists, projected to (medium, digest);
+quota eviction and a shared tier's entries found or found gone by another node's daemon too.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +178,93 @@ def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
     with pytest.raises(RuntimeError, match="kv_events_endpoint"):
         bad.start(timeout_s=20)
     assert key_digest("x")  # the helper module is the one the daemon's keys come from
+
+
+def test_quota_eviction_is_published(tmp_path: Path) -> None:
+    """A tenant over its 1 MiB quota loses its oldest blocks; the stream says so, in every medium."""
+    from support.tokens import tokens_file
+
+    tokens = tokens_file(tmp_path / "tokens.yaml", [("tok-alice", "alice", {"quota": "1MiB"})])
+    pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
+    args = [
+        "--auth-tokens-file",
+        str(tokens),
+        "--kv-events-endpoint",
+        pub,
+        "--kv-events-replay-endpoint",
+        replay,
+    ]
+    ctx: zmq.Context[Any] = zmq.Context()
+    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target, token="tok-alice") as alice:
+        sub = NodeSubscriber(ctx, pub, replay)
+        try:
+            keys = [key_digest("quota", i) for i in range(48)]  # 3 MiB through a 1 MiB quota
+            for first in range(0, 48, 8):
+                assert alice.put_blocks(NS, [(k, os.urandom(64 << 10)) for k in keys[first : first + 8]]).ok
+            present = alice.lookup(NS, keys).present
+            assert sum(present) == 16  # negative control: most blocks really were evicted
+            held = {vllm_hash(k) for k, p in zip(keys, present, strict=True) if p}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                sub.poll(100)
+                seen = {h for hashes in sub.state.media.values() for h in hashes}
+                if seen == held:
+                    break
+            assert {h for hashes in sub.state.media.values() for h in hashes} == held
+            assert sub.state.media.get("CPU", set()) <= held and sub.state.media.get("DISK", set()) <= held
+        finally:
+            sub.close()
+            ctx.term()
+
+
+def test_shared_tier_entries_appear_and_expire_as_the_daemon_learns(tmp_path: Path) -> None:
+    """Two daemons share a DS3FS tree (its POSIX path on a local directory). Node B publishes SHARED
+    for blocks node A wrote once a lookup finds them, and removes them once a lookup finds them gone
+    (A deleted them): what B's daemon learns, B's stream says."""
+    import yaml
+
+    mount = tmp_path / "3fs"
+    mount.mkdir()
+
+    def node(name: str, events: bool) -> DaemonProcess:
+        settings = {"mount": str(mount), "usrbio": "off", "positive_ttl_s": 0.2, "negative_ttl_s": 0.2}
+        cfg: dict[str, Any] = {"store_pipeline": "Cache|DS3FS", "tier_settings": {"DS3FS": settings}}
+        cfg["shared_lookup_ttl_s"] = 0  # every lookup asks the tier (no answer cache in the pipeline)
+        if events:
+            cfg |= {
+                "kv_events_endpoint": f"ipc://{tmp_path}/b.pub",
+                "kv_events_replay_endpoint": f"ipc://{tmp_path}/b.rep",
+            }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return DaemonProcess(tmp_path / name, args=["--config", str(path)])
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    with node("a", False) as a, node("b", True) as b, UcmClient(a.target) as ca, UcmClient(b.target) as cb:
+        sub = NodeSubscriber(ctx, f"ipc://{tmp_path}/b.pub", f"ipc://{tmp_path}/b.rep")
+        try:
+            sub.sync()
+            keys = [key_digest("shared", i) for i in range(4)]
+            assert ca.put_blocks(NS, [(k, os.urandom(4096)) for k in keys]).ok
+            time.sleep(0.5)  # A's write-back reaches the shared tree
+            assert cb.lookup(NS, keys).hit_prefix == 4
+            expected = {vllm_hash(k) for k in keys}
+            _poll_until(sub, lambda: sub.state.media.get("SHARED", set()) == expected)
+            assert not sub.state.media.get("CPU")  # negative control: B holds them only in the shared tier
+            assert ca.delete(NS, keys[:2]) == 2
+            time.sleep(0.5)  # past B's positive_ttl_s: its next lookup checks the tree again
+            assert cb.lookup(NS, keys).present == [False, False, True, True]
+            _poll_until(
+                sub,
+                lambda: sub.state.media.get("SHARED", set()) == expected - {vllm_hash(k) for k in keys[:2]},
+            )
+        finally:
+            sub.close()
+            ctx.term()
+
+
+def _poll_until(sub: NodeSubscriber, done: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        sub.poll(100)
+    assert done(), sub.state.media
