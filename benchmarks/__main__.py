@@ -21,6 +21,7 @@ BENCHMARKS = {
     "shared_tiers": ["benchmarks.shared_tiers"],
     "load": ["benchmarks.load_bench"],
     "e2e_vllm": ["benchmarks.e2e_vllm"],
+    "prefetch_vllm": ["benchmarks.prefetch_vllm"],
     "sparse": ["benchmarks.sparse_bench"],
     "scale": ["benchmarks.scale_bench"],
     "small_objects": ["benchmarks.small_objects"],

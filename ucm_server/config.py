@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +277,40 @@ class ServerConfig:
         default_factory=dict,
         metadata=_help("Per-tier settings for shared tiers, keyed by tier name (e.g. {S3: {bucket: ...}})."),
     )
+    kv_events_endpoint: str = field(
+        default="",
+        metadata=_help(
+            "Publish what every tier holds as vLLM KV events (BlockStored / BlockRemoved / "
+            "AllBlocksCleared, msgpack over ZeroMQ PUB) on this address: tcp://*:5557 or ipc:///path "
+            "binds, tcp://host:port connects; empty = off."
+        ),
+    )
+    kv_events_replay_endpoint: str = field(
+        default="",
+        metadata=_help(
+            "ZeroMQ ROUTER address for replay: missed batches from the ring, or a snapshot of the "
+            "whole index for a subscriber that joins late or fell too far behind; empty = off."
+        ),
+    )
+    kv_events_topic: str = field(
+        default="",
+        metadata=_help("Topic frame of every KV event batch; empty = kv@<kv_events_node>@ucm."),
+    )
+    kv_events_node: str = field(
+        default="",
+        metadata=_help("This daemon's node identity in the KV events topic; empty = the host name."),
+    )
+    kv_events_hash_format: Literal["int64", "bytes"] = field(
+        default="int64",
+        metadata=_help(
+            "How KV events carry block hashes, to match vLLM's own events: int64 = the key's low 64 "
+            "bits as an unsigned integer (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); "
+            "bytes = the whole 32-byte key (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."
+        ),
+    )
+    kv_events_buffer_batches: int = field(
+        default=10000, metadata=_help("Past KV event batches kept for replay before a snapshot is needed.")
+    )
     gpu: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata=_help(
@@ -288,6 +323,11 @@ class ServerConfig:
     @property
     def tiers(self) -> list[str]:
         return [t.strip() for t in self.store_pipeline.split("|")]
+
+    @property
+    def kv_events_topic_name(self) -> str:
+        """The topic of KV event batches: ``kv_events_topic``, else ``kv@<node>@ucm`` (llm-d's form)."""
+        return self.kv_events_topic or f"kv@{self.kv_events_node or socket.gethostname()}@ucm"
 
     @property
     def posix_roots(self) -> list[Path]:
@@ -383,6 +423,16 @@ class ServerConfig:
             raise ConfigError("tls_client_ca: client certificates need TLS: set tls_cert and tls_key too")
         if self.metrics_address not in ("", "off"):
             _check_host_port("metrics_address", self.metrics_address)
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, key)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{key}: {value!r} is not a ZeroMQ address (tcp://, ipc:// or inproc://)")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint: set kv_events_endpoint too (replay of what?)")
+        if self.kv_events_buffer_batches < 1:
+            raise ConfigError(
+                f"kv_events_buffer_batches: must be 1 or more, got {self.kv_events_buffer_batches}"
+            )
         unknown = set(self.tier_settings) - set(tiers)
         if unknown:
             raise ConfigError(

@@ -36,6 +36,7 @@ from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
 from ucm_server.handover import HandoverListener
+from ucm_server.kv_events.publisher import kv_event_publisher
 from ucm_server.service.admin import AdminServicer
 from ucm_server.service.interceptors import ErrorMappingInterceptor
 from ucm_server.service.kvstore import KVStoreServicer
@@ -160,6 +161,7 @@ class Daemon:
         self.tcp_port: int | None = None
         self._locks: list[int] = []
         self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
+        self.kv_events = kv_event_publisher(config, self.engine.pipeline.tiers)
 
     async def start(self) -> None:
         cfg = self.config
@@ -170,6 +172,8 @@ class Daemon:
                 self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
             except OSError as exc:
                 raise ConfigError(f"metrics_address {cfg.metrics_address}: {exc.strerror}") from exc
+        if self.kv_events is not None:  # before the tiers open: the re-adopted index is announced
+            self.kv_events.start()
         await self.engine.open()
         ucm_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.engine), self.server)
         ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
@@ -236,6 +240,8 @@ class Daemon:
         await self.server.stop(1.0)
         await self.fds.close()
         await self.engine.close(grace_s)
+        if self.kv_events is not None:
+            await self.kv_events.close()
         with contextlib.suppress(FileNotFoundError):
             self.config.socket.unlink()
         for fd in self._locks:  # the data directories are free for the next daemon

@@ -7,9 +7,13 @@ cache is empty, and any hit must have come from the daemon. Input and output are
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
 ``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
-"data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
-result: generated token ids per prompt, vLLM's metrics after each prompt
+``check_shm``, ``report_keys``, ``kv_events`` (``{"endpoint": ...}``: vLLM's own ZeroMQ publisher),
+``pause_s`` (a pause before each prompt after the first), ``kv_role``, ``transfer_params`` (per prompt,
+the ``kv_transfer_params`` a P/D proxy passes), and ``start_daemon``
+(``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real daemon in the middle of
+the run, to test reconnection).
+result: generated token ids per prompt, the ``kv_transfer_params`` each output returned, vLLM's metrics
+after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
 block keys, and whether vLLM's KV cache lies in the daemon-shared memory.
 """
@@ -98,12 +102,20 @@ def main(spec_path: str, result_path: str) -> None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "UCMConnector",
             "kv_connector_module_path": "ucm_client.vllm.connector",
-            "kv_role": "kv_both",
+            "kv_role": spec.get("kv_role", "kv_both"),
             "kv_connector_extra_config": spec.get("extra_config", {}),
         }
+    if spec.get("kv_events"):  # vLLM's own publisher (its GPU events plus the connector's take_events)
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events"]["endpoint"]
+        )
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
+    transfer = spec.get("transfer_params") or [None] * len(spec["prompts"])
+    returned: list[Any] = []
     outputs: list[list[int]] = []
     seconds: list[float] = []
     metrics: list[dict[str, float]] = []
@@ -117,21 +129,35 @@ def main(spec_path: str, result_path: str) -> None:
             daemon = DaemonProcess(workdir, socket=Path(start["socket"]), data_dir=Path(start["data_dir"]))
             daemon.start()
             time.sleep(start.get("settle_s", 0.0))
+        if index and spec.get("pause_s"):
+            time.sleep(spec["pause_s"])
         prompt = TokensPrompt(prompt_token_ids=tokens)
         if salt:
             prompt["cache_salt"] = salt
+        this = params
+        if transfer[index] is not None:  # P/D: what a proxy passes (vLLM reads extra_args)
+            this = params.clone()
+            this.extra_args = {"kv_transfer_params": transfer[index]}
         started = time.perf_counter()
-        result = llm.generate([prompt], params, use_tqdm=False)
+        result = llm.generate([prompt], this, use_tqdm=False)
+        returned.append(result[0].kv_transfer_params)
         seconds.append(time.perf_counter() - started)
         outputs.append(list(result[0].outputs[0].token_ids))
         metrics.append(_metrics(llm))
-    report: dict[str, Any] = {"outputs": outputs, "seconds": seconds, "metrics": metrics}
+    report: dict[str, Any] = {
+        "outputs": outputs,
+        "seconds": seconds,
+        "metrics": metrics,
+        "kv_transfer_params": returned,
+    }
     if spec.get("report_keys"):
         block_size = llm.llm_engine.vllm_config.cache_config.block_size
         report["keys"] = [_block_keys(tokens, block_size) for tokens in spec["prompts"]]
     if spec.get("connector") and spec.get("check_shm"):
         report["shm"] = _kv_in_shm(llm)
     Path(result_path).write_text(json.dumps(report))
+    if spec.get("kv_events"):
+        time.sleep(1.0)  # vLLM's publisher thread sends the last batches
     if daemon is not None:
         daemon.stop()
 

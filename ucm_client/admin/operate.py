@@ -149,7 +149,8 @@ def verify(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     """Re-read every block of the persistent tiers and check its checksum; exit 1 if any is corrupt."""
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
-    req = pb.VerifyRequest(tier=args.tier or "", namespace=args.namespace or b"")
+    # quarantine: as the help says, a corrupt copy is moved aside (and repaired from another tier)
+    req = pb.VerifyRequest(tier=args.tier or "", namespace=args.namespace or b"", quarantine=True)
     daemon.channel()  # fail fast (exit 3) before drawing a progress bar
     corrupt: list[CorruptBlock] = []
     checked = total = 0

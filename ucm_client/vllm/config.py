@@ -69,6 +69,16 @@ class ConnectorConfig:
     forward. Keeps a long load from stalling a batch of running requests, at the cost of one extra
     step of latency for the loading request."""
 
+    pd_wait_timeout_s: float = 30.0
+    """Prefill/decode disaggregation (``kv_role: kv_consumer``): how long a decode request whose
+    prefill promised blocks (``kv_transfer_params``) waits for them to be visible in the daemon
+    before it takes what is there and recomputes the rest."""
+
+    prefetch_on_lookup: bool = True
+    """When the scheduler's lookup finds a hit, ask the daemon to promote it into its Cache at once
+    (``Prefetch``), so blocks only on Posix or a shared tier are read while vLLM schedules, and the
+    worker's load reads memory. Off: the load reads the lower tier itself."""
+
     load_timeout_s: float = 30.0
     """A load not done in this time is cancelled and its blocks recomputed."""
 
@@ -108,6 +118,16 @@ class ConnectorConfig:
     """Seed option where rank 0 loads for everyone. Only ``false`` is supported: each TP rank loads
     its own shard, and lookups check every rank's shard."""
 
+    kv_events_endpoint: str | None = None
+    """The daemon's KV events address (its ``kv_events_endpoint``, e.g. ``tcp://127.0.0.1:5557`` or
+    ``ipc:///run/ucm/events``). With vLLM's ``kv_events_config`` on, the scheduler subscribes and
+    ``take_events`` forwards the daemon's tiers (CPU / DISK / SHARED) through vLLM's own publisher,
+    so one stream carries GPU and UCM blocks. None: only vLLM's own GPU events."""
+
+    kv_events_replay_endpoint: str | None = None
+    """The daemon's ``kv_events_replay_endpoint``: the forwarder starts from a snapshot and repairs
+    gaps through it. None: forwarding starts from whatever is published after vLLM starts."""
+
     ucm_connectors: tuple[Mapping[str, Any], ...] = ()
     """Seed store list (``store_pipeline``, ``storage_backends``...): daemon settings, not ours."""
 
@@ -132,6 +152,13 @@ class ConnectorConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _HINTS = get_type_hints(ConnectorConfig)
 _ENV_ALIASES = {"UCM_SOCKET": "target", "UCM_TARGET": "target"}
+_OPTIONAL_STRINGS = (
+    "target",
+    "model_id",
+    "metrics_config_path",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+)
 
 
 def _settle(name: str, value: Any, where: str) -> Any:
@@ -139,7 +166,7 @@ def _settle(name: str, value: Any, where: str) -> Any:
     string means "not set" for optional strings."""
     if _HINTS[name] is float and value <= 0:
         raise ConfigError(f"{where}: expected a positive number, got {value!r}")
-    if name in ("target", "model_id", "metrics_config_path"):
+    if name in _OPTIONAL_STRINGS:
         return value or None
     return value
 

@@ -15,6 +15,7 @@ Methods of the other role are harmless no-ops, so vLLM's call order never trips 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -26,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
 from ucm_client.vllm.identity import KeySpace, check_hash_stability
+from ucm_client.vllm.kv_events import EventForwarder, forwarder_for
 from ucm_client.vllm.metadata import UcmConnectorMetadata
 from ucm_client.vllm.scheduler import UcmScheduler
 from ucm_client.vllm.stats import UcmConnectorStats, UcmPromMetrics
@@ -33,6 +35,7 @@ from ucm_client.vllm.worker import UcmWorker
 
 if TYPE_CHECKING:
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
 
 __all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
 
@@ -72,9 +75,11 @@ class UCMConnector(KVConnectorBase_V1):
         keyspace = KeySpace.from_vllm(vllm_config, kv_cache_config, self.ucm_config)
         self._scheduler: UcmScheduler | None = None
         self._worker: UcmWorker | None = None
+        self._events: EventForwarder | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._set_failure_policy(transfer)
             self._scheduler = UcmScheduler(vllm_config, keyspace, self.ucm_config)
+            self._events = forwarder_for(vllm_config, self.ucm_config)
         else:
             self._worker = UcmWorker(vllm_config, keyspace, self.ucm_config, _tp_rank())
 
@@ -207,7 +212,14 @@ class UCMConnector(KVConnectorBase_V1):
     ) -> UcmPromMetrics:
         return UcmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The daemon's KV events (every UCM tier), for vLLM's own publisher (``kv_events.py``)."""
+        return self._events.take() if self._events is not None else ()
+
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

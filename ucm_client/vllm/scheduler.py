@@ -23,9 +23,11 @@ from typing import Any
 from ucm_client import UcmClient
 from ucm_client.errors import UcmError
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
+from ucm_client.vllm.disagg import PdRole
 from ucm_client.vllm.identity import KeySpace, block_keys, layer_key
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+from ucm_client.vllm.prefetch import start_prefetch
 from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
@@ -86,6 +88,7 @@ class UcmScheduler:
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[BlockTransfer] = []
         self._stats = UcmConnectorStats()
+        self._pd = PdRole.from_vllm(vllm_config, config.pd_wait_timeout_s)
 
     # ------------------------------------------------------------------ lookups
 
@@ -143,16 +146,22 @@ class UcmScheduler:
         finally:
             self._stats.add(lookup_seconds=time.monotonic() - started)
         self._link.succeeded()
+        if prefix and self._config.prefetch_on_lookup:  # issue #17 item 3: promote while vLLM schedules
+            start_prefetch(client, self._namespaces, stored[: prefix * per_block])
         return prefix
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.request = request
         state.local_tokens = num_computed_tokens
         if not self._config.enable_load:
             return 0, False
         if state.stored_blocks is None:
-            state.stored_blocks = self._lookup(self._keys(state))
+            keys = self._keys(state)
+            stored = self._lookup(keys)
+            if self._pd.must_wait(request, stored, len(keys)):  # a prefill's saves not all visible yet
+                return None, False
+            state.stored_blocks = stored
             self._stats.add(query_tokens=max(request.num_tokens - num_computed_tokens, 0))
         granted = hit_tokens(state.stored_blocks, self._block_size, request.num_tokens, num_computed_tokens)
         return granted, bool(granted) and self._config.load_async
@@ -207,7 +216,7 @@ class UcmScheduler:
 
     def _plan_save(self, meta: UcmConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         """Save the blocks that become full (and hashed) once this step's tokens are computed."""
-        if not self._config.enable_save:
+        if not self._config.enable_save or not self._pd.saves:
             return
         keys = self._keys(state)
         full = min(computed // self._block_size, len(keys), len(state.block_ids))
@@ -221,7 +230,8 @@ class UcmScheduler:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request with saves until the workers report them stored."""
         state = self._requests.pop(request.request_id, None)
-        return (state is not None and state.had_save), None
+        self._pd.forget(request.request_id)
+        return (state is not None and state.had_save), self._pd.finished_params(request)
 
     @property
     def stats(self) -> UcmConnectorStats:

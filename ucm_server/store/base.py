@@ -31,6 +31,7 @@ from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
+from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")
 
@@ -218,13 +219,17 @@ class SizeIndex:
     over the request's digests, with no per-key object built in Python.
     """
 
-    __slots__ = ("_by_ns",)
+    __slots__ = ("_by_ns", "watch")
 
     def __init__(self) -> None:
         self._by_ns: dict[bytes, dict[bytes, int]] = {}
+        self.watch: IndexWatch | None = None
+        """Told of every change (:mod:`ucm_server.store.watch`): KV events."""
 
     def add(self, key: BlockKey, size: int) -> None:
         self._by_ns.setdefault(key.namespace, {})[key.digest] = size
+        if self.watch is not None:
+            self.watch.stored(key)
 
     def discard(self, key: BlockKey) -> None:
         digests = self._by_ns.get(key.namespace)
@@ -232,6 +237,12 @@ class SizeIndex:
             digests.pop(key.digest, None)
             if not digests:
                 del self._by_ns[key.namespace]
+        if self.watch is not None:
+            self.watch.removed(key)
+
+    def keys(self) -> list[BlockKey]:
+        """Every key held (for a watcher attached after blocks were stored)."""
+        return [BlockKey(ns, d) for ns, digests in self._by_ns.items() for d in digests]
 
     def lookup_digests(self, namespace: bytes, digests: Sequence[bytes]) -> list[int | None]:
         found = self._by_ns.get(namespace)
@@ -252,6 +263,8 @@ class SizeIndex:
 
     def clear(self) -> None:
         self._by_ns.clear()
+        if self.watch is not None:
+            self.watch.cleared()
 
 
 DEFAULT_MAX_BLOCK_BYTES = 256 << 20

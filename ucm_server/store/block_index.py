@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
+from ucm_server.store.watch import IndexWatch
 
 STAMP_TABLE_MAX = 4096
 """Distinct (size, second) stamps remembered for sharing before the table starts afresh (blocks
@@ -36,12 +37,14 @@ class Stamp(int):
 class BlockIndex:
     """Keys in LRU order (least recently used first) with their :class:`Stamp`; the byte total."""
 
-    __slots__ = ("_od", "_stamps", "bytes")
+    __slots__ = ("_od", "_stamps", "bytes", "watch")
 
     def __init__(self) -> None:
         self._od: OrderedDict[bytes, Stamp] = OrderedDict()
         self._stamps: dict[tuple[int, int], Stamp] = {}
         self.bytes = 0
+        self.watch: IndexWatch | None = None
+        """Told of every change of membership (:mod:`ucm_server.store.watch`): KV events."""
 
     def stamp(self, size: int, stored_at: float) -> Stamp:
         """The shared stamp for ``size`` stored at ``stored_at`` (rounded down to the second)."""
@@ -58,9 +61,13 @@ class BlockIndex:
     # -- changes ----------------------------------------------------------------------------------------
     def add(self, key: BlockKey, size: int, stored_at: float) -> None:
         """Store or replace ``key`` as the most recently used block."""
-        self.pop(key)
+        old = self._od.pop(key, None)
+        if old is not None:
+            self.bytes -= old
         self._od[key] = self.stamp(size, stored_at)
         self.bytes += size
+        if self.watch is not None:
+            self.watch.stored(key)
 
     def adopt(self, key: BlockKey, size: int, stored_at: float) -> bool:
         """Add a block found on disk as the least recently used one, unless the key is known
@@ -70,6 +77,8 @@ class BlockIndex:
         self._od[key] = self.stamp(size, stored_at)
         self._od.move_to_end(key, last=False)
         self.bytes += size
+        if self.watch is not None:
+            self.watch.stored(key)
         return True
 
     def correct(self, key: bytes, size: int, stored_at: float) -> None:
@@ -83,6 +92,8 @@ class BlockIndex:
         stamp = self._od.pop(key, None)
         if stamp is not None:
             self.bytes -= stamp
+            if self.watch is not None:
+                self.watch.removed(key)
         return stamp
 
     def move_to_end(self, key: bytes) -> None:
@@ -93,6 +104,8 @@ class BlockIndex:
         self._od.clear()
         self._stamps.clear()
         self.bytes = 0
+        if self.watch is not None:
+            self.watch.cleared()
 
     # -- questions --------------------------------------------------------------------------------------
     def get(self, key: bytes) -> Stamp | None:
@@ -155,6 +168,8 @@ class BlockIndex:
             total += stamp - loaded.pop(key, 0)
             loaded[key] = stamp
         self._od, self.bytes = loaded, total
+        if self.watch is not None:
+            self.watch.stored_many(loaded.keys())
         return len(loaded) - before
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:

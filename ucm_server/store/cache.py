@@ -35,6 +35,7 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
+from ucm_server.store.watch import IndexWatch
 
 INLINE_COPY_BYTES = 512 << 10
 """A batch copy up to this size runs on the event loop thread instead of the executor."""
@@ -141,6 +142,11 @@ class CacheTier(Tier):
         self._index.clear()
         self._sizes.clear()
         self.arena.close()
+
+    def watch_index(self, watch: IndexWatch) -> None:
+        """KV events (:class:`~ucm_server.store.watch.Watchable`): the size index sees every change."""
+        self._sizes.watch = watch
+        watch.stored_many(self._sizes.keys())
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         return self._sizes.lookup(keys)

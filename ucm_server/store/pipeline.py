@@ -45,6 +45,7 @@ from ucm_server.store.base import (
     iov_len,
 )
 from ucm_server.store.leasing import Leasing, leasing_of
+from ucm_server.store.promotion import Promotions
 from ucm_server.store.staging import StagingPool, copy_pairs
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures
 
@@ -119,6 +120,7 @@ class Pipeline:
         self._seq = 0
         self._written: dict[BlockKey, int] = {}
         self._reading: Counter[int] = Counter()
+        self.promotions = Promotions(self)
 
     @property
     def spec(self) -> str:
@@ -254,15 +256,30 @@ class Pipeline:
     async def read_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], *, owned: bool = False
     ) -> list[BlockResult]:
-        """Read a batch into ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
-        started = self._seq
-        self._reading[started] += 1
+        """Read a batch into ``items``' iovecs; ``owned``: they are daemon memory no client can write.
+        Blocks a prefetch is promoting are waited for, then read from memory, not read twice."""
+        await self.promotions.wait_for([k for k, _ in items])
+        started = self.begin_read()
         try:
             return await self._read_many(items, started, owned)
         finally:
-            self._reading[started] -= 1
-            if not self._reading[started]:
-                del self._reading[started]
+            self.end_read(started)
+
+    def begin_read(self) -> int:
+        """Mark a read that may promote as begun; returns its stamp (see :meth:`unwritten_since`)."""
+        started = self._seq
+        self._reading[started] += 1
+        return started
+
+    def end_read(self, started: int) -> None:
+        self._reading[started] -= 1
+        if not self._reading[started]:
+            del self._reading[started]
+
+    def unwritten_since(self, key: BlockKey, started: int) -> bool:
+        """Nobody wrote or deleted ``key`` since the read stamped ``started`` began: its copy may be
+        promoted without hiding a newer version."""
+        return self._written.get(key, 0) <= started
 
     async def _read_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], started: int, owned: bool
@@ -738,25 +755,9 @@ class Pipeline:
         return sum(s is not None for s in present)
 
     async def prefetch(self, keys: Sequence[BlockKey]) -> list[BlockResult]:
-        """Bring blocks from lower tiers into the top tier (a no-op for those already there)."""
-        sizes = await self.top.lookup(keys)
-        results: list[BlockResult] = [OK] * len(keys)
-        need = [i for i, s in enumerate(sizes) if s is None]
-        if not need or len(self.tiers) == 1:
-            return [MISSING if s is None else OK for s in sizes]
-        lower_sizes = await self.lookup([keys[i] for i in need])
-        for i, size in zip(need, lower_sizes, strict=True):
-            if size is None:
-                results[i] = MISSING
-                continue
-            scratch = [memoryview(bytearray(size))]
-            for tier in self.tiers[1:]:
-                r = await tier.read_into(keys[i], scratch)
-                if r.ok:
-                    results[i] = (await self.top.write_many([(keys[i], scratch)]))[0]
-                    break
-                results[i] = r
-        return results
+        """Bring blocks from lower tiers into the top tier (a no-op for those already there); a load
+        of them meanwhile waits for it (:mod:`ucm_server.store.promotion`)."""
+        return await self.promotions.prefetch(keys)
 
     async def list_blocks(
         self, namespace: Namespace | None = None, tier: str = ""

@@ -108,6 +108,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.watch import IndexWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -530,6 +531,11 @@ class PosixTier(Tier):
             self._move_to_quarantine(path, str(exc))
             return None
         return key, header.payload_len, header.created_ns / 1e9
+
+    def watch_index(self, watch: IndexWatch) -> None:
+        """KV events (:class:`~ucm_server.store.watch.Watchable`): the index sees every change."""
+        self._index.watch = watch
+        watch.stored_many(self._index.columns()[0])
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         return self._sizes.lookup(keys)

@@ -1,0 +1,270 @@
+"""KV events from a real daemon, read by a real subscriber written for vLLM's events.
+
+The subscriber is ``examples/kv_events_indexer.py`` (vLLM's own ``KVEventBatch`` classes over a
+ZeroMQ SUB socket, gaps repaired through the replay socket). After each kind of change (stores,
+LRU eviction, ``ucm-admin evict`` and ``delete``, the Delete RPC, a quarantined corrupt block, a
+restart) its index must equal what ``ucm-admin ls --json`` lists, projected to (medium, digest);
+quota eviction and a shared tier's entries found or found gone by another node's daemon too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from support.blocks import NS, blocks_in
+from support.kv_events import NodeSubscriber, listed, settle, vllm_hash
+from test_admin import admin, json_of
+
+from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch, external_hashes
+from ucm_server.testing.daemon import DaemonProcess
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")  # the subscriber's classes are vLLM's
+msgspec = pytest.importorskip("msgspec")
+
+BLOCK = 4096
+NS2 = namespace_id(model="pytest-kv-events-rank1", dtype="uint8")
+
+
+def test_wire_is_byte_identical_to_vllms_encoder() -> None:
+    """What the daemon writes is what vLLM's msgspec encoder writes for the same batch."""
+    ours = encode_batch(
+        12.5,
+        [Stored([b"a" * 32, b"b" * 32], "DISK"), Removed([b"c" * 32], "CPU"), Cleared()],
+    )
+    theirs = msgspec.msgpack.encode(
+        kv_events.KVEventBatch(
+            ts=12.5,
+            events=[
+                kv_events.BlockStored(
+                    block_hashes=[b"a" * 32, b"b" * 32],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    lora_id=None,
+                    medium="DISK",
+                    lora_name=None,
+                ),
+                kv_events.BlockRemoved(block_hashes=[b"c" * 32], medium="CPU"),
+                kv_events.AllBlocksCleared(),
+            ],
+        )
+    )
+    assert ours == theirs
+    decoded = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch).decode(ours)
+    assert [type(e).__name__ for e in decoded.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert decoded.events[1].medium == "CPU" and decoded.events[0].block_hashes[1] == b"b" * 32
+    # int64 (the default) is what vLLM's own events carry for the same 32-byte hash
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+    digest = bytes(range(32))
+    assert external_hashes([digest], "int64") == [maybe_convert_block_hash(BlockHash(digest))]
+    assert external_hashes([digest], "bytes") == [digest]
+    # negative control: a different medium is a different payload
+    removed = [b"c" * 32]
+    assert encode_batch(12.5, [Removed(removed, "DISK")]) != encode_batch(12.5, [Removed(removed, "CPU")])
+
+
+@pytest.fixture
+def events_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, str]]:
+    pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
+    args = [
+        "--cache-capacity", f"{16 * BLOCK}", "--cache-page-size", f"{BLOCK}",
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
+        "--kv-events-node", "node-a",
+    ]  # fmt: skip
+    with DaemonProcess(tmp_path / "ucm", args=args) as d:
+        yield d, pub, replay
+
+
+def test_index_follows_every_change_and_a_restart(
+    events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer
+) -> None:
+    d, pub, replay = events_daemon
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = NodeSubscriber(ctx, pub, replay)
+    removals: list[Any] = []
+    original_apply = sub.state.apply
+
+    def apply(batch: Any) -> None:  # record removals to prove they were published, not inferred
+        removals.extend(e for e in batch.events if isinstance(e, kv_events.BlockRemoved))
+        original_apply(batch)
+
+    sub.state.apply = apply  # type: ignore[method-assign]
+    try:
+        sub.sync()  # a late joiner: snapshot of an empty index
+        with UcmClient(d.target, client_name="pytest-events") as client:
+            region = client.register(shm)
+            shm.buf[: 40 * BLOCK] = os.urandom(40 * BLOCK)
+            first = blocks_in(region, 12, BLOCK)
+            assert client.wait(client.dump(NS, first, wait_durable=True), 30).ok
+            # the same digests under a second namespace (another TP rank): one hash, two holders
+            assert client.wait(client.dump(NS2, first[:4], wait_durable=True), 30).ok
+            want = settle(sub, d)
+            assert ("CPU", vllm_hash(first[0].key)) in want and ("DISK", vllm_hash(first[0].key)) in want
+
+            # LRU eviction: 20 more blocks through a 16-block Cache
+            more = blocks_in(region, 20, BLOCK, first=100, offset=12 * BLOCK)
+            assert client.wait(client.dump(NS, more, wait_durable=True), 30).ok
+            want = settle(sub, d)
+            assert ("CPU", vllm_hash(first[0].key)) not in want and ("DISK", vllm_hash(first[0].key)) in want
+            assert any(e.medium == "CPU" for e in removals), "LRU evictions published no BlockRemoved"
+
+            # one rank's copy deleted: the hash stays held (the other namespace has it)
+            assert client.delete(NS2, [first[0].key]) == 1
+            assert ("DISK", vllm_hash(first[0].key)) in settle(sub, d)
+            # Delete RPC of the last holder, then ucm-admin delete and evict
+            assert client.delete(NS, [first[0].key]) == 1
+            assert ("DISK", vllm_hash(first[0].key)) not in settle(sub, d)
+            assert admin(d, "delete", f"{NS.hex()}/{first[5].key.hex()}").returncode == 0
+            assert admin(d, "evict", "--tier", "Cache", f"{NS.hex()}/{more[-1].key.hex()}").returncode == 0
+            want = settle(sub, d)
+            assert ("DISK", vllm_hash(first[5].key)) not in want and (
+                "CPU",
+                vllm_hash(more[-1].key),
+            ) not in want
+
+        # quarantine: a corrupt file found by verify is removed from the index and from the stream
+        victim = first[6].key
+        path = d.data_dir / "blocks" / NS.hex() / victim.hex()[:2] / victim.hex()[2:4] / f"{victim.hex()}.blk"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+        report = admin(d, "--json", "verify", "--tier", "Posix")
+        assert report.returncode == 1 and json_of(report)["corrupt"] == 1, report.stdout
+        assert ("DISK", vllm_hash(victim)) not in settle(sub, d)
+
+        # negative control: an index that ignored removals would not match
+        assert len(removals) >= 4
+
+        # restart: the Cache is gone, the Posix index is re-adopted and announced
+        before = sub.state.seq
+        d.stop()
+        d.start()
+        want = settle(sub, d, timeout_s=20)
+        assert want and all(medium == "DISK" for medium, _ in want)
+        assert sub.state.seq > before
+    finally:
+        sub.close()
+        ctx.term()
+
+
+def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
+    events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer, tmp_path: Path
+) -> None:
+    d, pub, replay = events_daemon
+    with UcmClient(d.target, client_name="pytest-events") as client:
+        region = client.register(shm)
+        assert client.wait(client.dump(NS, blocks_in(region, 5, BLOCK), wait_durable=True), 30).ok
+    ctx: zmq.Context[Any] = zmq.Context()
+    late = NodeSubscriber(ctx, pub, replay)
+    no_replay = NodeSubscriber(ctx, pub, None)
+    try:
+        late.sync()  # everything so far, without having seen a single streamed batch
+        assert late.state.pairs() == listed(d) and len(late.state.pairs()) == 10
+        no_replay.poll(300)
+        assert no_replay.state.pairs() != listed(d)  # negative control: the stream alone missed it
+    finally:
+        late.close()
+        no_replay.close()
+        ctx.term()
+    bad = DaemonProcess(tmp_path / "bad", args=["--kv-events-endpoint", "http://nope"])
+    with pytest.raises(RuntimeError, match="kv_events_endpoint"):
+        bad.start(timeout_s=20)
+    assert key_digest("x")  # the helper module is the one the daemon's keys come from
+
+
+def test_quota_eviction_is_published(tmp_path: Path) -> None:
+    """A tenant over its 1 MiB quota loses its oldest blocks; the stream says so, in every medium."""
+    from support.tokens import tokens_file
+
+    tokens = tokens_file(tmp_path / "tokens.yaml", [("tok-alice", "alice", {"quota": "1MiB"})])
+    pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
+    args = [
+        "--auth-tokens-file",
+        str(tokens),
+        "--kv-events-endpoint",
+        pub,
+        "--kv-events-replay-endpoint",
+        replay,
+    ]
+    ctx: zmq.Context[Any] = zmq.Context()
+    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target, token="tok-alice") as alice:
+        sub = NodeSubscriber(ctx, pub, replay)
+        try:
+            keys = [key_digest("quota", i) for i in range(48)]  # 3 MiB through a 1 MiB quota
+            for first in range(0, 48, 8):
+                assert alice.put_blocks(NS, [(k, os.urandom(64 << 10)) for k in keys[first : first + 8]]).ok
+            present = alice.lookup(NS, keys).present
+            assert sum(present) == 16  # negative control: most blocks really were evicted
+            held = {vllm_hash(k) for k, p in zip(keys, present, strict=True) if p}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                sub.poll(100)
+                seen = {h for hashes in sub.state.media.values() for h in hashes}
+                if seen == held:
+                    break
+            assert {h for hashes in sub.state.media.values() for h in hashes} == held
+            assert sub.state.media.get("CPU", set()) <= held and sub.state.media.get("DISK", set()) <= held
+        finally:
+            sub.close()
+            ctx.term()
+
+
+def test_shared_tier_entries_appear_and_expire_as_the_daemon_learns(tmp_path: Path) -> None:
+    """Two daemons share a DS3FS tree (its POSIX path on a local directory). Node B publishes SHARED
+    for blocks node A wrote once a lookup finds them, and removes them once a lookup finds them gone
+    (A deleted them): what B's daemon learns, B's stream says."""
+    import yaml
+
+    mount = tmp_path / "3fs"
+    mount.mkdir()
+
+    def node(name: str, events: bool) -> DaemonProcess:
+        settings = {"mount": str(mount), "usrbio": "off", "positive_ttl_s": 0.2, "negative_ttl_s": 0.2}
+        cfg: dict[str, Any] = {"store_pipeline": "Cache|DS3FS", "tier_settings": {"DS3FS": settings}}
+        cfg["shared_lookup_ttl_s"] = 0  # every lookup asks the tier (no answer cache in the pipeline)
+        if events:
+            cfg |= {
+                "kv_events_endpoint": f"ipc://{tmp_path}/b.pub",
+                "kv_events_replay_endpoint": f"ipc://{tmp_path}/b.rep",
+            }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return DaemonProcess(tmp_path / name, args=["--config", str(path)])
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    with node("a", False) as a, node("b", True) as b, UcmClient(a.target) as ca, UcmClient(b.target) as cb:
+        sub = NodeSubscriber(ctx, f"ipc://{tmp_path}/b.pub", f"ipc://{tmp_path}/b.rep")
+        try:
+            sub.sync()
+            keys = [key_digest("shared", i) for i in range(4)]
+            assert ca.put_blocks(NS, [(k, os.urandom(4096)) for k in keys]).ok
+            time.sleep(0.5)  # A's write-back reaches the shared tree
+            assert cb.lookup(NS, keys).hit_prefix == 4
+            expected = {vllm_hash(k) for k in keys}
+            _poll_until(sub, lambda: sub.state.media.get("SHARED", set()) == expected)
+            assert not sub.state.media.get("CPU")  # negative control: B holds them only in the shared tier
+            assert ca.delete(NS, keys[:2]) == 2
+            time.sleep(0.5)  # past B's positive_ttl_s: its next lookup checks the tree again
+            assert cb.lookup(NS, keys).present == [False, False, True, True]
+            _poll_until(
+                sub,
+                lambda: sub.state.media.get("SHARED", set()) == expected - {vllm_hash(k) for k in keys[:2]},
+            )
+        finally:
+            sub.close()
+            ctx.term()
+
+
+def _poll_until(sub: NodeSubscriber, done: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        sub.poll(100)
+    assert done(), sub.state.media
