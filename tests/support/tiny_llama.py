@@ -14,9 +14,11 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["build_tiny_llama"]
+__all__ = ["GEMMA3_LAYERS", "build_tiny_gemma3", "build_tiny_llama"]
 
 _WORDS = [
     "cache",
@@ -80,6 +82,49 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
+def _build(path: Path, prefix: str, params: dict[str, object], make_model: Callable[[Any], Any]) -> Path:
+    """Build (or reuse) ``path / <prefix>-<key>``: the shared tokenizer, then ``make_model(tokenizer)``.
+
+    ``make_model`` returns a transformers model (seeded, right dtype) whose ``save_pretrained`` the
+    builder calls; the key hashes ``params``, so two shapes never share a directory.
+    """
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+    out = Path(path) / f"{prefix}-{key}"
+    if (out / _DONE_MARKER).exists():
+        return out
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=int(str(params["vocab"])),
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(int(str(params["seed"]))), trainer=trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(tmp)
+    make_model(fast).save_pretrained(tmp, safe_serialization=True)
+    (tmp / _DONE_MARKER).write_text(json.dumps(params, sort_keys=True))
+    try:
+        tmp.rename(out)
+    except OSError:
+        # Another process finished the same build first; its checkpoint is identical.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / _DONE_MARKER).exists():
+            raise
+    return out
+
+
 def build_tiny_llama(
     path: Path,
     *,
@@ -98,7 +143,7 @@ def build_tiny_llama(
     when its marker file exists, so repeated test sessions pay the build cost (~2 s) once.
     ``head_dim`` must be one the vLLM CPU backend accepts (32, 64, 80, ...).
     """
-    params = {
+    params: dict[str, object] = {
         "seed": seed,
         "hidden": hidden,
         "layers": layers,
@@ -108,57 +153,93 @@ def build_tiny_llama(
         "vocab": vocab,
         "dtype": dtype,
     }
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(path) / f"tiny-llama-{key}"
-    if (out / _DONE_MARKER).exists():
-        return out
 
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    def make(fast: Any) -> Any:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=4096,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            tie_word_embeddings=False,
+            dtype=dtype,
+        )
+        return LlamaForCausalLM(config).to(getattr(torch, dtype))  # type: ignore[no-untyped-call]
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    fast.save_pretrained(tmp)
+    return _build(path, "tiny-llama", params, make)
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
-        dtype=dtype,
-    )
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))  # type: ignore[no-untyped-call]
-    model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / _DONE_MARKER).write_text(json.dumps(params, sort_keys=True))
-    try:
-        tmp.rename(out)
-    except OSError:
-        # Another process finished the same build first; its checkpoint is identical.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / _DONE_MARKER).exists():
-            raise
-    return out
+
+GEMMA3_LAYERS = ("sliding_attention", "sliding_attention", "full_attention") * 2
+"""Layers S S F S S F: vLLM's hybrid KV cache manager gives this model 3 KV cache groups."""
+
+
+def build_tiny_gemma3(
+    path: Path,
+    *,
+    seed: int = 0,
+    window: int = 64,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    vocab: int = 1000,
+    layer_types: tuple[str, ...] = GEMMA3_LAYERS,
+) -> Path:
+    """A tiny random-weight text-only ``Gemma3ForCausalLM`` mixing sliding-window and full attention.
+
+    The q/k norm weights are set to 1.0: with random weights left as they are, every position
+    attends alike and the model emits one constant token, which would hide a wrong KV load.
+    """
+    params: dict[str, object] = {
+        "arch": "gemma3",
+        "seed": seed,
+        "window": window,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab": vocab,
+        "layer_types": list(layer_types),
+    }
+
+    def make(fast: Any) -> Any:
+        import torch
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        torch.manual_seed(seed)
+        config = Gemma3TextConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=window,
+            layer_types=list(layer_types),
+            max_position_embeddings=4096,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            tie_word_embeddings=True,
+            dtype="float32",
+        )
+        model = Gemma3ForCausalLM(config).to(torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.fill_(1.0)
+        return model
+
+    return _build(path, "tiny-gemma3", params, make)

@@ -7,8 +7,9 @@ cache is empty, and any hit must have come from the daemon. Input and output are
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
 ``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
-"data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
+``check_shm``, ``report_keys``, ``report_groups`` (vLLM's KV cache groups), and ``start_daemon``
+(``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real daemon in the middle of the
+run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
 block keys, and whether vLLM's KV cache lies in the daemon-shared memory.
@@ -129,6 +130,11 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("report_keys"):
         block_size = llm.llm_engine.vllm_config.cache_config.block_size
         report["keys"] = [_block_keys(tokens, block_size) for tokens in spec["prompts"]]
+    if spec.get("report_groups"):
+        kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        report["kv_cache_groups"] = [
+            [type(g.kv_cache_spec).__name__, list(g.layer_names)] for g in kv_cache_config.kv_cache_groups
+        ]
     if spec.get("connector") and spec.get("check_shm"):
         report["shm"] = _kv_in_shm(llm)
     Path(result_path).write_text(json.dumps(report))

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
@@ -55,8 +56,12 @@ def check_vllm_version(version: str, config: ConnectorConfig) -> None:
     logger.warning("%s Continuing because allow_unsupported_vllm is set.", message.split(" Set ", 1)[0])
 
 
-class UCMConnector(KVConnectorBase_V1):
-    """Prefix KV cache in ``ucm-server``: hits are loaded instead of recomputed, new blocks saved."""
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefix KV cache in ``ucm-server``: hits are loaded instead of recomputed, new blocks saved.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (sliding-window layers hold only their
+    window's blocks) and passes block ids per KV cache group; each group is stored apart.
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -183,6 +188,12 @@ class UCMConnector(KVConnectorBase_V1):
             return False, None
         with self._scheduler.stats.timed():
             return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a ``SupportsHMA`` connector: every group's blocks are held alike."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ------------------------------------------------------------------ both roles
 

@@ -11,6 +11,13 @@ submitted before the forward (one task per layer), each attention layer waits fo
 so the copy of layer L+1 overlaps the compute of layer L; each layer's dump is submitted right after
 its attention wrote the layer. A block counts as loaded only if every layer of it loaded.
 
+Hybrid models (several KV cache groups) move each group's blocks under that group's namespace, one
+task per group. vLLM's hybrid allocator lays every group over the same pages (a block id names the
+same bytes whichever group holds it), so a group's block is the whole block's bytes; this is checked
+at registration, and a layout where it does not hold moves nothing. vLLM frees a sliding-window
+block while its request still runs, once it leaves the window: before a step's forward writes into
+blocks handed out again, any dump still reading them is waited for.
+
 Known, as on the whole-block path: when a full hit leaves the prompt's last token to recompute, the
 forward writes that token's slot in the last loaded block while the daemon may still be copying the
 same block. Both write the KV of the same token after the same prefix, so either value is right.
@@ -58,13 +65,42 @@ class _SaveState:
 
 
 def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
-    """Several requests' blocks as one transfer (one daemon task per step, or per layer)."""
+    """Several requests' blocks of one KV cache group as one transfer (one daemon task per step or layer)."""
     transfers = list(transfers)
     return BlockTransfer(
         req_id,
         tuple(b for t in transfers for b in t.block_ids),
         tuple(k for t in transfers for k in t.keys),
+        group=transfers[0].group if transfers else 0,
     )
+
+
+def _by_group(transfers: Iterable[BlockTransfer]) -> list[list[BlockTransfer]]:
+    """Transfers split by KV cache group (a group's blocks live under its own namespace)."""
+    groups: dict[int, list[BlockTransfer]] = {}
+    for transfer in transfers:
+        groups.setdefault(transfer.group, []).append(transfer)
+    return [groups[g] for g in sorted(groups)]
+
+
+def group_layout_problem(kv_caches: dict[str, torch.Tensor], groups: Iterable[tuple[str, ...]]) -> str | None:
+    """Why a hybrid model's groups cannot be moved as whole blocks, or None when they can.
+
+    Whole-block transfers move every distinct KV page of a block id. That is one group's block only
+    when every group's layers cover all those pages, as vLLM's hybrid allocator lays them out (each
+    KV tensor shared by one layer of every group).
+    """
+    every = {t.data_ptr() for t in kv_caches.values()}
+    for index, layers in enumerate(groups):
+        missing = [name for name in layers if name not in kv_caches]
+        if missing:
+            return f"KV cache group {index}: no KV cache tensor for layers {missing}"
+        if {kv_caches[name].data_ptr() for name in layers} != every:
+            return (
+                f"KV cache group {index} ({', '.join(layers)}) does not cover every KV page of a block: "
+                "this layout of vLLM's hybrid KV cache is not supported; loads and saves are off"
+            )
+    return None
 
 
 class UcmWorker:
@@ -73,7 +109,9 @@ class UcmWorker:
     def __init__(self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int):
         self._vllm_config = vllm_config
         self._config = config
-        self._namespace = keyspace.namespace(tp_rank)
+        self._namespaces = [keyspace.namespace(tp_rank, group.index) for group in keyspace.groups]
+        """Per KV cache group (one unless the model is hybrid)."""
+        self._groups = tuple(group.layer_names for group in keyspace.groups) if keyspace.hybrid else ()
         self._layerwise = keyspace.layerwise
         self._layers = keyspace.layer_names if keyspace.layerwise else ()
         """Layer names by layer index (layerwise only): layer ``i``'s objects are ``layer_key(key, i)``."""
@@ -128,6 +166,10 @@ class UcmWorker:
         if missing := [name for name in self._layers if name not in kv_caches]:
             raise RuntimeError(f"use_layerwise: no KV cache tensor for layers {missing} of the KV config")
         self._kv_caches = dict(kv_caches)
+        if self._groups and (problem := group_layout_problem(self._kv_caches, self._groups)):
+            logger.error("UCM worker: %s", problem)
+            self._use(problem)
+            return
         chosen = choose_kv_access(
             self._kv_caches,
             zero_copy=self._config.zero_copy,
@@ -247,7 +289,7 @@ class UcmWorker:
             else:
                 blocks = self._layer_blocks(layer, transfer)
             submit = client.load if job.load else client.dump
-            part.task_id = submit(self._namespace, blocks)
+            part.task_id = submit(self._namespaces[transfer.group], blocks)
         except UcmError as exc:
             if self._link.failed(exc):
                 self._stats.add(daemon_unavailable=1)
@@ -298,7 +340,7 @@ class UcmWorker:
                 layerwise_sync.append(transfer)
             else:
                 self._sync_loads.append(self._start(transfer, load=True))
-        if layerwise_sync:
+        if layerwise_sync:  # layerwise models have one KV cache group
             self._sync_loads.append(self._start(_combine("step-load", layerwise_sync), load=True))
 
     @property
@@ -393,7 +435,8 @@ class UcmWorker:
             return
         if self._kv is not None:
             self._kv.before_dump()  # CUDA: the daemon reads the blocks the forward's kernels just wrote
-        self._track_save(self._start(_combine("step-save", meta.saves), load=False), meta.saves)
+        for transfers in _by_group(meta.saves):
+            self._track_save(self._start(_combine("step-save", transfers), load=False), transfers)
 
     def save_layer(self, meta: UcmConnectorMetadata, layer_name: str) -> None:
         """Layerwise: dump ``layer_name``'s page of the step's completed blocks, now that it is written.
@@ -450,12 +493,21 @@ class UcmWorker:
             self._saves.setdefault(transfer.req_id, _SaveState()).pending.append(job)
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
-        """Blocks of preempted requests are about to be reused: their saves must finish first."""
+        """Before the forward: blocks about to be written again must not still be read by a dump.
+
+        Blocks of preempted requests are reused; so are, on hybrid models, sliding-window blocks vLLM
+        freed under a running request and handed out again this step (``allocated_block_ids``).
+        """
         for req_id in meta.preempted_req_ids:
             state = self._saves.get(req_id)
             for job in list(state.pending) if state is not None else []:
                 self._wait_job(job)
                 self._complete_save(job)
+        if meta.allocated_block_ids:
+            for job in list(self._save_jobs):
+                if not meta.allocated_block_ids.isdisjoint(job.transfer.block_ids):
+                    self._wait_job(job)
+                    self._complete_save(job)
 
     def _complete_save(self, job: TransferJob) -> None:
         """Account an ended dump once and take it off every request waiting for it."""
