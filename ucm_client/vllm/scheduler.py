@@ -88,12 +88,10 @@ class UcmScheduler:
         cache_config = vllm_config.cache_config
         self._block_size = int(cache_config.block_size)
         self._hash_block_size = int(getattr(cache_config, "hash_block_size", None) or self._block_size)
-        self._namespaces = [keyspace.namespace(rank) for rank in range(keyspace.tp_size)]
-        self._group_namespaces = [
-            [keyspace.namespace(rank, group.index) for rank in range(keyspace.tp_size)]
-            for group in keyspace.groups
-        ]
-        """Hybrid models: each group's namespace per TP rank."""
+        self._namespaces = keyspace.shard_namespaces()
+        """One per TP rank (and pipeline stage): a hit needs every shard."""
+        self._group_namespaces = [keyspace.shard_namespaces(group.index) for group in keyspace.groups]
+        """Hybrid models: each group's shard namespaces."""
         self._link = DaemonLink(
             config.target,
             reconnect_interval_s=config.reconnect_interval_s,

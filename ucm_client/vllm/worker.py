@@ -106,12 +106,16 @@ def group_layout_problem(kv_caches: dict[str, torch.Tensor], groups: Iterable[tu
 class UcmWorker:
     """Schedules one rank's loads and saves; reaches its KV cache through one ``KVAccess``."""
 
-    def __init__(self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int):
+    def __init__(
+        self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int, pp_rank: int = 0
+    ):
         self._vllm_config = vllm_config
         self._config = config
-        self._namespaces = [keyspace.namespace(tp_rank, group.index) for group in keyspace.groups]
+        self._namespaces = [keyspace.namespace(tp_rank, group.index, pp_rank) for group in keyspace.groups]
         """Per KV cache group (one unless the model is hybrid)."""
         self._groups = tuple(group.layer_names for group in keyspace.groups) if keyspace.hybrid else ()
+        self._writer = tp_rank == 0 or not keyspace.replicated
+        """False on TP ranks > 0 of an MLA model: rank 0 stores the one copy of KV every rank holds."""
         self._layerwise = keyspace.layerwise
         self._layers = keyspace.layer_names if keyspace.layerwise else ()
         """Layer names by layer index (layerwise only): layer ``i``'s objects are ``layer_key(key, i)``."""
@@ -428,6 +432,9 @@ class UcmWorker:
         millisecond, and on a busy step those milliseconds are the connector's whole direct overhead.
         """
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
+        if not self._writer:
+            self._skip_replica_saves(meta.saves)
+            return
         if self._layerwise:
             self._seal_layer_saves()
             return
@@ -447,7 +454,7 @@ class UcmWorker:
         it, and the host is not stalled to get there.
         """
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves:
+        if layer is None or not meta.saves or not self._writer:
             return
         job = self._layer_save_job(meta)
         if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
@@ -486,6 +493,13 @@ class UcmWorker:
         job.parts = [part or self._submit_part(job, layer) for layer, part in enumerate(job.parts)]
         self._layer_save = None
         self._track_save(job, meta.saves)
+
+    def _skip_replica_saves(self, transfers: Iterable[BlockTransfer]) -> None:
+        """A replica rank (MLA, TP rank > 0) dumps nothing: rank 0 stores the same bytes. Its requests
+        still enter the save bookkeeping, so their delayed frees are reported done like rank 0's."""
+        for transfer in transfers:
+            self._saves.setdefault(transfer.req_id, _SaveState())
+            self._stats.add(save_replica_skipped_blocks=len(transfer.block_ids))
 
     def _track_save(self, job: TransferJob, transfers: Iterable[BlockTransfer]) -> None:
         self._save_jobs.append(job)
