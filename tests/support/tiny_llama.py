@@ -125,6 +125,40 @@ def _build(path: Path, prefix: str, params: dict[str, object], make_model: Calla
     return out
 
 
+def _maker(
+    seed: int,
+    arch: str,
+    *,
+    config_class: str = "",
+    dtype: str = "float32",
+    after: Callable[[Any], None] | None = None,
+    **config: Any,
+) -> Callable[[Any], Any]:
+    """``make_model`` for ``_build``: transformers' ``<arch>ForCausalLM`` (configured by
+    ``config_class``, default ``<arch>Config``) with seeded random weights, ``config`` plus what every
+    tiny model shares (positions, the tokenizer's ids)."""
+
+    def make(fast: Any) -> Any:
+        import torch
+        import transformers
+
+        torch.manual_seed(seed)
+        model_config = getattr(transformers, config_class or f"{arch}Config")(
+            max_position_embeddings=4096,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            dtype=dtype,
+            **config,
+        )
+        model = getattr(transformers, f"{arch}ForCausalLM")(model_config).to(getattr(torch, dtype))
+        if after is not None:
+            after(model)
+        return model
+
+    return make
+
+
 def build_tiny_llama(
     path: Path,
     *,
@@ -154,28 +188,19 @@ def build_tiny_llama(
         "dtype": dtype,
     }
 
-    def make(fast: Any) -> Any:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=hidden * 2,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=4096,
-            bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            tie_word_embeddings=False,
-            dtype=dtype,
-        )
-        return LlamaForCausalLM(config).to(getattr(torch, dtype))  # type: ignore[no-untyped-call]
-
+    make = _maker(
+        seed,
+        "Llama",
+        dtype=dtype,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=False,
+    )
     return _build(path, "tiny-llama", params, make)
 
 
@@ -212,36 +237,31 @@ def build_tiny_gemma3(
         "layer_types": list(layer_types),
     }
 
-    def make(fast: Any) -> Any:
+    def unit_qk_norms(model: Any) -> None:
         import torch
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        torch.manual_seed(seed)
-        config = Gemma3TextConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=hidden * 2,
-            num_hidden_layers=len(layer_types),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            sliding_window=window,
-            layer_types=list(layer_types),
-            max_position_embeddings=4096,
-            bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            tie_word_embeddings=True,
-            dtype="float32",
-        )
-        model = Gemma3ForCausalLM(config).to(torch.float32)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.fill_(1.0)
-        return model
 
+    make = _maker(
+        seed,
+        "Gemma3",
+        config_class="Gemma3TextConfig",  # text only (Gemma3Config is the multimodal one)
+        after=unit_qk_norms,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=window,
+        layer_types=list(layer_types),
+        tie_word_embeddings=True,
+    )
     return _build(path, "tiny-gemma3", params, make)
 
 
@@ -262,34 +282,24 @@ def build_tiny_deepseek_v2(
         "vocab": vocab,
     }
 
-    def make(fast: Any) -> Any:
-        import torch
-        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-        torch.manual_seed(seed)
-        config = DeepseekV2Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=hidden * 2,
-            moe_intermediate_size=hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            first_k_dense_replace=layers,  # every layer dense: no experts
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=64,
-            v_head_dim=32,
-            max_position_embeddings=4096,
-            bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            tie_word_embeddings=False,
-            dtype="float32",
-        )
-        return DeepseekV2ForCausalLM(config).to(torch.float32)
-
+    make = _maker(
+        seed,
+        "DeepseekV2",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        first_k_dense_replace=layers,  # every layer dense: no experts
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        tie_word_embeddings=False,
+    )
     return _build(path, "tiny-deepseek-v2", params, make)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_helpers import vllm_request
 
 from ucm_client import UcmClient
 from ucm_client.vllm.config import ConfigError, ConnectorConfig
@@ -50,18 +51,6 @@ def _specs(window: int = 20, block_size: int = 16) -> tuple[Any, Any]:
         "dtype": torch.float32,
     }
     return SlidingWindowSpec(sliding_window=window, **geometry), FullAttentionSpec(**geometry)
-
-
-def _request(req_id: str, tokens: list[int]) -> Any:
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(16, sha256)
-    )
 
 
 # ---------------------------------------------------------------- namespaces
@@ -166,14 +155,14 @@ def test_hybrid_lookup_needs_every_full_block_but_only_the_window(tmp_path: Path
     keyspace = KeySpace.from_vllm(
         _vllm_config(tiny_model), _kv_config((SW, sw), (FULL, full)), ConnectorConfig()
     )
-    keys = block_keys(_request("k", TOKENS).block_hashes, 16, 16)
+    keys = block_keys(vllm_request("k", TOKENS).block_hashes, 16, 16)
     assert len(keys) == 4
     ns_sw, ns_full = keyspace.namespace(0, 0), keyspace.namespace(0, 1)
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
         scheduler = UcmScheduler(_vllm_config(tiny_model), keyspace, ConnectorConfig(target=daemon.target))
 
         def grant(req_id: str, local: int = 0) -> int:
-            granted, is_async = scheduler.get_num_new_matched_tokens(_request(req_id, TOKENS), local)
+            granted, is_async = scheduler.get_num_new_matched_tokens(vllm_request(req_id, TOKENS), local)
             assert not is_async
             return int(granted or 0)
 
@@ -194,7 +183,7 @@ def test_hybrid_lookup_needs_every_full_block_but_only_the_window(tmp_path: Path
         assert stats is not None and stats.data["lookups"] == 2 * 6  # one Lookup per group per request
 
         # Loads follow vLLM's per-group block table: the window group's null blocks are skipped.
-        request = _request("load", TOKENS)
+        request = vllm_request("load", TOKENS)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (48, False)
         scheduler.update_state_after_alloc(request, _Blocks([0, 0, 12, 13, 14], [20, 21, 22, 23, 24]), 48)
         request.num_computed_tokens = 48
@@ -286,13 +275,13 @@ def test_pipeline_lookup_needs_every_stage_and_the_connector_refuses_pp(
     from ucm_client.vllm.scheduler import UcmScheduler
 
     keyspace = _pp_keyspace(tiny_model, [0], pipeline_parallel_size=2)
-    keys = block_keys(_request("k", TOKENS).block_hashes, 16, 16)
+    keys = block_keys(vllm_request("k", TOKENS).block_hashes, 16, 16)
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
         scheduler = UcmScheduler(_vllm_config(tiny_model), keyspace, ConnectorConfig(target=daemon.target))
         client.put_blocks(keyspace.namespace(0, 0, 0), [(k, b"0" * 64) for k in keys])
         client.put_blocks(keyspace.namespace(0, 0, 1), [(k, b"1" * 64) for k in keys[:2]])
         # Stage 1 holds 2 blocks of its layers only: the hit stops there, whatever stage 0 holds.
-        assert scheduler.get_num_new_matched_tokens(_request("a", TOKENS), 0) == (32, False)
+        assert scheduler.get_num_new_matched_tokens(vllm_request("a", TOKENS), 0) == (32, False)
         scheduler.shutdown()
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(tiny_model), dtype="float32"),
@@ -392,3 +381,30 @@ def test_mla_rank0_stores_the_one_copy_and_every_rank_loads_it(tmp_path: Path, t
             assert not torch.equal(kv1[name][0], kv0[name][2])  # control: untouched blocks stay zero
         rank0.shutdown()
         rank1.shutdown()
+
+
+def test_dump_reading_a_block_handed_out_again_is_finished_before_the_forward(tmp_path: Path) -> None:
+    """vLLM frees a sliding-window block under a running request; handed out again, the next forward
+    writes it. A dump still reading it is waited for first; one reading other blocks is left alone."""
+    from types import SimpleNamespace
+
+    from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm_client.vllm.worker import UcmWorker
+
+    keyspace = KeySpace(fields=(("model", "window-reuse"),), tp_size=1)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    with DaemonProcess(tmp_path / "ucm") as daemon:
+        config = ConnectorConfig(target=daemon.target, zero_copy=False, staging_buffer_gib=0.001)
+        worker = UcmWorker(vllm_config, keyspace, config, tp_rank=0)
+        worker.register_kv_caches(_mla_views(seed=5))
+        worker.save(UcmConnectorMetadata(saves=[BlockTransfer("a", (2,), (b"a" * 32,))]))
+        worker.save(UcmConnectorMetadata(saves=[BlockTransfer("b", (5,), (b"b" * 32,))]))
+        worker.handle_preemptions(UcmConnectorMetadata(allocated_block_ids=frozenset({7})))
+        stats = worker.take_stats()
+        assert stats is None or stats.data["save_blocks"] == 0  # neither dump touches block 7: not waited
+        worker.handle_preemptions(UcmConnectorMetadata(allocated_block_ids=frozenset({5, 7})))
+        stats = worker.take_stats()
+        # Block 5's dump (and only it) ended before the forward may write block 5 again.
+        assert stats is not None and stats.data["save_blocks"] == 1
+        assert worker.get_finished({"b"})[0] == {"b"}
+        worker.shutdown()
