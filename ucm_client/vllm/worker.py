@@ -138,7 +138,8 @@ class UcmWorker:
         self._io_off: str | None = None
         """Why this worker moves no bytes at all (set once, logged once); None normally."""
         self._sync_loads: list[TransferJob] = []
-        self._async_loads: dict[str, TransferJob] = {}
+        self._async_loads: dict[str, list[TransferJob]] = {}
+        """Per request, one job per KV cache group; the request is loaded once all have ended."""
         self._saves: dict[str, _SaveState] = {}
         self._save_jobs: list[TransferJob] = []
         """Dumps in flight, oldest first; each may hold blocks of several requests."""
@@ -339,7 +340,7 @@ class UcmWorker:
         layerwise_sync: list[BlockTransfer] = []
         for transfer in meta.loads:
             if transfer.is_async:
-                self._async_loads[transfer.req_id] = self._start(transfer, load=True)
+                self._async_loads.setdefault(transfer.req_id, []).append(self._start(transfer, load=True))
             elif self._layerwise:
                 layerwise_sync.append(transfer)
             else:
@@ -536,10 +537,11 @@ class UcmWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose delayed free may happen now (saves done) and whose async loads are done."""
         recving: set[str] = set()
-        for req_id, job in list(self._async_loads.items()):
-            if self._poll_job(job):
+        for req_id, jobs in list(self._async_loads.items()):
+            if all([self._poll_job(job) for job in jobs]):  # a list: every job polled, none skipped
                 del self._async_loads[req_id]
-                self._account(job)
+                for job in jobs:
+                    self._account(job)
                 recving.add(req_id)
 
         # Dumps finish in submission order, so polling stops at the first one still running.
@@ -574,7 +576,7 @@ class UcmWorker:
     def unregister(self) -> None:
         """Finish every transfer touching the KV memory, then forget it and its daemon region."""
         self.wait_for_layer_load()
-        for job in self._async_loads.values():
+        for job in (job for jobs in self._async_loads.values() for job in jobs):
             self._wait_job(job)  # reported by the next get_finished
         self._seal_layer_saves()
         for job in list(self._save_jobs):
