@@ -15,9 +15,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, copy_model, last_metric, metric_deltas, run_vllm, start_daemon, tokens
-
-from ucm_client import UcmClient
+from vllm_helpers import (
+    BLOCK,
+    copy_model,
+    last_metric,
+    metric_deltas,
+    run_vllm,
+    start_daemon,
+    stored_blocks,
+    tokens,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -30,12 +37,6 @@ GROUPS = [
     ["SlidingWindowSpec", ["model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn"]],
     ["FullAttentionSpec", ["model.layers.2.self_attn.attn", "model.layers.5.self_attn.attn"]],
 ]
-
-
-def _stored_blocks(target: str) -> int:
-    """Blocks the daemon holds (write-through: every stored block is in its Posix tier)."""
-    with UcmClient(target, client_name="pytest-hybrid") as client:
-        return int({tier.name: tier.blocks for tier in client.stats().tiers}["Posix"])
 
 
 def test_hybrid_model_keeps_its_groups_and_hits_in_a_fresh_process(tmp_path: Path, tiny_gemma3: Path) -> None:
@@ -55,13 +56,13 @@ def test_hybrid_model_keeps_its_groups_and_hits_in_a_fresh_process(tmp_path: Pat
             {"model": str(model), "prompts": [P], "connector": True, "report_groups": True},
             socket=daemon.socket,
         )
-        stored_after_fill = _stored_blocks(daemon.target)
+        stored_after_fill = stored_blocks(daemon.target)
         check = run_vllm(
             tmp_path / "check",
             {"model": str(model), "prompts": [P_SHARED, P], "connector": True, "report_groups": True},
             socket=daemon.socket,
         )
-        stored_after_check = _stored_blocks(daemon.target)
+        stored_after_check = stored_blocks(daemon.target)
         async_check = run_vllm(
             tmp_path / "check-async",
             {"model": str(model), "prompts": [P], "connector": True, "extra_config": {"load_async": True}},
@@ -79,7 +80,6 @@ def test_hybrid_model_keeps_its_groups_and_hits_in_a_fresh_process(tmp_path: Pat
     assert fill["outputs"] == baseline["outputs"][1:]
     assert last_metric(fill, HITS) == 0
     # The prompt's 4 full blocks were computed in one step, so every group held all 4: 3 x 4 stored.
-    # (Counted in the daemon: the process counts a dump once it saw it end, maybe after its last step.)
     assert stored_after_fill == 3 * 4
     assert last_metric(fill, "vllm:ucm_save_blocks") <= 3 * 4
     assert last_metric(fill, "vllm:ucm_save_failed_blocks") == 0
