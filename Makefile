@@ -51,7 +51,7 @@ proto: install-test
 	$(BIN)/python scripts/gen_proto.py
 
 lint: install-test
-	$(BIN)/ruff check ucm_protocol ucm_server ucm_client tests benchmarks scripts
+	$(BIN)/ruff check ucm_protocol ucm_server ucm_client tests benchmarks scripts examples
 	$(BIN)/mypy ucm_protocol ucm_server ucm_client
 
 # The LMCache peer runs in its own venv (.venv-lmcache); if it cannot be set up, its columns say n/a.

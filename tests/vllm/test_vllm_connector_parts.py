@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_helpers import vllm_request
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, namespace_id
 from ucm_client.gpu import layer_key
@@ -313,18 +314,6 @@ def test_shared_buffer_outlives_nothing_it_should_not() -> None:
 # ---------------------------------------------------------------- scheduler half on real vLLM objects
 
 
-def _request(req_id: str, tokens: list[int]) -> Any:
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(16, sha256)
-    )
-
-
 def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
     from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -337,7 +326,7 @@ def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_pat
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
         config = ConnectorConfig(target=daemon.target)
         scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
-        first = _request("a", tokens)
+        first = vllm_request("a", tokens)
         keys = block_keys(first.block_hashes, 16, 16)
         assert len(keys) == 4
         # Rank 0 holds 3 blocks, rank 1 only 2: a block missing on one rank is a miss for all.
@@ -346,7 +335,7 @@ def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_pat
         assert scheduler.get_num_new_matched_tokens(first, 0) == (32, False)
         client.put_blocks(keyspace.namespace(1), [(keys[2], b"y" * 64)])
         assert scheduler.get_num_new_matched_tokens(first, 0) == (32, False)  # cached per request
-        second = _request("b", tokens)
+        second = vllm_request("b", tokens)
         assert scheduler.get_num_new_matched_tokens(second, 16) == (32, False)  # 1 block local, 2 more
 
         class Blocks:  # the shape of vLLM's KVCacheBlocks that the connector reads
@@ -375,7 +364,7 @@ def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_
 
     layers = ("attn.0", "attn.1", "attn.2")
     keyspace = KeySpace(fields=(("model", "parts-layerwise"),), tp_size=2, layer_names=layers, layerwise=True)
-    request = _request("a", list(range(100, 170)))  # 4 full blocks of 16 + 6 tokens
+    request = vllm_request("a", list(range(100, 170)))  # 4 full blocks of 16 + 6 tokens
     keys = block_keys(request.block_hashes, 16, 16)
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
 
@@ -393,7 +382,10 @@ def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_
         stats = scheduler.take_stats()
         assert stats is not None and stats.data["lookups"] == 2  # one batched Lookup per rank
         put(1, range(2, 4), (1,))
-        assert scheduler.get_num_new_matched_tokens(_request("b", list(range(100, 170))), 0) == (64, False)
+        assert scheduler.get_num_new_matched_tokens(vllm_request("b", list(range(100, 170))), 0) == (
+            64,
+            False,
+        )
         scheduler.shutdown()
 
 
@@ -410,7 +402,7 @@ def test_layerwise_lookup_longer_than_one_call_is_asked_in_parts(
     layers = ("attn.0", "attn.1", "attn.2")
     keyspace = KeySpace(fields=(("model", "parts-chunked"),), tp_size=1, layer_names=layers, layerwise=True)
     tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
-    keys = block_keys(_request("a", tokens).block_hashes, 16, 16)
+    keys = block_keys(vllm_request("a", tokens).block_hashes, 16, 16)
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
         namespace = keyspace.namespace(0)
         client.put_blocks(namespace, [(layer_key(k, layer), b"x" * 64) for k in keys for layer in range(3)])
@@ -418,7 +410,7 @@ def test_layerwise_lookup_longer_than_one_call_is_asked_in_parts(
         scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
 
         def ask(req_id: str) -> tuple[tuple[int | None, bool], float]:
-            granted = scheduler.get_num_new_matched_tokens(_request(req_id, tokens), 0)
+            granted = scheduler.get_num_new_matched_tokens(vllm_request(req_id, tokens), 0)
             stats = scheduler.take_stats()
             assert stats is not None
             return granted, stats.data["lookups"]

@@ -24,6 +24,7 @@ from vllm_helpers import (
     metric_deltas,
     run_vllm,
     start_daemon,
+    stored_blocks,
 )
 
 from ucm_server.testing.daemon import DaemonProcess
@@ -45,6 +46,7 @@ class Store:
             {"model": str(model), "prompts": [P1, P_FULL], "connector": True, "report_keys": True},
             socket=self.daemon.socket,
         )
+        self.stored_after_fill = stored_blocks(self.daemon.target)
         self.baseline = run_vllm(
             root / "baseline",
             {"model": str(model), "prompts": [P1, P_SHARED, P_FULL], "connector": False},
@@ -72,7 +74,8 @@ def store(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Any:
 def test_fill_run_saves_and_matches_baseline(store: Store) -> None:
     assert store.fill["outputs"] == [store.expected(P1), store.expected(P_FULL)]
     assert last_metric(store.fill, HITS) == 0
-    assert last_metric(store.fill, "vllm:ucm_save_blocks") == 8  # 4 full blocks of each prompt
+    assert store.stored_after_fill == 8  # 4 full blocks of each prompt
+    assert last_metric(store.fill, "vllm:ucm_save_blocks") <= 8  # the last prompt's dump may count later
     assert last_metric(store.fill, "vllm:ucm_save_failed_blocks") == 0
 
 

@@ -95,3 +95,27 @@ def run_vllm(
     report: dict[str, Any] = json.loads(result_path.read_text())
     report["log"] = proc.stdout
     return report
+
+
+def vllm_request(req_id: str, prompt: list[int], block_size: int = 16) -> Any:
+    """A real ``vllm.v1.request.Request``, its block hashes computed as vLLM computes them (sha256)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
+    return Request(req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+
+
+def stored_blocks(target: str) -> int:
+    """Blocks the daemon holds (``start_daemon`` writes through: every stored block is in Posix).
+
+    What a run stored, counted where it is: a vLLM process counts a dump in ``vllm:ucm_save_blocks``
+    only once it saw the dump end, which for its last prompt may be after its last step.
+    """
+    from ucm_client import UcmClient
+
+    with UcmClient(target, client_name="pytest-stored") as client:
+        return int({tier.name: tier.blocks for tier in client.stats().tiers}["Posix"])

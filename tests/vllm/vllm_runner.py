@@ -6,12 +6,12 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, ``kv_events`` (``{"endpoint": ...}``: vLLM's own ZeroMQ publisher),
-``pause_s`` (a pause before each prompt after the first), ``kv_role``, ``transfer_params`` (per prompt,
-the ``kv_transfer_params`` a P/D proxy passes), and ``start_daemon``
-(``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a real daemon in the middle of
-the run, to test reconnection).
+``connector`` (bool), ``extra_config``, ``dtype``, ``kv_cache_dtype``, ``block_size``, ``hash_algo``,
+``prefix_caching`` (bool), ``check_shm``, ``report_keys``, ``report_groups`` (vLLM's KV cache groups),
+``kv_events`` (``{"endpoint": ...}``: vLLM's own ZeroMQ publisher), ``pause_s`` (a pause before each
+prompt after the first), ``kv_role``, ``transfer_params`` (per prompt, the ``kv_transfer_params`` a P/D
+proxy passes), and ``start_daemon`` (``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a
+real daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, the ``kv_transfer_params`` each output returned, vLLM's metrics
 after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
@@ -88,12 +88,14 @@ def main(spec_path: str, result_path: str) -> None:
     kwargs: dict[str, Any] = {
         "model": spec["model"],
         "enforce_eager": True,
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "disable_log_stats": False,
         "max_model_len": spec.get("max_model_len", 4096),
         "seed": 0,
         "enable_prefix_caching": spec.get("prefix_caching", True),
     }
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
     if spec.get("hash_algo"):
         kwargs["prefix_caching_hash_algo"] = spec["hash_algo"]
     if spec.get("kv_cache_dtype"):
@@ -153,6 +155,11 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("report_keys"):
         block_size = llm.llm_engine.vllm_config.cache_config.block_size
         report["keys"] = [_block_keys(tokens, block_size) for tokens in spec["prompts"]]
+    if spec.get("report_groups"):
+        kv_cache_config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        report["kv_cache_groups"] = [
+            [type(g.kv_cache_spec).__name__, list(g.layer_names)] for g in kv_cache_config.kv_cache_groups
+        ]
     if spec.get("connector") and spec.get("check_shm"):
         report["shm"] = _kv_in_shm(llm)
     Path(result_path).write_text(json.dumps(report))

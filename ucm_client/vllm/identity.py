@@ -23,13 +23,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ucm_client.types import key_digest
 from ucm_client.vllm.config import ConfigError, ConnectorConfig, WeightFingerprint
 from ucm_protocol.keys import KEY_BYTES
 
 __all__ = [
+    "CacheGroup",
     "KeySpace",
     "block_keys",
     "check_hash_stability",
@@ -152,12 +153,93 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
         return None
 
 
+GroupKind = Literal["full", "sliding_window"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups as the connector stores it.
+
+    A model with one group (every layer full attention, or a model vLLM gave one group) is stored
+    exactly as before hybrid support: ``fields`` is empty, so its namespace is unchanged. With
+    several groups (vLLM's hybrid KV cache manager) each group is stored under its own namespace,
+    ``fields`` saying which group it is: its index, kind, window, spec and layers.
+    """
+
+    index: int = 0
+    kind: GroupKind = "full"
+    layer_names: tuple[str, ...] = ()
+    fields: tuple[tuple[str, str], ...] = ()
+    window: int = 0
+    """Sliding window in tokens (``sliding_window`` groups)."""
+    retained: int = 0
+    """Tokens vLLM keeps below the window (``SlidingWindowSpec.extra_retained_tokens``)."""
+
+    def first_block(self, num_tokens: int, block_size: int) -> int:
+        """The first block a hit of ``num_tokens`` tokens needs from this group.
+
+        vLLM's rule (``SlidingWindowManager.get_num_skipped_tokens``): after ``num_tokens`` computed
+        tokens, the next token attends to the last ``window - 1`` of them, and the blocks wholly
+        below those are null in the request's block table, neither loaded nor needed. A full
+        attention group needs every block from the first.
+        """
+        if self.kind != "sliding_window":
+            return 0
+        return max(0, num_tokens - self.window + 1 - self.retained) // block_size
+
+
+def _spec_fields(spec: Any, layer_names: Sequence[str], total_layers: int | None = None) -> dict[str, str]:
+    """Namespace fields describing one group's KV bytes (the fields a single group always had).
+
+    ``total_layers`` (pipeline parallelism): the model's layer count replaces the group's, which is
+    only this stage's; the stage's own layer range goes into the namespace with the stage.
+    """
+    return {
+        "kv_dtype": str(spec.dtype).removeprefix("torch."),
+        "kv_quant": str(getattr(spec, "kv_quant_mode", "none")),
+        "block_size": str(spec.block_size),
+        "num_kv_heads": str(spec.num_kv_heads),
+        "head_size": str(spec.head_size),
+        "head_size_v": str(getattr(spec, "head_size_v", spec.head_size)),
+        "spec": type(spec).__name__,
+        "num_layers": str(len(layer_names) if total_layers is None else total_layers),
+    }
+
+
+def _hybrid_group(index: int, group: Any, block_size: int, total_layers: int | None) -> CacheGroup:
+    """One group of a hybrid model, or a ``ConfigError`` naming what is not supported."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    spec = group.kv_cache_spec
+    kind: GroupKind
+    if isinstance(spec, SlidingWindowSpec):
+        kind, window, retained = "sliding_window", int(spec.sliding_window), int(spec.extra_retained_tokens)
+    elif type(spec) is FullAttentionSpec:
+        kind, window, retained = "full", 0, 0
+    else:
+        raise ConfigError(
+            f"UCMConnector stores full-attention and sliding-window KV cache groups; group {index} of "
+            f"this model is {type(spec).__name__} (layers {', '.join(group.layer_names)}), not supported yet"
+        )
+    if int(spec.block_size) != block_size:
+        raise ConfigError(
+            f"UCMConnector needs every KV cache group to use the block size {block_size}; "
+            f"group {index} ({type(spec).__name__}) uses {spec.block_size}"
+        )
+    layers = layer_order(group.layer_names)
+    fields = _spec_fields(spec, layers)
+    fields.update(
+        group=str(index), kind=kind, window=str(window), retained=str(retained), layers=",".join(layers)
+    )
+    return CacheGroup(index, kind, layers, tuple(sorted(fields.items())), window, retained)
+
+
 @dataclass(frozen=True, slots=True)
 class KeySpace:
-    """The namespace fields shared by every rank; ``namespace(rank)`` adds the rank.
+    """The namespace fields shared by every rank; ``namespace(rank, group)`` adds rank and group.
 
-    Built identically by the scheduler (which looks up every rank's shard) and by each worker
-    (which loads and saves its own), from configuration both processes see.
+    Built identically by the scheduler (which looks up every rank's shard of every group) and by
+    each worker (which loads and saves its own), from configuration both processes see.
     """
 
     fields: tuple[tuple[str, str], ...]
@@ -166,46 +248,111 @@ class KeySpace:
     """The KV cache's attention layers in ``layer_order``: layer ``i``'s keys are ``layer_key(key, i)``."""
     layerwise: bool = False
     """Blocks are stored per layer (``use_layerwise``); part of ``fields`` too, so namespaces differ."""
+    groups: tuple[CacheGroup, ...] = (CacheGroup(),)
+    """vLLM's KV cache groups; one (with no fields of its own) unless the model is hybrid."""
+    stages: tuple[str, ...] = ()
+    """Pipeline parallelism: each stage's layer range (``"0-3"``), by stage; empty without it."""
+    replicated: bool = False
+    """MLA (latent KV, one head): every TP rank holds the same KV, so one copy is stored, TP rank 0's
+    (``namespace`` gives every rank rank 0's namespace; only rank 0 dumps, every rank loads)."""
+
+    @property
+    def pp_size(self) -> int:
+        return max(len(self.stages), 1)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups (vLLM's hybrid KV cache manager), each stored apart."""
+        return len(self.groups) > 1
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> KeySpace:
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError(
-                f"UCMConnector supports models with one KV cache group, this one has {len(groups)}"
-            )
+        if not groups:
+            raise ConfigError("UCMConnector: this model has no KV cache group (nothing to store)")
         spec = groups[0].kv_cache_spec
         layout = kv_cache_config.kv_cache_layout or str(getattr(cache_config, "kv_cache_layout", ""))
         fields: dict[str, str] = dict(model_identity(model_config.model, model_config.revision, config))
         fields.update(
-            kv_dtype=str(spec.dtype).removeprefix("torch."),
             cache_dtype=str(cache_config.cache_dtype),
-            kv_quant=str(getattr(spec, "kv_quant_mode", "none")),
             layout=str(layout),
-            block_size=str(spec.block_size),
-            num_kv_heads=str(spec.num_kv_heads),
-            head_size=str(spec.head_size),
-            head_size_v=str(getattr(spec, "head_size_v", spec.head_size)),
-            spec=type(spec).__name__,
-            num_layers=str(len(groups[0].layer_names)),
             hash_algo=str(cache_config.prefix_caching_hash_algo),
         )
+        pp_size = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+        stages = _stage_ranges(model_config, pp_size)
+        total_layers = model_config.get_total_num_hidden_layers() if stages else None
+        if stages and config.use_layerwise:
+            raise ConfigError("use_layerwise is not supported with pipeline parallelism; use whole blocks")
+        if stages:
+            fields["pp_size"] = str(pp_size)
+        cache_groups: tuple[CacheGroup, ...] = (CacheGroup(layer_names=layer_order(groups[0].layer_names)),)
+        if len(groups) == 1:  # exactly the fields a single-group model always had: its blocks still hit
+            fields.update(_spec_fields(spec, groups[0].layer_names, total_layers))
+        else:
+            if config.use_layerwise:
+                raise ConfigError(
+                    f"use_layerwise is not supported with several KV cache groups (this model has "
+                    f"{len(groups)}: vLLM's hybrid KV cache manager); use whole blocks"
+                )
+            block_size = int(cache_config.block_size)  # the unit of vLLM's block hashes, hence of keys
+            cache_groups = tuple(_hybrid_group(i, g, block_size, total_layers) for i, g in enumerate(groups))
+            fields["kv_cache_groups"] = str(len(groups))
         if config.use_layerwise:  # only then: whole-block namespaces stay what they always were
             fields["layerwise"] = "one object per layer"
-        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)) != 1:
-            raise ConfigError("UCMConnector does not support pipeline parallelism yet (use TP only)")
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         fields["tp_size"] = str(tp_size)
         layers = layer_order(groups[0].layer_names)
-        return cls(tuple(sorted(fields.items())), tp_size, layers, config.use_layerwise)
+        replicated = len(groups) == 1 and _is_mla(spec)
+        return cls(
+            tuple(sorted(fields.items())),
+            tp_size,
+            layers,
+            config.use_layerwise,
+            cache_groups,
+            stages,
+            replicated,
+        )
 
-    def namespace(self, tp_rank: int) -> bytes:
+    def namespace(self, tp_rank: int, group: int = 0, pp_rank: int = 0) -> bytes:
+        """The namespace of TP rank ``tp_rank``'s shard of KV cache group ``group`` on stage ``pp_rank``."""
         from ucm_client import namespace_id
 
-        return bytes(namespace_id(**dict(self.fields), tp_rank=tp_rank))
+        stage = {"pp_rank": str(pp_rank), "pp_layers": self.stages[pp_rank]} if self.stages else {}
+        if self.replicated:
+            tp_rank = 0  # MLA: the one copy every rank loads is rank 0's
+        return bytes(
+            namespace_id(**dict(self.fields), **dict(self.groups[group].fields), **stage, tp_rank=tp_rank)
+        )
+
+    def shard_namespaces(self, group: int = 0) -> list[bytes]:
+        """Every namespace one block of ``group`` is stored under: one per TP rank and pipeline stage.
+
+        A hit needs all of them (each holds a different part of the block's KV).
+        """
+        ranks = 1 if self.replicated else self.tp_size
+        return [self.namespace(r, group, p) for p in range(self.pp_size) for r in range(ranks)]
+
+
+def _is_mla(spec: Any) -> bool:
+    """DeepSeek-style latent KV (``MLAAttentionSpec``): one latent vector per token, the same on every
+    TP rank (vLLM does not shard it), so one stored copy serves them all."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
+
+
+def _stage_ranges(model_config: Any, pp_size: int) -> tuple[str, ...]:
+    """Each pipeline stage's layers as ``"start-end"``, as vLLM splits them (``get_pp_indices``,
+    which honours ``VLLM_PP_LAYER_PARTITION``); empty without pipeline parallelism."""
+    if pp_size <= 1:
+        return ()
+    from vllm.distributed.utils import get_pp_indices
+
+    total = model_config.get_total_num_hidden_layers()
+    return tuple("{}-{}".format(*get_pp_indices(total, rank, pp_size)) for rank in range(pp_size))

@@ -2,7 +2,7 @@
 
 Plain frozen dataclasses of ints and bytes, so vLLM can pickle them to worker processes cheaply.
 Keys travel with block ids because only the scheduler sees ``request.block_hashes``; namespaces do
-not, since each worker derives its own (its TP rank is part of it).
+not, since each worker derives its own (its TP rank is part of it), with the transfer's KV cache group.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class BlockTransfer:
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     is_async: bool = False
+    group: int = 0
+    """The KV cache group the blocks belong to (always 0 unless the model is hybrid)."""
 
     def __post_init__(self) -> None:
         if len(self.block_ids) != len(self.keys):
@@ -40,3 +42,8 @@ class UcmConnectorMetadata(KVConnectorMetadata):
 
     preempted_req_ids: frozenset[str] = frozenset()
     """Requests whose blocks vLLM is about to reuse: their pending saves must finish first."""
+
+    allocated_block_ids: frozenset[int] = frozenset()
+    """Hybrid models only: the blocks vLLM handed out this step. vLLM frees a sliding-window block
+    as soon as it leaves the window, while the request still runs, so a dump still reading it must
+    finish before this step's forward writes into it again."""

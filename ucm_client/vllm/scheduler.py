@@ -11,6 +11,13 @@ With ``use_layerwise`` a block is one object per attention layer, and the lookup
 them (still one batched ``Lookup`` per rank, the keys block by block, layer by layer): a block is
 granted only if every layer of it is stored, so a missing layer shortens the hit instead of
 failing a load. A layer that disappears between lookup and load is a load error like any other.
+
+Hybrid models (several KV cache groups: vLLM's hybrid KV cache manager) store each group under its
+own namespace, and a hit of ``n`` blocks is granted only where every group can serve it: a full
+attention group needs blocks ``0..n-1``, a sliding-window group only the blocks inside the window of
+the hit's next token (``CacheGroup.first_block``). Loads and saves follow vLLM's per-group block
+table: a sliding-window group's blocks outside the window are vLLM's null block there, and are
+neither loaded nor saved.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.prefetch import start_prefetch
 from ucm_client.vllm.stats import UcmConnectorStats
 
-__all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
+__all__ = ["MAX_LOOKUP_KEYS", "NULL_BLOCK_ID", "UcmScheduler", "hit_tokens"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -38,6 +45,11 @@ MAX_LOOKUP_KEYS = 65536
 """Keys in one Lookup at most (the daemon's default ``max_batch_blocks``). Only layerwise lookups
 (blocks x layers keys) come near it: a longer prefix is asked in several Lookups, in order, stopping
 at the first one that does not hit in full."""
+
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block (``BlockPool.null_block``, the pool's first block, never handed to a request): it
+fills a sliding-window group's block table where blocks fell out of the window. Never moved."""
 
 
 def hit_tokens(stored_blocks: int, block_size: int, num_tokens: int, num_computed_tokens: int) -> int:
@@ -59,7 +71,8 @@ class _Request:
     """Length of the stored prefix, in blocks, from the (cached) lookup; None = not asked yet."""
     local_tokens: int = 0
     """vLLM's own prefix-cache hit at the last ``get_num_new_matched_tokens`` call."""
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """vLLM's block table, one list per KV cache group (block index -> block id)."""
     saved_blocks: int = 0
     """Blocks below this index are stored or already handed to a worker to save."""
     had_save: bool = False
@@ -77,7 +90,10 @@ class UcmScheduler:
         cache_config = vllm_config.cache_config
         self._block_size = int(cache_config.block_size)
         self._hash_block_size = int(getattr(cache_config, "hash_block_size", None) or self._block_size)
-        self._namespaces = [keyspace.namespace(rank) for rank in range(keyspace.tp_size)]
+        self._namespaces = keyspace.shard_namespaces()
+        """One per TP rank (and pipeline stage): a hit needs every shard."""
+        self._group_namespaces = [keyspace.shard_namespaces(group.index) for group in keyspace.groups]
+        """Hybrid models: each group's shard namespaces."""
         self._link = DaemonLink(
             config.target,
             reconnect_interval_s=config.reconnect_interval_s,
@@ -121,8 +137,8 @@ class UcmScheduler:
                 break
         return found // per_block
 
-    def _lookup(self, keys: list[bytes]) -> int:
-        """Stored prefix length (blocks) present for every TP rank; 0 when the daemon is down."""
+    def _lookup(self, keys: list[bytes], num_tokens: int) -> int:
+        """Stored prefix length (blocks) present for every TP rank (and group); 0 when the daemon is down."""
         if not keys:
             return 0
         client = self._link.client()
@@ -130,13 +146,11 @@ class UcmScheduler:
             self._stats.add(daemon_unavailable=1)
             return 0
         started = time.monotonic()
-        stored, per_block = self._stored_keys(keys)
-        prefix = len(stored) // per_block
         try:
-            for namespace in self._namespaces:
-                prefix = self._stored_prefix(client, namespace, stored[: prefix * per_block], per_block)
-                if prefix == 0:
-                    break
+            if self._keyspace.hybrid:
+                prefix = self._hybrid_prefix(client, keys, num_tokens)
+            else:
+                prefix = self._single_prefix(client, keys)
         except UcmError as exc:
             if self._link.failed(exc):
                 self._stats.add(daemon_unavailable=1)
@@ -147,8 +161,65 @@ class UcmScheduler:
             self._stats.add(lookup_seconds=time.monotonic() - started)
         self._link.succeeded()
         if prefix and self._config.prefetch_on_lookup:  # issue #17 item 3: promote while vLLM schedules
-            start_prefetch(client, self._namespaces, stored[: prefix * per_block])
+            self._prefetch(client, keys, prefix, num_tokens)
         return prefix
+
+    def _prefetch(self, client: UcmClient, keys: list[bytes], prefix: int, num_tokens: int) -> None:
+        """Start promoting the ``prefix`` blocks of a hit into the daemon's Cache: per group, the
+        blocks the load will read (a sliding-window group only those inside the window)."""
+        if not self._keyspace.hybrid:
+            stored, per_block = self._stored_keys(keys)
+            start_prefetch(client, self._namespaces, stored[: prefix * per_block])
+            return
+        end_token = min(prefix * self._block_size, num_tokens - 1)
+        for group in self._keyspace.groups:
+            first = 0 if group.kind == "full" else group.first_block(end_token, self._block_size)
+            start_prefetch(client, self._group_namespaces[group.index], keys[first:prefix])
+
+    def _single_prefix(self, client: UcmClient, keys: list[bytes]) -> int:
+        """One KV cache group: the prefix every rank holds (each rank asked only for what the last had)."""
+        stored, per_block = self._stored_keys(keys)
+        prefix = len(stored) // per_block
+        for namespace in self._namespaces:
+            prefix = self._stored_prefix(client, namespace, stored[: prefix * per_block], per_block)
+            if prefix == 0:
+                break
+        return prefix
+
+    def _present(self, client: UcmClient, namespaces: list[bytes], keys: list[bytes]) -> list[bool]:
+        """Per key: stored under every one of ``namespaces`` (a group's TP ranks)."""
+        present = [True] * len(keys)
+        for namespace in namespaces:
+            for start in range(0, len(keys), MAX_LOOKUP_KEYS):
+                part = client.lookup(namespace, keys[start : start + MAX_LOOKUP_KEYS]).present
+                self._stats.add(lookups=1)
+                for i, hit in enumerate(part, start):
+                    present[i] = present[i] and hit
+        return present
+
+    def _hybrid_prefix(self, client: UcmClient, keys: list[bytes], num_tokens: int) -> int:
+        """The longest hit, in blocks, that every group can serve on every rank.
+
+        A full-attention group must hold every block of the hit; a sliding-window group only those
+        vLLM keeps for the hit's next token (the window), so its older blocks may be missing. The
+        hit ends where vLLM's grant ends (``hit_tokens``: the last token of a full hit recomputed).
+        """
+        groups = self._keyspace.groups
+        present = {g.index: self._present(client, self._group_namespaces[g.index], keys) for g in groups}
+        longest = len(keys)
+        for group in groups:
+            if group.kind == "full":
+                flags = present[group.index]
+                longest = min(longest, flags.index(False) if False in flags else len(flags))
+        for blocks in range(longest, 0, -1):
+            end_token = min(blocks * self._block_size, num_tokens - 1)
+            if all(
+                all(present[g.index][g.first_block(end_token, self._block_size) : blocks])
+                for g in groups
+                if g.kind != "full"
+            ):
+                return blocks
+        return 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.setdefault(request.request_id, _Request(request))
@@ -158,7 +229,7 @@ class UcmScheduler:
             return 0, False
         if state.stored_blocks is None:
             keys = self._keys(state)
-            stored = self._lookup(keys)
+            stored = self._lookup(keys, request.num_tokens)
             if self._pd.must_wait(request, stored, len(keys)):  # a prefill's saves not all visible yet
                 return None, False
             state.stored_blocks = stored
@@ -170,18 +241,26 @@ class UcmScheduler:
         if num_external_tokens <= 0:
             return
         state = self._requests[request.request_id]
-        block_ids = list(blocks.get_block_ids()[0])
         first = state.local_tokens // self._block_size
         end = -(-(state.local_tokens + num_external_tokens) // self._block_size)
-        keys = self._keys(state)[first:end]
-        self._pending_loads.append(
-            BlockTransfer(
-                request.request_id,
-                tuple(block_ids[first:end]),
-                tuple(keys),
-                is_async=self._config.load_async,
+        keys = self._keys(state)
+        for group, block_ids in enumerate(blocks.get_block_ids()):
+            pairs = [
+                (b, k)
+                for b, k in zip(block_ids[first:end], keys[first:end], strict=False)
+                if b != NULL_BLOCK_ID
+            ]
+            if not pairs:
+                continue
+            self._pending_loads.append(
+                BlockTransfer(
+                    request.request_id,
+                    tuple(b for b, _ in pairs),
+                    tuple(k for _, k in pairs),
+                    is_async=self._config.load_async,
+                    group=group,
+                )
             )
-        )
         self._stats.add(hit_tokens=num_external_tokens)
 
     # ------------------------------------------------------------------ per step
@@ -193,39 +272,60 @@ class UcmScheduler:
         )
         self._pending_loads = []
         num_scheduled = scheduler_output.num_scheduled_tokens
+        allocated: set[int] = set()
 
         for new in scheduler_output.scheduled_new_reqs:
+            if self._keyspace.hybrid:
+                allocated.update(b for ids in new.block_ids for b in ids)
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             self._plan_save(meta, new.req_id, state, new.num_computed_tokens + num_scheduled[new.req_id])
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if self._keyspace.hybrid and new_ids is not None:
+                allocated.update(b for ids in new_ids for b in ids)
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for table, ids in zip(state.block_ids, new_ids, strict=True):
+                    table.extend(ids)
             self._plan_save(meta, req_id, state, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+        allocated.discard(NULL_BLOCK_ID)
+        meta.allocated_block_ids = frozenset(allocated)
         return meta
 
     def _plan_save(self, meta: UcmConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
-        """Save the blocks that become full (and hashed) once this step's tokens are computed."""
-        if not self._config.enable_save or not self._pd.saves:
+        """Save the blocks that become full (and hashed) once this step's tokens are computed.
+
+        Per KV cache group, only the blocks vLLM holds (a sliding-window group's null entries are
+        blocks vLLM never computed here: they were loaded, or fell out of the window before).
+        """
+        if not self._config.enable_save or not self._pd.saves or not state.block_ids:
             return
         keys = self._keys(state)
-        full = min(computed // self._block_size, len(keys), len(state.block_ids))
+        full = min(computed // self._block_size, len(keys), max(len(ids) for ids in state.block_ids))
         start = max(state.saved_blocks, state.stored_blocks or 0)
         if full <= start:
             return
-        meta.saves.append(BlockTransfer(req_id, tuple(state.block_ids[start:full]), tuple(keys[start:full])))
+        for group, table in enumerate(state.block_ids):
+            pairs = [
+                (table[i], keys[i]) for i in range(start, min(full, len(table))) if table[i] != NULL_BLOCK_ID
+            ]
+            if pairs:
+                meta.saves.append(
+                    BlockTransfer(req_id, tuple(b for b, _ in pairs), tuple(k for _, k in pairs), group=group)
+                )
+                state.had_save = True
         state.saved_blocks = full
-        state.had_save = True
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request with saves until the workers report them stored."""

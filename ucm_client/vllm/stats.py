@@ -35,6 +35,10 @@ COUNTERS: dict[str, str] = {
     "save_bytes": "Bytes stored in the daemon.",
     "save_seconds": "Time from dump submission to completion.",
     "save_failed_blocks": "Blocks whose save failed or was dropped.",
+    "save_replica_skipped_blocks": (
+        "Blocks a TP rank other than 0 did not store because their KV is the same on every rank (MLA): "
+        "rank 0 stores the one copy every rank loads."
+    ),
     "daemon_unavailable": "Calls skipped or failed because the daemon was down.",
     "hook_seconds": "Time vLLM's scheduler and workers spent inside connector calls (its direct cost).",
 }

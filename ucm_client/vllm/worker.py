@@ -11,6 +11,13 @@ submitted before the forward (one task per layer), each attention layer waits fo
 so the copy of layer L+1 overlaps the compute of layer L; each layer's dump is submitted right after
 its attention wrote the layer. A block counts as loaded only if every layer of it loaded.
 
+Hybrid models (several KV cache groups) move each group's blocks under that group's namespace, one
+task per group. vLLM's hybrid allocator lays every group over the same pages (a block id names the
+same bytes whichever group holds it), so a group's block is the whole block's bytes; this is checked
+at registration, and a layout where it does not hold moves nothing. vLLM frees a sliding-window
+block while its request still runs, once it leaves the window: before a step's forward writes into
+blocks handed out again, any dump still reading them is waited for.
+
 Known, as on the whole-block path: when a full hit leaves the prompt's last token to recompute, the
 forward writes that token's slot in the last loaded block while the daemon may still be copying the
 same block. Both write the KV of the same token after the same prefix, so either value is right.
@@ -58,22 +65,57 @@ class _SaveState:
 
 
 def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
-    """Several requests' blocks as one transfer (one daemon task per step, or per layer)."""
+    """Several requests' blocks of one KV cache group as one transfer (one daemon task per step or layer)."""
     transfers = list(transfers)
     return BlockTransfer(
         req_id,
         tuple(b for t in transfers for b in t.block_ids),
         tuple(k for t in transfers for k in t.keys),
+        group=transfers[0].group if transfers else 0,
     )
+
+
+def _by_group(transfers: Iterable[BlockTransfer]) -> list[list[BlockTransfer]]:
+    """Transfers split by KV cache group (a group's blocks live under its own namespace)."""
+    groups: dict[int, list[BlockTransfer]] = {}
+    for transfer in transfers:
+        groups.setdefault(transfer.group, []).append(transfer)
+    return [groups[g] for g in sorted(groups)]
+
+
+def group_layout_problem(kv_caches: dict[str, torch.Tensor], groups: Iterable[tuple[str, ...]]) -> str | None:
+    """Why a hybrid model's groups cannot be moved as whole blocks, or None when they can.
+
+    Whole-block transfers move every distinct KV page of a block id. That is one group's block only
+    when every group's layers cover all those pages, as vLLM's hybrid allocator lays them out (each
+    KV tensor shared by one layer of every group).
+    """
+    every = {t.data_ptr() for t in kv_caches.values()}
+    for index, layers in enumerate(groups):
+        missing = [name for name in layers if name not in kv_caches]
+        if missing:
+            return f"KV cache group {index}: no KV cache tensor for layers {missing}"
+        if {kv_caches[name].data_ptr() for name in layers} != every:
+            return (
+                f"KV cache group {index} ({', '.join(layers)}) does not cover every KV page of a block: "
+                "this layout of vLLM's hybrid KV cache is not supported; loads and saves are off"
+            )
+    return None
 
 
 class UcmWorker:
     """Schedules one rank's loads and saves; reaches its KV cache through one ``KVAccess``."""
 
-    def __init__(self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int):
+    def __init__(
+        self, vllm_config: Any, keyspace: KeySpace, config: ConnectorConfig, tp_rank: int, pp_rank: int = 0
+    ):
         self._vllm_config = vllm_config
         self._config = config
-        self._namespace = keyspace.namespace(tp_rank)
+        self._namespaces = [keyspace.namespace(tp_rank, group.index, pp_rank) for group in keyspace.groups]
+        """Per KV cache group (one unless the model is hybrid)."""
+        self._groups = tuple(group.layer_names for group in keyspace.groups) if keyspace.hybrid else ()
+        self._writer = tp_rank == 0 or not keyspace.replicated
+        """False on TP ranks > 0 of an MLA model: rank 0 stores the one copy of KV every rank holds."""
         self._layerwise = keyspace.layerwise
         self._layers = keyspace.layer_names if keyspace.layerwise else ()
         """Layer names by layer index (layerwise only): layer ``i``'s objects are ``layer_key(key, i)``."""
@@ -96,7 +138,8 @@ class UcmWorker:
         self._io_off: str | None = None
         """Why this worker moves no bytes at all (set once, logged once); None normally."""
         self._sync_loads: list[TransferJob] = []
-        self._async_loads: dict[str, TransferJob] = {}
+        self._async_loads: dict[str, list[TransferJob]] = {}
+        """Per request, one job per KV cache group; the request is loaded once all have ended."""
         self._saves: dict[str, _SaveState] = {}
         self._save_jobs: list[TransferJob] = []
         """Dumps in flight, oldest first; each may hold blocks of several requests."""
@@ -128,6 +171,10 @@ class UcmWorker:
         if missing := [name for name in self._layers if name not in kv_caches]:
             raise RuntimeError(f"use_layerwise: no KV cache tensor for layers {missing} of the KV config")
         self._kv_caches = dict(kv_caches)
+        if self._groups and (problem := group_layout_problem(self._kv_caches, self._groups)):
+            logger.error("UCM worker: %s", problem)
+            self._use(problem)
+            return
         chosen = choose_kv_access(
             self._kv_caches,
             zero_copy=self._config.zero_copy,
@@ -247,7 +294,7 @@ class UcmWorker:
             else:
                 blocks = self._layer_blocks(layer, transfer)
             submit = client.load if job.load else client.dump
-            part.task_id = submit(self._namespace, blocks)
+            part.task_id = submit(self._namespaces[transfer.group], blocks)
         except UcmError as exc:
             if self._link.failed(exc):
                 self._stats.add(daemon_unavailable=1)
@@ -293,12 +340,12 @@ class UcmWorker:
         layerwise_sync: list[BlockTransfer] = []
         for transfer in meta.loads:
             if transfer.is_async:
-                self._async_loads[transfer.req_id] = self._start(transfer, load=True)
+                self._async_loads.setdefault(transfer.req_id, []).append(self._start(transfer, load=True))
             elif self._layerwise:
                 layerwise_sync.append(transfer)
             else:
                 self._sync_loads.append(self._start(transfer, load=True))
-        if layerwise_sync:
+        if layerwise_sync:  # layerwise models have one KV cache group
             self._sync_loads.append(self._start(_combine("step-load", layerwise_sync), load=True))
 
     @property
@@ -386,6 +433,9 @@ class UcmWorker:
         millisecond, and on a busy step those milliseconds are the connector's whole direct overhead.
         """
         self.wait_for_layer_load()  # a step whose forward skipped attention still finishes its loads
+        if not self._writer:
+            self._skip_replica_saves(meta.saves)
+            return
         if self._layerwise:
             self._seal_layer_saves()
             return
@@ -393,7 +443,8 @@ class UcmWorker:
             return
         if self._kv is not None:
             self._kv.before_dump()  # CUDA: the daemon reads the blocks the forward's kernels just wrote
-        self._track_save(self._start(_combine("step-save", meta.saves), load=False), meta.saves)
+        for transfers in _by_group(meta.saves):
+            self._track_save(self._start(_combine("step-save", transfers), load=False), transfers)
 
     def save_layer(self, meta: UcmConnectorMetadata, layer_name: str) -> None:
         """Layerwise: dump ``layer_name``'s page of the step's completed blocks, now that it is written.
@@ -404,7 +455,7 @@ class UcmWorker:
         it, and the host is not stalled to get there.
         """
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves:
+        if layer is None or not meta.saves or not self._writer:
             return
         job = self._layer_save_job(meta)
         if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
@@ -444,18 +495,34 @@ class UcmWorker:
         self._layer_save = None
         self._track_save(job, meta.saves)
 
+    def _skip_replica_saves(self, transfers: Iterable[BlockTransfer]) -> None:
+        """A replica rank (MLA, TP rank > 0) dumps nothing: rank 0 stores the same bytes. Its requests
+        still enter the save bookkeeping, so their delayed frees are reported done like rank 0's."""
+        for transfer in transfers:
+            self._saves.setdefault(transfer.req_id, _SaveState())
+            self._stats.add(save_replica_skipped_blocks=len(transfer.block_ids))
+
     def _track_save(self, job: TransferJob, transfers: Iterable[BlockTransfer]) -> None:
         self._save_jobs.append(job)
         for transfer in transfers:
             self._saves.setdefault(transfer.req_id, _SaveState()).pending.append(job)
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
-        """Blocks of preempted requests are about to be reused: their saves must finish first."""
+        """Before the forward: blocks about to be written again must not still be read by a dump.
+
+        Blocks of preempted requests are reused; so are, on hybrid models, sliding-window blocks vLLM
+        freed under a running request and handed out again this step (``allocated_block_ids``).
+        """
         for req_id in meta.preempted_req_ids:
             state = self._saves.get(req_id)
             for job in list(state.pending) if state is not None else []:
                 self._wait_job(job)
                 self._complete_save(job)
+        if meta.allocated_block_ids:
+            for job in list(self._save_jobs):
+                if not meta.allocated_block_ids.isdisjoint(job.transfer.block_ids):
+                    self._wait_job(job)
+                    self._complete_save(job)
 
     def _complete_save(self, job: TransferJob) -> None:
         """Account an ended dump once and take it off every request waiting for it."""
@@ -470,10 +537,11 @@ class UcmWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose delayed free may happen now (saves done) and whose async loads are done."""
         recving: set[str] = set()
-        for req_id, job in list(self._async_loads.items()):
-            if self._poll_job(job):
+        for req_id, jobs in list(self._async_loads.items()):
+            if all([self._poll_job(job) for job in jobs]):  # a list: every job polled, none skipped
                 del self._async_loads[req_id]
-                self._account(job)
+                for job in jobs:
+                    self._account(job)
                 recving.add(req_id)
 
         # Dumps finish in submission order, so polling stops at the first one still running.
@@ -508,7 +576,7 @@ class UcmWorker:
     def unregister(self) -> None:
         """Finish every transfer touching the KV memory, then forget it and its daemon region."""
         self.wait_for_layer_load()
-        for job in self._async_loads.values():
+        for job in (job for jobs in self._async_loads.values() for job in jobs):
             self._wait_job(job)  # reported by the next get_finished
         self._seal_layer_saves()
         for job in list(self._save_jobs):
