@@ -36,6 +36,7 @@ from ucm_server import __version__
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
+from ucm_server.expiry import Expiry
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
@@ -51,6 +52,8 @@ from ucm_server.regions import (
     check_segments,
     host_iovecs,
 )
+from ucm_server.retention import FILE_NAME as RETENTION_FILE
+from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
 from ucm_server.store.pipeline import Pipeline
@@ -77,6 +80,13 @@ class Session:
     tenant: str = ""
     owner: str = ""
     """Who the per-peer session cap counts this session against ("" = nobody: local, no token)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionAnswer:
+    applied: int
+    missing: int
+    not_enforced: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +127,10 @@ class Engine:
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
-        self.quota = Quota(ledger, self.pipeline)
+        self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
+        self.pipeline.set_rules(self.retention)
+        self.quota = Quota(ledger, self.pipeline, self.retention)
+        self.expiry = Expiry(self.pipeline, self.retention, self.quota)
         self._quota_opening: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
@@ -131,6 +144,7 @@ class Engine:
             self._quota_opening = asyncio.create_task(self._open_quota())
         else:
             await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+        self.expiry.start()  # TTLs: expired blocks leave every tier (once the tiers are indexed)
 
     async def _open_quota(self) -> None:
         """Rebuild the tenants' usage once every tier has indexed what survived the restart (until
@@ -154,6 +168,7 @@ class Engine:
             opening.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await opening
+        await self.expiry.stop()
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()
@@ -293,6 +308,7 @@ class Engine:
         ns = self._scope(namespace)
         if not checked:
             check_digests(digests)
+        await self.expiry.due()  # an expired block is never answered present
         sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
         present = list(map(operator.is_not, sizes, repeat(None)))  # C-level: 2,048 keys cost microseconds
         prefix = present.index(False) if False in present else len(present)
@@ -306,7 +322,29 @@ class Engine:
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
         keys = self._keys(namespace, digests)
         self.quota.forgot(keys)
-        return await self.pipeline.delete(keys)
+        deleted = await self.pipeline.delete(keys)
+        await self.retention.forget(keys)
+        return deleted
+
+    async def set_retention(
+        self, namespace: bytes, digests: Sequence[bytes], change: Change, *, require_all_tiers: bool = False
+    ) -> RetentionAnswer:
+        """Pin/unpin, expire or prioritise the stored blocks among ``digests`` (of the caller's
+        tenant). A pin where some tier cannot hold it is refused with ``require_all_tiers``, else
+        reported; a pin past the owner's quota is refused whole (RESOURCE_EXHAUSTED)."""
+        keys = self._keys(namespace, digests)
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+        gaps = self.pipeline.pin_gaps() if change.pin else []
+        if gaps and require_all_tiers:
+            raise FailedPrecondition("cannot pin in every tier: " + "; ".join(gaps))
+        await self.expiry.due()
+        sizes = await self.pipeline.lookup(keys)
+        stored = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
+        if change.pin:
+            self.quota.check_pins(keys, sizes)
+        await self.retention.change(stored, change, time.time())
+        return RetentionAnswer(len(stored), len(keys) - len(stored), gaps)
 
     # -- tasks ----------------------------------------------------------------------------------------
     async def submit_io(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -104,6 +104,7 @@ class CacheTier(Tier):
     kind = "Cache"
     persistent = False
     shared = False
+    pin_gap = ""
 
     def __init__(
         self,
@@ -191,7 +192,7 @@ class CacheTier(Tier):
             if extents is None:
                 results[i] = failed(
                     f"cache full: {size} bytes needed, {self.arena.free_pages * self.arena.page_size} free "
-                    f"and every cached block is in use"
+                    f"and every cached block is in use or pinned"
                 )
                 self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
                 continue
@@ -239,14 +240,21 @@ class CacheTier(Tier):
 
     async def evict(self, nbytes: int) -> int:
         freed = 0
-        for entry in list(self._index.values()):
+        for entry in self._victims():
             if freed >= nbytes:
                 break
-            if entry.leases == 0:
-                freed += entry.size
-                self._unlink(entry.key)
-                self._stats.evictions += 1
+            freed += entry.size
+            self._unlink(entry.key)
+            self._stats.evictions += 1
         return freed
+
+    def _victims(self) -> Iterator[_Entry]:
+        """Unleased blocks in eviction order (least recently used first, under the retention rules:
+        pinned never); safe to unlink while iterating."""
+        index: dict[bytes, _Entry] = self._index  # type: ignore[assignment]  # BlockKey is bytes
+        for _, entry in self.eviction_order(list(index.items()), index.get):
+            if entry.leases == 0 and self._index.get(entry.key) is entry:
+                yield entry
 
     # -- leases ---------------------------------------------------------------------------------------
     def lease(self, key: BlockKey) -> Lease | None:
@@ -342,12 +350,11 @@ class CacheTier(Tier):
         if need > self.arena.npages:
             return None
         if self.arena.free_pages < need:
-            for entry in list(self._index.values()):  # oldest first
-                if entry.leases == 0:
-                    self._unlink(entry.key)
-                    self._stats.evictions += 1
-                    if self.arena.free_pages >= need:
-                        break
+            for entry in self._victims():
+                self._unlink(entry.key)
+                self._stats.evictions += 1
+                if self.arena.free_pages >= need:
+                    break
         return self.arena.allocate(size)
 
     async def _copy(self, pairs: Sequence[tuple[IoVec, IoVec]], nbytes: int) -> None:

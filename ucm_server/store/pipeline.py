@@ -39,6 +39,7 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     BlockState,
+    EvictionRules,
     IoVec,
     Tier,
     failed,
@@ -143,6 +144,15 @@ class Pipeline:
             written=self._written_down,
             failed=self._flush_failed,
         )
+
+    def set_rules(self, rules: EvictionRules) -> None:
+        """Every tier evicts under the daemon's retention rules from now on (where it can)."""
+        for t in self.tiers:
+            t.rules = rules
+
+    def pin_gaps(self) -> list[str]:
+        """``"<tier>: why"`` for each tier whose eviction does not hold this daemon's pins."""
+        return [f"{t.name}: {t.pin_gap}" for t in self.tiers if t.pin_gap]
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
