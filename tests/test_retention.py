@@ -20,6 +20,7 @@ import grpc
 import pytest
 from support.blocks import NS, blocks_in
 from support.tokens import tokens_file
+from test_admin import admin, json_of
 
 from ucm_client import BlockIO, SharedBuffer, UcmClient
 from ucm_client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -290,3 +291,35 @@ def test_a_torn_last_rule_is_skipped_and_other_damage_stops_start_up(tmp_path: P
     assert proc.returncode == 2, proc.stderr
     assert f"retention rules {rules}, line 2" in proc.stderr and "move it aside" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ucm_admin_pin_unpin_ttl_priority_and_ls_inspect_show_them(small: DaemonProcess) -> None:
+    with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
+        blocks = [f"{NS.hex()}/{k.hex()}" for k in keys_of(dump(client, buf, 0, 3))]
+    proc = admin(small, "--json", "pin", "--priority", "9", blocks[0])
+    assert proc.returncode == 0, proc.stderr
+    assert json_of(proc) == {"requested": 1, "applied": 1, "not_found": 0, "not_enforced": []}
+    assert admin(small, "ttl", "600", blocks[1]).returncode == 0
+    assert admin(small, "priority", "--", "-3", blocks[2]).returncode == 0
+    listed = {b["key"]: b for b in json_of(admin(small, "--json", "ls"))["blocks"]}
+    assert (listed[blocks[0]]["pinned"], listed[blocks[0]]["priority"]) == (True, 9)
+    assert listed[blocks[0]]["expires_at"] is None
+    assert time.time() + 590 < listed[blocks[1]]["expires_at"] < time.time() + 610
+    assert (listed[blocks[1]]["pinned"], listed[blocks[2]]["priority"]) == (False, -3)
+    human = admin(small, "inspect", blocks[0]).stdout
+    assert "pinned, priority 9" in human
+    assert "expires" in admin(small, "ls").stdout
+    # unpin and never: back to plain
+    assert admin(small, "unpin", blocks[0]).returncode == 0
+    assert admin(small, "ttl", "never", blocks[1]).returncode == 0
+    listed = {b["key"]: b for b in json_of(admin(small, "--json", "ls"))["blocks"]}
+    assert not listed[blocks[0]]["pinned"] and listed[blocks[1]]["expires_at"] is None
+    # a key stored nowhere: exit 1, unless --missing-ok; a bad priority: the daemon's reason
+    absent = f"{NS.hex()}/{'ab' * 32}"
+    proc = admin(small, "pin", absent)
+    assert proc.returncode == 1 and "not stored" in proc.stderr
+    assert admin(small, "pin", "--missing-ok", absent).returncode == 0
+    proc = admin(small, "priority", "500", blocks[0])
+    assert proc.returncode != 0 and "priority must be between -100 and 100" in proc.stderr
+    proc = admin(small, "ttl", "soon", blocks[0])
+    assert proc.returncode != 0 and "soon" in proc.stderr

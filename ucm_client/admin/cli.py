@@ -92,6 +92,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def ttl_seconds(text: str) -> float:
+    """A time to live in seconds (> 0), or ``never`` (0: the expiry is removed)."""
+    if text == "never":
+        return 0.0
+    return positive_float(text)
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -233,6 +240,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("keys", metavar="KEY", nargs="+", help="<namespace hex>/<key hex>, or - for stdin")
     p.add_argument("--missing-ok", action="store_true", help="Exit 0 even if some keys were not stored.")
     p.set_defaults(handler="operate:delete")
+
+    keys_help = "<namespace hex>/<key hex>, or - for stdin"
+    missing_help = "Exit 0 even if some keys were not stored."
+    p = command(
+        "pin",
+        "Pin blocks: never evicted (by capacity or quota) until unpinned.",
+        "Pins hold in every tier whose eviction this daemon decides (Cache, Posix); tiers that cannot\n"
+        "hold one (shared tiers) are named on stderr, or the pin is refused with --require-all-tiers.\n"
+        "Pinned bytes count against the owning tenant's quota; a pin past it is refused.",
+        "  ucm-admin pin 3f2a...e1/9c0d...77\n"
+        "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
+    )
+    p.add_argument("keys", metavar="KEY", nargs="+", help=keys_help)
+    p.add_argument("--priority", metavar="N", type=int, help="Also set the eviction priority (-100..100).")
+    p.add_argument("--require-all-tiers", action="store_true", help="Refuse where a tier cannot hold pins.")
+    p.add_argument("--missing-ok", action="store_true", help=missing_help)
+    p.set_defaults(handler="retain:pin")
+
+    p = command(
+        "unpin",
+        "Unpin blocks: evicted again like any other.",
+        "",
+        "  ucm-admin unpin 3f2a...e1/9c0d...77",
+    )
+    p.add_argument("keys", metavar="KEY", nargs="+", help=keys_help)
+    p.add_argument("--missing-ok", action="store_true", help=missing_help)
+    p.set_defaults(handler="retain:unpin")
+
+    p = command(
+        "ttl",
+        "Expire blocks SECONDS from now (from every tier), or never again with 'never'.",
+        "An expired block is deleted everywhere, pinned or not; Lookups never report it present.",
+        "  ucm-admin ttl 3600 3f2a...e1/9c0d...77\n  ucm-admin ttl never 3f2a...e1/9c0d...77",
+    )
+    p.add_argument("seconds", metavar="SECONDS", type=ttl_seconds, help="Time to live, or 'never'.")
+    p.add_argument("keys", metavar="KEY", nargs="+", help=keys_help)
+    p.add_argument("--missing-ok", action="store_true", help=missing_help)
+    p.set_defaults(handler="retain:ttl")
+
+    p = command(
+        "priority",
+        "Set the eviction priority of blocks: lower goes first (-100..100, default 0).",
+        "Within one priority, the least recently used block goes first; pinned blocks never go.",
+        "  ucm-admin priority -- -20 3f2a...e1/9c0d...77   # evict before everything else",
+    )
+    p.add_argument("value", metavar="N", type=int, help="The priority, -100..100.")
+    p.add_argument("keys", metavar="KEY", nargs="+", help=keys_help)
+    p.add_argument("--missing-ok", action="store_true", help=missing_help)
+    p.set_defaults(handler="retain:priority")
 
     p = command(
         "evict",

@@ -184,7 +184,20 @@ def block_dict(info: Any) -> Json:
         "tiers": list(info.tiers),
         "stored_at": info.stored_at or None,
         "checksum": f"{info.checksum:016x}" if info.has_checksum else None,
+        "pinned": info.retention.pinned,
+        "expires_at": info.retention.expires_at or None,
+        "priority": info.retention.priority,
     }
+
+
+def retention_text(block: Json) -> str:
+    """``pinned``, ``expires <time>``, ``priority N`` (what is set), or ``-``."""
+    parts = ["pinned"] if block["pinned"] else []
+    if block["expires_at"]:
+        parts.append(f"expires {timestamp(block['expires_at'])}")
+    if block["priority"]:
+        parts.append(f"priority {block['priority']}")
+    return ", ".join(parts) or "-"
 
 
 def timestamp(epoch: float | None) -> str:
@@ -199,8 +212,15 @@ def blocks_table(blocks: list[Json]) -> Table:
     table.add_column("SIZE", justify="right", no_wrap=True)
     table.add_column("TIERS", no_wrap=True)
     table.add_column("STORED", no_wrap=True)
+    table.add_column("RETENTION", no_wrap=True)
     for b in blocks:
-        table.add_row(b["key"], human_bytes(b["size"]), ",".join(b["tiers"]), timestamp(b["stored_at"]))
+        table.add_row(
+            b["key"],
+            human_bytes(b["size"]),
+            ",".join(b["tiers"]),
+            timestamp(b["stored_at"]),
+            retention_text(b),
+        )
     return table
 
 
@@ -215,4 +235,5 @@ def block_detail(block: Json) -> Table:
     table.add_row("tiers", ", ".join(block["tiers"]))
     table.add_row("stored at", timestamp(block["stored_at"]))
     table.add_row("checksum", block["checksum"] or "none (this tier keeps no checksum)")
+    table.add_row("retention", retention_text(block))
     return table
