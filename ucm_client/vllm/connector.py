@@ -184,6 +184,13 @@ class UCMConnector(KVConnectorBase_V1):
         with self._scheduler.stats.timed():
             return self._scheduler.request_finished(request)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report: requests whose saves are done get the retention they asked for."""
+        done = getattr(connector_output, "finished_sending", None)
+        if self._scheduler is not None and done:
+            with self._scheduler.stats.timed():
+                self._scheduler.saves_done(set(done))
+
     # ------------------------------------------------------------------ both roles
 
     def get_kv_connector_stats(self) -> UcmConnectorStats | None:

@@ -26,6 +26,7 @@ from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, block_keys, layer_key
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+from ucm_client.vllm.retention import Retention, retention_of
 from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
@@ -64,6 +65,8 @@ class _Request:
     keys: list[bytes] = field(default_factory=list)
     hashed: int = -1
     """``len(request.block_hashes)`` when ``keys`` was derived (hashes only ever grow)."""
+    retention: Retention | None = None
+    """The request's ``kv_transfer_params["ucm"]`` entry (:mod:`ucm_client.vllm.retention`)."""
 
 
 class UcmScheduler:
@@ -85,6 +88,8 @@ class UcmScheduler:
         )
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[BlockTransfer] = []
+        self._retain_after_save: dict[str, tuple[Retention, list[bytes]]] = {}
+        """Requests whose retention applies once the workers report their saves done."""
         self._stats = UcmConnectorStats()
 
     # ------------------------------------------------------------------ lookups
@@ -146,7 +151,9 @@ class UcmScheduler:
         return prefix
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        state = self._requests.setdefault(request.request_id, _Request(request))
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _Request(request, retention=retention_of(request))
         state.request = request
         state.local_tokens = num_computed_tokens
         if not self._config.enable_load:
@@ -221,7 +228,43 @@ class UcmScheduler:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a request with saves until the workers report them stored."""
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.retention is not None:
+            stored = max(state.saved_blocks, state.stored_blocks or 0)
+            keys = self._keys(state)[:stored]
+            if state.had_save:
+                self._retain_after_save[request.request_id] = (state.retention, keys)
+            else:
+                self._retain(request.request_id, state.retention, keys)
         return (state is not None and state.had_save), None
+
+    def saves_done(self, req_ids: set[str]) -> None:
+        """The workers stored these requests' blocks: apply the retention they asked for."""
+        for req_id in req_ids:
+            parked = self._retain_after_save.pop(req_id, None)
+            if parked is not None:
+                self._retain(req_id, *parked)
+
+    def _retain(self, req_id: str, retention: Retention, keys: list[bytes]) -> None:
+        """``SetRetention`` for the request's stored blocks, in every TP rank's namespace."""
+        client = self._link.client()
+        if not keys or client is None:
+            return
+        stored, _ = self._stored_keys(keys)
+        try:
+            for namespace in self._namespaces:
+                for start in range(0, len(stored), MAX_LOOKUP_KEYS):
+                    client.set_retention(
+                        namespace,
+                        stored[start : start + MAX_LOOKUP_KEYS],
+                        pin=retention.pin,
+                        ttl_s=retention.ttl_s,
+                        priority=retention.priority,
+                    )
+        except UcmError as exc:
+            if not self._link.failed(exc):
+                logger.warning("UCM scheduler: retention of request %s refused: %s", req_id, exc)
+            return
+        self._link.succeeded()
 
     @property
     def stats(self) -> UcmConnectorStats:
