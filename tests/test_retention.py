@@ -323,3 +323,15 @@ def test_ucm_admin_pin_unpin_ttl_priority_and_ls_inspect_show_them(small: Daemon
     assert proc.returncode != 0 and "priority must be between -100 and 100" in proc.stderr
     proc = admin(small, "ttl", "soon", blocks[0])
     assert proc.returncode != 0 and "soon" in proc.stderr
+
+
+def test_a_daemon_with_the_arc_cache_keeps_pins_and_serves(tmp_path: Path) -> None:
+    with (
+        DaemonProcess(tmp_path / "ucm", args=[*SMALL, "--cache-eviction", "arc"]) as d,
+        UcmClient(d.target) as client,
+        SharedBuffer(8 * BLOCK) as buf,
+    ):
+        pinned = keys_of(dump(client, buf, 0, 4))
+        client.set_retention(NS, pinned, pin=True)
+        dump(client, buf, 100, 64)
+        assert where(d, pinned[0])[0] == ["Cache", "Posix"]

@@ -111,6 +111,15 @@ class ServerConfig:
             "daemon's memory use reaches cache_capacity shortly after start."
         ),
     )
+    cache_eviction: Literal["lru", "arc"] = field(
+        default="lru",
+        metadata=_help(
+            "The Cache tier's eviction policy: lru (least recently used first) or arc (Adaptive "
+            "Replacement Cache: blocks read again are kept apart from one-off ones, so a burst of long "
+            "unique prompts does not flush shared prefixes; see benchmarks/eviction_bench.py). Pins and "
+            "priorities apply on top of either."
+        ),
+    )
     region_prefault: bool = field(
         default=True,
         metadata=_help(
@@ -310,6 +319,7 @@ class ServerConfig:
                 "capacity": self.cache_capacity,
                 "page_size": self.cache_page_size,
                 "prefault": self.cache_prefault,
+                "eviction": self.cache_eviction,
             }
         if name == "Posix":
             return {

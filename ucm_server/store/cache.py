@@ -35,6 +35,7 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
+from ucm_server.store.policy import EvictionPolicy, make_policy
 
 INLINE_COPY_BYTES = 512 << 10
 """A batch copy up to this size runs on the event loop thread instead of the executor."""
@@ -51,6 +52,8 @@ class CacheSettings:
     """Allocation unit of the arena; a block uses whole pages."""
     prefault: bool = False
     """Fault the arena's memory in at ``open`` so storing a block never pays first-touch faults."""
+    eviction: str = "lru"
+    """The eviction policy by name (:data:`ucm_server.store.policy.POLICIES`: ``lru``, ``arc``)."""
 
 
 @dataclass(slots=True)
@@ -114,9 +117,11 @@ class CacheTier(Tier):
         page_size: int = 64 << 10,
         executor: Executor | None = None,
         prefault: bool = False,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(name)
         self.arena = Arena(capacity, page_size)
+        self.policy: EvictionPolicy = make_policy(eviction, self.arena.capacity)
         self._prefault = prefault
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._sizes = SizeIndex()
@@ -141,6 +146,7 @@ class CacheTier(Tier):
     async def close(self) -> None:
         self._index.clear()
         self._sizes.clear()
+        self.policy = make_policy(self.policy.name, self.arena.capacity)
         self.arena.close()
 
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -160,7 +166,7 @@ class CacheTier(Tier):
         results: list[BlockResult] = [MISSING] * len(items)
         plan: list[tuple[int, Lease, IoVec]] = []
         for i, (key, dest) in enumerate(items):
-            lease = self.lease(key)
+            lease = self.lease(key, read=True)
             if lease is None:
                 self._stats.misses += 1
                 continue
@@ -244,25 +250,28 @@ class CacheTier(Tier):
             if freed >= nbytes:
                 break
             freed += entry.size
-            self._unlink(entry.key)
+            self._unlink(entry.key, evicted=True)
             self._stats.evictions += 1
         return freed
 
     def _victims(self) -> Iterator[_Entry]:
-        """Unleased blocks in eviction order (least recently used first, under the retention rules:
-        pinned never); safe to unlink while iterating."""
+        """Unleased blocks in eviction order (the policy's, under the retention rules: pinned
+        never); safe to unlink while iterating."""
         index: dict[bytes, _Entry] = self._index  # type: ignore[assignment]  # BlockKey is bytes
-        for _, entry in self.eviction_order(list(index.items()), index.get):
+        candidates = ((k, e) for k in self.policy.order() if (e := index.get(k)) is not None)
+        for _, entry in self.eviction_order(candidates, index.get):
             if entry.leases == 0 and self._index.get(entry.key) is entry:
                 yield entry
 
     # -- leases ---------------------------------------------------------------------------------------
-    def lease(self, key: BlockKey) -> Lease | None:
-        """Hold a cached block so it can be read (or flushed) in place; marks it recently used."""
+    def lease(self, key: BlockKey, *, read: bool = False) -> Lease | None:
+        """Hold a cached block so it can be read (or flushed) in place; ``read``: a use the
+        eviction policy hears of (a write-down's lease is not one)."""
         entry = self._index.get(key)
         if entry is None:
             return None
-        self._index.move_to_end(key)
+        if read:
+            self.policy.touched(key)
         entry.leases += 1
         return Lease(self, entry, self.arena.views(entry.extents, entry.size))
 
@@ -276,7 +285,7 @@ class CacheTier(Tier):
     # leases the block and reads ``host_runs``; a dump reserves pages, fills them, then commits.
     def lease_for_read(self, key: BlockKey) -> Lease | None:
         """:meth:`lease`, counted as a hit when found (a miss is counted by the read that follows)."""
-        lease = self.lease(key)
+        lease = self.lease(key, read=True)
         if lease is not None:
             self._stats.hits += 1
             self._stats.read_bytes += lease.size
@@ -329,14 +338,19 @@ class CacheTier(Tier):
 
     # -- internals ------------------------------------------------------------------------------------
     def _publish(self, entry: _Entry) -> None:
-        self._unlink(entry.key)
+        self._unlink(entry.key, replaced=True)
         self._index[entry.key] = entry
         self._sizes.add(entry.key, entry.size)
+        self.policy.inserted(entry.key, entry.size)
 
-    def _unlink(self, key: BlockKey) -> bool:
+    def _unlink(self, key: BlockKey, *, evicted: bool = False, replaced: bool = False) -> bool:
+        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room,
+        ``replaced``: a new version follows (the policy hears of that as a use, not a removal)."""
         entry = self._index.pop(key, None)
         if entry is None:
             return False
+        if not replaced:
+            self.policy.removed(key, evicted=evicted)
         self._sizes.discard(key)
         if entry.leases:
             entry.unlinked = True
@@ -351,7 +365,7 @@ class CacheTier(Tier):
             return None
         if self.arena.free_pages < need:
             for entry in self._victims():
-                self._unlink(entry.key)
+                self._unlink(entry.key, evicted=True)
                 self._stats.evictions += 1
                 if self.arena.free_pages >= need:
                     break
