@@ -90,6 +90,14 @@ class ServerConfig:
             "also 'package.module:Class' or a name registered in the ucm.tiers entry points."
         ),
     )
+    encrypt_tiers: str = field(
+        default="",
+        metadata=_help(
+            "Tiers whose blocks are encrypted at rest per tenant (AES-256-GCM), '|'-separated, e.g. "
+            "'Posix' or 'Posix|DS3FS'; never the Cache. Each tenant's key is the key_file its entry "
+            "of auth_tokens_file names; blocks of tenants without one are stored in clear."
+        ),
+    )
     storage_backends: str = field(
         default="",
         metadata=_help(
@@ -310,6 +318,10 @@ class ServerConfig:
         need TLS); its peers are anonymous and never admins (see ``allow_anonymous_tcp``)."""
         return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
 
+    @property
+    def encrypted_tiers(self) -> list[str]:
+        return [t.strip() for t in self.encrypt_tiers.split("|") if t.strip()]
+
     def tier_settings_for(self, name: str) -> dict[str, object]:
         """The settings the tier ``name`` of the pipeline is built from: the flat ``cache_*`` and
         ``posix_*`` keys for Cache and Posix (their ``tier_settings`` entries are ignored, as they
@@ -346,6 +358,13 @@ class ServerConfig:
             raise ConfigError(f"store_pipeline: Cache must be the first tier, got {self.store_pipeline!r}")
         if self.cache_page_size < 4096 or self.cache_page_size & (self.cache_page_size - 1):
             raise ConfigError(f"cache_page_size: must be a power of two >= 4096, got {self.cache_page_size}")
+        for name in self.encrypted_tiers:
+            if name not in tiers or name == tiers[0]:
+                raise ConfigError(
+                    f"encrypt_tiers: {name!r} is not a tier below the first of {self.store_pipeline!r}"
+                )
+        if self.encrypted_tiers and not self.auth_tokens_file:
+            raise ConfigError("encrypt_tiers: keys are per tenant: set auth_tokens_file, with key_file")
         if "Cache" in tiers and self.cache_capacity < self.cache_page_size:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
         for name in (

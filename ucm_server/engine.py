@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
+from pathlib import Path
 from typing import TypeVar
 
 from ucm_protocol.errors import (
@@ -56,11 +57,12 @@ from ucm_server.retention import FILE_NAME as RETENTION_FILE
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
+from ucm_server.store.encrypted import EncryptedTier, read_key_file
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.task_events import TaskEvents
 from ucm_server.tasks import Task, TaskKind, TaskManager
-from ucm_server.tenants import TenantLedger
+from ucm_server.tenants import SEALED_FILE, TenantKeyring, TenantLedger, remember_sealed
 from ucm_server.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -127,11 +129,38 @@ class Engine:
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+        self._encrypt(authenticator, ledger)
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
         self.pipeline.set_rules(self.retention)
         self.quota = Quota(ledger, self.pipeline, self.retention)
         self.expiry = Expiry(self.pipeline, self.retention, self.quota)
         self._quota_opening: asyncio.Task[None] | None = None
+
+    def _encrypt(self, authenticator: Authenticator | None, ledger: TenantLedger | None) -> None:
+        """Wrap the ``encrypt_tiers`` in :class:`EncryptedTier` with the tenants' keys (read now:
+        a bad key file stops start-up naming the file, never showing the key)."""
+        tenants = authenticator.tenants if authenticator is not None else {}
+        keyed = {t: p.key_file for t, p in tenants.items() if t and p.key_file}
+        names = self.config.encrypted_tiers
+        sealed_file = self.config.data_dir / SEALED_FILE
+        if not names and sealed_file.exists():
+            raise ConfigError(
+                f"encrypt_tiers is empty, but {sealed_file} lists tenants whose blocks are encrypted at "
+                "rest: name the tiers again (or delete those blocks and the file)"
+            )
+        if keyed and not names:
+            raise ConfigError(
+                f"auth_tokens_file gives tenant {sorted(keyed)[0]!r} a key_file, but encrypt_tiers is empty: "
+                "its blocks would be stored in clear (name the tiers to encrypt)"
+            )
+        if not names:
+            return
+        if not keyed or ledger is None:
+            raise ConfigError("encrypt_tiers is set, but no tenant in auth_tokens_file has a key_file")
+        keys = {t: read_key_file(Path(path), t) for t, path in keyed.items()}
+        keyring = TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys))
+        self.pipeline.wrap(names, lambda tier: EncryptedTier(tier, keyring, self.executor))
+        log.info("encryption at rest: %s, for %d tenant(s)", ", ".join(names), len(keyed))
 
     async def open(self) -> None:
         await self.pipeline.open()

@@ -30,6 +30,7 @@ from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
 from ucm_server.journal import JournalFile, read_regular
+from ucm_server.store.encrypted import LOCKED, TenantKey
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class TenantLedger:
 
     def owner(self, key: BlockKey) -> str | None:
         return self._owner.get(key.namespace)
+
+    def owner_of(self, namespace: bytes) -> str | None:
+        return self._owner.get(namespace)
 
     def size(self, key: BlockKey) -> int:
         """The bytes a block counts for (0 when it is not accounted)."""
@@ -216,3 +220,45 @@ def _parse_line(path: Path, number: int, line: bytes) -> dict[bytes, str]:
             raise ConfigError(f"{where}: the tenant of namespace {ns_hex} must be a non-empty string; {_FIX}")
         out[ns] = tenant
     return out
+
+
+class TenantKeyring:
+    """Each namespace's at-rest key: its owner's (the ledger says who owns it; a namespace is
+    claimed before its first block is written), ``None`` for namespaces of tenants without one."""
+
+    def __init__(self, ledger: TenantLedger, keys: dict[str, TenantKey], sealed: Iterable[str] = ()) -> None:
+        """``sealed``: tenants whose blocks were ever encrypted here; those without a key now are
+        locked (their blocks sealed, reported missing, never read or written in clear)."""
+        self.ledger = ledger
+        self.keys = dict(keys)
+        for tenant in sealed:
+            self.keys.setdefault(tenant, LOCKED)
+
+    def key_for(self, namespace: bytes) -> TenantKey | None:
+        tenant = self.ledger.owner_of(namespace)
+        return self.keys.get(tenant) if tenant else None
+
+
+SEALED_FILE = "sealed_tenants.json"
+
+
+def remember_sealed(path: Path, keyed: Iterable[str]) -> set[str]:
+    """The tenants whose blocks were ever sealed here (``path``, a JSON list) plus ``keyed``, written
+    back durably: a tenant whose key file is later removed stays known as sealed."""
+    data = read_regular(path, f"sealed tenants {path}", _SEALED_FIX, 64 << 20)
+    try:
+        known = json.loads(data) if data else []
+        if not isinstance(known, list) or not all(isinstance(t, str) for t in known):
+            raise ValueError("expected a JSON list of tenant names")
+    except ValueError as exc:
+        raise ConfigError(f"sealed tenants {path}: {exc}; {_SEALED_FIX}") from None
+    sealed = set(known) | set(keyed)
+    if sealed != set(known):
+        JournalFile(path).rewrite((json.dumps(sorted(sealed)) + "\n").encode())
+    return sealed
+
+
+_SEALED_FIX = (
+    "fix the file (a JSON list of the tenants whose blocks are encrypted at rest); remove a tenant "
+    "only once its blocks are deleted"
+)

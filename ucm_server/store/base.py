@@ -418,6 +418,10 @@ class Tier(abc.ABC):
         Default: tiers without a policy free nothing."""
         return 0
 
+    def use_rules(self, rules: EvictionRules) -> None:
+        """Evict under ``rules`` from now on (a wrapper passes them to the tier it wraps)."""
+        self.rules = rules
+
     def eviction_order(
         self, candidates: Iterable[tuple[bytes, V]], find: Callable[[bytes], V | None]
     ) -> Iterator[tuple[bytes, V]]:

@@ -145,10 +145,18 @@ class Pipeline:
             failed=self._flush_failed,
         )
 
+    def wrap(self, names: Iterable[str], wrap: Callable[[Tier], Tier]) -> None:
+        """Replace the tiers called ``names`` (below the top) by ``wrap(tier)``; before :meth:`open`."""
+        for name in names:
+            i = self.tiers.index(self.tier(name))
+            if i == 0:
+                raise ValueError(f"the top tier {name!r} cannot be wrapped")
+            self.tiers[i] = wrap(self.tiers[i])
+
     def set_rules(self, rules: EvictionRules) -> None:
         """Every tier evicts under the daemon's retention rules from now on (where it can)."""
         for t in self.tiers:
-            t.rules = rules
+            t.use_rules(rules)
 
     def pin_gaps(self) -> list[str]:
         """``"<tier>: why"`` for each tier whose eviction does not hold this daemon's pins."""
