@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.results_file import publish
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import Tier
 from ucm_server.store.encrypted import EncryptedTier, TenantKey, open_envelope, seal
 from ucm_server.store.posix import PosixTier
 
-RESULTS = Path(__file__).parent / "results" / "encryption.md"
 NS = b"encryption-bench"
 
 
@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     lines += [f"| {name} | {w / 1e9:.2f} | {r / 1e9:.2f} |" for name, w, r in rows]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.no_write:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(text)
+    publish("encryption", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

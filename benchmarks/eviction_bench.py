@@ -28,13 +28,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.results_file import publish
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.posix import PosixTier
 
 NS = b"eviction-bench!!"
-RESULTS = Path(__file__).parent / "results" / "eviction.md"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--disk-blocks", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=18)
-    p.add_argument("--no-write", action="store_true", help=f"Do not write {RESULTS}.")
+    p.add_argument("--no-write", action="store_true", help="Do not write benchmarks/results/eviction.md.")
     args = p.parse_args(argv)
     trace = make_trace(args)
     rows = []
@@ -153,10 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="ucm-evict-") as tmp:
             rows.append(asyncio.run(replay(trace, policy, args, Path(tmp))))
     text = table(rows, args)
-    print(text)
-    if not args.no_write:
-        RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(text)
+    publish("eviction", text, write=not args.no_write)
 
 
 if __name__ == "__main__":

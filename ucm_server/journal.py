@@ -61,9 +61,10 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def read_regular(path: Path, what: str, fix: str, max_bytes: int) -> bytes | None:
+def read_regular(path: Path, what: str, fix: str, max_bytes: int, *, private: bool = False) -> bytes | None:
     """The file's bytes, or None if absent; a FIFO, device or symlink is refused, never opened
-    blocking (:class:`ConfigError` reading ``"<what>: <why>; <fix>"``)."""
+    blocking, and with ``private`` so is a file others may read (:class:`ConfigError` reading
+    ``"<what>: <why>; <fix>"``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -74,6 +75,8 @@ def read_regular(path: Path, what: str, fix: str, max_bytes: int) -> bytes | Non
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what}: not a regular file; {fix}")
+        if private and st.st_mode & 0o077:
+            raise ConfigError(f"{what}: readable by others (mode {st.st_mode & 0o777:o}); {fix}")
         if st.st_size > max_bytes:
             raise ConfigError(f"{what}: {st.st_size} bytes is too large to be one; {fix}")
         chunks = []

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import stat
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
@@ -43,6 +42,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_server.journal import read_regular
 from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
@@ -96,19 +96,9 @@ def read_key_file(path: Path, tenant: str) -> TenantKey:
     others may read, a link or anything but a regular file is refused; errors name the file, never
     its content."""
     where = f"key_file {path} (tenant {tenant!r})"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot open it: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{where}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(f"{where}: readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
-        data = os.read(fd, 4096)
-    finally:
-        os.close(fd)
+    data = read_regular(path, where, "chmod 600 it, 32 bytes or 64 hex digits", 4096, private=True)
+    if data is None:
+        raise ConfigError(f"{where}: no such file")
     text = data.strip()
     try:
         key = bytes.fromhex(text.decode("ascii")) if len(text) == 2 * KEY_BYTES else data
