@@ -335,3 +335,25 @@ def test_a_daemon_with_the_arc_cache_keeps_pins_and_serves(tmp_path: Path) -> No
         client.set_retention(NS, pinned, pin=True)
         dump(client, buf, 100, 64)
         assert where(d, pinned[0])[0] == ["Cache", "Posix"]
+
+
+def test_a_tenant_cannot_pin_or_expire_another_tenants_blocks(tmp_path: Path) -> None:
+    tokens = tokens_file(
+        tmp_path / "tokens.yaml",
+        [(ADMIN, "", {"admin": True}), (ALICE, "alice", {}), ("tok-mallory", "mallory", {})],
+    )
+    args = ["--auth-tokens-file", str(tokens), *SMALL]
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as d,
+        UcmClient(d.target, token=ALICE) as alice,
+        UcmClient(d.target, token="tok-mallory") as mallory,
+        SharedBuffer(8 * BLOCK) as buf,
+    ):
+        theirs = keys_of(dump(alice, buf, 0, 2))
+        # Mallory names alice's digests in alice's namespace: they resolve to mallory's own (empty)
+        # namespace, so nothing is found, nothing recorded, and alice's blocks keep their state.
+        r = mallory.set_retention(NS, theirs, ttl_s=0.1)
+        assert (r.applied, r.missing) == (0, 2)
+        time.sleep(1.5)
+        assert alice.lookup(NS, theirs).hits == 2
+        assert alice.set_retention(NS, theirs, pin=True).applied == 2  # negative control: the owner can
