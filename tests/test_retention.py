@@ -124,6 +124,7 @@ def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess
         client.set_retention(NS, [blocks[2]], ttl_s=0.5)
         time.sleep(2.0)
         assert where(small, blocks[2]) == ([], None)
+        assert client.stats().expired_blocks == 3
         # A TTL cleared in time keeps the block.
         client.set_retention(NS, [blocks[3]], ttl_s=0.5)
         client.set_retention(NS, [blocks[3]], ttl_s=0)
@@ -300,6 +301,8 @@ def test_ucm_admin_pin_unpin_ttl_priority_and_ls_inspect_show_them(small: Daemon
     assert proc.returncode == 0, proc.stderr
     assert json_of(proc) == {"requested": 1, "applied": 1, "not_found": 0, "not_enforced": []}
     assert admin(small, "ttl", "600", blocks[1]).returncode == 0
+    stats = json_of(admin(small, "--json", "stats"))
+    assert (stats["pinned_blocks"], stats["retention_rules"], stats["expired_blocks"]) == (1, 2, 0)
     assert admin(small, "priority", "--", "-3", blocks[2]).returncode == 0
     listed = {b["key"]: b for b in json_of(admin(small, "--json", "ls"))["blocks"]}
     assert (listed[blocks[0]]["pinned"], listed[blocks[0]]["priority"]) == (True, 9)

@@ -640,6 +640,9 @@ class Engine:
             pending_writeback=self.pipeline.pending_writeback,
             store_pipeline=self.pipeline.spec,
             writeback=self.pipeline.writeback_figures(),
+            pinned_blocks=self.retention.pinned_count,
+            retention_rules=len(self.retention),
+            expired_blocks=self.expiry.expired,
         )
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:

@@ -115,6 +115,10 @@ class RetentionTable:
     def pinned(self, key: bytes) -> bool:
         return key in self._pinned
 
+    @property
+    def pinned_count(self) -> int:
+        return len(self._pinned)
+
     def pinned_keys(self) -> frozenset[bytes]:
         return frozenset(self._pinned)
 

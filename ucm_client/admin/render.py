@@ -95,6 +95,9 @@ def stats_dict(resp: Any, target: str) -> Json:
         "lookup_hits": resp.lookup_hits,
         "lookup_hit_rate": ratio(resp.lookup_hits, resp.lookup_keys),
         "pending_writeback": resp.pending_writeback,
+        "pinned_blocks": resp.pinned_blocks,
+        "retention_rules": resp.retention_rules,
+        "expired_blocks": resp.expired_blocks,
         "tiers": [tier_dict(t) for t in resp.tiers],
         "session_list": [
             {"client_name": s.client_name, "pid": s.pid, "tenant": s.tenant, "age_s": round(s.age_s, 3)}
@@ -112,6 +115,7 @@ def stats_summary(stats: Json) -> str:
         f" · lookups {stats['lookups']} ({stats['lookup_keys']} keys,"
         f" hit rate {percent(stats['lookup_hit_rate'])})"
         f" · pending write-back {stats['pending_writeback']}"
+        f" · pinned {stats['pinned_blocks']} · expired {stats['expired_blocks']}"
     )
 
 

@@ -73,6 +73,9 @@ class AdminServicer(rpc.AdminServicer):
             lookup_hits=snap.lookup_hits,
             pending_writeback=snap.pending_writeback,
             store_pipeline=snap.store_pipeline,
+            pinned_blocks=snap.pinned_blocks,
+            retention_rules=snap.retention_rules,
+            expired_blocks=snap.expired_blocks,
             session_list=[
                 pb.SessionInfo(
                     client_name=s.client_name, pid=s.pid, tenant=s.tenant, age_s=now - s.attached_at

@@ -356,7 +356,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline", "session_list")
+    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline", "session_list", "pinned_blocks", "retention_rules", "expired_blocks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,9 @@ class StatsResponse(_message.Message):
     PENDING_WRITEBACK_FIELD_NUMBER: _ClassVar[int]
     STORE_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_RULES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -385,7 +388,10 @@ class StatsResponse(_message.Message):
     pending_writeback: int
     store_pipeline: str
     session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    pinned_blocks: int
+    retention_rules: int
+    expired_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., pinned_blocks: _Optional[int] = ..., retention_rules: _Optional[int] = ..., expired_blocks: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("client_name", "pid", "tenant", "age_s")
