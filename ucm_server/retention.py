@@ -233,6 +233,7 @@ class RetentionTable:
         line = (json.dumps(_line(rules)) + "\n").encode()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._file.append, line)
 
+
 def _line(rules: dict[BlockKey, Rule] | dict[bytes, Rule]) -> dict[str, object]:
     """A journal line: rules to set (``[pinned, expires_at, priority]`` by key hex), keys to drop."""
     put = {bytes(k).hex(): [r.pinned, r.expires_at, r.priority] for k, r in rules.items() if not r.plain}
