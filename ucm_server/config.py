@@ -23,6 +23,8 @@ from typing import Any, Literal, get_type_hints
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.codec import CODECS
+from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
 
 __all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
@@ -96,6 +98,29 @@ class ServerConfig:
             "Tiers whose blocks are encrypted at rest per tenant (AES-256-GCM), '|'-separated, e.g. "
             "'Posix' or 'Posix|DS3FS'; never the Cache. Each tenant's key is the key_file its entry "
             "of auth_tokens_file names; blocks of tenants without one are stored in clear."
+        ),
+    )
+    codec_tiers: str = field(
+        default="",
+        metadata=_help(
+            "Tiers whose KV blocks are compressed at rest (codec), '|'-separated, e.g. 'Posix' or "
+            "'Posix|DS3FS'; never the Cache. Off by default. Blocks already stored keep loading, "
+            "either way round."
+        ),
+    )
+    codec: str = field(
+        default="fp8_e4m3",
+        metadata=_help(
+            "The codec of codec_tiers: fp8_e4m3 (2 bytes -> 1 per element, a power-of-two scale per "
+            "16,384 elements; lossy, error <= 6.25% of a value or 2^-17 of its group's largest)."
+        ),
+    )
+    codec_dtype: str = field(
+        default="bfloat16",
+        metadata=_help(
+            "The element type of the KV blocks the codec encodes: bfloat16 or float16 (the daemon "
+            "stores opaque bytes; set it to the model's KV cache dtype, and keep codec_tiers empty "
+            "for any other)."
         ),
     )
     storage_backends: str = field(
@@ -319,6 +344,10 @@ class ServerConfig:
         return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
 
     @property
+    def compressed_tiers(self) -> list[str]:
+        return [t.strip() for t in self.codec_tiers.split("|") if t.strip()]
+
+    @property
     def encrypted_tiers(self) -> list[str]:
         return [t.strip() for t in self.encrypt_tiers.split("|") if t.strip()]
 
@@ -363,6 +392,18 @@ class ServerConfig:
                 raise ConfigError(
                     f"encrypt_tiers: {name!r} is not a tier below the first of {self.store_pipeline!r}"
                 )
+        for name in self.compressed_tiers:
+            if name not in tiers or name == tiers[0]:
+                raise ConfigError(
+                    f"codec_tiers: {name!r} is not a tier below the first of {self.store_pipeline!r}"
+                )
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {', '.join(CODECS)}")
+        if self.codec_dtype not in CODEC_DTYPES:
+            raise ConfigError(
+                f"codec_dtype: {self.codec_dtype!r} is not an element type the codec takes; "
+                f"known: {', '.join(CODEC_DTYPES)}"
+            )
         if self.encrypted_tiers and not self.auth_tokens_file:
             raise ConfigError("encrypt_tiers: keys are per tenant: set auth_tokens_file, with key_file")
         if "Cache" in tiers and self.cache_capacity < self.cache_page_size:

@@ -42,6 +42,7 @@ from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
+from ucm_server.journal import remember_names
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
@@ -57,6 +58,7 @@ from ucm_server.retention import FILE_NAME as RETENTION_FILE
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
+from ucm_server.store.compressed import CompressedTier
 from ucm_server.store.encrypted import EncryptedTier, read_key_file
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
@@ -66,6 +68,12 @@ from ucm_server.tenants import SEALED_FILE, TenantKeyring, TenantLedger, remembe
 from ucm_server.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
+
+CODEC_FILE = "codec_tiers.json"
+_CODEC_FIX = (
+    "fix the file (a JSON list of the tiers that hold blocks compressed at rest); remove a tier only "
+    "once it holds no encoded block"
+)
 
 CLIENT_NAME_CHARS = 256
 INLINE_SEGMENTS = 4096
@@ -130,6 +138,7 @@ class Engine:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self._encrypt(authenticator, ledger)
+        self._compress()
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
         self.pipeline.set_rules(self.retention)
         self.quota = Quota(ledger, self.pipeline, self.retention)
@@ -161,6 +170,29 @@ class Engine:
         keyring = TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys))
         self.pipeline.wrap(names, lambda tier: EncryptedTier(tier, keyring, self.executor))
         log.info("encryption at rest: %s, for %d tenant(s)", ", ".join(names), len(keyed))
+
+    def _compress(self) -> None:
+        """Wrap the ``codec_tiers`` in :class:`CompressedTier` (outside any encryption: ciphertext
+        does not compress), and every tier that ever held encoded blocks in a decoding-only one:
+        turning the codec off must not turn its blocks into garbage."""
+        names = self.config.compressed_tiers
+        known = [t.name for t in self.pipeline.tiers[1:]]
+        path = self.config.data_dir / CODEC_FILE
+        ever = remember_names(path, names, "compressed tiers", _CODEC_FIX)
+        for name in sorted(ever - set(names) - set(known)):
+            log.warning("%s lists tier %r, which is not in store_pipeline now", path, name)
+        dtype = self.config.codec_dtype
+        self.pipeline.wrap(names, lambda tier: CompressedTier(tier, dtype, self.executor))
+        decoding = sorted((ever - set(names)) & set(known))
+        self.pipeline.wrap(decoding, lambda tier: CompressedTier(tier, None, self.executor))
+        if names or decoding:
+            log.info(
+                "compression at rest: %s (%s, %s); decoding only: %s",
+                ", ".join(names) or "none",
+                self.config.codec,
+                dtype,
+                ", ".join(decoding) or "none",
+            )
 
     async def open(self) -> None:
         await self.pipeline.open()

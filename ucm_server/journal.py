@@ -8,9 +8,11 @@ file, once; each owner keeps its own line format and its own reading of damage.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from ucm_protocol.errors import ConfigError
@@ -87,3 +89,20 @@ def read_regular(path: Path, what: str, fix: str, max_bytes: int, *, private: bo
         raise ConfigError(f"{what}: cannot read it: {exc.strerror}; {fix}") from None
     finally:
         os.close(fd)
+
+
+def remember_names(path: Path, add: Iterable[str], what: str, fix: str) -> set[str]:
+    """The names listed in ``path`` (a JSON list) plus ``add``, written back durably when that adds
+    any: a set that only grows, for what the daemon must not forget once done (tenants whose blocks
+    were sealed, tiers that hold encoded blocks). A damaged file stops start-up naming ``what``."""
+    data = read_regular(path, f"{what} {path}", fix, 64 << 20)
+    try:
+        known = json.loads(data) if data else []
+        if not isinstance(known, list) or not all(isinstance(t, str) for t in known):
+            raise ValueError("expected a JSON list of names")
+    except ValueError as exc:
+        raise ConfigError(f"{what} {path}: {exc}; {fix}") from None
+    names = set(known) | set(add)
+    if names != set(known):
+        JournalFile(path).rewrite((json.dumps(sorted(names)) + "\n").encode())
+    return names

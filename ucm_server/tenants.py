@@ -29,7 +29,7 @@ from pathlib import Path
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
-from ucm_server.journal import JournalFile, read_regular
+from ucm_server.journal import JournalFile, read_regular, remember_names
 from ucm_server.store.encrypted import LOCKED, TenantKey
 
 log = logging.getLogger(__name__)
@@ -245,17 +245,7 @@ SEALED_FILE = "sealed_tenants.json"
 def remember_sealed(path: Path, keyed: Iterable[str]) -> set[str]:
     """The tenants whose blocks were ever sealed here (``path``, a JSON list) plus ``keyed``, written
     back durably: a tenant whose key file is later removed stays known as sealed."""
-    data = read_regular(path, f"sealed tenants {path}", _SEALED_FIX, 64 << 20)
-    try:
-        known = json.loads(data) if data else []
-        if not isinstance(known, list) or not all(isinstance(t, str) for t in known):
-            raise ValueError("expected a JSON list of tenant names")
-    except ValueError as exc:
-        raise ConfigError(f"sealed tenants {path}: {exc}; {_SEALED_FIX}") from None
-    sealed = set(known) | set(keyed)
-    if sealed != set(known):
-        JournalFile(path).rewrite((json.dumps(sorted(sealed)) + "\n").encode())
-    return sealed
+    return remember_names(path, keyed, "sealed tenants", _SEALED_FIX)
 
 
 _SEALED_FIX = (

@@ -27,11 +27,10 @@ The key never leaves :class:`TenantKey` (not logged, not in any message). The ci
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import struct
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,20 +40,10 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ucm_protocol.errors import ConfigError
-from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.keys import BlockKey
 from ucm_server.journal import read_regular
-from ucm_server.store.base import (
-    BlockInfo,
-    BlockResult,
-    BlockState,
-    EvictionRules,
-    IoVec,
-    Tier,
-    TierStats,
-    copy_iov,
-    failed,
-    iov_len,
-)
+from ucm_server.store.base import BlockResult, BlockState, IoVec, Tier, copy_iov, failed, iov_len
+from ucm_server.store.wrapper import TierWrapper
 
 T = TypeVar("T")
 
@@ -149,86 +138,18 @@ def open_envelope(tk: TenantKey | None, key: BlockKey, stored: memoryview, dest:
     return BlockResult(BlockState.OK)
 
 
-class EncryptedTier(Tier):
-    """``inner`` with the blocks of keyed namespaces sealed (see the module docstring). It keeps
-    the inner tier's name, kind and flags, so operators and the pipeline see the same tier."""
+class EncryptedTier(TierWrapper):
+    """``inner`` with the blocks of keyed namespaces sealed (see the module docstring)."""
 
     def __init__(self, inner: Tier, keyring: Keyring, executor: Executor | None = None) -> None:
-        super().__init__(inner.name)
-        self.inner = inner
+        super().__init__(inner, executor)
         self.keyring = keyring
-        self._executor = executor
-        self.kind = inner.kind  # type: ignore[misc]
-        self.persistent = inner.persistent  # type: ignore[misc]
-        self.shared = inner.shared  # type: ignore[misc]
-        self.pin_gap = inner.pin_gap  # type: ignore[misc]
-        self.max_concurrency = inner.max_concurrency  # type: ignore[misc]
 
-    def use_rules(self, rules: EvictionRules) -> None:
-        super().use_rules(rules)
-        self.inner.use_rules(rules)
-
-    # -- life cycle and figures: the inner tier's ---------------------------------------------------
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def indexing(self) -> bool:
-        return self.inner.indexing
-
-    async def indexed(self) -> None:
-        await self.inner.indexed()
-
-    def stats(self) -> TierStats:
-        return self.inner.stats()
-
-    async def delete(self, keys: Sequence[BlockKey]) -> int:
-        return await self.inner.delete(keys)
-
-    async def evict(self, nbytes: int) -> int:
-        return await self.inner.evict(nbytes)
-
-    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
-        return await self.inner.verify(key, quarantine=quarantine)
-
-    # -- sizes: the plaintext's -----------------------------------------------------------------------
-    def _plain_size(self, namespace: bytes, size: int | None) -> int | None:
-        if size is None or self.keyring.key_for(namespace) is None:
-            return size
-        return size - OVERHEAD if size > OVERHEAD else None
-
-    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        sizes = await self.inner.lookup(keys)
-        return [self._plain_size(k.namespace, s) for k, s in zip(keys, sizes, strict=True)]
-
-    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
-        sizes = await self.inner.lookup_digests(namespace, digests)
-        if self.keyring.key_for(namespace) is None:
-            return sizes
-        return [s - OVERHEAD if s is not None and s > OVERHEAD else None for s in sizes]
-
-    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
-        async for info in self.inner.list_blocks(namespace):
-            size = self._plain_size(info.key.namespace, info.size)
-            if size is not None:
-                yield BlockInfo(info.key, size, info.tier, info.stored_at, info.checksum)
-
-    async def info(self, key: BlockKey) -> BlockInfo | None:
-        info = await self.inner.info(key)
-        size = self._plain_size(key.namespace, info.size) if info is not None else None
-        if info is None or size is None:
-            return None
-        return BlockInfo(info.key, size, info.tier, info.stored_at, info.checksum)
-
-    # -- bytes ------------------------------------------------------------------------------------------
-    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
-        return (await self.write_many([(key, src)]))[0]
-
-    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        return (await self.read_many([(key, dest)]))[0]
+    def reader_size(self, namespace: bytes, stored: int | None) -> int | None:
+        """The plaintext's: the envelope's overhead less, for namespaces with a key."""
+        if stored is None or self.keyring.key_for(namespace) is None:
+            return stored
+        return stored - OVERHEAD if stored > OVERHEAD else None
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Seal the keyed blocks (off the loop), then one batch to the inner tier."""
@@ -275,9 +196,6 @@ class EncryptedTier(Tier):
             return out
 
         return await self._run(open_all)
-
-    async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
 
 def _starts_with_magic(iov: IoVec) -> bool:

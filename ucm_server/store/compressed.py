@@ -1,0 +1,112 @@
+"""Compression at rest: a wrapper tier that stores KV blocks as fp8 (:mod:`ucm_server.store.codec`).
+
+The tiers named in ``codec_tiers`` (below the Cache: Posix, DS3FS, ...) are wrapped in
+:class:`CompressedTier`. The daemon stores opaque bytes, so the operator says what the KV elements
+are (``codec_dtype``: bfloat16 or float16); a block is encoded if the codec takes it, and stored raw
+otherwise (a length that is not a multiple of 128, an inf or NaN element). Every stored block says
+how it is encoded: an encoded one starts with the codec's head (magic, codec, dtype, original
+length, checksums) and has a stored size of 36 (mod 64), which no raw KV block has, so lookups
+translate sizes without reading anything.
+
+Either way round, a block loads: one written raw (before the codec was on, or not encodable) is read
+straight into the reader's memory; one written encoded is decoded wherever the tier is wrapped —
+and a tier that ever held encoded blocks stays wrapped, decoding only, once ``codec_tiers`` no
+longer names it (the engine remembers those tiers in ``<data_dir>/codec_tiers.json``).
+
+Never garbage for a block: the wrapped tier's header and checksum cover the stored bytes as for any
+block, and the codec's head CRC and body hash cover the encoding itself, whatever tier holds it;
+a block failing either is FAILED, its destination zeroed. A raw block that would read as encoded
+(its size 36 mod 64 and the codec's magic first: crafted, never KV data) is refused at write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+from ucm_protocol.keys import BlockKey
+from ucm_server.store import codec
+from ucm_server.store.base import OK, BlockResult, IoVec, Tier, copy_iov, failed, iov_len
+from ucm_server.store.wrapper import TierWrapper
+
+LOOKS_ENCODED = failed("a raw block that would read as an encoded one (size 36 mod 64, the codec's magic)")
+
+
+class CompressedTier(TierWrapper):
+    """``inner`` with blocks encoded by the codec for ``dtype`` (see the module docstring);
+    ``dtype=None``: decode what is there, write raw (the codec was turned off for this tier)."""
+
+    def __init__(self, inner: Tier, dtype: str | None, executor: Executor | None = None) -> None:
+        super().__init__(inner, executor)
+        if dtype is not None and dtype not in codec.DTYPES:
+            raise ValueError(f"codec dtype {dtype!r}: expected one of {', '.join(codec.DTYPES)}")
+        self.dtype = dtype
+
+    def reader_size(self, namespace: bytes, stored: int | None) -> int | None:
+        if stored is None:
+            return None
+        original = codec.original_size(stored)
+        return stored if original is None else original
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Encode what the codec takes (off the loop), then one batch to the inner tier."""
+        dtype = self.dtype
+
+        def encode_all() -> list[BlockResult | IoVec]:
+            out: list[BlockResult | IoVec] = []
+            for _, src in items:
+                data = b"".join(src) if len(src) != 1 else src[0]
+                encoded = codec.encode(data, dtype) if dtype is not None else None
+                if encoded is not None:
+                    out.append([memoryview(encoded)])
+                elif codec.original_size(len(data)) is not None and bytes(data[:8]) == codec.MAGIC:
+                    out.append(LOOKS_ENCODED)
+                else:
+                    out.append(src)
+            return out
+
+        prepared = await self._run(encode_all)
+        todo = [i for i, p in enumerate(prepared) if not isinstance(p, BlockResult)]
+        results = [p if isinstance(p, BlockResult) else LOOKS_ENCODED for p in prepared]
+        batch = [(items[i][0], prepared[i]) for i in todo]
+        for i, r in zip(todo, await self.inner.write_many(batch), strict=True):  # type: ignore[arg-type]
+            results[i] = r
+        return results
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        """Encoded blocks (by their stored size) are read whole into scratch memory and decoded into
+        ``dest``; raw ones straight into ``dest``."""
+        stored = await self.inner.lookup([k for k, _ in items])
+        encoded = [
+            s is not None and codec.original_size(s) == iov_len(dest)
+            for (_, dest), s in zip(items, stored, strict=True)
+        ]
+        reads = [
+            (k, [memoryview(bytearray(s))] if enc and s is not None else dest)
+            for (k, dest), s, enc in zip(items, stored, encoded, strict=True)
+        ]
+        got = await self.inner.read_many(reads)
+        if not any(encoded):
+            return got
+
+        def decode_all() -> list[BlockResult]:
+            out: list[BlockResult] = []
+            for (_, dest), enc, (_, buf), r in zip(items, encoded, reads, got, strict=True):
+                out.append(_decode(buf[0], dest) if enc and r.ok else r)
+            return out
+
+        return await self._run(decode_all)
+
+
+def _decode(stored: memoryview, dest: IoVec) -> BlockResult:
+    """``stored`` (an encoded block) decoded into ``dest``; FAILED with the reason, ``dest`` zeroed."""
+    whole = dest[0] if len(dest) == 1 else memoryview(bytearray(iov_len(dest)))
+    try:
+        codec.decode_into(stored, whole)
+    except codec.CodecError as exc:
+        for seg in dest:
+            seg[:] = bytes(seg.nbytes)
+        return failed(f"encoded block: {exc}")
+    if len(dest) != 1:
+        copy_iov(dest, [whole])
+    return OK
