@@ -18,7 +18,7 @@ i.e. every element is within 6.25 % of itself or 2**-17 of its group's largest m
 
 Why these choices: numpy has no fp8, and a cast through ``ml_dtypes`` runs at ~0.8 GB/s a core;
 with power-of-two scales, encoding is one ``take`` through a 64 Ki-entry table per exponent (bf16
-bits -> e4m3 bits, built once) and decoding one ``take`` through a 256-entry table: several GB/s a
+bits -> e4m3 bits, built once) and decoding one ``take`` through a table of byte pairs: GB/s a
 core. The head makes a stored block say how it is encoded; its CRC and the body's hash make it
 check itself whatever tier holds it, so a damaged encoded block is never decoded into a plausible
 wrong tensor.
@@ -164,6 +164,15 @@ def _decode_table(dtype: int, k: int) -> np.ndarray:
     return _encode_bits(dtype, np.nan_to_num(_E4M3, nan=0.0) * 2.0**k)
 
 
+@lru_cache(maxsize=32)
+def _pair_table(dtype: int, k: int) -> np.ndarray:
+    """Two e4m3 bytes (one u16, little endian) -> two elements of ``dtype`` (one u32): decoding
+    takes half as many lookups (256 KiB, in L2)."""
+    one = _decode_table(dtype, k).astype(np.uint32)
+    i = np.arange(65536, dtype=np.uint32)
+    return np.asarray(one[i & 0xFF] | (one[i >> 8] << 16), np.uint32)
+
+
 def _exponents(dtype: int, amax_bits: np.ndarray) -> np.ndarray:
     """``k`` per group whose largest magnitude has the bits ``amax_bits``: amax / 2**k <= 448."""
     m, e = np.frexp(_decode_bits(dtype, amax_bits))  # amax = m * 2**e, 0.5 <= m < 1
@@ -198,11 +207,13 @@ def error_bound(x: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
 # -- encode / decode ---------------------------------------------------------------------------------
 
 
-def encode(data: bytes | memoryview, dtype: str) -> bytes | None:
-    """The encoded block of ``data`` (elements of ``dtype``); ``None``: store it raw (a length the
-    codec does not take, or an inf/NaN element)."""
+def encode(data: bytes | memoryview, dtype: str, into: bytearray | None = None) -> memoryview | None:
+    """The encoded block of ``data`` (elements of ``dtype``), written in ``into`` if given (at least
+    :func:`encoded_size` bytes: scratch memory reused saves a page fault per 4 KiB) or in new
+    memory; ``None``: store it raw (a length the codec does not take, or an inf/NaN element)."""
     code = DTYPES[dtype]
-    if encoded_size(len(data)) is None:
+    size = encoded_size(len(data))
+    if size is None:
         return None
     bits = np.frombuffer(data, np.uint16)
     n = bits.size
@@ -212,16 +223,19 @@ def encode(data: bytes | memoryview, dtype: str) -> bytes | None:
     amax = np.maximum.reduceat(mag, np.arange(0, n, GROUP))
     if int(amax.max()) >= nonfinite:
         return None
+    out = memoryview(into if into is not None else bytearray(size))[:size]
     exps = _exponents(code, amax)
-    exp_section = np.zeros(_exp_bytes(n), np.uint8)
+    exp_section = np.frombuffer(out, np.uint8, _exp_bytes(n), HEAD_BYTES)
+    exp_section[:] = 0
     exp_section[: 2 * groups] = exps.view(np.uint8)
-    fp8 = np.empty(n, np.uint8)
+    fp8 = np.frombuffer(out, np.uint8, n, size - n)
     for g, k in enumerate(exps.tolist()):
         s = slice(g * GROUP, min(n, (g + 1) * GROUP))
         np.take(_encode_table(code, k), bits[s], out=fp8[s], mode="clip")
-    body = exp_section.tobytes() + fp8.tobytes()
-    head = _HEAD.pack(MAGIC, VERSION, CODEC_FP8_E4M3, code, GROUP, len(data), xxhash.xxh3_64_intdigest(body))
-    return head + struct.pack("<I", zlib.crc32(head)) + body
+    digest = xxhash.xxh3_64_intdigest(out[HEAD_BYTES:])
+    _HEAD.pack_into(out, 0, MAGIC, VERSION, CODEC_FP8_E4M3, code, GROUP, len(data), digest)
+    struct.pack_into("<I", out, _HEAD.size, zlib.crc32(out[: _HEAD.size]))
+    return out
 
 
 def read_head(stored: bytes | memoryview) -> Encoding | None:
@@ -256,11 +270,12 @@ def decode_into(stored: bytes | memoryview, out: memoryview) -> Encoding:
     n = enc.original_len // 2
     groups = -(-n // GROUP)
     exps = np.frombuffer(body, np.int16, groups)
-    fp8 = np.frombuffer(body, np.uint8, n, _exp_bytes(n))
-    dst = np.frombuffer(out, np.uint16)
+    pairs = np.frombuffer(body, np.uint16, n // 2, _exp_bytes(n))  # n is even: ALIGN
+    dst = np.frombuffer(out, np.uint32)
+    half = GROUP // 2
     for g, k in enumerate(exps.tolist()):
-        s = slice(g * GROUP, min(n, (g + 1) * GROUP))
-        np.take(_decode_table(enc.dtype, k), fp8[s], out=dst[s], mode="clip")
+        s = slice(g * half, min(n // 2, (g + 1) * half))
+        np.take(_pair_table(enc.dtype, k), pairs[s], out=dst[s], mode="clip")
     return enc
 
 

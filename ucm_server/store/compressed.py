@@ -21,7 +21,8 @@ a block failing either is FAILED, its destination zeroed. A raw block that would
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 
 from ucm_protocol.keys import BlockKey
@@ -32,12 +33,39 @@ from ucm_server.store.wrapper import TierWrapper
 LOOKS_ENCODED = failed("a raw block that would read as an encoded one (size 36 mod 64, the codec's magic)")
 
 
+class ScratchPool:
+    """Scratch buffers kept for reuse, up to ``max_bytes``: fresh memory costs a page fault per
+    4 KiB on first touch (about as much as encoding it), so buffers that held one batch's encoded
+    blocks hold the next one's."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if n <= len(buf) <= 2 * n:
+                    return self._free.pop(i)
+        return bytearray(n)
+
+    def give(self, bufs: Iterable[bytearray]) -> None:
+        with self._lock:
+            held = sum(len(b) for b in self._free)
+            for buf in bufs:
+                if held + len(buf) <= self.max_bytes:
+                    self._free.append(buf)
+                    held += len(buf)
+
+
 class CompressedTier(TierWrapper):
     """``inner`` with blocks encoded by the codec for ``dtype`` (see the module docstring);
     ``dtype=None``: decode what is there, write raw (the codec was turned off for this tier)."""
 
     def __init__(self, inner: Tier, dtype: str | None, executor: Executor | None = None) -> None:
         super().__init__(inner, executor)
+        self.scratch = ScratchPool()
         if dtype is not None and dtype not in codec.DTYPES:
             raise ValueError(f"codec dtype {dtype!r}: expected one of {', '.join(codec.DTYPES)}")
         self.dtype = dtype
@@ -51,14 +79,19 @@ class CompressedTier(TierWrapper):
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Encode what the codec takes (off the loop), then one batch to the inner tier."""
         dtype = self.dtype
+        taken: list[bytearray] = []
 
         def encode_all() -> list[BlockResult | IoVec]:
             out: list[BlockResult | IoVec] = []
             for _, src in items:
                 data = b"".join(src) if len(src) != 1 else src[0]
-                encoded = codec.encode(data, dtype) if dtype is not None else None
+                size = codec.encoded_size(len(data)) if dtype is not None else None
+                buf = self.scratch.take(size) if size is not None and dtype is not None else None
+                encoded = codec.encode(data, dtype, buf) if buf is not None and dtype is not None else None
+                if buf is not None:
+                    taken.append(buf)
                 if encoded is not None:
-                    out.append([memoryview(encoded)])
+                    out.append([encoded])
                 elif codec.original_size(len(data)) is not None and bytes(data[:8]) == codec.MAGIC:
                     out.append(LOOKS_ENCODED)
                 else:
@@ -69,8 +102,11 @@ class CompressedTier(TierWrapper):
         todo = [i for i, p in enumerate(prepared) if not isinstance(p, BlockResult)]
         results = [p if isinstance(p, BlockResult) else LOOKS_ENCODED for p in prepared]
         batch = [(items[i][0], prepared[i]) for i in todo]
-        for i, r in zip(todo, await self.inner.write_many(batch), strict=True):  # type: ignore[arg-type]
-            results[i] = r
+        try:
+            for i, r in zip(todo, await self.inner.write_many(batch), strict=True):  # type: ignore[arg-type]
+                results[i] = r
+        finally:
+            self.scratch.give(taken)
         return results
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
@@ -81,21 +117,28 @@ class CompressedTier(TierWrapper):
             s is not None and codec.original_size(s) == iov_len(dest)
             for (_, dest), s in zip(items, stored, strict=True)
         ]
-        reads = [
-            (k, [memoryview(bytearray(s))] if enc and s is not None else dest)
-            for (k, dest), s, enc in zip(items, stored, encoded, strict=True)
-        ]
-        got = await self.inner.read_many(reads)
         if not any(encoded):
-            return got
+            return await self.inner.read_many(items)
+        bufs = [
+            self.scratch.take(s) if enc and s is not None else None
+            for s, enc in zip(stored, encoded, strict=True)
+        ]
+        reads = [
+            (k, [memoryview(buf)[:s]] if buf is not None and s is not None else dest)
+            for (k, dest), s, buf in zip(items, stored, bufs, strict=True)
+        ]
+        try:
+            got = await self.inner.read_many(reads)
 
-        def decode_all() -> list[BlockResult]:
-            out: list[BlockResult] = []
-            for (_, dest), enc, (_, buf), r in zip(items, encoded, reads, got, strict=True):
-                out.append(_decode(buf[0], dest) if enc and r.ok else r)
-            return out
+            def decode_all() -> list[BlockResult]:
+                out: list[BlockResult] = []
+                for (_, dest), buf, (_, view), r in zip(items, bufs, reads, got, strict=True):
+                    out.append(_decode(view[0], dest) if buf is not None and r.ok else r)
+                return out
 
-        return await self._run(decode_all)
+            return await self._run(decode_all)
+        finally:
+            self.scratch.give(b for b in bufs if b is not None)
 
 
 def _decode(stored: memoryview, dest: IoVec) -> BlockResult:
