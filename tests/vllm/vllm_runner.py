@@ -6,9 +6,9 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``kv_cache_dtype``, ``hash_algo``, ``prefix_caching`` (bool),
-``check_shm``, ``report_keys``, ``kv_transfer_params`` (one per prompt, or null), and
-``start_daemon`` (``{"before_prompt": i, "socket": ...,
+``connector`` (bool), ``dtype`` (the model's: float32 by default), ``extra_config``, ``kv_cache_dtype``,
+``hash_algo``, ``prefix_caching`` (bool), ``check_shm``, ``report_keys``, ``kv_transfer_params`` (one
+per prompt, or null), and ``start_daemon`` (``{"before_prompt": i, "socket": ...,
 "data_dir": ...}``: start a real daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, vLLM's metrics after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's
@@ -85,7 +85,7 @@ def main(spec_path: str, result_path: str) -> None:
     kwargs: dict[str, Any] = {
         "model": spec["model"],
         "enforce_eager": True,
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "disable_log_stats": False,
         "max_model_len": spec.get("max_model_len", 4096),
         "seed": 0,
