@@ -40,9 +40,15 @@ def _float(data: bytes, dtype: str) -> np.ndarray:
 
 CASES = {
     "normal": lambda rng, n: rng.standard_normal(n),
-    "wide range": lambda rng, n: rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n)),
-    "outliers": lambda rng, n: np.where(rng.random(n) < 0.001, 3e4, 1.0) * rng.standard_normal(n),
+    "range per head": lambda rng, n: (
+        rng.standard_normal(n) * np.repeat(np.exp(rng.uniform(-3, 3, n)), 64)[:n]
+    ),
+    "outlier channels": lambda rng, n: np.where(np.arange(n) % 128 < 4, 100.0, 1.0) * rng.standard_normal(n),
     "zeros and tiny": lambda rng, n: np.where(rng.random(n) < 0.5, 0.0, 1e-30 * rng.standard_normal(n)),
+}
+TOO_WIDE = {  # more than e4m3's 2**17 within a group: stored raw rather than flushed to zeros
+    "wide range": lambda rng, n: rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n)),
+    "rare huge outliers": lambda rng, n: np.where(rng.random(n) < 0.001, 3e4, 1.0) * rng.standard_normal(n),
 }
 
 
@@ -64,6 +70,12 @@ def test_round_trip_within_the_documented_bound(dtype: str, case: str) -> None:
     assert np.any(err > 0) or not np.any(x), "lossy: an exact copy means nothing was encoded"
     if case == "normal":  # the bound means something: fp8 keeps 3 mantissa bits, ~2**-6 typical
         assert np.median(err / np.abs(x)) < 2**-5
+
+
+@pytest.mark.parametrize("case", list(TOO_WIDE))
+def test_values_wider_than_e4m3_holds_are_left_raw(case: str) -> None:
+    data = _bits(TOO_WIDE[case](np.random.default_rng(7), 40_064), "bfloat16")
+    assert codec.encode(data, "bfloat16") is None
 
 
 def test_encoding_matches_ml_dtypes_rounding_where_it_is_installed() -> None:
@@ -93,6 +105,17 @@ def test_blocks_the_codec_cannot_take_are_left_raw(special: float) -> None:
     x[17] = special
     assert codec.encode(_bits(x, "bfloat16"), "bfloat16") is None
     assert codec.encode(b"\x00" * 1000, "bfloat16") is None  # not a multiple of 128 bytes
+
+
+def test_float32_bytes_declared_as_bfloat16_are_left_raw() -> None:
+    """The operator's dtype is wrong (vLLM on CPU keeps a float32 KV cache): encoding would ruin
+    the values, so the block is stored raw; the same values as bf16 are encoded (the control)."""
+    x = np.random.default_rng(3).standard_normal(8192)
+    x[np.abs(x) > 3] = 0.5  # no element whose low half happens to look like inf/NaN decides it
+    f32 = x.astype(np.float32).view(np.uint32)
+    f32[(f32 & 0x7F80) == 0x7F80] ^= 0x0080  # nor any low half with an all-ones exponent
+    assert codec.encode(f32.tobytes(), "bfloat16") is None
+    assert codec.encode(_bits(x, "bfloat16"), "bfloat16") is not None
 
 
 def test_a_damaged_head_or_body_is_refused() -> None:

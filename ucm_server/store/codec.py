@@ -24,7 +24,8 @@ check itself whatever tier holds it, so a damaged encoded block is never decoded
 wrong tensor.
 
 A block the codec cannot take is stored raw, unchanged (:func:`encode` returns ``None``): a length
-that is not a multiple of :data:`ALIGN`, an element that is inf or NaN. Encoded sizes are always
+that is not a multiple of :data:`ALIGN`, an element that is inf or NaN, or values spread wider than
+e4m3 holds (:data:`FLUSH_LIMIT`: what bytes of another element type look like). Encoded sizes are always
 ``36 (mod 64)`` and invertible (:func:`original_size`), while raw KV blocks are multiples of 64
 bytes: the stored size alone tells which a block is, so lookups answer without reading.
 """
@@ -53,6 +54,10 @@ _HEAD = struct.Struct("<8sBBBxIQQ")
 HEAD_BYTES = _HEAD.size + 4
 SIZE_RESIDUE = HEAD_BYTES % 64
 """Every encoded block's stored size is this modulo 64 (36); raw KV blocks are multiples of 64."""
+FLUSH_LIMIT = 64
+"""A block where more than 1/64 of the elements are non-zero but would decode as zero (their
+group spans more than e4m3's 2**17) is stored raw: real KV never does, while bytes of another
+type do (float32 KV declared as bfloat16: the low halves' exponents are noise)."""
 E4M3_MAX = 448.0
 _TOP_EXP = 8
 """448 = 1.75 * 2**8: the exponent a group's largest magnitude is scaled to (7 if its mantissa > 1.75)."""
@@ -232,6 +237,9 @@ def encode(data: bytes | memoryview, dtype: str, into: bytearray | None = None) 
     for g, k in enumerate(exps.tolist()):
         s = slice(g * GROUP, min(n, (g + 1) * GROUP))
         np.take(_encode_table(code, k), bits[s], out=fp8[s], mode="clip")
+    lost = np.count_nonzero(mag) - np.count_nonzero(fp8 & np.uint8(0x7F))
+    if lost * FLUSH_LIMIT > n:  # wider than e4m3 within groups: not KV of ``dtype`` (float32?)
+        return None
     digest = xxhash.xxh3_64_intdigest(out[HEAD_BYTES:])
     _HEAD.pack_into(out, 0, MAGIC, VERSION, CODEC_FP8_E4M3, code, GROUP, len(data), digest)
     struct.pack_into("<I", out, _HEAD.size, zlib.crc32(out[: _HEAD.size]))
