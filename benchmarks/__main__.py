@@ -26,6 +26,7 @@ BENCHMARKS = {
     "small_objects": ["benchmarks.small_objects"],
     "eviction": ["benchmarks.eviction_bench"],
     "encryption": ["benchmarks.encryption_bench"],
+    "codec": ["benchmarks.codec_bench"],
 }
 
 

@@ -137,27 +137,33 @@ def _through_codec(t: torch.Tensor) -> tuple[torch.Tensor, float]:
     return back, worst
 
 
+def attention_error(tokens: int) -> tuple[float, float, float, bool]:
+    """On ``tokens`` of planted-needle data: (rel. error of attention outputs, codec vs bf16; bf16
+    vs fp32; worst per-element error over the bound; whether the needles stay the most-attended)."""
+    case = planted_needles(
+        tokens, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK_TOKENS, seed=1
+    )
+    k16, v16 = case.keys.to(torch.bfloat16), case.values.to(torch.bfloat16)
+    k8, kw = _through_codec(k16)
+    v8, vw = _through_codec(v16)
+    q = case.query
+    exact = dense_decode_attention(q, k16.float(), v16.float(), case.scale)
+    err = relative_error(dense_decode_attention(q, k8.float(), v8.float(), case.scale), exact)
+    vs_fp32 = relative_error(exact, dense_decode_attention(q, case.keys, case.values, case.scale))
+    top = []
+    for keys in (k16, k8):
+        logits = torch.einsum("hd,nhd->nh", q.view(KV_HEADS, -1, DIM).mean(1), keys.float())
+        per_block = logits.amax(1).view(-1, BLOCK_TOKENS).amax(1)
+        top.append(set(torch.topk(per_block, len(case.needle_blocks)).indices.tolist()))
+    return err, vs_fp32, max(kw, vw), top[0] == top[1] == set(case.needle_blocks.tolist())
+
+
 def accuracy_rows(tokens_list: list[int]) -> list[str]:
     rows = []
     for tokens in tokens_list:
-        case = planted_needles(
-            tokens, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK_TOKENS, seed=1
-        )
-        k16, v16 = case.keys.to(torch.bfloat16), case.values.to(torch.bfloat16)
-        k8, kw = _through_codec(k16)
-        v8, vw = _through_codec(v16)
-        q = case.query
-        exact = dense_decode_attention(q, k16.float(), v16.float(), case.scale)
-        approx = dense_decode_attention(q, k8.float(), v8.float(), case.scale)
-        err = relative_error(approx, exact)
-        vs_fp32 = relative_error(exact, dense_decode_attention(q, case.keys, case.values, case.scale))
-        top = []
-        for keys in (k16, k8):
-            logits = torch.einsum("hd,nhd->nh", q.view(KV_HEADS, -1, DIM).mean(1), keys.float())
-            per_block = logits.amax(1).view(-1, BLOCK_TOKENS).amax(1)
-            top.append(set(torch.topk(per_block, len(case.needle_blocks)).indices.tolist()))
-        kept = "yes" if top[0] == top[1] == set(case.needle_blocks.tolist()) else "no"
-        rows.append(f"| {tokens // 1024}k tokens | {err:.4f} | {vs_fp32:.4f} | {max(kw, vw):.3f} | {kept} |")
+        err, vs_fp32, worst, kept = attention_error(tokens)
+        kept_word = "yes" if kept else "no"
+        rows.append(f"| {tokens // 1024}k tokens | {err:.4f} | {vs_fp32:.4f} | {worst:.3f} | {kept_word} |")
     return rows
 
 
