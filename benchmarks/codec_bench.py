@@ -16,7 +16,6 @@ The machine is shared (2 CPUs): only figures measured back to back compare.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import time
@@ -27,9 +26,9 @@ import numpy as np
 import torch
 
 from benchmarks.results_file import publish
+from benchmarks.tier_rates import parser, tier_rates
 from ucm_client.sparse.kernels import dense_decode_attention
 from ucm_client.sparse.testing import planted_needles, relative_error
-from ucm_protocol.keys import BlockKey
 from ucm_server.store import codec
 from ucm_server.store.base import Tier
 from ucm_server.store.compressed import CompressedTier
@@ -72,26 +71,6 @@ def codec_rates(size: int, repeats: int) -> list[str]:
     return rows
 
 
-async def _tier_rates(tier: Tier, blocks: int, size: int, repeats: int) -> tuple[float, float, int]:
-    data = memoryview(kv_like(size, "bfloat16"))
-    best_w = best_r = 0.0
-    stored = 0
-    for r in range(repeats):
-        keys = [BlockKey(NS, r.to_bytes(4, "little") + i.to_bytes(28, "little")) for i in range(blocks)]
-        t = time.perf_counter()
-        results = await tier.write_many([(k, [data]) for k in keys])
-        best_w = max(best_w, blocks * size / (time.perf_counter() - t))
-        assert all(x.ok for x in results)
-        stored = tier.stats().bytes
-        outs = [[memoryview(bytearray(size))] for _ in keys]
-        t = time.perf_counter()
-        results = await tier.read_many(list(zip(keys, outs, strict=True)))
-        best_r = max(best_r, blocks * size / (time.perf_counter() - t))
-        assert all(x.ok for x in results)
-        await tier.delete(keys)
-    return best_w, best_r, stored
-
-
 async def tier_rows(blocks: int, size: int, repeats: int) -> tuple[list[str], list[str]]:
     rows, capacity = [], []
     stored_by: dict[str, int] = {}
@@ -101,7 +80,8 @@ async def tier_rows(blocks: int, size: int, repeats: int) -> tuple[list[str], li
             tier: Tier = posix if name == "Posix" else CompressedTier(posix, "bfloat16")
             await tier.open()
             try:
-                w, r, stored = await _tier_rates(tier, blocks, size, repeats)
+                data = memoryview(kv_like(size, "bfloat16"))
+                w, r, stored = await tier_rates(tier, NS, data, blocks, repeats, exact=name == "Posix")
             finally:
                 await tier.close()
         stored_by[name] = stored
@@ -168,12 +148,8 @@ def accuracy_rows(tokens_list: list[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=2 << 20)
-    p.add_argument("--repeats", type=int, default=5)
+    p = parser(__doc__, 32)
     p.add_argument("--tokens", type=int, nargs="*", default=[8192, 32768])
-    p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     tier, capacity = asyncio.run(tier_rows(args.blocks, args.block_size, args.repeats))

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks.results_file import publish
+from benchmarks.tier_rates import parser, tier_rates
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import Tier
 from ucm_server.store.encrypted import EncryptedTier, TenantKey, open_envelope, seal
@@ -34,24 +35,6 @@ class _OneKey:
         return self.key
 
 
-async def _tier_rates(tier: Tier, blocks: int, size: int, repeats: int) -> tuple[float, float]:
-    data = memoryview(os.urandom(size))
-    best_w = best_r = 0.0
-    for r in range(repeats):
-        keys = [BlockKey(NS, r.to_bytes(4, "little") + i.to_bytes(28, "little")) for i in range(blocks)]
-        t = time.perf_counter()
-        results = await tier.write_many([(k, [data]) for k in keys])
-        best_w = max(best_w, blocks * size / (time.perf_counter() - t))
-        assert all(x.ok for x in results)
-        outs = [[memoryview(bytearray(size))] for _ in keys]
-        t = time.perf_counter()
-        results = await tier.read_many(list(zip(keys, outs, strict=True)))
-        best_r = max(best_r, blocks * size / (time.perf_counter() - t))
-        assert all(x.ok for x in results) and bytes(outs[0][0]) == bytes(data)
-        await tier.delete(keys)
-    return best_w, best_r
-
-
 async def _measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     rows = []
     key = TenantKey.from_bytes(os.urandom(32))
@@ -61,7 +44,9 @@ async def _measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
             tier: Tier = posix if name == "Posix" else EncryptedTier(posix, _OneKey(key))
             await tier.open()
             try:
-                w, r = await _tier_rates(tier, args.blocks, args.block_size, args.repeats)
+                w, r, _ = await tier_rates(
+                    tier, NS, memoryview(os.urandom(args.block_size)), args.blocks, args.repeats
+                )
             finally:
                 await tier.close()
             rows.append((name, w, r))
@@ -81,12 +66,7 @@ async def _measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--blocks", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=2 << 20)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args(argv)
+    args = parser(__doc__, 64).parse_args(argv)
     rows = asyncio.run(_measure(args))
     lines = [
         "# Encryption at rest: the cost on dump and load",
