@@ -88,11 +88,17 @@ def test_encoding_matches_ml_dtypes_rounding_where_it_is_installed() -> None:
 
 
 def test_sizes_are_invertible_and_never_those_of_a_raw_kv_block() -> None:
-    for n in range(128, 1 << 21, 128 * 97):
+    for n in [
+        *range(128, 1 << 21, 128 * 97),
+        *range((1 << 30) - 128 * 5000, (1 << 30) + 128 * 5000, 128 * 7),
+    ]:
         s = codec.encoded_size(n)
         assert s is not None and s % 64 == codec.SIZE_RESIDUE and codec.original_size(s) == n
         assert codec.original_size(n) is None  # a raw KV block (a multiple of 64) is never taken for encoded
     assert codec.encoded_size(100) is None and codec.encoded_size(130) is None
+    hits = [s for s in range(codec.HEAD_BYTES, 1 << 20) if codec.original_size(s) is not None]
+    assert all(codec.encoded_size(codec.original_size(s) or 0) == s for s in hits)  # no false inverse
+    assert len(hits) == len({codec.original_size(s) for s in hits})
     assert BLOCK_RATIO >= 1.9
 
 

@@ -95,16 +95,15 @@ def encoded_size(original: int) -> int | None:
 
 def original_size(stored: int) -> int | None:
     """The original length of an encoded block of ``stored`` bytes; ``None``: no encoded block has
-    that size (so the block is raw)."""
+    that size (so the block is raw). Constant time: it runs for every key of a lookup."""
     if stored % 64 != SIZE_RESIDUE or stored < HEAD_BYTES + 128:
         return None
-    body = stored - HEAD_BYTES
-    for pad in range(64, body, 64):  # the exponent section: 64 bytes per 32 groups (512 Ki elements)
-        n = body - pad
-        if _exp_bytes(n) == pad:
-            return 2 * n if encoded_size(2 * n) == stored else None
-        if _exp_bytes(n) < pad:
-            return None
+    body = stored - HEAD_BYTES  # = n + 64 m, m = ceil(n / (32 GROUP)) (32 exponents per 64 bytes)
+    guess = -(-body // (32 * GROUP + 64))
+    for m in (guess - 1, guess, guess + 1):
+        n = body - 64 * m
+        if m >= 1 and n > 0 and encoded_size(2 * n) == stored:
+            return 2 * n
     return None
 
 
