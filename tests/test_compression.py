@@ -103,6 +103,21 @@ def test_blocks_round_trip_within_the_bound_in_half_the_bytes_and_say_how_they_a
         assert "compression at rest: Posix (fp8_e4m3, bfloat16)" in d.log()
 
 
+def test_sizes_the_codec_does_not_take_are_stored_raw_except_those_of_encoded_blocks(tmp_path: Path) -> None:
+    """A 1000-byte block is stored raw and loads exact; one of an encoded block's size (36 mod 64)
+    is refused (write-through: the refusal reaches the writer) rather than stored as something a
+    lookup would misread."""
+    args = [*CODEC_ON, "--write-mode", "write-through"]
+    odd_size, reserved = os.urandom(1000), os.urandom(codec.encoded_size(128) or 0)
+    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target) as client:
+        put = client.put_blocks(NS, [(b"o" * 32, odd_size), (b"r" * 32, reserved)])
+        assert not put.ok and list(put.reasons) == [1] and "reserved for encoded" in put.reasons[1], put
+        with grpc.insecure_channel(d.target) as channel:
+            rpc.AdminStub(channel).Evict(pb.EvictRequest(tier="Cache", all=True), timeout=10)
+        assert client.get_blocks(NS, [b"o" * 32, b"r" * 32]) == [odd_size, None]
+        assert [p for _, p in _stored(d).values()] == [odd_size]
+
+
 def test_a_damaged_encoded_block_is_never_served(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm", args=CODEC_ON) as d, UcmClient(d.target) as client:
         flipped, forged, intact = (_dump(client, kv_block(i), i) for i in range(3))
@@ -168,3 +183,36 @@ def test_bad_codec_settings_stop_start_up_naming_the_setting(tmp_path: Path) -> 
         proc = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60, env=env)
         assert proc.returncode == 2 and words in proc.stderr, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_compressed_then_encrypted_for_a_tenant_with_a_key(tmp_path: Path) -> None:
+    """Both at rest on one tier: the codec runs outside the cipher (ciphertext does not compress),
+    so the file is an AEAD envelope of half the block, and the block loads within the bound."""
+    from support.tokens import tokens_file
+
+    key_file = tmp_path / "alice.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    tokens = tokens_file(
+        tmp_path / "tokens.yaml",
+        [("tok-alice", "alice", {"key_file": str(key_file)}), ("tok-admin", "", {"admin": True})],
+    )
+    args = [*CODEC_ON, "--encrypt-tiers", "Posix", "--auth-tokens-file", str(tokens)]
+    kv = kv_block(5)
+    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target, token="tok-alice") as alice:
+        digest = _dump(alice, kv, 0)
+        (payload,) = [p for _, p in _stored(d).values()]
+        assert payload.startswith(b"UCMAEAD1") and codec.MAGIC not in payload, "sealed after encoding"
+        assert len(payload) < BLOCK * 0.51, len(payload)
+        with grpc.insecure_channel(d.target) as channel:
+            rpc.AdminStub(channel).Evict(
+                pb.EvictRequest(tier="Cache", all=True),
+                metadata=[("authorization", "Bearer tok-admin")],
+                timeout=10,
+            )
+        with SharedBuffer(BLOCK) as buf:
+            region = alice.register(buf)
+            result = alice.wait(alice.load(NS, [BlockIO(digest, (Segment(region, 0, BLOCK),))]), 30)
+            data = bytes(buf.buf[:BLOCK])
+            alice.unregister(region)
+        assert result.ok and within_bound(kv, data) and data != kv

@@ -44,7 +44,6 @@ from ucm_protocol.wire import AUTH_METADATA
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling: their tenant ("" = the default, unmapped tenant), rights and quota."""

@@ -138,7 +138,7 @@ def test_a_damaged_head_or_body_is_refused() -> None:
     codec.decode_into(bytes(encoded), out)  # negative control: the intact block decodes
 
 
-def test_the_wrapper_stores_encoded_blocks_and_refuses_raw_ones_that_look_encoded(tmp_path: Path) -> None:
+def test_the_wrapper_stores_encoded_blocks_and_refuses_raw_ones_of_an_encoded_size(tmp_path: Path) -> None:
     async def main() -> None:
         posix = PosixTier(roots=[tmp_path], durable=False)
         tier = CompressedTier(posix, "bfloat16")
@@ -157,7 +157,7 @@ def test_the_wrapper_stores_encoded_blocks_and_refuses_raw_ones_that_look_encode
         crafted = bytes(stored)  # raw bytes that are an encoded block: refused, never stored raw
         decoding = CompressedTier(posix, None)
         result = await decoding.write_from(key(2), [memoryview(crafted)])
-        assert not result.ok and "would read as an encoded one" in result.reason
+        assert not result.ok and "is reserved for encoded blocks" in result.reason
         assert await posix.lookup([key(2)]) == [None]
         await tier.close()
 

@@ -15,8 +15,12 @@ longer names it (the engine remembers those tiers in ``<data_dir>/codec_tiers.js
 
 Never garbage for a block: the wrapped tier's header and checksum cover the stored bytes as for any
 block, and the codec's head CRC and body hash cover the encoding itself, whatever tier holds it;
-a block failing either is FAILED, its destination zeroed. A raw block that would read as encoded
-(its size 36 mod 64 and the codec's magic first: crafted, never KV data) is refused at write.
+a block failing either is FAILED, its destination zeroed.
+
+The one limit: the sizes of encoded blocks (36 mod 64, from 164 bytes) are theirs. A block of such
+a size that the codec cannot take is refused at write (a KV block never has one): stored raw, a
+lookup would report it as the encoded block its size stands for. For the same reason, blocks of
+such sizes stored before the codec was turned on do not load once it is.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ from ucm_server.store import codec
 from ucm_server.store.base import OK, BlockResult, IoVec, Tier, copy_iov, failed, iov_len
 from ucm_server.store.wrapper import TierWrapper
 
-LOOKS_ENCODED = failed("a raw block that would read as an encoded one (size 36 mod 64, the codec's magic)")
+
+def _reserved(size: int) -> BlockResult:
+    return failed(
+        f"a {size}-byte block the codec cannot take: that size (36 mod 64) is reserved for encoded "
+        "blocks in a tier with compression at rest"
+    )
 
 
 class ScratchPool:
@@ -92,15 +101,15 @@ class CompressedTier(TierWrapper):
                     taken.append(buf)
                 if encoded is not None:
                     out.append([encoded])
-                elif codec.original_size(len(data)) is not None and bytes(data[:8]) == codec.MAGIC:
-                    out.append(LOOKS_ENCODED)
+                elif codec.original_size(len(data)) is not None:
+                    out.append(_reserved(len(data)))
                 else:
                     out.append(src)
             return out
 
         prepared = await self._run(encode_all)
         todo = [i for i, p in enumerate(prepared) if not isinstance(p, BlockResult)]
-        results = [p if isinstance(p, BlockResult) else LOOKS_ENCODED for p in prepared]
+        results = [p if isinstance(p, BlockResult) else OK for p in prepared]  # OK: set below
         batch = [(items[i][0], prepared[i]) for i in todo]
         try:
             for i, r in zip(todo, await self.inner.write_many(batch), strict=True):  # type: ignore[arg-type]

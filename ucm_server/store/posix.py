@@ -1402,7 +1402,6 @@ def _zero(dest: IoVec) -> None:
         seg[:] = bytes(seg.nbytes)
 
 
-
 def _block_key(key: bytes) -> BlockKey:
     return key if isinstance(key, BlockKey) else BlockKey(key[:NAMESPACE_BYTES], key[NAMESPACE_BYTES:])
 
