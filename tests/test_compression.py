@@ -139,6 +139,13 @@ def test_a_damaged_encoded_block_is_never_served(tmp_path: Path) -> None:
             header_len=old.header_len,
         )
         path.write_bytes(header + bytes(body))
+        with grpc.insecure_channel(d.target) as channel:  # a scrub finds both, without a reader
+            replies = list(rpc.AdminStub(channel).Verify(pb.VerifyRequest(tier="Posix"), timeout=30))
+        bad = [k for r in replies for k in r.corrupt_keys]
+        assert replies[-1].corrupt == 2 and replies[-1].checked == 3, replies[-1]
+        assert any(flipped.hex() in k for k in bad) and any(
+            forged.hex() in k and "fails its checksum" in k for k in bad
+        )
         for digest, words in ((flipped, ""), (forged, "fails its checksum")):
             ok, data, reasons = _load(d, digest)
             assert not ok, reasons

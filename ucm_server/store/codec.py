@@ -259,21 +259,32 @@ def read_head(stored: bytes | memoryview) -> Encoding | None:
     return Encoding(codec, dtype, group, original)
 
 
-def decode_into(stored: bytes | memoryview, out: memoryview) -> Encoding:
-    """Check ``stored`` (an encoded block) and decode it into ``out`` (its original length);
-    :class:`CodecError` saying what is wrong otherwise, ``out`` then partly written."""
+def check(stored: bytes | memoryview) -> Encoding:
+    """What ``stored`` (an encoded block) says of itself, once its head, length and body check
+    out; :class:`CodecError` saying which does not."""
     enc = read_head(stored)
     if enc is None:
         raise CodecError("not an encoded block")
-    if enc.original_len != out.nbytes or encoded_size(enc.original_len) != len(stored):
+    if encoded_size(enc.original_len) != len(stored):
         raise CodecError(
-            f"length mismatch: encoded block of {enc.original_len} bytes stored in {len(stored)}, "
-            f"destination {out.nbytes}"
+            f"length mismatch: encoded block of {enc.original_len} bytes stored in {len(stored)}"
         )
-    body = memoryview(stored)[HEAD_BYTES:]
     (want,) = struct.unpack_from("<Q", stored, _HEAD.size - 8)
-    if xxhash.xxh3_64_intdigest(body) != want:
+    if xxhash.xxh3_64_intdigest(memoryview(stored)[HEAD_BYTES:]) != want:
         raise CodecError("encoded block body fails its checksum")
+    return enc
+
+
+def decode_into(stored: bytes | memoryview, out: memoryview) -> Encoding:
+    """Check ``stored`` (an encoded block) and decode it into ``out`` (its original length);
+    :class:`CodecError` saying what is wrong otherwise, ``out`` then untouched."""
+    enc = read_head(stored)
+    if enc is not None and enc.original_len != out.nbytes:
+        raise CodecError(
+            f"length mismatch: encoded block of {enc.original_len} bytes, destination {out.nbytes}"
+        )
+    enc = check(stored)
+    body = memoryview(stored)[HEAD_BYTES:]
     n = enc.original_len // 2
     groups = -(-n // GROUP)
     exps = np.frombuffer(body, np.int16, groups)

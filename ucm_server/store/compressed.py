@@ -85,6 +85,30 @@ class CompressedTier(TierWrapper):
         original = codec.original_size(stored)
         return stored if original is None else original
 
+    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
+        """The inner tier's check of the stored object, then, for an encoded block, the codec's
+        (head CRC, length, body hash): a scrub finds what a read would refuse."""
+        result = await self.inner.verify(key, quarantine=quarantine)
+        (stored,) = await self.inner.lookup([key])
+        if not result.ok or stored is None or codec.original_size(stored) is None:
+            return result
+        buf = self.scratch.take(stored)
+        try:
+            got = await self.inner.read_into(key, [memoryview(buf)[:stored]])
+            if not got.ok:
+                return got
+
+            def check() -> BlockResult:
+                try:
+                    codec.check(memoryview(buf)[:stored])
+                except codec.CodecError as exc:
+                    return failed(f"encoded block: {exc}")
+                return OK
+
+            return await self._run(check)
+        finally:
+            self.scratch.give([buf])
+
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Encode what the codec takes (off the loop), then one batch to the inner tier."""
         dtype = self.dtype
