@@ -25,6 +25,9 @@ BENCHMARKS = {
     "sparse": ["benchmarks.sparse_bench"],
     "scale": ["benchmarks.scale_bench"],
     "small_objects": ["benchmarks.small_objects"],
+    "eviction": ["benchmarks.eviction_bench"],
+    "encryption": ["benchmarks.encryption_bench"],
+    "codec": ["benchmarks.codec_bench"],
 }
 
 

@@ -41,6 +41,7 @@ def test_seed_format_yaml_and_log_level_aliases(tmp_path: Path) -> None:
         ("store_pipeline: Cache|Floppy\n", "unknown tier 'Floppy'"),
         ("store_pipeline: Posix|Cache\n", "Cache must be the first tier"),
         ("write_mode: sometimes\n", "write_mode"),
+        ("cache_eviction: lfu\n", "cache_eviction"),
         ("io_threads: -1\n", "io_threads: must be positive"),
         ("listen: 0.0.0.0:7000\n", "needs tls_cert and tls_key, or insecure"),
         ("listen: 0.0.0.0:7000\ninsecure: true\n", "set auth_tokens_file .* or allow_anonymous_tcp"),

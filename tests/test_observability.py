@@ -51,6 +51,8 @@ def test_prometheus_metrics(tmp_path: Path) -> None:
         'ucm_tier_capacity_bytes{kind="Cache",tier="Cache"}',
         'ucm_tier_evictions_total{kind="Posix",tier="Posix"}',
         'ucm_task_queue_depth{state="running"}',
+        "ucm_pinned_blocks 0.0",
+        "ucm_expired_blocks_total 0.0",
     ):
         assert name in text, f"{name} missing from /metrics"
 

@@ -40,6 +40,7 @@ from ucm_client.types import (
     BlockIO,
     BlockState,
     LookupResult,
+    RetentionResult,
     TaskResult,
     as_batch,
     lookup_request,
@@ -540,6 +541,35 @@ class AsyncUcmClient:
             )
         )
         return int(resp.deleted)
+
+    async def set_retention(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        *,
+        pin: bool | None = None,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        require_all_tiers: bool = False,
+    ) -> RetentionResult:
+        """Pin (``pin=True``) or unpin (``False``) stored blocks, expire them ``ttl_s`` seconds from
+        now (``0``: never), or set their eviction ``priority`` (-100..100; lower goes first); ``None``
+        leaves that part as it is. ``require_all_tiers``: refuse a pin some tier cannot hold."""
+        request = pb.SetRetentionRequest(
+            namespace=namespace,
+            keys=keys,
+            pin=pin is True,
+            unpin=pin is False,
+            ttl_s=ttl_s or 0.0,
+            clear_ttl=ttl_s == 0,
+            set_priority=priority is not None,
+            priority=priority or 0,
+            require_all_tiers=require_all_tiers,
+        )
+        resp = await self._call(
+            lambda: self.kv.SetRetention(request, metadata=self._metadata(), timeout=self.rpc_timeout_s)
+        )
+        return RetentionResult(int(resp.applied), int(resp.missing), list(resp.not_enforced))
 
     # -- the slow path (bytes in messages) ----------------------------------------------------------------
     async def put_blocks(self, namespace: bytes, items: Sequence[tuple[bytes, bytes]]) -> TaskResult:

@@ -17,7 +17,14 @@ import grpc
 
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
-from ucm_client.types import BlockIO, LookupResult, TaskResult, lookup_request, lookup_result
+from ucm_client.types import (
+    BlockIO,
+    LookupResult,
+    RetentionResult,
+    TaskResult,
+    lookup_request,
+    lookup_result,
+)
 from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
@@ -164,6 +171,23 @@ class UcmClient:
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.delete(namespace, keys))
+
+    def set_retention(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        *,
+        pin: bool | None = None,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        require_all_tiers: bool = False,
+    ) -> RetentionResult:
+        """:meth:`AsyncUcmClient.set_retention`, blocking."""
+        return self._run(
+            self._async.set_retention(
+                namespace, keys, pin=pin, ttl_s=ttl_s, priority=priority, require_all_tiers=require_all_tiers
+            )
+        )
 
     def put_blocks(self, namespace: bytes, items: Sequence[tuple[bytes, bytes]]) -> TaskResult:
         return self._run(self._async.put_blocks(namespace, items))

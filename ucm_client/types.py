@@ -59,6 +59,16 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionResult:
+    """What a retention change did: blocks it now applies to, keys stored nowhere, and the tiers
+    where a pin is not held (``"<tier>: why"``)."""
+
+    applied: int
+    missing: int
+    not_enforced: list[str]
+
+
+@dataclass(frozen=True, slots=True)
 class TaskResult:
     """Where a task stands; per-block states are data, not exceptions."""
 

@@ -14,6 +14,7 @@ tests and small setups, with a warning)::
       - token_sha256: "9f86d0…"        # sha256 of the token, hex
         tenant: team-a
         quota: 50GiB                    # optional: bytes this tenant may keep; its own LRU evicts past it
+        key_file: /etc/ucm/team-a.key   # optional: its blocks encrypted in the encrypt_tiers (AES-256-GCM)
       - token_sha256: "…"
         tenant: ops
         admin: true
@@ -43,7 +44,6 @@ from ucm_protocol.wire import AUTH_METADATA
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling: their tenant ("" = the default, unmapped tenant), rights and quota."""
@@ -51,6 +51,8 @@ class Principal:
     tenant: str = ""
     admin: bool = True
     quota: int = 0  # bytes; 0 = no quota
+    key_file: str = ""
+    """The tenant's at-rest key file (:mod:`ucm_server.store.encrypted`); its path only, never the key."""
 
     def scope(self, namespace: bytes) -> Namespace:
         """The namespace as stored: private to the tenant (unchanged for the default tenant)."""
@@ -105,11 +107,12 @@ class Authenticator:
             raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")
         principals: dict[bytes, Principal] = {}
         keys: dict[bytes, str] = {}
+        key_files: dict[str, str] = {}
         for i, entry in enumerate(entries):
             where = f"auth_tokens_file {path}: tokens[{i}]"
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: expected a mapping")
-            unknown = set(entry) - {"token", "token_sha256", "tenant", "admin", "quota"}
+            unknown = set(entry) - {"token", "token_sha256", "tenant", "admin", "quota", "key_file"}
             if unknown:
                 raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
             if "token_sha256" in entry:
@@ -131,11 +134,19 @@ class Authenticator:
             if not isinstance(admin, bool):
                 raise ConfigError(f"{where}.admin: expected true or false")
             quota = parse_size(entry.get("quota", 0), f"{where}.quota")
+            key_file = entry.get("key_file", "")
+            if not isinstance(key_file, str) or (key_file and not tenant):
+                raise ConfigError(f"{where}.key_file: expected a path, and only for a named tenant")
+            if key_file and key_files.setdefault(tenant, key_file) != key_file:
+                raise ConfigError(f"{where}.key_file: tenant {tenant!r} names two key files")
             if digest in principals:
                 raise ConfigError(f"{where}: the same token appears twice")
             if tenant and keys.setdefault(tenant_key(tenant), tenant) != tenant:
                 raise ConfigError(f"{where}.tenant: its namespaces would be another tenant's; rename it")
-            principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota)
+            principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota, key_file=key_file)
+        for digest, p in principals.items():  # every token of a tenant carries its key file
+            if p.tenant in key_files and not p.key_file:
+                principals[digest] = Principal(p.tenant, p.admin, p.quota, key_files[p.tenant])
         return cls(principals)
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:

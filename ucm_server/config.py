@@ -24,6 +24,8 @@ from typing import Any, Literal, get_type_hints
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.codec import CODECS
+from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
 
 __all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
@@ -91,6 +93,37 @@ class ServerConfig:
             "also 'package.module:Class' or a name registered in the ucm.tiers entry points."
         ),
     )
+    encrypt_tiers: str = field(
+        default="",
+        metadata=_help(
+            "Tiers whose blocks are encrypted at rest per tenant (AES-256-GCM), '|'-separated, e.g. "
+            "'Posix' or 'Posix|DS3FS'; never the Cache. Each tenant's key is the key_file its entry "
+            "of auth_tokens_file names; blocks of tenants without one are stored in clear."
+        ),
+    )
+    codec_tiers: str = field(
+        default="",
+        metadata=_help(
+            "Tiers whose KV blocks are compressed at rest (codec), '|'-separated, e.g. 'Posix' or "
+            "'Posix|DS3FS'; never the Cache. Off by default. Blocks already stored keep loading, "
+            "either way round."
+        ),
+    )
+    codec: str = field(
+        default="fp8_e4m3",
+        metadata=_help(
+            "The codec of codec_tiers: fp8_e4m3 (2 bytes -> 1 per element, a power-of-two scale per "
+            "16,384 elements; lossy, error <= 6.25% of a value or 2^-17 of its group's largest)."
+        ),
+    )
+    codec_dtype: str = field(
+        default="bfloat16",
+        metadata=_help(
+            "The element type of the KV blocks the codec encodes: bfloat16 or float16 (the daemon "
+            "stores opaque bytes; set it to the model's KV cache dtype, and keep codec_tiers empty "
+            "for any other)."
+        ),
+    )
     storage_backends: str = field(
         default="",
         metadata=_help(
@@ -110,6 +143,15 @@ class ServerConfig:
             "Fault the Cache arena's memory in after start-up, in a background thread at the lowest CPU "
             "priority, so storing a block never pays first-touch page faults (~8x a memcpy). The "
             "daemon's memory use reaches cache_capacity shortly after start."
+        ),
+    )
+    cache_eviction: Literal["lru", "arc"] = field(
+        default="lru",
+        metadata=_help(
+            "The Cache tier's eviction policy: lru (least recently used first) or arc (Adaptive "
+            "Replacement Cache: blocks read again are kept apart from one-off ones, so a burst of long "
+            "unique prompts does not flush shared prefixes; see benchmarks/eviction_bench.py). Pins and "
+            "priorities apply on top of either."
         ),
     )
     region_prefault: bool = field(
@@ -341,6 +383,14 @@ class ServerConfig:
         need TLS); its peers are anonymous and never admins (see ``allow_anonymous_tcp``)."""
         return bool(self.listen) and not self.auth_tokens_file and not (self.tls_client_ca and self.tls_cert)
 
+    @property
+    def compressed_tiers(self) -> list[str]:
+        return [t.strip() for t in self.codec_tiers.split("|") if t.strip()]
+
+    @property
+    def encrypted_tiers(self) -> list[str]:
+        return [t.strip() for t in self.encrypt_tiers.split("|") if t.strip()]
+
     def tier_settings_for(self, name: str) -> dict[str, object]:
         """The settings the tier ``name`` of the pipeline is built from: the flat ``cache_*`` and
         ``posix_*`` keys for Cache and Posix (their ``tier_settings`` entries are ignored, as they
@@ -350,6 +400,7 @@ class ServerConfig:
                 "capacity": self.cache_capacity,
                 "page_size": self.cache_page_size,
                 "prefault": self.cache_prefault,
+                "eviction": self.cache_eviction,
             }
         if name == "Posix":
             return {
@@ -376,6 +427,25 @@ class ServerConfig:
             raise ConfigError(f"store_pipeline: Cache must be the first tier, got {self.store_pipeline!r}")
         if self.cache_page_size < 4096 or self.cache_page_size & (self.cache_page_size - 1):
             raise ConfigError(f"cache_page_size: must be a power of two >= 4096, got {self.cache_page_size}")
+        for name in self.encrypted_tiers:
+            if name not in tiers or name == tiers[0]:
+                raise ConfigError(
+                    f"encrypt_tiers: {name!r} is not a tier below the first of {self.store_pipeline!r}"
+                )
+        for name in self.compressed_tiers:
+            if name not in tiers or name == tiers[0]:
+                raise ConfigError(
+                    f"codec_tiers: {name!r} is not a tier below the first of {self.store_pipeline!r}"
+                )
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec: unknown codec {self.codec!r}; known: {', '.join(CODECS)}")
+        if self.codec_dtype not in CODEC_DTYPES:
+            raise ConfigError(
+                f"codec_dtype: {self.codec_dtype!r} is not an element type the codec takes; "
+                f"known: {', '.join(CODEC_DTYPES)}"
+            )
+        if self.encrypted_tiers and not self.auth_tokens_file:
+            raise ConfigError("encrypt_tiers: keys are per tenant: set auth_tokens_file, with key_file")
         if "Cache" in tiers and self.cache_capacity < self.cache_page_size:
             raise ConfigError(f"cache_capacity: {self.cache_capacity} is smaller than one page")
         for name in (

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
+from pathlib import Path
 from typing import TypeVar
 
 from ucm_protocol.errors import (
@@ -36,10 +37,12 @@ from ucm_server import __version__
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
+from ucm_server.expiry import Expiry
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
+from ucm_server.journal import remember_names
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
@@ -51,16 +54,26 @@ from ucm_server.regions import (
     check_segments,
     host_iovecs,
 )
+from ucm_server.retention import FILE_NAME as RETENTION_FILE
+from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
+from ucm_server.store.compressed import CompressedTier
+from ucm_server.store.encrypted import EncryptedTier, read_key_file
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.task_events import TaskEvents
 from ucm_server.tasks import Task, TaskKind, TaskManager
-from ucm_server.tenants import TenantLedger
+from ucm_server.tenants import SEALED_FILE, TenantKeyring, TenantLedger, remember_sealed
 from ucm_server.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
+
+CODEC_FILE = "codec_tiers.json"
+_CODEC_FIX = (
+    "fix the file (a JSON list of the tiers that hold blocks compressed at rest); remove a tier only "
+    "once it holds no encoded block"
+)
 
 CLIENT_NAME_CHARS = 256
 INLINE_SEGMENTS = 4096
@@ -77,6 +90,13 @@ class Session:
     tenant: str = ""
     owner: str = ""
     """Who the per-peer session cap counts this session against ("" = nobody: local, no token)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionAnswer:
+    applied: int
+    missing: int
+    not_enforced: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +137,62 @@ class Engine:
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
-        self.quota = Quota(ledger, self.pipeline)
+        self._encrypt(authenticator, ledger)
+        self._compress()
+        self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
+        self.pipeline.set_rules(self.retention)
+        self.quota = Quota(ledger, self.pipeline, self.retention)
+        self.expiry = Expiry(self.pipeline, self.retention, self.quota)
         self._quota_opening: asyncio.Task[None] | None = None
+
+    def _encrypt(self, authenticator: Authenticator | None, ledger: TenantLedger | None) -> None:
+        """Wrap the ``encrypt_tiers`` in :class:`EncryptedTier` with the tenants' keys (read now:
+        a bad key file stops start-up naming the file, never showing the key)."""
+        tenants = authenticator.tenants if authenticator is not None else {}
+        keyed = {t: p.key_file for t, p in tenants.items() if t and p.key_file}
+        names = self.config.encrypted_tiers
+        sealed_file = self.config.data_dir / SEALED_FILE
+        if not names and sealed_file.exists():
+            raise ConfigError(
+                f"encrypt_tiers is empty, but {sealed_file} lists tenants whose blocks are encrypted at "
+                "rest: name the tiers again (or delete those blocks and the file)"
+            )
+        if keyed and not names:
+            raise ConfigError(
+                f"auth_tokens_file gives tenant {sorted(keyed)[0]!r} a key_file, but encrypt_tiers is empty: "
+                "its blocks would be stored in clear (name the tiers to encrypt)"
+            )
+        if not names:
+            return
+        if not keyed or ledger is None:
+            raise ConfigError("encrypt_tiers is set, but no tenant in auth_tokens_file has a key_file")
+        keys = {t: read_key_file(Path(path), t) for t, path in keyed.items()}
+        keyring = TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys))
+        self.pipeline.wrap(names, lambda tier: EncryptedTier(tier, keyring, self.executor))
+        log.info("encryption at rest: %s, for %d tenant(s)", ", ".join(names), len(keyed))
+
+    def _compress(self) -> None:
+        """Wrap the ``codec_tiers`` in :class:`CompressedTier` (outside any encryption: ciphertext
+        does not compress), and every tier that ever held encoded blocks in a decoding-only one:
+        turning the codec off must not turn its blocks into garbage."""
+        names = self.config.compressed_tiers
+        known = [t.name for t in self.pipeline.tiers[1:]]
+        path = self.config.data_dir / CODEC_FILE
+        ever = remember_names(path, names, "compressed tiers", _CODEC_FIX)
+        for name in sorted(ever - set(names) - set(known)):
+            log.warning("%s lists tier %r, which is not in store_pipeline now", path, name)
+        dtype = self.config.codec_dtype
+        self.pipeline.wrap(names, lambda tier: CompressedTier(tier, dtype, self.executor))
+        decoding = sorted((ever - set(names)) & set(known))
+        self.pipeline.wrap(decoding, lambda tier: CompressedTier(tier, None, self.executor))
+        if names or decoding:
+            log.info(
+                "compression at rest: %s (%s, %s); decoding only: %s",
+                ", ".join(names) or "none",
+                self.config.codec,
+                dtype,
+                ", ".join(decoding) or "none",
+            )
 
     async def open(self) -> None:
         await self.pipeline.open()
@@ -131,6 +205,7 @@ class Engine:
             self._quota_opening = asyncio.create_task(self._open_quota())
         else:
             await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
+        self.expiry.start()  # TTLs: expired blocks leave every tier (once the tiers are indexed)
 
     async def _open_quota(self) -> None:
         """Rebuild the tenants' usage once every tier has indexed what survived the restart (until
@@ -154,6 +229,7 @@ class Engine:
             opening.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await opening
+        await self.expiry.stop()
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()
@@ -293,6 +369,7 @@ class Engine:
         ns = self._scope(namespace)
         if not checked:
             check_digests(digests)
+        await self.expiry.due()  # an expired block is never answered present
         sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
         present = list(map(operator.is_not, sizes, repeat(None)))  # C-level: 2,048 keys cost microseconds
         prefix = present.index(False) if False in present else len(present)
@@ -306,7 +383,29 @@ class Engine:
     async def delete(self, namespace: bytes, digests: Sequence[bytes]) -> int:
         keys = self._keys(namespace, digests)
         self.quota.forgot(keys)
-        return await self.pipeline.delete(keys)
+        deleted = await self.pipeline.delete(keys)
+        await self.retention.forget(keys)
+        return deleted
+
+    async def set_retention(
+        self, namespace: bytes, digests: Sequence[bytes], change: Change, *, require_all_tiers: bool = False
+    ) -> RetentionAnswer:
+        """Pin/unpin, expire or prioritise the stored blocks among ``digests`` (of the caller's
+        tenant). A pin where some tier cannot hold it is refused with ``require_all_tiers``, else
+        reported; a pin past the owner's quota is refused whole (RESOURCE_EXHAUSTED)."""
+        keys = self._keys(namespace, digests)
+        if not keys:
+            raise InvalidArgument("empty batch: no keys given")
+        gaps = self.pipeline.pin_gaps() if change.pin else []
+        if gaps and require_all_tiers:
+            raise FailedPrecondition("cannot pin in every tier: " + "; ".join(gaps))
+        await self.expiry.due()
+        sizes = await self.pipeline.lookup(keys)
+        stored = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
+        if change.pin:
+            self.quota.check_pins(keys, sizes)
+        await self.retention.change(stored, change, time.time())
+        return RetentionAnswer(len(stored), len(keys) - len(stored), gaps)
 
     # -- tasks ----------------------------------------------------------------------------------------
     async def submit_io(
@@ -573,6 +672,9 @@ class Engine:
             pending_writeback=self.pipeline.pending_writeback,
             store_pipeline=self.pipeline.spec,
             writeback=self.pipeline.writeback_figures(),
+            pinned_blocks=self.retention.pinned_count,
+            retention_rules=len(self.retention),
+            expired_blocks=self.expiry.expired,
         )
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:

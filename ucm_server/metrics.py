@@ -127,6 +127,15 @@ class _SnapshotCollector(Collector):
             value=snap.pending_writeback,
         )
         yield from _writeback_metrics(snap)
+        yield GaugeMetricFamily("ucm_pinned_blocks", "Blocks pinned now", value=snap.pinned_blocks)
+        yield GaugeMetricFamily(
+            "ucm_retention_rules",
+            "Blocks with a retention rule (pin, TTL or priority)",
+            value=snap.retention_rules,
+        )
+        yield CounterMetricFamily(
+            "ucm_expired_blocks", "Blocks removed by their TTL", value=snap.expired_blocks
+        )
         yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=snap.sessions)
         yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=snap.regions)
 

@@ -23,6 +23,7 @@ from ucm_protocol.errors import ResourceExhausted
 from ucm_protocol.keys import BlockKey
 from ucm_protocol.text import printable
 from ucm_server.auth import current_principal
+from ucm_server.retention import RetentionTable
 from ucm_server.store.base import BlockInfo
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import TaskKind
@@ -32,9 +33,14 @@ log = logging.getLogger(__name__)
 
 
 class Quota:
-    def __init__(self, ledger: TenantLedger | None, pipeline: Pipeline) -> None:
+    def __init__(
+        self, ledger: TenantLedger | None, pipeline: Pipeline, retention: RetentionTable | None = None
+    ) -> None:
         self.ledger = ledger
         self.pipeline = pipeline
+        self.retention = retention
+        if ledger is not None and retention is not None:
+            ledger.pinned = retention.pinned
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +79,37 @@ class Quota:
                 f"a block of {biggest} bytes is larger than the quota of tenant {printable(tenant, 64)} "
                 f"({quota} bytes)"
             )
+        pinned = self.pinned_bytes(tenant) if biggest else 0
+        if biggest > quota - pinned:
+            raise ResourceExhausted(
+                f"tenant {printable(tenant, 64)} has {pinned} of its {quota} quota bytes pinned: a block of "
+                f"{biggest} bytes does not fit (unpin some blocks first)"
+            )
+
+    def pinned_bytes(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s pinned blocks (they count against its quota)."""
+        if self.ledger is None or self.retention is None or not tenant:
+            return 0
+        return self.ledger.pinned_bytes(tenant, self.retention.pinned_keys())
+
+    def check_pins(self, keys: Sequence[BlockKey], sizes: Sequence[int | None]) -> None:
+        """Refuse pinning ``keys`` (stored, of ``sizes``) when their tenant's pinned bytes would pass
+        its quota (RESOURCE_EXHAUSTED naming tenant, figures and the way out)."""
+        if self.ledger is None or self.retention is None:
+            return
+        adding: dict[str, int] = {}
+        for key, size in zip(keys, sizes, strict=True):
+            tenant = self.ledger.owner(key)
+            if size is not None and tenant and not self.retention.pinned(key):
+                adding[tenant] = adding.get(tenant, 0) + size
+        for tenant, extra in adding.items():
+            quota, pinned = self.ledger.quota(tenant), self.pinned_bytes(tenant)
+            if quota and pinned + extra > quota:
+                raise ResourceExhausted(
+                    f"pinning {extra} more bytes would pin {pinned + extra} bytes of tenant "
+                    f"{printable(tenant, 64)}, above its quota of {quota} bytes ({pinned} pinned now): "
+                    f"unpin some blocks or pin fewer"
+                )
 
     def forgot(self, keys: list[BlockKey]) -> None:
         """Blocks deleted by their owner no longer count."""

@@ -42,3 +42,7 @@ class EngineSnapshot:
     store_pipeline: str
     writeback: WriteBackFigures
     """The bounded write-back queue (Admin stats: the top tier's ``writeback_*`` extra figures)."""
+    pinned_blocks: int = 0
+    retention_rules: int = 0
+    expired_blocks: int = 0
+    """Retention: blocks pinned now, blocks with any rule, blocks removed by their TTL since start."""

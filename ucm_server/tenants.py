@@ -21,18 +21,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import stat
-import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from pathlib import Path
 
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
-from ucm_server.api.paths import fsync_dir
+from ucm_server.journal import JournalFile, read_regular, remember_names
+from ucm_server.store.encrypted import LOCKED, TenantKey
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,9 @@ class TenantLedger:
         self._blocks: dict[str, OrderedDict[BlockKey, int]] = {}
         self._bytes: dict[str, int] = {}
         self._pending: dict[bytes, asyncio.Future[None]] = {}
-        self._file_lock = threading.Lock()  # appends and the rewrite never interleave
+        self._file = JournalFile(path)  # appends and the rewrite never interleave
+        self.pinned: Callable[[bytes], bool] = lambda key: False
+        """Whether a block is pinned (the retention rules): quota eviction passes it over."""
 
     def usage(self, tenant: str) -> int:
         return self._bytes.get(tenant, 0)
@@ -96,8 +96,26 @@ class TenantLedger:
     def owner(self, key: BlockKey) -> str | None:
         return self._owner.get(key.namespace)
 
+    def owner_of(self, namespace: bytes) -> str | None:
+        return self._owner.get(namespace)
+
+    def size(self, key: BlockKey) -> int:
+        """The bytes a block counts for (0 when it is not accounted)."""
+        tenant = self.owner(key)
+        blocks = self._blocks.get(tenant) if tenant else None
+        return blocks.get(key, 0) if blocks is not None else 0
+
+    def pinned_bytes(self, tenant: str, pinned: Iterable[bytes]) -> int:
+        """Bytes of ``tenant``'s blocks among ``pinned`` (they count against its quota like any)."""
+        blocks = self._blocks.get(tenant)
+        if not blocks:
+            return 0
+        return sum(blocks.get(key, 0) for key in pinned)  # type: ignore[call-overload]
+
     def stored(self, key: BlockKey, size: int) -> list[BlockKey]:
-        """Account a stored block; returns the owner's blocks to evict to get back under quota."""
+        """Account a stored block; returns the owner's blocks to evict to get back under quota:
+        least recently used first, pinned blocks never; the block just stored only when the
+        tenant's pinned blocks leave no room for it."""
         tenant = self.owner(key)
         if tenant is None:
             return []
@@ -109,11 +127,17 @@ class TenantLedger:
         victims: list[BlockKey] = []
         if quota:
             for victim, vsize in list(blocks.items()):
-                if self._bytes[tenant] <= quota or victim == key:
+                if self._bytes[tenant] <= quota:
                     break
+                if victim == key or self.pinned(victim):
+                    continue
                 victims.append(victim)
                 del blocks[victim]
                 self._bytes[tenant] -= vsize
+            if self._bytes[tenant] > quota and not self.pinned(key):
+                victims.append(key)
+                del blocks[key]
+                self._bytes[tenant] -= size
         return victims
 
     def touched(self, keys: list[BlockKey]) -> None:
@@ -132,39 +156,17 @@ class TenantLedger:
 
     # -- the file (worker threads) ----------------------------------------------------------------------
     def _append(self, line: bytes) -> None:
-        with self._file_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(self.path, flags, 0o600)
-            try:
-                created = os.fstat(fd).st_size == 0
-                _write_all(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if created:
-                fsync_dir(self.path.parent)
+        self._file.append(line)
 
     def _rewrite(self, owner: dict[bytes, str]) -> None:
-        data = (json.dumps({"namespaces": {ns.hex(): t for ns, t in owner.items()}}) + "\n").encode()
-        with self._file_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.unlink(missing_ok=True)  # left by a crash mid-rewrite
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            fsync_dir(self.path.parent)
+        doc = {"namespaces": {ns.hex(): t for ns, t in owner.items()}}
+        self._file.rewrite((json.dumps(doc) + "\n").encode())
 
 
 def read_ledger(path: Path) -> dict[bytes, str]:
     """The namespace -> tenant map in ``path`` ({} when there is none); :class:`ConfigError` naming the
     file, the line and the damage otherwise."""
-    data = _read_regular(path)
+    data = read_regular(path, f"tenant ledger {path}", _FIX, _MAX_LEDGER_BYTES)
     if data is None:
         return {}
     if not data:
@@ -184,30 +186,6 @@ def read_ledger(path: Path) -> dict[bytes, str]:
             len(tail),
         )
     return owner
-
-
-def _read_regular(path: Path) -> bytes | None:
-    """The file's bytes, or None if absent; a FIFO, device or symlink is refused, never opened blocking."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ConfigError(f"tenant ledger {path}: cannot open it: {exc.strerror}; {_FIX}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"tenant ledger {path}: not a regular file; {_FIX}")
-        if st.st_size > _MAX_LEDGER_BYTES:
-            raise ConfigError(f"tenant ledger {path}: {st.st_size} bytes is not a ledger; {_FIX}")
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError as exc:
-        raise ConfigError(f"tenant ledger {path}: cannot read it: {exc.strerror}; {_FIX}") from None
-    finally:
-        os.close(fd)
 
 
 def _parse_line(path: Path, number: int, line: bytes) -> dict[bytes, str]:
@@ -244,8 +222,33 @@ def _parse_line(path: Path, number: int, line: bytes) -> dict[bytes, str]:
     return out
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+class TenantKeyring:
+    """Each namespace's at-rest key: its owner's (the ledger says who owns it; a namespace is
+    claimed before its first block is written), ``None`` for namespaces of tenants without one."""
 
+    def __init__(self, ledger: TenantLedger, keys: dict[str, TenantKey], sealed: Iterable[str] = ()) -> None:
+        """``sealed``: tenants whose blocks were ever encrypted here; those without a key now are
+        locked (their blocks sealed, reported missing, never read or written in clear)."""
+        self.ledger = ledger
+        self.keys = dict(keys)
+        for tenant in sealed:
+            self.keys.setdefault(tenant, LOCKED)
+
+    def key_for(self, namespace: bytes) -> TenantKey | None:
+        tenant = self.ledger.owner_of(namespace)
+        return self.keys.get(tenant) if tenant else None
+
+
+SEALED_FILE = "sealed_tenants.json"
+
+
+def remember_sealed(path: Path, keyed: Iterable[str]) -> set[str]:
+    """The tenants whose blocks were ever sealed here (``path``, a JSON list) plus ``keyed``, written
+    back durably: a tenant whose key file is later removed stays known as sealed."""
+    return remember_names(path, keyed, "sealed tenants", _SEALED_FIX)
+
+
+_SEALED_FIX = (
+    "fix the file (a JSON list of the tenants whose blocks are encrypted at rest); remove a tenant "
+    "only once its blocks are deleted"
+)

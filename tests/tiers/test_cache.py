@@ -7,6 +7,9 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
+from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import BlockState, Tier
 from ucm_server.store.cache import CacheTier
@@ -16,6 +19,16 @@ from ucm_server.testing.tier_suite import TierSuite, key, payload
 class TestCacheConformance(TierSuite):
     async def make_tier(self, path: Path) -> Tier:
         return CacheTier(capacity=16 << 20, page_size=4096)
+
+    async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
+        return arena_bytes(tier, key)
+
+
+class TestArcCacheConformance(TierSuite):
+    """The same suite with the ARC eviction policy."""
+
+    async def make_tier(self, path: Path) -> Tier:
+        return CacheTier(capacity=16 << 20, page_size=4096, eviction="arc")
 
     async def stored_block(self, tier: Tier, key: BlockKey) -> bytes | None:
         return arena_bytes(tier, key)
@@ -132,3 +145,33 @@ def test_block_larger_than_cache_fails_cleanly() -> None:
         await t.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_scan_of_one_off_blocks_flushes_shared_ones_under_lru_not_arc(policy: str) -> None:
+    """8 shared blocks read twice, then 64 one-off blocks through a 32-block Cache: ARC keeps the
+    shared ones (they were used again: T2), LRU loses them all (the negative control)."""
+
+    async def main() -> list[bool]:
+        tier = CacheTier(capacity=32 * 4096, page_size=4096, eviction=policy)
+        await tier.open()
+        shared = [BlockKey(b"s" * 16, i.to_bytes(32, "little")) for i in range(8)]
+        for k in shared:
+            assert (await tier.write_from(k, [memoryview(bytes(4096))])).ok
+        for _ in range(2):
+            for k in shared:
+                assert (await tier.read_into(k, [memoryview(bytearray(4096))])).ok
+        for i in range(64):
+            one_off = BlockKey(b"o" * 16, i.to_bytes(32, "little"))
+            assert (await tier.write_from(one_off, [memoryview(bytes(4096))])).ok
+        present = [size is not None for size in await tier.lookup(shared)]
+        await tier.close()
+        return present
+
+    present = asyncio.run(main())
+    assert present == ([True] * 8 if policy == "arc" else [False] * 8)
+
+
+def test_an_unknown_policy_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown eviction policy 'lfu'; known: lru, arc"):
+        CacheTier(capacity=1 << 20, eviction="lfu")

@@ -6,12 +6,13 @@ cache is empty, and any hit must have come from the daemon. Input and output are
     python tests/vllm/vllm_runner.py spec.json result.json
 
 spec: ``model``, ``prompts`` (lists of token ids), optional ``cache_salts``, ``max_tokens``,
-``connector`` (bool), ``extra_config``, ``dtype``, ``kv_cache_dtype``, ``block_size``, ``hash_algo``,
-``prefix_caching`` (bool), ``check_shm``, ``report_keys``, ``report_groups`` (vLLM's KV cache groups),
-``kv_events`` (``{"endpoint": ...}``: vLLM's own ZeroMQ publisher), ``pause_s`` (a pause before each
-prompt after the first), ``kv_role``, ``transfer_params`` (per prompt, the ``kv_transfer_params`` a P/D
-proxy passes), and ``start_daemon`` (``{"before_prompt": i, "socket": ..., "data_dir": ...}``: start a
-real daemon in the middle of the run, to test reconnection).
+``connector`` (bool), ``extra_config``, ``dtype`` (the model's: float32 by default),
+``kv_cache_dtype``, ``block_size``, ``hash_algo``, ``prefix_caching`` (bool), ``check_shm``,
+``report_keys``, ``report_groups`` (vLLM's KV cache groups), ``kv_events`` (``{"endpoint": ...}``:
+vLLM's own ZeroMQ publisher), ``pause_s`` (a pause before each prompt after the first), ``kv_role``,
+``transfer_params`` (per prompt, the ``kv_transfer_params`` a P/D proxy passes, or the ``ucm``
+retention entry), and ``start_daemon`` (``{"before_prompt": i, "socket": ..., "data_dir": ...}``:
+start a real daemon in the middle of the run, to test reconnection).
 result: generated token ids per prompt, the ``kv_transfer_params`` each output returned, vLLM's metrics
 after each prompt
 (``vllm:external_prefix_cache_hits`` and the connector's ``vllm:ucm_*`` counters), each prompt's

@@ -92,6 +92,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def ttl_seconds(text: str) -> float:
+    """A time to live in seconds (> 0), or ``never`` (0: the expiry is removed)."""
+    if text == "never":
+        return 0.0
+    return positive_float(text)
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -233,6 +240,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("keys", metavar="KEY", nargs="+", help="<namespace hex>/<key hex>, or - for stdin")
     p.add_argument("--missing-ok", action="store_true", help="Exit 0 even if some keys were not stored.")
     p.set_defaults(handler="operate:delete")
+
+    def retention_command(
+        name: str, summary: str, description: str, examples: str
+    ) -> argparse.ArgumentParser:
+        """A retention command: its own arguments first (added by the caller), then KEY... and
+        --missing-ok, handled by ``retain:<name>``."""
+        sub = command(name, summary, description, examples)
+        sub.set_defaults(handler=f"retain:{name}")
+        return sub
+
+    def keys_and_missing_ok(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("keys", metavar="KEY", nargs="+", help="<namespace hex>/<key hex>, or - for stdin")
+        sub.add_argument(
+            "--missing-ok", action="store_true", help="Exit 0 even if some keys were not stored."
+        )
+
+    p = retention_command(
+        "pin",
+        "Pin blocks: never evicted (by capacity or quota) until unpinned.",
+        "Pins hold in every tier whose eviction this daemon decides (Cache, Posix); tiers that cannot\n"
+        "hold one (shared tiers) are named on stderr, or the pin is refused with --require-all-tiers.\n"
+        "Pinned bytes count against the owning tenant's quota; a pin past it is refused.",
+        "  ucm-admin pin 3f2a...e1/9c0d...77\n"
+        "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
+    )
+    keys_and_missing_ok(p)
+    p.add_argument("--priority", metavar="N", type=int, help="Also set the eviction priority (-100..100).")
+    p.add_argument("--require-all-tiers", action="store_true", help="Refuse where a tier cannot hold pins.")
+
+    p = retention_command(
+        "unpin", "Unpin blocks: evicted again like any other.", "", "  ucm-admin unpin 3f2a...e1/9c0d...77"
+    )
+    keys_and_missing_ok(p)
+
+    p = retention_command(
+        "ttl",
+        "Expire blocks SECONDS from now (from every tier), or never again with 'never'.",
+        "An expired block is deleted everywhere, pinned or not; Lookups never report it present.",
+        "  ucm-admin ttl 3600 3f2a...e1/9c0d...77\n  ucm-admin ttl never 3f2a...e1/9c0d...77",
+    )
+    p.add_argument("seconds", metavar="SECONDS", type=ttl_seconds, help="Time to live, or 'never'.")
+    keys_and_missing_ok(p)
+
+    p = retention_command(
+        "priority",
+        "Set the eviction priority of blocks: lower goes first (-100..100, default 0).",
+        "Within one priority, the least recently used block goes first; pinned blocks never go.",
+        "  ucm-admin priority -- -20 3f2a...e1/9c0d...77   # evict before everything else",
+    )
+    p.add_argument("value", metavar="N", type=int, help="The priority, -100..100.")
+    keys_and_missing_ok(p)
 
     p = command(
         "evict",

@@ -95,6 +95,9 @@ def stats_dict(resp: Any, target: str) -> Json:
         "lookup_hits": resp.lookup_hits,
         "lookup_hit_rate": ratio(resp.lookup_hits, resp.lookup_keys),
         "pending_writeback": resp.pending_writeback,
+        "pinned_blocks": resp.pinned_blocks,
+        "retention_rules": resp.retention_rules,
+        "expired_blocks": resp.expired_blocks,
         "tiers": [tier_dict(t) for t in resp.tiers],
         "session_list": [
             {"client_name": s.client_name, "pid": s.pid, "tenant": s.tenant, "age_s": round(s.age_s, 3)}
@@ -112,6 +115,7 @@ def stats_summary(stats: Json) -> str:
         f" · lookups {stats['lookups']} ({stats['lookup_keys']} keys,"
         f" hit rate {percent(stats['lookup_hit_rate'])})"
         f" · pending write-back {stats['pending_writeback']}"
+        f" · pinned {stats['pinned_blocks']} · expired {stats['expired_blocks']}"
     )
 
 
@@ -184,7 +188,20 @@ def block_dict(info: Any) -> Json:
         "tiers": list(info.tiers),
         "stored_at": info.stored_at or None,
         "checksum": f"{info.checksum:016x}" if info.has_checksum else None,
+        "pinned": info.retention.pinned,
+        "expires_at": info.retention.expires_at or None,
+        "priority": info.retention.priority,
     }
+
+
+def retention_text(block: Json) -> str:
+    """``pinned``, ``expires <time>``, ``priority N`` (what is set), or ``-``."""
+    parts = ["pinned"] if block["pinned"] else []
+    if block["expires_at"]:
+        parts.append(f"expires {timestamp(block['expires_at'])}")
+    if block["priority"]:
+        parts.append(f"priority {block['priority']}")
+    return ", ".join(parts) or "-"
 
 
 def timestamp(epoch: float | None) -> str:
@@ -199,8 +216,15 @@ def blocks_table(blocks: list[Json]) -> Table:
     table.add_column("SIZE", justify="right", no_wrap=True)
     table.add_column("TIERS", no_wrap=True)
     table.add_column("STORED", no_wrap=True)
+    table.add_column("RETENTION", no_wrap=True)
     for b in blocks:
-        table.add_row(b["key"], human_bytes(b["size"]), ",".join(b["tiers"]), timestamp(b["stored_at"]))
+        table.add_row(
+            b["key"],
+            human_bytes(b["size"]),
+            ",".join(b["tiers"]),
+            timestamp(b["stored_at"]),
+            retention_text(b),
+        )
     return table
 
 
@@ -215,4 +239,5 @@ def block_detail(block: Json) -> Table:
     table.add_row("tiers", ", ".join(block["tiers"]))
     table.add_row("stored at", timestamp(block["stored_at"]))
     table.add_row("checksum", block["checksum"] or "none (this tier keeps no checksum)")
+    table.add_row("retention", retention_text(block))
     return table

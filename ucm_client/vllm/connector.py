@@ -219,6 +219,13 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM's call for a ``SupportsHMA`` connector: every group's blocks are held alike."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report: requests whose saves are done get the retention they asked for."""
+        done = getattr(connector_output, "finished_sending", None)
+        if self._scheduler is not None and done:
+            with self._scheduler.stats.timed():
+                self._scheduler.saves_done(set(done))
+
     # ------------------------------------------------------------------ both roles
 
     def get_kv_connector_stats(self) -> UcmConnectorStats | None:

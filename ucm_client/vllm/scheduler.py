@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from ucm_client.vllm.identity import KeySpace, block_keys, layer_key
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.prefetch import start_prefetch
+from ucm_client.vllm.retention import Retention, retention_of
 from ucm_client.vllm.stats import UcmConnectorStats
 
 __all__ = ["MAX_LOOKUP_KEYS", "NULL_BLOCK_ID", "UcmScheduler", "hit_tokens"]
@@ -42,6 +44,7 @@ __all__ = ["MAX_LOOKUP_KEYS", "NULL_BLOCK_ID", "UcmScheduler", "hit_tokens"]
 logger = logging.getLogger(LOGGER_NAME)
 
 MAX_LOOKUP_KEYS = 65536
+_SAVED_MEMORY = 4096
 """Keys in one Lookup at most (the daemon's default ``max_batch_blocks``). Only layerwise lookups
 (blocks x layers keys) come near it: a longer prefix is asked in several Lookups, in order, stopping
 at the first one that does not hit in full."""
@@ -79,6 +82,8 @@ class _Request:
     keys: list[bytes] = field(default_factory=list)
     hashed: int = -1
     """``len(request.block_hashes)`` when ``keys`` was derived (hashes only ever grow)."""
+    retention: Retention | None = None
+    """The request's ``kv_transfer_params["ucm"]`` entry (:mod:`ucm_client.vllm.retention`)."""
 
 
 class UcmScheduler:
@@ -103,6 +108,11 @@ class UcmScheduler:
         )
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[BlockTransfer] = []
+        self._retain_after_save: dict[str, tuple[Retention, list[bytes]]] = {}
+        """Requests whose retention applies once the workers report their saves done."""
+        self._saved: OrderedDict[str, None] = OrderedDict()
+        """Requests the workers reported saved before vLLM finished them here (the two reports of
+        one step can come in either order); bounded."""
         self._stats = UcmConnectorStats()
         self._pd = PdRole.from_vllm(vllm_config, config.pd_wait_timeout_s)
 
@@ -222,7 +232,9 @@ class UcmScheduler:
         return 0
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._requests.setdefault(request.request_id, _Request(request))
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _Request(request, retention=retention_of(request))
         state.request = request
         state.local_tokens = num_computed_tokens
         if not self._config.enable_load:
@@ -331,7 +343,54 @@ class UcmScheduler:
         """Hold the blocks of a request with saves until the workers report them stored."""
         state = self._requests.pop(request.request_id, None)
         self._pd.forget(request.request_id)
+        if state is not None and state.retention is not None:
+            stored = max(state.saved_blocks, state.stored_blocks or 0)
+            keys = self._keys(state)[:stored]
+            saved = request.request_id in self._saved
+            self._saved.pop(request.request_id, None)
+            if state.had_save and not saved:
+                self._retain_after_save[request.request_id] = (state.retention, keys)
+            else:
+                self._retain(request.request_id, state.retention, keys)
         return (state is not None and state.had_save), self._pd.finished_params(request)
+
+    def saves_done(self, req_ids: set[str]) -> None:
+        """The workers stored these requests' blocks: apply the retention they asked for."""
+        for req_id in req_ids:
+            parked = self._retain_after_save.pop(req_id, None)
+            if parked is not None:
+                self._retain(req_id, *parked)
+            else:  # reported before request_finished: apply there
+                self._saved[req_id] = None
+                while len(self._saved) > _SAVED_MEMORY:
+                    self._saved.popitem(last=False)
+
+    def _retain(self, req_id: str, retention: Retention, keys: list[bytes]) -> None:
+        """``SetRetention`` for the request's stored blocks, in every TP rank's namespace."""
+        client = self._link.client()
+        if not keys or client is None:
+            return
+        stored, _ = self._stored_keys(keys)
+        namespaces = (
+            [ns for group in self._group_namespaces for ns in group]
+            if self._keyspace.hybrid
+            else self._namespaces
+        )
+        try:
+            for namespace in namespaces:  # a window group's blocks out of its window are just missing
+                for start in range(0, len(stored), MAX_LOOKUP_KEYS):
+                    client.set_retention(
+                        namespace,
+                        stored[start : start + MAX_LOOKUP_KEYS],
+                        pin=retention.pin,
+                        ttl_s=retention.ttl_s,
+                        priority=retention.priority,
+                    )
+        except UcmError as exc:
+            if not self._link.failed(exc):
+                logger.warning("UCM scheduler: retention of request %s refused: %s", req_id, exc)
+            return
+        self._link.succeeded()
 
     @property
     def stats(self) -> UcmConnectorStats:
@@ -341,4 +400,9 @@ class UcmScheduler:
         return self._stats.take()
 
     def shutdown(self) -> None:
+        """Apply the retention still waiting for saves vLLM never reported (the engine stopped
+        stepping after the request ended: its blocks are stored by now or missing), then close."""
+        for req_id, parked in list(self._retain_after_save.items()):
+            self._retain(req_id, *parked)
+        self._retain_after_save.clear()
         self._link.close()

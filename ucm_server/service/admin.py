@@ -10,12 +10,14 @@ from grpc import aio
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.engine import Engine
+from ucm_server.retention import PLAIN, Rule
 from ucm_server.snapshot import TierFigures
 from ucm_server.store.base import BlockInfo
 
 
-def block_info(info: BlockInfo, tiers: list[str]) -> pb.BlockInfo:
+def block_info(info: BlockInfo, tiers: list[str], rule: Rule = PLAIN) -> pb.BlockInfo:
     return pb.BlockInfo(
+        retention=pb.Retention(pinned=rule.pinned, expires_at=rule.expires_at, priority=rule.priority),
         namespace=info.key.namespace,
         key=info.key.digest,
         size=info.size,
@@ -71,6 +73,9 @@ class AdminServicer(rpc.AdminServicer):
             lookup_hits=snap.lookup_hits,
             pending_writeback=snap.pending_writeback,
             store_pipeline=snap.store_pipeline,
+            pinned_blocks=snap.pinned_blocks,
+            retention_rules=snap.retention_rules,
+            expired_blocks=snap.expired_blocks,
             session_list=[
                 pb.SessionInfo(
                     client_name=s.client_name, pid=s.pid, tenant=s.tenant, age_s=now - s.attached_at
@@ -86,12 +91,14 @@ class AdminServicer(rpc.AdminServicer):
             request.namespace, request.tier, request.page_size, request.page_token
         )
         return pb.ListBlocksResponse(
-            blocks=[block_info(info, tiers) for info, tiers in page], next_page_token=token, total=total
+            blocks=[block_info(info, tiers, self.engine.retention.get(info.key)) for info, tiers in page],
+            next_page_token=token,
+            total=total,
         )
 
     async def Inspect(self, request: pb.InspectRequest, context: aio.ServicerContext) -> pb.InspectResponse:
         info, tiers = await self.engine.inspect(request.namespace, request.key)
-        return pb.InspectResponse(block=block_info(info, tiers))
+        return pb.InspectResponse(block=block_info(info, tiers, self.engine.retention.get(info.key)))
 
     async def Evict(self, request: pb.EvictRequest, context: aio.ServicerContext) -> pb.EvictResponse:
         blocks, nbytes = await self.engine.evict(

@@ -19,6 +19,7 @@ from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import SESSION_METADATA
 from ucm_server.engine import Engine
+from ucm_server.retention import Change
 from ucm_server.tasks import Task, TaskKind
 
 
@@ -166,6 +167,19 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def Delete(self, request: pb.DeleteRequest, context: aio.ServicerContext) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=await self.engine.delete(request.namespace, request.keys))
 
+    async def SetRetention(
+        self, request: pb.SetRetentionRequest, context: aio.ServicerContext
+    ) -> pb.SetRetentionResponse:
+        answer = await self.engine.set_retention(
+            request.namespace,
+            request.keys,
+            retention_change(request),
+            require_all_tiers=request.require_all_tiers,
+        )
+        return pb.SetRetentionResponse(
+            applied=answer.applied, missing=answer.missing, not_enforced=answer.not_enforced
+        )
+
     async def GetBlocks(
         self, request: pb.GetBlocksRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.GetBlockReply]:
@@ -189,3 +203,18 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 reply.reasons[index] = r.reason
             index += 1
         return reply
+
+
+def retention_change(request: pb.SetRetentionRequest) -> Change:
+    """The request's change, its contradictions refused with the fields named."""
+    if request.pin and request.unpin:
+        raise InvalidArgument("pin and unpin in one request: choose one")
+    if request.ttl_s and request.clear_ttl:
+        raise InvalidArgument("ttl_s and clear_ttl in one request: choose one")
+    if request.ttl_s < 0:
+        raise InvalidArgument(f"ttl_s must be positive, got {request.ttl_s}")
+    return Change(
+        pin=True if request.pin else (False if request.unpin else None),
+        ttl_s=request.ttl_s if request.ttl_s else (0.0 if request.clear_ttl else None),
+        priority=request.priority if request.set_priority else None,
+    )

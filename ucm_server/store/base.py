@@ -20,10 +20,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import ctypes
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-ex
 from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 IoVec = Sequence[memoryview]
 """A block's bytes as an ordered list of memory segments (scatter/gather)."""
@@ -267,6 +268,18 @@ class SizeIndex:
             self.watch.cleared()
 
 
+class EvictionRules(Protocol):
+    """The daemon's retention rules as a tier's eviction sees them
+    (:class:`ucm_server.retention.RetentionTable`): the order to evict in, pinned blocks left out."""
+
+    def victims(
+        self, candidates: Iterable[tuple[bytes, V]], find: Callable[[bytes], V | None]
+    ) -> Iterator[tuple[bytes, V]]:
+        """``candidates`` (the tier's own order, key and value) reordered and filtered by the rules;
+        ``find`` gives the tier's value for a key the rules name (``None``: not in this tier)."""
+        ...
+
+
 DEFAULT_MAX_BLOCK_BYTES = 256 << 20
 """The daemon's default ``max_block_bytes``."""
 
@@ -308,6 +321,11 @@ class Tier(abc.ABC):
     Settings: ClassVar[type[Any] | None] = None
     """The frozen dataclass of the tier's settings (its ``tier_settings`` entry); ``None``: the tier
     cannot be built from configuration unless it overrides :meth:`from_settings`."""
+    pin_gap: ClassVar[str] = "its eviction is its own and does not read this daemon's pins"
+    """Empty when the tier's eviction honours :attr:`rules` (pins, priorities); otherwise why a pin
+    is not held there (shown to whoever pins, who may then refuse the pin)."""
+    rules: EvictionRules | None = None
+    """The daemon's retention rules (set by the pipeline); ``None``: plain eviction order."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -412,6 +430,16 @@ class Tier(abc.ABC):
         """Free at least ``nbytes`` by the tier's eviction policy; returns bytes freed.
         Default: tiers without a policy free nothing."""
         return 0
+
+    def use_rules(self, rules: EvictionRules) -> None:
+        """Evict under ``rules`` from now on (a wrapper passes them to the tier it wraps)."""
+        self.rules = rules
+
+    def eviction_order(
+        self, candidates: Iterable[tuple[bytes, V]], find: Callable[[bytes], V | None]
+    ) -> Iterator[tuple[bytes, V]]:
+        """The tier's own eviction order (``candidates``) under the daemon's :attr:`rules`."""
+        return iter(candidates) if self.rules is None else self.rules.victims(candidates, find)
 
 
 def load_tier_settings(cls: type[Tier], name: str, settings: Mapping[str, object]) -> dict[str, Any]:

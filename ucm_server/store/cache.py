@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -35,6 +35,7 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
+from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.watch import IndexWatch
 
 INLINE_COPY_BYTES = 512 << 10
@@ -52,6 +53,8 @@ class CacheSettings:
     """Allocation unit of the arena; a block uses whole pages."""
     prefault: bool = False
     """Fault the arena's memory in at ``open`` so storing a block never pays first-touch faults."""
+    eviction: str = "lru"
+    """The eviction policy by name (:data:`ucm_server.store.policy.POLICIES`: ``lru``, ``arc``)."""
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class CacheTier(Tier):
     kind = "Cache"
     persistent = False
     shared = False
+    pin_gap = ""
 
     def __init__(
         self,
@@ -114,9 +118,11 @@ class CacheTier(Tier):
         page_size: int = 64 << 10,
         executor: Executor | None = None,
         prefault: bool = False,
+        eviction: str = "lru",
     ) -> None:
         super().__init__(name)
         self.arena = Arena(capacity, page_size)
+        self.policy: EvictionPolicy = make_policy(eviction, self.arena.capacity)
         self._prefault = prefault
         self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._sizes = SizeIndex()
@@ -141,6 +147,7 @@ class CacheTier(Tier):
     async def close(self) -> None:
         self._index.clear()
         self._sizes.clear()
+        self.policy = make_policy(self.policy.name, self.arena.capacity)
         self.arena.close()
 
     def watch_index(self, watch: IndexWatch) -> None:
@@ -165,7 +172,7 @@ class CacheTier(Tier):
         results: list[BlockResult] = [MISSING] * len(items)
         plan: list[tuple[int, Lease, IoVec]] = []
         for i, (key, dest) in enumerate(items):
-            lease = self.lease(key)
+            lease = self.lease(key, read=True)
             if lease is None:
                 self._stats.misses += 1
                 continue
@@ -197,7 +204,7 @@ class CacheTier(Tier):
             if extents is None:
                 results[i] = failed(
                     f"cache full: {size} bytes needed, {self.arena.free_pages * self.arena.page_size} free "
-                    f"and every cached block is in use"
+                    f"and every cached block is in use or pinned"
                 )
                 self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
                 continue
@@ -245,22 +252,32 @@ class CacheTier(Tier):
 
     async def evict(self, nbytes: int) -> int:
         freed = 0
-        for entry in list(self._index.values()):
+        for entry in self._victims():
             if freed >= nbytes:
                 break
-            if entry.leases == 0:
-                freed += entry.size
-                self._unlink(entry.key)
-                self._stats.evictions += 1
+            freed += entry.size
+            self._unlink(entry.key, evicted=True)
+            self._stats.evictions += 1
         return freed
 
+    def _victims(self) -> Iterator[_Entry]:
+        """Unleased blocks in eviction order (the policy's, under the retention rules: pinned
+        never); safe to unlink while iterating."""
+        index: dict[bytes, _Entry] = self._index  # type: ignore[assignment]  # BlockKey is bytes
+        candidates = ((k, e) for k in self.policy.order() if (e := index.get(k)) is not None)
+        for _, entry in self.eviction_order(candidates, index.get):
+            if entry.leases == 0 and self._index.get(entry.key) is entry:
+                yield entry
+
     # -- leases ---------------------------------------------------------------------------------------
-    def lease(self, key: BlockKey) -> Lease | None:
-        """Hold a cached block so it can be read (or flushed) in place; marks it recently used."""
+    def lease(self, key: BlockKey, *, read: bool = False) -> Lease | None:
+        """Hold a cached block so it can be read (or flushed) in place; ``read``: a use the
+        eviction policy hears of (a write-down's lease is not one)."""
         entry = self._index.get(key)
         if entry is None:
             return None
-        self._index.move_to_end(key)
+        if read:
+            self.policy.touched(key)
         entry.leases += 1
         return Lease(self, entry, self.arena.views(entry.extents, entry.size))
 
@@ -274,7 +291,7 @@ class CacheTier(Tier):
     # leases the block and reads ``host_runs``; a dump reserves pages, fills them, then commits.
     def lease_for_read(self, key: BlockKey) -> Lease | None:
         """:meth:`lease`, counted as a hit when found (a miss is counted by the read that follows)."""
-        lease = self.lease(key)
+        lease = self.lease(key, read=True)
         if lease is not None:
             self._stats.hits += 1
             self._stats.read_bytes += lease.size
@@ -327,14 +344,19 @@ class CacheTier(Tier):
 
     # -- internals ------------------------------------------------------------------------------------
     def _publish(self, entry: _Entry) -> None:
-        self._unlink(entry.key)
+        self._unlink(entry.key, replaced=True)
         self._index[entry.key] = entry
         self._sizes.add(entry.key, entry.size)
+        self.policy.inserted(entry.key, entry.size)
 
-    def _unlink(self, key: BlockKey) -> bool:
+    def _unlink(self, key: BlockKey, *, evicted: bool = False, replaced: bool = False) -> bool:
+        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room,
+        ``replaced``: a new version follows (the policy hears of that as a use, not a removal)."""
         entry = self._index.pop(key, None)
         if entry is None:
             return False
+        if not replaced:
+            self.policy.removed(key, evicted=evicted)
         self._sizes.discard(key)
         if entry.leases:
             entry.unlinked = True
@@ -348,12 +370,11 @@ class CacheTier(Tier):
         if need > self.arena.npages:
             return None
         if self.arena.free_pages < need:
-            for entry in list(self._index.values()):  # oldest first
-                if entry.leases == 0:
-                    self._unlink(entry.key)
-                    self._stats.evictions += 1
-                    if self.arena.free_pages >= need:
-                        break
+            for entry in self._victims():
+                self._unlink(entry.key, evicted=True)
+                self._stats.evictions += 1
+                if self.arena.free_pages >= need:
+                    break
         return self.arena.allocate(size)
 
     async def _copy(self, pairs: Sequence[tuple[IoVec, IoVec]], nbytes: int) -> None:

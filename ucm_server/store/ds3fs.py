@@ -112,6 +112,7 @@ class DS3FSTier(PosixTier):
     kind: ClassVar[str] = "DS3FS"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    pin_gap: ClassVar[str] = "a shared tier: other nodes' daemons evict from it without this daemon's pins"
     client_reads: ClassVar[bool] = False  # its own read path (USRBIO, negative lookups) decides
     index_snapshots: ClassVar[bool] = False  # other nodes change the tree: scan before serving
 

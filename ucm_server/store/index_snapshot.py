@@ -173,4 +173,3 @@ def _replace(root: Path, name: str, parts: list[bytes], *, durable: bool) -> Non
             os.fsync(dfd)
     finally:
         os.close(dfd)
-

@@ -143,6 +143,7 @@ class MooncakeTier(Tier):
     kind: ClassVar[str] = "Mooncake"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    pin_gap: ClassVar[str] = "Mooncake evicts by its own policy, which does not read this daemon's pins"
 
     def __init__(
         self,

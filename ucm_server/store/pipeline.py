@@ -39,6 +39,7 @@ from ucm_server.store.base import (
     BlockInfo,
     BlockResult,
     BlockState,
+    EvictionRules,
     IoVec,
     Tier,
     failed,
@@ -145,6 +146,23 @@ class Pipeline:
             written=self._written_down,
             failed=self._flush_failed,
         )
+
+    def wrap(self, names: Iterable[str], wrap: Callable[[Tier], Tier]) -> None:
+        """Replace the tiers called ``names`` (below the top) by ``wrap(tier)``; before :meth:`open`."""
+        for name in names:
+            i = self.tiers.index(self.tier(name))
+            if i == 0:
+                raise ValueError(f"the top tier {name!r} cannot be wrapped")
+            self.tiers[i] = wrap(self.tiers[i])
+
+    def set_rules(self, rules: EvictionRules) -> None:
+        """Every tier evicts under the daemon's retention rules from now on (where it can)."""
+        for t in self.tiers:
+            t.use_rules(rules)
+
+    def pin_gaps(self) -> list[str]:
+        """``"<tier>: why"`` for each tier whose eviction does not hold this daemon's pins."""
+        return [f"{t.name}: {t.pin_gap}" for t in self.tiers if t.pin_gap]
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:

@@ -156,6 +156,7 @@ class PosixTier(Tier):
     kind = "Posix"
     persistent = True
     shared = False
+    pin_gap: ClassVar[str] = ""
     max_concurrency = 16
     client_reads: ClassVar[bool] = True
     """:meth:`read_checked` reads into client memory (subclasses with their own read path say no)."""
@@ -653,8 +654,8 @@ class PosixTier(Tier):
         size = iov_len(src)
         if self.capacity and size > self.capacity:
             return failed(f"block of {size} bytes exceeds {self.name} capacity {self.capacity}")
-        if self.capacity:
-            await self._make_room(size)
+        if self.capacity and await self._make_room(size) < size:
+            return failed(self._full(size))
         try:
             direct = await self._run(self._write_file, self.path_of(key), key, src)
         except OSError as exc:
@@ -689,7 +690,15 @@ class PosixTier(Tier):
             else:
                 todo.append(i)
         if self.capacity and todo:
-            await self._make_room(min(self.capacity, sum(sizes[i] for i in todo)))
+            room = await self._make_room(min(self.capacity, sum(sizes[i] for i in todo)))
+            fits: list[int] = []
+            for i in todo:
+                if sizes[i] <= room:
+                    room -= sizes[i]
+                    fits.append(i)
+                else:
+                    results[i] = failed(self._full(sizes[i]))
+            todo = fits
         group = self.durable and _SYNCFS is not None
         outcomes = await self._in_groups(self._stage_group, [items[i] for i in todo], sizes, todo, group)
         if group:
@@ -788,10 +797,10 @@ class PosixTier(Tier):
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
         freed = 0
-        for key, entry in self._index.oldest():
+        for key, entry in self.eviction_order(self._index.oldest(), self._index.get):
             if freed >= nbytes:
                 break
-            victims.append(key)
+            victims.append(_block_key(key))
             freed += entry.size
         self._stats.evictions += len(victims)
         await self.delete(victims)
@@ -1209,10 +1218,21 @@ class PosixTier(Tier):
         if self._adopting:
             self._touched.add(key)
 
-    async def _make_room(self, size: int) -> None:
+    async def _make_room(self, size: int) -> int:
+        """Evict so ``size`` more bytes fit; returns how many of them do: all of them unless the
+        retention rules keep what would have to go (pinned blocks are never evicted). The capacity
+        stays soft under concurrent writers, as before: only pins make a write fail for room."""
         over = self._index.bytes + size - self.capacity
-        if over > 0:
-            await self.evict(over)
+        if over <= 0:
+            return size
+        freed = await self.evict(over)
+        return size if freed >= over else max(0, size - (over - freed))
+
+    def _full(self, size: int) -> str:
+        return (
+            f"{self.name} is full: {size} bytes needed, {max(0, self.capacity - self._index.bytes)} free "
+            f"of {self.capacity} and the rest is pinned"
+        )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -1390,7 +1410,6 @@ def _vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, sh
 def _zero(dest: IoVec) -> None:
     for seg in dest:
         seg[:] = bytes(seg.nbytes)
-
 
 
 def _block_key(key: bytes) -> BlockKey:

@@ -104,6 +104,9 @@ class S3Tier(Tier):
     kind: ClassVar[str] = "S3"
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
+    pin_gap: ClassVar[str] = (
+        "a shared bucket: other nodes and bucket lifecycle rules delete without this daemon's pins"
+    )
 
     def __init__(
         self,

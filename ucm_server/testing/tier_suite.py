@@ -91,6 +91,8 @@ def decode_stored(raw: bytes, expect: BlockKey) -> bytes:
 class TierSuite:
     block_size: ClassVar[int] = 64 << 10
     evicts: ClassVar[bool] = False
+    stored_overhead: ClassVar[int] = 0
+    """Bytes the tier's stats count per block beyond its payload (an encryption envelope)."""
 
     async def make_tier(self, path: Path) -> Tier:
         raise NotImplementedError("a tier's test class says how to build it")
@@ -192,6 +194,34 @@ class TierSuite:
 
         self.run(tmp_path, body)
 
+    def test_eviction_honours_pins_and_priorities(self, tmp_path: Path) -> None:
+        """A tier that says it holds pins (``pin_gap == ""``) evicts low priority first, then least
+        recently used, then high priority, and never a pinned block; any other tier says why not."""
+        from ucm_server.retention import Change, RetentionTable
+
+        async def body(t: Tier) -> None:
+            if t.pin_gap:
+                assert len(t.pin_gap) > 10, "a tier that cannot hold pins says why"
+                return
+            rules = RetentionTable(None)
+            t.use_rules(rules)
+            for i in range(6):  # least recently used first: 0, 1, ... 5
+                assert (await t.write_from(key(i), [memoryview(payload(i, 4096))])).ok
+            await rules.change([key(1)], Change(pin=True), time.time())
+            await rules.change([key(5)], Change(priority=-1), time.time())
+            await rules.change([key(0)], Change(priority=1), time.time())
+            await t.evict(2 * 4096)
+            present = [size is not None for size in await t.lookup([key(i) for i in range(6)])]
+            assert present == [True, True, False, True, True, False], "low priority, then LRU"
+            await t.evict(100 * 4096)
+            present = [size is not None for size in await t.lookup([key(i) for i in range(6)])]
+            assert present == [False, True, False, False, False, False], "pinned blocks stay"
+            await rules.change([key(1)], Change(pin=False), time.time())
+            await t.evict(4096)
+            assert await t.lookup([key(1)]) == [None], "unpinned, it goes like any other"
+
+        self.run(tmp_path, body)
+
     def test_batches_and_stats(self, tmp_path: Path) -> None:
         async def body(t: Tier) -> None:
             datas = [payload(i, 1024) for i in range(50)]
@@ -202,7 +232,7 @@ class TierSuite:
             assert all(r.ok for r in results)
             assert [bytes(o) for o in outs] == datas
             s = t.stats()
-            assert s.blocks == 50 and s.bytes == 50 * 1024
+            assert s.blocks == 50 and s.bytes == 50 * (1024 + self.stored_overhead)
             assert len([i async for i in t.list_blocks(NS_A)]) == 50
 
         self.run(tmp_path, body)

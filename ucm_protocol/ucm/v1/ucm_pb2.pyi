@@ -223,6 +223,48 @@ class DeleteResponse(_message.Message):
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
+class Retention(_message.Message):
+    __slots__ = ("pinned", "expires_at", "priority")
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    pinned: bool
+    expires_at: float
+    priority: int
+    def __init__(self, pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SetRetentionRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "pin", "unpin", "ttl_s", "clear_ttl", "set_priority", "priority", "require_all_tiers")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_TTL_FIELD_NUMBER: _ClassVar[int]
+    SET_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_ALL_TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pin: bool
+    unpin: bool
+    ttl_s: float
+    clear_ttl: bool
+    set_priority: bool
+    priority: int
+    require_all_tiers: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ..., unpin: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., clear_ttl: _Optional[bool] = ..., set_priority: _Optional[bool] = ..., priority: _Optional[int] = ..., require_all_tiers: _Optional[bool] = ...) -> None: ...
+
+class SetRetentionResponse(_message.Message):
+    __slots__ = ("applied", "missing", "not_enforced")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    NOT_ENFORCED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    missing: int
+    not_enforced: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, applied: _Optional[int] = ..., missing: _Optional[int] = ..., not_enforced: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class BlockBytes(_message.Message):
     __slots__ = ("namespace", "key", "data")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -314,7 +356,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline", "session_list")
+    __slots__ = ("version", "uptime_s", "tiers", "sessions", "regions", "region_bytes", "tasks_running", "tasks_queued", "lookups", "lookup_keys", "lookup_hits", "pending_writeback", "store_pipeline", "session_list", "pinned_blocks", "retention_rules", "expired_blocks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +371,9 @@ class StatsResponse(_message.Message):
     PENDING_WRITEBACK_FIELD_NUMBER: _ClassVar[int]
     STORE_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     SESSION_LIST_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_RULES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -343,7 +388,10 @@ class StatsResponse(_message.Message):
     pending_writeback: int
     store_pipeline: str
     session_list: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    pinned_blocks: int
+    retention_rules: int
+    expired_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ..., tasks_running: _Optional[int] = ..., tasks_queued: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_keys: _Optional[int] = ..., lookup_hits: _Optional[int] = ..., pending_writeback: _Optional[int] = ..., store_pipeline: _Optional[str] = ..., session_list: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., pinned_blocks: _Optional[int] = ..., retention_rules: _Optional[int] = ..., expired_blocks: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("client_name", "pid", "tenant", "age_s")
@@ -358,7 +406,7 @@ class SessionInfo(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., tenant: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
-    __slots__ = ("namespace", "key", "size", "tiers", "stored_at", "checksum", "has_checksum")
+    __slots__ = ("namespace", "key", "size", "tiers", "stored_at", "checksum", "has_checksum", "retention")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +414,7 @@ class BlockInfo(_message.Message):
     STORED_AT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     key: bytes
     size: int
@@ -373,7 +422,8 @@ class BlockInfo(_message.Message):
     stored_at: float
     checksum: int
     has_checksum: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., stored_at: _Optional[float] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ...) -> None: ...
+    retention: Retention
+    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., size: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., stored_at: _Optional[float] = ..., checksum: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
 
 class ListBlocksRequest(_message.Message):
     __slots__ = ("namespace", "tier", "page_size", "page_token")

@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=ucm_dot_v1_dot_ucm__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=ucm_dot_v1_dot_ucm__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.SetRetention = channel.unary_unary(
+                '/ucm.v1.KVStore/SetRetention',
+                request_serializer=ucm_dot_v1_dot_ucm__pb2.SetRetentionRequest.SerializeToString,
+                response_deserializer=ucm_dot_v1_dot_ucm__pb2.SetRetentionResponse.FromString,
+                _registered_method=True)
         self.GetBlocks = channel.unary_stream(
                 '/ucm.v1.KVStore/GetBlocks',
                 request_serializer=ucm_dot_v1_dot_ucm__pb2.GetBlocksRequest.SerializeToString,
@@ -170,6 +175,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRetention(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetBlocks(self, request, context):
         """Slow path for clients that cannot share memory.
         """
@@ -240,6 +251,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=ucm_dot_v1_dot_ucm__pb2.DeleteRequest.FromString,
                     response_serializer=ucm_dot_v1_dot_ucm__pb2.DeleteResponse.SerializeToString,
+            ),
+            'SetRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRetention,
+                    request_deserializer=ucm_dot_v1_dot_ucm__pb2.SetRetentionRequest.FromString,
+                    response_serializer=ucm_dot_v1_dot_ucm__pb2.SetRetentionResponse.SerializeToString,
             ),
             'GetBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.GetBlocks,
@@ -549,6 +565,33 @@ class KVStore:
             '/ucm.v1.KVStore/Delete',
             ucm_dot_v1_dot_ucm__pb2.DeleteRequest.SerializeToString,
             ucm_dot_v1_dot_ucm__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ucm.v1.KVStore/SetRetention',
+            ucm_dot_v1_dot_ucm__pb2.SetRetentionRequest.SerializeToString,
+            ucm_dot_v1_dot_ucm__pb2.SetRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,
