@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 from support.blocks import NS, blocks_in
-from support.kv_events import NodeSubscriber, listed, settle, vllm_hash
+from support.kv_events import NodeSubscriber, listed, node, poll_until, record_removals, settle, vllm_hash
 from test_admin import admin, json_of
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
@@ -89,14 +89,7 @@ def test_index_follows_every_change_and_a_restart(
     d, pub, replay = events_daemon
     ctx: zmq.Context[Any] = zmq.Context()
     sub = NodeSubscriber(ctx, pub, replay)
-    removals: list[Any] = []
-    original_apply = sub.state.apply
-
-    def apply(batch: Any) -> None:  # record removals to prove they were published, not inferred
-        removals.extend(e for e in batch.events if isinstance(e, kv_events.BlockRemoved))
-        original_apply(batch)
-
-    sub.state.apply = apply  # type: ignore[method-assign]
+    removals = record_removals(sub)
     try:
         sub.sync()  # a late joiner: snapshot of an empty index
         with UcmClient(d.target, client_name="pytest-events") as client:
@@ -221,26 +214,16 @@ def test_shared_tier_entries_appear_and_expire_as_the_daemon_learns(tmp_path: Pa
     """Two daemons share a DS3FS tree (its POSIX path on a local directory). Node B publishes SHARED
     for blocks node A wrote once a lookup finds them, and removes them once a lookup finds them gone
     (A deleted them): what B's daemon learns, B's stream says."""
-    import yaml
-
     mount = tmp_path / "3fs"
     mount.mkdir()
 
-    def node(name: str, events: bool) -> DaemonProcess:
-        settings = {"mount": str(mount), "usrbio": "off", "positive_ttl_s": 0.2, "negative_ttl_s": 0.2}
-        cfg: dict[str, Any] = {"store_pipeline": "Cache|DS3FS", "tier_settings": {"DS3FS": settings}}
-        cfg["shared_lookup_ttl_s"] = 0  # every lookup asks the tier (no answer cache in the pipeline)
-        if events:
-            cfg |= {
-                "kv_events_endpoint": f"ipc://{tmp_path}/b.pub",
-                "kv_events_replay_endpoint": f"ipc://{tmp_path}/b.rep",
-            }
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        return DaemonProcess(tmp_path / name, args=["--config", str(path)])
+    settings = {"mount": str(mount), "usrbio": "off", "positive_ttl_s": 0.2, "negative_ttl_s": 0.2}
+    cfg: dict[str, Any] = {"store_pipeline": "Cache|DS3FS", "tier_settings": {"DS3FS": settings}}
+    cfg["shared_lookup_ttl_s"] = 0  # every lookup asks the tier (no answer cache in the pipeline)
 
     ctx: zmq.Context[Any] = zmq.Context()
-    with node("a", False) as a, node("b", True) as b, UcmClient(a.target) as ca, UcmClient(b.target) as cb:
+    a, b = node(tmp_path, "a", cfg, False), node(tmp_path, "b", cfg, True)
+    with a, b, UcmClient(a.target) as ca, UcmClient(b.target) as cb:
         sub = NodeSubscriber(ctx, f"ipc://{tmp_path}/b.pub", f"ipc://{tmp_path}/b.rep")
         try:
             sub.sync()
@@ -249,22 +232,15 @@ def test_shared_tier_entries_appear_and_expire_as_the_daemon_learns(tmp_path: Pa
             time.sleep(0.5)  # A's write-back reaches the shared tree
             assert cb.lookup(NS, keys).hit_prefix == 4
             expected = {vllm_hash(k) for k in keys}
-            _poll_until(sub, lambda: sub.state.media.get("SHARED", set()) == expected)
+            poll_until(sub, lambda: sub.state.media.get("SHARED", set()) == expected)
             assert not sub.state.media.get("CPU")  # negative control: B holds them only in the shared tier
             assert ca.delete(NS, keys[:2]) == 2
             time.sleep(0.5)  # past B's positive_ttl_s: its next lookup checks the tree again
             assert cb.lookup(NS, keys).present == [False, False, True, True]
-            _poll_until(
+            poll_until(
                 sub,
                 lambda: sub.state.media.get("SHARED", set()) == expected - {vllm_hash(k) for k in keys[:2]},
             )
         finally:
             sub.close()
             ctx.term()
-
-
-def _poll_until(sub: NodeSubscriber, done: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not done():
-        sub.poll(100)
-    assert done(), sub.state.media

@@ -161,7 +161,7 @@ class Daemon:
         self.tcp_port: int | None = None
         self._locks: list[int] = []
         self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
-        self.kv_events = kv_event_publisher(config, self.engine.pipeline.tiers)
+        self.kv_events = kv_event_publisher(config, self.engine.pipeline)
 
     async def start(self) -> None:
         cfg = self.config

@@ -37,6 +37,7 @@ from ucm_server.store.watch import Watchable
 
 if TYPE_CHECKING:
     from ucm_server.config import ServerConfig
+    from ucm_server.store.pipeline import Pipeline
 
 __all__ = ["EventsSettings", "KvEventPublisher", "kv_event_publisher"]
 
@@ -57,7 +58,8 @@ class EventsSettings:
 
 
 class KvEventPublisher:
-    """Publishes the ledger's transitions; attach it to the tiers before they open."""
+    """Publishes the ledger's transitions; attach it to the tiers before they open (every tier must be
+    :class:`~ucm_server.store.watch.Watchable`: :meth:`Pipeline.make_watchable` sees to it)."""
 
     def __init__(self, settings: EventsSettings, tiers: Sequence[Tier]) -> None:
         self.settings = settings
@@ -73,12 +75,10 @@ class KvEventPublisher:
         self._replayer: asyncio.Task[None] | None = None
         self._scheduled = False
         self.dropped = 0
-        self.unwatched: list[str] = []
         for tier in tiers:
-            if isinstance(tier, Watchable):
-                tier.watch_index(self.ledger.watch(tier))
-            else:
-                self.unwatched.append(tier.name)
+            if not isinstance(tier, Watchable):
+                raise TypeError(f"tier {tier.name!r}: no watchable index (Pipeline.make_watchable wraps it)")
+            tier.watch_index(self.ledger.watch(tier))
 
     @property
     def seq(self) -> int:
@@ -106,8 +106,6 @@ class KvEventPublisher:
             raise ConfigError(f"kv_events_endpoint / kv_events_replay_endpoint: {exc}") from exc
         if self._replay is not None:
             self._replayer = asyncio.get_running_loop().create_task(self._serve_replay())
-        if self.unwatched:
-            log.warning("KV events: tiers %s publish no events (no watchable index)", self.unwatched)
         # A subscriber that outlived the previous daemon forgets what it said; the re-adopted index
         # follows as BlockStored (the pending transitions of the tiers opened so far, if any).
         self._send([Cleared(), *self.ledger.take()])
@@ -186,10 +184,13 @@ class KvEventPublisher:
         return [*frames, [b"", END_SEQ, b""]]
 
 
-def kv_event_publisher(config: ServerConfig, tiers: Sequence[Tier]) -> KvEventPublisher | None:
-    """The daemon's publisher when ``kv_events_endpoint`` is set (watching ``tiers``), else None."""
+def kv_event_publisher(config: ServerConfig, pipeline: Pipeline) -> KvEventPublisher | None:
+    """The daemon's publisher when ``kv_events_endpoint`` is set (watching every tier of
+    ``pipeline``, tiers without a watchable index through :class:`~ucm_server.store.observed.
+    ObservedTier`), else None. Call it before the pipeline opens."""
     if not config.kv_events_endpoint:
         return None
+    pipeline.make_watchable()
     settings = EventsSettings(
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
@@ -197,4 +198,4 @@ def kv_event_publisher(config: ServerConfig, tiers: Sequence[Tier]) -> KvEventPu
         hash_format=config.kv_events_hash_format,
         buffer_batches=config.kv_events_buffer_batches,
     )
-    return KvEventPublisher(settings, tiers)
+    return KvEventPublisher(settings, pipeline.tiers)

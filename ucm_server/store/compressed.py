@@ -32,7 +32,7 @@ from concurrent.futures import Executor
 from ucm_protocol.keys import BlockKey
 from ucm_server.store import codec
 from ucm_server.store.base import OK, BlockResult, IoVec, Tier, copy_iov, failed, iov_len
-from ucm_server.store.wrapper import TierWrapper
+from ucm_server.store.transform import TransformTier
 
 
 def _reserved(size: int) -> BlockResult:
@@ -68,7 +68,7 @@ class ScratchPool:
                     held += len(buf)
 
 
-class CompressedTier(TierWrapper):
+class CompressedTier(TransformTier):
     """``inner`` with blocks encoded by the codec for ``dtype`` (see the module docstring);
     ``dtype=None``: decode what is there, write raw (the codec was turned off for this tier)."""
 

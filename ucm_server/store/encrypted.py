@@ -43,7 +43,7 @@ from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
 from ucm_server.journal import read_regular
 from ucm_server.store.base import BlockResult, BlockState, IoVec, Tier, copy_iov, failed, iov_len
-from ucm_server.store.wrapper import TierWrapper
+from ucm_server.store.transform import TransformTier
 
 T = TypeVar("T")
 
@@ -138,7 +138,7 @@ def open_envelope(tk: TenantKey | None, key: BlockKey, stored: memoryview, dest:
     return BlockResult(BlockState.OK)
 
 
-class EncryptedTier(TierWrapper):
+class EncryptedTier(TransformTier):
     """``inner`` with the blocks of keyed namespaces sealed (see the module docstring)."""
 
     def __init__(self, inner: Tier, keyring: Keyring, executor: Executor | None = None) -> None:

@@ -46,8 +46,10 @@ from ucm_server.store.base import (
     iov_len,
 )
 from ucm_server.store.leasing import Leasing, leasing_of
+from ucm_server.store.observed import ObservedTier
 from ucm_server.store.promotion import Promotions
 from ucm_server.store.staging import StagingPool, copy_pairs
+from ucm_server.store.watch import Watchable
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures
 
 if TYPE_CHECKING:
@@ -169,6 +171,16 @@ class Pipeline:
             if name in (t.name, t.kind):
                 return t
         raise KeyError(name)
+
+    def make_watchable(self) -> None:
+        """Make every tier :class:`~ucm_server.store.watch.Watchable` (KV events): a tier without a
+        watchable index (Mooncake, S3, a third-party tier) is replaced by an
+        :class:`~ucm_server.store.observed.ObservedTier` wrapping it, which reports what this daemon
+        learns of the tier from its calls. Call it before :meth:`open`."""
+        for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, Watchable):
+                self.tiers[i] = ObservedTier(tier)
+        self.top = self.tiers[0]
 
     async def open(self) -> None:
         for t in self.tiers:

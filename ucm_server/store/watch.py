@@ -38,7 +38,8 @@ class IndexWatch(Protocol):
 
 @runtime_checkable
 class Watchable(Protocol):
-    """A tier whose index can be watched (a capability: tiers without one publish no events)."""
+    """A tier whose index can be watched (a capability: a tier without one publishes through an
+    :class:`~ucm_server.store.observed.ObservedTier` wrapping it)."""
 
     def watch_index(self, watch: IndexWatch) -> None:
         """Report every later change of the index to ``watch``, after reporting what it holds now."""

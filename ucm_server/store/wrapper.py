@@ -1,54 +1,39 @@
-"""A tier that wraps another and changes only its bytes: the base of the at-rest transforms.
+"""A tier that is another tier: the base of every wrapper that changes one thing about a backend.
 
-Encryption (:mod:`ucm_server.store.encrypted`) and compression (:mod:`ucm_server.store.compressed`)
-store each block transformed inside the wrapped tier's payload. Everything but the bytes — life
-cycle, figures, deletion, eviction, integrity checks of the stored object — is the wrapped tier's,
-and the wrapper keeps its name, kind and flags, so operators and the pipeline see the same tier.
-Sizes are the one thing both translate: a lookup reports what a reader gets back, not what is
-stored, through :meth:`TierWrapper.reader_size`.
+Cross-cutting concerns wrap a backend rather than live in it: the fault and latency injectors of
+:mod:`ucm_server.testing.faults`, and the KV events of a tier without a watchable index
+(:mod:`ucm_server.store.observed`). A wrapper delegates every primitive and every batch or derived
+method the inner tier may override, so wrapping costs a tier none of its speed.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
-from typing import TypeVar
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import ClassVar
 
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.base import BlockInfo, BlockResult, EvictionRules, IoVec, Tier, TierStats
 
-T = TypeVar("T")
+__all__ = ["TierWrapper"]
 
 
 class TierWrapper(Tier):
-    """``inner`` seen through a transform of its blocks' bytes (subclasses: ``read_many``,
-    ``write_many`` and :meth:`reader_size`)."""
+    """A tier that is another tier: every primitive and every batch or derived method the inner
+    tier may override is delegated, and the capability flags are the inner tier's. Subclasses change
+    one behaviour (and say which derived methods must then go through their primitives)."""
 
-    def __init__(self, inner: Tier, executor: Executor | None = None) -> None:
+    kind: ClassVar[str] = "Wrapper"
+
+    def __init__(self, inner: Tier) -> None:
         super().__init__(inner.name)
         self.inner = inner
-        self._executor = executor
-        self.kind = inner.kind  # type: ignore[misc]
-        self.persistent = inner.persistent  # type: ignore[misc]
-        self.shared = inner.shared  # type: ignore[misc]
-        self.pin_gap = inner.pin_gap  # type: ignore[misc]
-        self.max_concurrency = inner.max_concurrency  # type: ignore[misc]
-
-    def reader_size(self, namespace: bytes, stored: int | None) -> int | None:
-        """The size a reader of a block stored in ``stored`` bytes gets; ``None``: absent."""
-        return stored
+        for flag in ("persistent", "shared", "max_concurrency", "pin_gap"):  # a wrapper is what it wraps
+            setattr(self, flag, getattr(inner, flag))
 
     def use_rules(self, rules: EvictionRules) -> None:
         super().use_rules(rules)
         self.inner.use_rules(rules)
-
-    # -- life cycle and figures: the inner tier's ---------------------------------------------------
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def close(self) -> None:
-        await self.inner.close()
 
     @property
     def indexing(self) -> bool:
@@ -57,47 +42,48 @@ class TierWrapper(Tier):
     async def indexed(self) -> None:
         await self.inner.indexed()
 
-    def stats(self) -> TierStats:
-        return self.inner.stats()
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        return await self.inner.lookup(keys)
+
+    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
+        return await self.inner.lookup_digests(namespace, digests)
+
+    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
+        return await self.inner.read_into(key, dest)
+
+    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
+        return await self.inner.write_from(key, src)
 
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         return await self.inner.delete(keys)
 
-    async def evict(self, nbytes: int) -> int:
-        return await self.inner.evict(nbytes)
+    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
+        async for info in self.inner.list_blocks(namespace):
+            yield info
+
+    def stats(self) -> TierStats:
+        return dataclasses.replace(self.inner.stats(), kind=self.kind)
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await self.inner.read_many(items)
+
+    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
+        return await self.inner.write_many(items)
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        return await self.inner.read_checked(key, dest)
+
+    async def info(self, key: BlockKey) -> BlockInfo | None:
+        return await self.inner.info(key)
 
     async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
         return await self.inner.verify(key, quarantine=quarantine)
 
-    # -- sizes: what a reader gets --------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        sizes = await self.inner.lookup(keys)
-        return [self.reader_size(k.namespace, s) for k, s in zip(keys, sizes, strict=True)]
-
-    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
-        sizes = await self.inner.lookup_digests(namespace, digests)
-        return [self.reader_size(namespace, s) for s in sizes]
-
-    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
-        async for info in self.inner.list_blocks(namespace):
-            size = self.reader_size(info.key.namespace, info.size)
-            if size is not None:
-                yield BlockInfo(info.key, size, info.tier, info.stored_at, info.checksum)
-
-    async def info(self, key: BlockKey) -> BlockInfo | None:
-        info = await self.inner.info(key)
-        size = self.reader_size(key.namespace, info.size) if info is not None else None
-        if info is None or size is None:
-            return None
-        return BlockInfo(info.key, size, info.tier, info.stored_at, info.checksum)
-
-    # -- bytes: one block is a batch of one ------------------------------------------------------------
-    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
-        return (await self.write_many([(key, src)]))[0]
-
-    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        return (await self.read_many([(key, dest)]))[0]
-
-    async def _run(self, fn: Callable[[], T]) -> T:
-        """``fn`` in the daemon's executor, off the event loop (it transforms bytes)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+    async def evict(self, nbytes: int) -> int:
+        return await self.inner.evict(nbytes)

@@ -25,17 +25,16 @@ import asyncio
 import dataclasses
 import errno
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from ucm_protocol.errors import ConfigError
-from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.keys import BlockKey
 from ucm_protocol.settings import load_fields
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
-    BlockInfo,
     BlockResult,
     IoVec,
     Tier,
@@ -46,6 +45,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.posix import PosixTier
 from ucm_server.store.registry import build_tier
+from ucm_server.store.wrapper import TierWrapper
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,66 +96,6 @@ def wrapped_tier(name: str, settings: Mapping[str, object], context: TierContext
         raise ConfigError(f"tier_settings.{name}.root: a directory for the wrapped Posix tier is required")
     capacity = values.get("capacity", 0)
     return PosixTier(name, roots=[Path(root)], durable=values.get("durable", True), capacity=capacity)
-
-
-class TierWrapper(Tier):
-    """A tier that is another tier: every primitive and every batch or derived method the inner
-    tier may override is delegated, and the capability flags are the inner tier's. Subclasses change
-    one behaviour (and say which derived methods must then go through their primitives)."""
-
-    kind: ClassVar[str] = "Wrapper"
-
-    def __init__(self, inner: Tier) -> None:
-        super().__init__(inner.name)
-        self.inner = inner
-        for flag in ("persistent", "shared", "max_concurrency"):  # a wrapper is what it wraps
-            setattr(self, flag, getattr(inner, flag))
-
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        return await self.inner.lookup(keys)
-
-    async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
-        return await self.inner.lookup_digests(namespace, digests)
-
-    async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        return await self.inner.read_into(key, dest)
-
-    async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
-        return await self.inner.write_from(key, src)
-
-    async def delete(self, keys: Sequence[BlockKey]) -> int:
-        return await self.inner.delete(keys)
-
-    async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
-        async for info in self.inner.list_blocks(namespace):
-            yield info
-
-    def stats(self) -> TierStats:
-        return dataclasses.replace(self.inner.stats(), kind=self.kind)
-
-    async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
-        return await self.inner.read_many(items)
-
-    async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
-        return await self.inner.write_many(items)
-
-    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
-        return await self.inner.read_checked(key, dest)
-
-    async def info(self, key: BlockKey) -> BlockInfo | None:
-        return await self.inner.info(key)
-
-    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
-        return await self.inner.verify(key, quarantine=quarantine)
-
-    async def evict(self, nbytes: int) -> int:
-        return await self.inner.evict(nbytes)
 
 
 class _PerBlockWrapper(TierWrapper):
