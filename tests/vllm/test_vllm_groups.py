@@ -109,19 +109,54 @@ def test_hybrid_groups_get_namespaces_of_their_own(tiny_model: Path) -> None:
     assert keyspace.groups[2].first_block(64, 16) == 0
 
 
-def test_unsupported_groups_are_refused_naming_them(tiny_model: Path) -> None:
+def _mamba(mode: str = "align", **extra: Any) -> Any:
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    return MambaSpec(
+        block_size=16,
+        shapes=((3, 8), (2, 4, 4)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+        **extra,
+    )
+
+
+STATE = ["model.layers.1.linear_attn"]
+
+
+def test_unsupported_groups_are_refused_naming_them(tiny_model: Path) -> None:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
     sw, full = _specs()
-    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, attention_chunk_size=32
+    )
     with pytest.raises(
-        ConfigError, match=r"group 1 of this model is MambaSpec \(layers model.layers.1.mixer\)"
+        ConfigError,
+        match=r"group 1 of this model is ChunkedLocalAttentionSpec \(layers model.layers.1.attn\)",
     ):
         KeySpace.from_vllm(
             _vllm_config(tiny_model),
-            _kv_config((FULL, full), (["model.layers.1.mixer"], mamba)),
+            _kv_config((FULL, full), (["model.layers.1.attn"], chunked)),
             ConnectorConfig(),
         )
+    # Without prefix caching vLLM keeps no state at block boundaries (mamba_cache_mode "none").
+    with pytest.raises(
+        ConfigError,
+        match=r"group 1 \(MambaSpec, layers model.layers.1.linear_attn\) runs with "
+        r"mamba_cache_mode='none': .* no prefix state",
+    ):
+        KeySpace.from_vllm(
+            _vllm_config(tiny_model), _kv_config((FULL, full), (STATE, _mamba("none"))), ConnectorConfig()
+        )
+    with pytest.raises(ConfigError, match=r"speculative \(1\) .* state blocks"):
+        KeySpace.from_vllm(
+            _vllm_config(tiny_model),
+            _kv_config((FULL, full), (STATE, _mamba(num_speculative_blocks=1))),
+            ConnectorConfig(),
+        )
+    with pytest.raises(ConfigError, match="only KV cache group is MambaSpec"):
+        KeySpace.from_vllm(_vllm_config(tiny_model), _kv_config((STATE, _mamba())), ConnectorConfig())
     with pytest.raises(ConfigError, match="use_layerwise is not supported with several KV cache groups"):
         KeySpace.from_vllm(
             _vllm_config(tiny_model), _kv_config((SW, sw), (FULL, full)), ConnectorConfig(use_layerwise=True)
@@ -208,6 +243,115 @@ def test_hybrid_lookup_needs_every_full_block_but_only_the_window(tmp_path: Path
         assert meta.allocated_block_ids == {12, 13, 14, 20, 21, 22, 23, 24}  # never the null block
         assert scheduler.request_finished(request) == (True, None)
         scheduler.shutdown()
+
+
+def test_state_groups_hit_only_where_a_state_was_stored(tmp_path: Path, tiny_model: Path) -> None:
+    """A Mamba group (align mode): a hit of n blocks needs its state at block n - 1, on a boundary."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    _, full = _specs()
+    keyspace = KeySpace.from_vllm(
+        _vllm_config(tiny_model), _kv_config((FULL, full), (STATE, _mamba())), ConnectorConfig()
+    )
+    assert [(g.kind, g.layer_names) for g in keyspace.groups] == [
+        ("full", tuple(FULL)),
+        ("mamba", tuple(STATE)),
+    ]
+    assert keyspace.has_state_groups and keyspace.namespace(0, 0) != keyspace.namespace(0, 1)
+    assert dict(keyspace.groups[1].fields)["state_shapes"] == "((3, 8), (2, 4, 4))"
+    assert [keyspace.groups[1].first_block(t, 16) for t in (16, 32, 64)] == [0, 1, 3]
+    keys = block_keys(vllm_request("k", TOKENS).block_hashes, 16, 16)
+    aligned = TOKENS[:64]  # exactly 4 blocks: a hit of all 4 would leave no token to compute
+    ns_full, ns_state = keyspace.namespace(0, 0), keyspace.namespace(0, 1)
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+
+        def scheduler(**extra: Any) -> UcmScheduler:
+            return UcmScheduler(
+                _vllm_config(tiny_model), keyspace, ConnectorConfig(target=daemon.target, **extra)
+            )
+
+        sync = scheduler()
+
+        def grant(req_id: str, prompt: list[int] = TOKENS, local: int = 0) -> int:
+            return int(sync.get_num_new_matched_tokens(vllm_request(req_id, prompt), local)[0] or 0)
+
+        client.put_blocks(ns_full, [(k, b"f" * 64) for k in keys])
+        assert grant("no-state") == 0  # every attention block, no state: nothing
+        client.put_blocks(ns_state, [(keys[1], b"s" * 64)])
+        assert grant("state-at-32") == 32  # the only boundary with a state
+        client.put_blocks(ns_state, [(keys[3], b"s" * 64)])
+        assert grant("state-at-64") == 64
+        assert grant("with-local", local=32) == 32
+        assert grant("aligned-prompt", aligned) == 32  # 64 would leave nothing; 48 has no state
+        client.put_blocks(ns_state, [(keys[2], b"s" * 64)])
+        assert grant("aligned-prompt-48", aligned) == 48
+        assert grant("local-mid-block", local=40) == 24  # the state at 64 serves any local start
+
+        # Loads: the state into the hit's last block and (sync) the block this step runs from.
+        request = vllm_request("load", TOKENS)
+        assert sync.get_num_new_matched_tokens(request, 0) == (64, False)
+        tables = ([20, 21, 22, 23, 24], [0, 0, 0, 13, 14])  # vLLM's align-mode table: nulls, hit, running
+        sync.update_state_after_alloc(request, _Blocks(*tables), 64)
+        request.num_computed_tokens = 64
+        output = SchedulerOutput.make_empty()
+        output.scheduled_new_reqs = [NewRequestData.from_request(request, tables)]
+        output.num_scheduled_tokens = {"load": 70 - 64}
+        meta = sync.build_connector_meta(output)
+        assert [(t.group, t.block_ids, t.keys) for t in meta.loads] == [
+            (0, (20, 21, 22, 23), tuple(keys)),
+            (1, (13, 14), (keys[3], keys[3])),
+        ]
+        assert meta.saves == []  # nothing new became full
+        async_ = scheduler(load_async=True)
+        request = vllm_request("load-async", TOKENS)
+        assert async_.get_num_new_matched_tokens(request, 0) == (64, True)
+        async_.update_state_after_alloc(request, _Blocks([20, 21, 22, 23], [0, 0, 0, 13]), 64)
+        assert [
+            (t.group, t.block_ids) for t in async_.build_connector_meta(SchedulerOutput.make_empty()).loads
+        ] == [
+            (0, (20, 21, 22, 23)),
+            (1, (13,)),  # loaded before the request runs: vLLM's own copy moves it on
+        ]
+
+        # Saves: a step ending on a boundary saves the state block there (the table's only one).
+        client.delete(ns_full, keys)
+        request = vllm_request("fill", TOKENS)
+        assert sync.get_num_new_matched_tokens(request, 0) == (0, False)
+        output = SchedulerOutput.make_empty()
+        output.scheduled_new_reqs = [NewRequestData.from_request(request, ([30, 31, 32, 33], [0, 0, 0, 43]))]
+        output.num_scheduled_tokens = {"fill": 64}
+        meta = sync.build_connector_meta(output)
+        assert [(t.group, t.block_ids, t.keys) for t in meta.saves] == [
+            (0, (30, 31, 32, 33), tuple(keys)),
+            (1, (43,), (keys[3],)),
+        ]
+        for s in (sync, async_):
+            s.shutdown()
+
+
+def test_state_pages_view_a_mamba_layer_as_one_page_per_block() -> None:
+    from ucm_client.vllm.kv_memory import state_pages
+    from ucm_client.vllm.worker import group_layout_problem
+
+    page, blocks = 256, 4  # bytes per block page (the attention page), as vLLM pads the state page to it
+    raw = torch.zeros(blocks * page, dtype=torch.int8)
+    conv = torch.as_strided(raw.view(torch.bfloat16), (blocks, 3, 8), (page // 2, 8, 1))
+    ssm = torch.as_strided(raw.view(torch.float32), (blocks, 2, 4, 4), (page // 4, 16, 4, 1), 48 // 4)
+    conv[1].fill_(1.5)
+    ssm[1].fill_(-2.0)
+    view = state_pages([conv, ssm])
+    assert view.shape == (blocks, 48 + 128) and view.stride() == (page, 1)
+    assert view.data_ptr() == raw.data_ptr() and view.untyped_storage().data_ptr() == raw.data_ptr()
+    assert bytes(view[1].numpy()) == bytes(conv[1].contiguous().view(torch.int8).numpy()) + bytes(
+        ssm[1].contiguous().view(torch.int8).numpy()
+    )
+    assert not view[0].any() and not view[2].any()
+    attention = raw.view(torch.float32).view(blocks, 2, 32)  # the full-attention layer sharing the pages
+    assert group_layout_problem({STATE[0]: view, FULL[0]: attention}, ((STATE[0],), (FULL[0],))) is None
+    with pytest.raises(RuntimeError, match="overlap the next page"):
+        state_pages([conv, torch.as_strided(raw.view(torch.float32), (blocks - 1, 60), (page // 4, 1), 12)])
 
 
 def test_worker_moves_a_group_only_if_it_covers_every_page() -> None:

