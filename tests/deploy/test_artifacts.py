@@ -60,6 +60,9 @@ DAEMON_DEPENDENCIES = {
     "xxhash",
     "rich",
     "numpy",
+    "pyzmq",  # KV events (issue #17)
+    "msgpack",
+    "cryptography",  # encryption at rest (issue #18)
 }
 CLIENT_ONLY = ("torch", "vllm", "cupy")
 
