@@ -845,24 +845,10 @@ class PosixTier(Tier):
     # -- blocking file I/O (runs in the executor) -----------------------------------------------------
     def _write_file(self, path: Path, key: BlockKey, src: IoVec) -> bool:
         """Write one block file durably; True if it went out with ``O_DIRECT``."""
-        size, checksum = iov_len(src), payload_checksum(src)
         root = self.root_of(key)
         with self._parent(path, create=True) as dfd:
             tmp = f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
-            fd, direct = self._create(dfd, tmp, root, want_direct=self._wants_direct(src, size))
-            try:
-                if direct:
-                    header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
-                    direct = _write_direct(fd, header, src)
-                if not direct:
-                    _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
-                if self.durable:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                unlink_at(dfd, tmp)
-                raise
-            os.close(fd)
+            direct = self._write_tmp(dfd, tmp, root, key, src, fsync=self.durable)
             try:
                 os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
             except BaseException:
@@ -870,6 +856,27 @@ class PosixTier(Tier):
                 raise
             if self.durable:
                 os.fsync(dfd)
+        return direct
+
+    def _write_tmp(self, dfd: int, tmp: str, root: Path, key: BlockKey, src: IoVec, *, fsync: bool) -> bool:
+        """Create ``tmp`` in directory ``dfd`` and write the block (header and payload) into it,
+        fsynced when ``fsync``; True if it went out with ``O_DIRECT``. On any error the file is
+        removed again and the error raised, so no temporary file outlives a failed write."""
+        size, checksum = iov_len(src), payload_checksum(src)
+        fd, direct = self._create(dfd, tmp, root, want_direct=self._wants_direct(src, size))
+        try:
+            if direct:
+                header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
+                direct = _write_direct(fd, header, src)
+            if not direct:
+                _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            unlink_at(dfd, tmp)
+            raise
+        os.close(fd)
         return direct
 
     def _wants_direct(self, src: IoVec, size: int) -> bool:
@@ -908,22 +915,8 @@ class PosixTier(Tier):
     def _stage_one(self, key: BlockKey, src: IoVec, dirs: DirCache, group: bool) -> tuple[_Staged, int]:
         root, parts, name = self._place(key)
         dfd = dirs.get(root, parts)
-        size, checksum = iov_len(src), payload_checksum(src)
         tmp = f"{name}{TMP_MARK}{self._tmp_tag}{next(self._tmp_seq):x}"  # unique: no urandom per block
-        fd, direct = self._create(dfd, tmp, root, want_direct=self._wants_direct(src, size))
-        try:
-            if direct:
-                header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
-                direct = _write_direct(fd, header, src)
-            if not direct:
-                _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
-            if self.durable and not group:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            unlink_at(dfd, tmp)
-            raise
-        os.close(fd)
+        direct = self._write_tmp(dfd, tmp, root, key, src, fsync=self.durable and not group)
         if not group:
             try:
                 os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
