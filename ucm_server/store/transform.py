@@ -19,58 +19,25 @@ from concurrent.futures import Executor
 from typing import TypeVar
 
 from ucm_protocol.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, EvictionRules, IoVec, Tier, TierStats
+from ucm_server.store.base import BlockInfo, BlockResult, IoVec, Tier
+from ucm_server.store.wrapper import TierWrapper
 
 T = TypeVar("T")
 
 
-class TransformTier(Tier):
+class TransformTier(TierWrapper):
     """``inner`` seen through a transform of its blocks' bytes (subclasses: ``read_many``,
-    ``write_many`` and :meth:`reader_size`)."""
+    ``write_many`` and :meth:`reader_size`). Life cycle, figures, deletion, eviction and integrity
+    checks are :class:`TierWrapper`'s delegation; what touches bytes or sizes is overridden here."""
 
     def __init__(self, inner: Tier, executor: Executor | None = None) -> None:
-        super().__init__(inner.name)
-        self.inner = inner
+        super().__init__(inner)
         self._executor = executor
         self.kind = inner.kind  # type: ignore[misc]
-        self.persistent = inner.persistent  # type: ignore[misc]
-        self.shared = inner.shared  # type: ignore[misc]
-        self.pin_gap = inner.pin_gap  # type: ignore[misc]
-        self.max_concurrency = inner.max_concurrency  # type: ignore[misc]
 
     def reader_size(self, namespace: bytes, stored: int | None) -> int | None:
         """The size a reader of a block stored in ``stored`` bytes gets; ``None``: absent."""
         return stored
-
-    def use_rules(self, rules: EvictionRules) -> None:
-        super().use_rules(rules)
-        self.inner.use_rules(rules)
-
-    # -- life cycle and figures: the inner tier's ---------------------------------------------------
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    @property
-    def indexing(self) -> bool:
-        return self.inner.indexing
-
-    async def indexed(self) -> None:
-        await self.inner.indexed()
-
-    def stats(self) -> TierStats:
-        return self.inner.stats()
-
-    async def delete(self, keys: Sequence[BlockKey]) -> int:
-        return await self.inner.delete(keys)
-
-    async def evict(self, nbytes: int) -> int:
-        return await self.inner.evict(nbytes)
-
-    async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
-        return await self.inner.verify(key, quarantine=quarantine)
 
     # -- sizes: what a reader gets --------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -94,12 +61,17 @@ class TransformTier(Tier):
             return None
         return BlockInfo(info.key, size, info.tier, info.stored_at, info.checksum)
 
-    # -- bytes: one block is a batch of one ------------------------------------------------------------
+    # -- bytes: one block is a batch of one; nothing reaches a reader untransformed ------------------
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
         return (await self.write_many([(key, src)]))[0]
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         return (await self.read_many([(key, dest)]))[0]
+
+    async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
+        """Never the inner tier's read into client memory: it would hand over stored, untransformed
+        bytes. ``None``: the pipeline reads through daemon memory (``read_many``)."""
+        return None
 
     async def _run(self, fn: Callable[[], T]) -> T:
         """``fn`` in the daemon's executor, off the event loop (it transforms bytes)."""
