@@ -404,11 +404,7 @@ class UcmScheduler:
         if not keys or client is None:
             return
         stored, _ = self._stored_keys(keys)
-        namespaces = (
-            [ns for group in self._group_namespaces for ns in group]
-            if self._keyspace.hybrid
-            else self._namespaces
-        )
+        namespaces = [ns for group in self._group_namespaces for ns in group]  # one group unless hybrid
         try:
             for namespace in namespaces:  # a window group's blocks out of its window are just missing
                 for start in range(0, len(stored), MAX_LOOKUP_KEYS):
