@@ -118,3 +118,21 @@ def test_dump_reaches_the_disk(client: UcmClient, shm: SharedBuffer, daemon: obj
     assert client.wait(client.dump(NS, blocks, wait_durable=durable), 10).ok
     if durable:  # completed only once fsynced in Posix
         assert {t.name: t.blocks for t in client.stats().tiers}["Posix"] == 4
+
+
+def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm: SharedBuffer) -> None:
+    """The packed Lookup path builds index keys with numpy: keys that end in (or are all) zero bytes
+    must be found exactly, unpacked requests (a malformed key among them) must agree, and a miss
+    between hits must stop the hit prefix where it is."""
+    region = client.register(shm)
+    stored = [bytes(32), b"\x07" + bytes(31), os.urandom(30) + b"\x00\x00", os.urandom(32)]
+    blocks = [BlockIO(k, (Segment(region, i * 4096, 4096),)) for i, k in enumerate(stored)]
+    assert client.wait(client.dump(NS, blocks, wait_durable=True), 10).ok
+    absent = b"\x07" + bytes(30) + b"\x01"  # one byte away from a stored key
+    asked = [stored[0], stored[1], absent, stored[2], stored[3]]
+    answer = client.lookup(NS, asked)
+    assert answer.present == [True, True, False, True, True]
+    assert answer.hit_prefix == 2
+    assert client.lookup(NS, stored).hit_prefix == len(stored)
+    with pytest.raises(Exception, match=r"keys\[1\]"):  # not packable: sent key by key, named
+        client.lookup(NS, [stored[0], stored[1][:31]])

@@ -8,8 +8,10 @@ wrong size is caught at the edge, with the offending index named.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NewType
+from collections.abc import Iterator, Sequence
+from typing import NewType, overload
+
+import numpy as np
 
 from ucm_protocol.errors import InvalidArgument
 
@@ -83,9 +85,52 @@ def make_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
 
 def unpack_digests(packed: bytes) -> list[bytes]:
     """Split concatenated 32-byte keys (the Lookup RPC's ``packed_keys``)."""
-    if len(packed) % KEY_BYTES:
-        raise InvalidArgument(f"packed_keys is {len(packed)} bytes, not a multiple of {KEY_BYTES}")
-    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+    return list(PackedDigests(packed))
+
+
+class PackedDigests(Sequence[bytes]):
+    """The Lookup RPC's ``packed_keys`` as a sequence of 32-byte digests, split only when asked.
+
+    The hot path (every key found in a local index) never splits them: :meth:`scoped` builds the
+    48-byte ``namespace + digest`` index keys in one numpy pass, a third of the cost of slicing
+    2,048 digests and concatenating each with the namespace in Python. Any other reader (shared
+    tiers asked about misses, wrappers, events) sees an ordinary sequence. The numpy ``void``
+    dtype keeps every byte (``S`` would strip trailing zero bytes from a key).
+    """
+
+    __slots__ = ("_split", "packed")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % KEY_BYTES:
+            raise InvalidArgument(f"packed_keys is {len(packed)} bytes, not a multiple of {KEY_BYTES}")
+        self.packed = bytes(packed)
+        self._split: list[bytes] | None = None
+
+    def _digests(self) -> list[bytes]:
+        if self._split is None:
+            self._split = np.frombuffer(self.packed, dtype=f"V{KEY_BYTES}").tolist()
+        return self._split
+
+    def __len__(self) -> int:
+        return len(self.packed) // KEY_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        return self._digests()[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._digests())
+
+    def scoped(self, namespace: bytes) -> list[bytes]:
+        """``namespace + digest`` for every digest, as plain bytes (what a block index is keyed by)."""
+        n = len(self)
+        rows = np.empty((n, NAMESPACE_BYTES + KEY_BYTES), dtype=np.uint8)
+        rows[:, :NAMESPACE_BYTES] = np.frombuffer(namespace, dtype=np.uint8)
+        rows[:, NAMESPACE_BYTES:] = np.frombuffer(self.packed, dtype=np.uint8).reshape(n, KEY_BYTES)
+        return rows.view(f"V{NAMESPACE_BYTES + KEY_BYTES}").ravel().tolist()
 
 
 def check_digests(digests: Sequence[bytes]) -> None:

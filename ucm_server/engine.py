@@ -101,7 +101,7 @@ class RetentionAnswer:
 
 @dataclass(frozen=True, slots=True)
 class LookupAnswer:
-    present: list[bool]
+    present: bytes  # one byte per key: 1 stored, 0 not (the wire's ``present_bytes`` as it is)
     hit_prefix: int
 
 
@@ -371,9 +371,11 @@ class Engine:
             check_digests(digests)
         await self.expiry.due()  # an expired block is never answered present
         sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
-        present = list(map(operator.is_not, sizes, repeat(None)))  # C-level: 2,048 keys cost microseconds
-        prefix = present.index(False) if False in present else len(present)
-        hits = present.count(True)
+        present = bytes(map(operator.is_not, sizes, repeat(None)))  # C-level: one byte per key, 0 or 1
+        prefix = present.find(0)
+        if prefix < 0:
+            prefix = len(present)
+        hits = present.count(1)
         self.lookups += 1
         self.lookup_keys += len(digests)
         self.lookup_hits += hits

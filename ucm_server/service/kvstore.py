@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from grpc import aio
 
 from ucm_protocol.errors import InvalidArgument, PermissionDenied
-from ucm_protocol.keys import unpack_digests
+from ucm_protocol.keys import PackedDigests
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import SESSION_METADATA
@@ -120,11 +120,11 @@ class KVStoreServicer(rpc.KVStoreServicer):
             if request.keys:
                 raise InvalidArgument("send keys or packed_keys, not both")
             answer = await self.engine.lookup(
-                request.namespace, unpack_digests(request.packed_keys), checked=True
+                request.namespace, PackedDigests(request.packed_keys), checked=True
             )
-            return pb.LookupResponse(present_bytes=bytes(answer.present), hit_prefix=answer.hit_prefix)
+            return pb.LookupResponse(present_bytes=answer.present, hit_prefix=answer.hit_prefix)
         answer = await self.engine.lookup(request.namespace, list(request.keys))
-        return pb.LookupResponse(present=answer.present, hit_prefix=answer.hit_prefix)
+        return pb.LookupResponse(present=list(map(bool, answer.present)), hit_prefix=answer.hit_prefix)
 
     async def _submit(
         self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
+from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, PackedDigests
 from ucm_server.store.watch import IndexWatch
 
 STAMP_TABLE_MAX = 4096
@@ -176,6 +176,8 @@ class BlockIndex:
         return list(map(self._od.get, keys))
 
     def lookup_digests(self, namespace: bytes, digests: Sequence[bytes]) -> list[int | None]:
+        if isinstance(digests, PackedDigests):  # the Lookup RPC: index keys built in one pass
+            return list(map(self._od.get, digests.scoped(namespace)))
         return list(map(self._od.get, map(namespace.__add__, digests)))
 
 
