@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,26 @@ def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
     assert f"metrics_address 127.0.0.1:{port}" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_every_help_page_renders() -> None:
+    """``ucm-server --help`` lists every setting (argparse formats help text with ``%``: a setting
+    whose help says "6.25%" once crashed it), and every ``ucm-admin`` command's ``--help`` renders."""
+    from ucm_client.admin.cli import build_parser
+    from ucm_server.config import FIELDS
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ucm_server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    flags = {"--" + name.replace("_", "-") for name in FIELDS if name != "tier_settings"}
+    assert not {f for f in flags if f not in proc.stdout}, "settings missing from --help"
+    assert "6.25%" in proc.stdout  # the codec's help, percent sign intact
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(commands.choices) >= 10
+    for name, sub in commands.choices.items():
+        text = sub.format_help()
+        assert name in text and "examples:" in text, name
+    assert "COMMAND" in parser.format_help()

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         help_ = field.metadata.get("help", "")
         default = field.default_factory() if callable(field.default_factory) else field.default
-        help_ = f"{help_} [default: {default}]"
+        help_ = f"{help_} [default: {default}]".replace("%", "%%")  # argparse formats help with %
         if field.type in ("bool", bool):
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_
