@@ -55,6 +55,8 @@ ALIGNED_HEADER_SIZE = 4096
 HEADER_SIZES = (HEADER_SIZE, ALIGNED_HEADER_SIZE)
 _FIELDS = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQ")
 _CRC = struct.Struct("<I")
+_FIELDS_AND_CRC = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQI")
+_ZEROS = bytes(ALIGNED_HEADER_SIZE)
 
 
 class CorruptBlock(Exception):
@@ -86,6 +88,8 @@ class BlockHeader:
 
 def payload_checksum(iov: IoVec) -> int:
     """xxh3-64 over the concatenated segments (no copy: the hasher takes each view)."""
+    if len(iov) == 1:  # the common case: one call, no hasher object (per block on the data path)
+        return xxhash.xxh3_64_intdigest(iov[0])
     h = xxhash.xxh3_64()
     for seg in iov:
         h.update(seg)
@@ -138,21 +142,24 @@ def decode_header(
     """
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
-    fields = bytes(raw[: _FIELDS.size])
-    (crc,) = _CRC.unpack_from(raw, _FIELDS.size)
-    magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns = _FIELDS.unpack(fields)
+    magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns, crc = (
+        _FIELDS_AND_CRC.unpack_from(raw)
+    )
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
     if version not in READABLE_VERSIONS:  # before the CRC: another version may lay its header out anew
         readable = ", ".join(map(str, READABLE_VERSIONS))
         raise UnsupportedFormat(f"block format version {version}; this daemon reads versions {readable}")
-    if zlib.crc32(fields) != crc:
+    if zlib.crc32(memoryview(raw)[: _FIELDS.size]) != crc:
         raise CorruptBlock("header checksum mismatch")
     if header_len not in (HEADER_SIZES if version >= ALIGNED_VERSION else (HEADER_SIZE,)):
         raise CorruptBlock(f"header length {header_len} is not valid in format version {version}")
-    key = BlockKey(Namespace(ns), Digest(digest))
-    if expect is not None and key != expect:
-        raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
+    if expect is not None and ns + digest == expect:
+        key = expect  # the same 48 bytes: no new key object per block read
+    else:
+        key = BlockKey(Namespace(ns), Digest(digest))
+        if expect is not None:
+            raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
     if max_payload is not None and payload_len > max_payload:
         raise CorruptBlock(
             f"header claims a {payload_len}-byte payload, more than max_block_bytes {max_payload}"
@@ -170,8 +177,7 @@ def decode_header(
 
 
 def _check_zero(padding: bytes | memoryview) -> None:
-    data = bytes(padding)
-    if data.count(0) != len(data):
+    if padding != _ZEROS[: len(padding)]:
         raise CorruptBlock("header padding is not zero")
 
 
