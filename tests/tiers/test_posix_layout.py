@@ -218,3 +218,28 @@ def test_a_daemon_serves_an_older_releases_files_and_writes_the_new_layout(tmp_p
         assert c.get_blocks(NS, every) == [_payload(i) for i in range(96)]
         assert c.get_blocks(NS, [key_digest("layout", 1000)]) == [None]  # a negative control
     assert _quarantined(root) == []
+
+
+def test_the_header_decoder_still_refuses_each_kind_of_damage() -> None:
+    """The faster decode (one unpack, CRC over a view, key object reused, padding against a zero
+    constant) refuses what the slower one did; the good header is the negative control."""
+    k = _key(0)
+    good = bytearray(encode_header(k, SIZE, 7, version=FLAT_LAYOUT_VERSION))
+    header = block_format.decode_header(memoryview(good), expect=k)
+    assert (header.key, header.payload_len, header.checksum, header.version) == (k, SIZE, 7, 3)
+    assert header.key is k  # the expected key object, not a copy
+    with pytest.raises(block_format.CorruptBlock, match="expected"):
+        block_format.decode_header(memoryview(good), expect=_key(1))
+    for at, match in ((100, "padding is not zero"), (30, "header checksum mismatch"), (0, "bad magic")):
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        with pytest.raises(block_format.CorruptBlock, match=match):
+            block_format.decode_header(bytes(bad), expect=k)
+    wide = bytearray(encode_header(k, SIZE, 7, header_len=ALIGNED_HEADER_SIZE, version=3))
+    assert block_format.decode_header(memoryview(wide)).header_len == ALIGNED_HEADER_SIZE
+    wide[4000] = 1
+    with pytest.raises(block_format.CorruptBlock, match="padding is not zero"):
+        block_format.decode_header(memoryview(wide))
+    data = [memoryview(_payload(0))]
+    split = [memoryview(_payload(0))[:100], memoryview(_payload(0))[100:]]
+    assert payload_checksum(data) == payload_checksum(split)  # one-segment fast path, same value
