@@ -208,7 +208,7 @@ def test_evict_keys_bytes_and_all(daemon: DaemonProcess, client: UcmClient, shm:
 def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 3)
     ns_hex, key_hex = keys[1].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / key_hex[2:4] / f"{key_hex}.blk"
+    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
     with path.open("r+b") as f:  # flip one payload byte (counted from the end) behind the daemon's back
         f.seek(-10, os.SEEK_END)
         byte = f.read(1)
@@ -229,7 +229,7 @@ def test_verify_human_summary_names_the_key(
 ) -> None:
     keys = seed(client, shm, NS, 2)
     ns_hex, key_hex = keys[0].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / key_hex[2:4] / f"{key_hex}.blk"
+    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01  # the last payload byte
     path.write_bytes(bytes(data))

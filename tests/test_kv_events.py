@@ -125,7 +125,7 @@ def test_index_follows_every_change_and_a_restart(
 
         # quarantine: a corrupt file found by verify is removed from the index and from the stream
         victim = first[6].key
-        path = d.data_dir / "blocks" / NS.hex() / victim.hex()[:2] / victim.hex()[2:4] / f"{victim.hex()}.blk"
+        path = d.data_dir / "blocks" / NS.hex() / victim.hex()[:2] / f"{victim.hex()}.blk"
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))

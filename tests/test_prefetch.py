@@ -58,7 +58,7 @@ def test_without_prefetch_the_cache_stays_empty_and_corrupt_blocks_are_not_promo
         blocks = _stored(d, c, src)
         assert _tiers(c)["Cache"].blocks == 0  # negative control: nothing promotes by itself
         victim = blocks[3].key.hex()
-        path = d.data_dir / "blocks" / NS.hex() / victim[:2] / victim[2:4] / f"{victim}.blk"
+        path = d.data_dir / "blocks" / NS.hex() / victim[:2] / f"{victim}.blk"
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))

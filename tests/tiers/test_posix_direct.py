@@ -191,15 +191,23 @@ def test_small_aligned_blocks_are_written_buffered_below_direct_min_bytes(
     assert block_file_header(_file(tmp_path, 3)).header_len == ALIGNED_HEADER_SIZE
 
 
-def test_format_versions_direct_files_are_2_buffered_files_stay_1(
+def test_format_versions_posix_files_are_3_object_headers_stay_1_and_2(
     tmp_path: Path, aligned: memoryview
 ) -> None:
-    """A daemon of the previous release (version 1 only) reads every buffered file and skips the rest."""
+    """Posix files (direct or buffered) live in the two-level layout and say so with version 3, which
+    an older release skips; a header encoded without a version is 1 (128 bytes) or 2 (4 KiB), as
+    the object tiers write it, so an older release reads those."""
     _write(tmp_path, [(1, aligned), (2, aligned[: SIZE - 100])])
     direct, buffered = _file(tmp_path, 1).read_bytes(), _file(tmp_path, 2).read_bytes()
-    assert int.from_bytes(direct[4:6], "little") == FORMAT_VERSION == 2
-    assert int.from_bytes(buffered[4:6], "little") == 1
+    assert int.from_bytes(direct[4:6], "little") == FORMAT_VERSION == 3
+    assert int.from_bytes(direct[8:12], "little") == ALIGNED_HEADER_SIZE
+    assert int.from_bytes(buffered[4:6], "little") == 3
     checksum = payload_checksum([aligned])
+    assert encode_header(key(3), SIZE, checksum)[4:6] == (1).to_bytes(2, "little")
+    aligned_header = encode_header(key(3), SIZE, checksum, header_len=ALIGNED_HEADER_SIZE)
+    assert aligned_header[4:6] == (2).to_bytes(2, "little")
+    with pytest.raises(ValueError, match="cannot have a 4096-byte header"):
+        encode_header(key(3), SIZE, checksum, header_len=ALIGNED_HEADER_SIZE, version=1)
     forged = bytearray(encode_header(key(3), SIZE, checksum, header_len=ALIGNED_HEADER_SIZE))
     forged[4:6] = (1).to_bytes(2, "little")  # a version-1 header cannot have a 4 KiB header
     forged[84:88] = zlib.crc32(bytes(forged[:84])).to_bytes(4, "little")  # a valid CRC over the fields

@@ -24,7 +24,7 @@ from support.blocks import NS
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.block_index import BlockIndex
-from ucm_server.store.format import encode_header, payload_checksum
+from ucm_server.store.format import FLAT_LAYOUT_VERSION, encode_header, payload_checksum
 from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
 from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
@@ -57,7 +57,8 @@ def _plant(d: DaemonProcess, first: int, n: int) -> None:
         data = _payload(i)
         path = tier.path_of(key)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path.write_bytes(encode_header(key, SIZE, payload_checksum([memoryview(data)])) + data)
+        header = encode_header(key, SIZE, payload_checksum([memoryview(data)]), version=FLAT_LAYOUT_VERSION)
+        path.write_bytes(header + data)
 
 
 def _put(c: UcmClient, first: int, n: int) -> None:

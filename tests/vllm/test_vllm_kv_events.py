@@ -99,7 +99,7 @@ def test_one_stream_for_gpu_and_ucm_tiers_matching_admin_ls(tiny_model: Path, tm
         assert ("DISK", first) not in settle(ucm, daemon)
 
         name = second_key.hex()
-        path = daemon.data_dir / "blocks" / ns / name[:2] / name[2:4] / f"{name}.blk"
+        path = daemon.data_dir / "blocks" / ns / name[:2] / f"{name}.blk"
         data = bytearray(path.read_bytes())
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))

@@ -110,6 +110,8 @@ class DS3FSTier(PosixTier):
     """A Posix tier on a 3FS mount shared by many nodes (see the module docstring)."""
 
     kind: ClassVar[str] = "DS3FS"
+    flat_layout: ClassVar[bool] = False
+    """The layout of format versions 1 and 2: nodes of older releases share this mount and read it."""
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     pin_gap: ClassVar[str] = "a shared tier: other nodes' daemons evict from it without this daemon's pins"

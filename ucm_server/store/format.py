@@ -18,6 +18,10 @@ block goes unchecked: payload by its checksum, header by its CRC, padding by bei
 Versions: 1 had only the 128-byte header. 2 allows the 4 KiB one. A 128-byte header is still written
 as version 1, so the previous release reads those blocks; it skips version-2 files (an unknown version
 is skipped, never quarantined), which therefore survive a downgrade and serve again after re-upgrade.
+3 has the fields of 2 and says where the file lives: the Posix tier's two-level directory layout
+(:data:`FLAT_LAYOUT_VERSION`, see :mod:`ucm_server.store.posix`). A release that knows only 1 and 2
+skips such a file (never quarantines it, though it is not at the path that release expects), so a
+downgrade loses no block; object tiers keep writing 1.
 """
 
 from __future__ import annotations
@@ -33,11 +37,17 @@ from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Name
 from ucm_server.store.base import IoVec
 
 MAGIC = b"UCMB"
-FORMAT_VERSION = 2
-"""The newest layout this daemon writes: 2 = ``header_len`` may be 4 KiB (``O_DIRECT`` files)."""
-READABLE_VERSIONS = (1, 2)
-"""Version 1 is version 2 with a 128-byte header; blocks with that header are still written as 1, so a
-daemon of the previous release reads them, and skips (never quarantines) the 4 KiB-header ones."""
+FORMAT_VERSION = 3
+"""The newest layout this daemon writes: 3 = a Posix block file in the two-level directory layout."""
+ALIGNED_VERSION = 2
+"""The first version whose ``header_len`` may be 4 KiB (``O_DIRECT`` files)."""
+FLAT_LAYOUT_VERSION = 3
+"""Version 2's fields, written by the Posix tier for files at ``<ns>/<k[0:2]>/<key>.blk`` (versions 1
+and 2 live one directory deeper, at ``<ns>/<k[0:2]>/<k[2:4]>/<key>.blk``)."""
+READABLE_VERSIONS = (1, 2, 3)
+"""Version 1 is version 2 with a 128-byte header; blocks with that header are still written as 1 by
+the tiers that do not say otherwise, so a daemon of an older release reads them, and skips (never
+quarantines) the 4 KiB-header ones and the version-3 ones."""
 HEADER_SIZE = 128
 """The smallest header: all fields, zero padded to 128 bytes."""
 ALIGNED_HEADER_SIZE = 4096
@@ -45,6 +55,8 @@ ALIGNED_HEADER_SIZE = 4096
 HEADER_SIZES = (HEADER_SIZE, ALIGNED_HEADER_SIZE)
 _FIELDS = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQ")
 _CRC = struct.Struct("<I")
+_FIELDS_AND_CRC = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQI")
+_ZEROS = bytes(ALIGNED_HEADER_SIZE)
 
 
 class CorruptBlock(Exception):
@@ -65,6 +77,8 @@ class BlockHeader:
     flags: int = 0
     header_len: int = HEADER_SIZE
     """Offset of the payload in the stored object."""
+    version: int = 1
+    """The format version the header was written in (:data:`READABLE_VERSIONS`)."""
 
     @property
     def stored_len(self) -> int:
@@ -74,6 +88,8 @@ class BlockHeader:
 
 def payload_checksum(iov: IoVec) -> int:
     """xxh3-64 over the concatenated segments (no copy: the hasher takes each view)."""
+    if len(iov) == 1:  # the common case: one call, no hasher object (per block on the data path)
+        return xxhash.xxh3_64_intdigest(iov[0])
     h = xxhash.xxh3_64()
     for seg in iov:
         h.update(seg)
@@ -87,13 +103,19 @@ def encode_header(
     created_ns: int | None = None,
     *,
     header_len: int = HEADER_SIZE,
+    version: int | None = None,
 ) -> bytes:
-    """The header of a block, ``header_len`` bytes long (one of :data:`HEADER_SIZES`)."""
+    """The header of a block, ``header_len`` bytes long (one of :data:`HEADER_SIZES`). ``version``:
+    by default the oldest that can say it (1, or 2 for a 4 KiB header), so older releases read it."""
     if header_len not in HEADER_SIZES:
         raise ValueError(f"header_len {header_len} is not one of {HEADER_SIZES}")
+    if version is None:
+        version = 1 if header_len == HEADER_SIZE else ALIGNED_VERSION
+    if version not in READABLE_VERSIONS or (header_len != HEADER_SIZE and version < ALIGNED_VERSION):
+        raise ValueError(f"format version {version} cannot have a {header_len}-byte header")
     fields = _FIELDS.pack(
         MAGIC,
-        1 if header_len == HEADER_SIZE else FORMAT_VERSION,
+        version,
         0,
         header_len,
         key.namespace,
@@ -120,21 +142,24 @@ def decode_header(
     """
     if len(raw) < HEADER_SIZE:
         raise CorruptBlock(f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
-    fields = bytes(raw[: _FIELDS.size])
-    (crc,) = _CRC.unpack_from(raw, _FIELDS.size)
-    magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns = _FIELDS.unpack(fields)
+    magic, version, flags, header_len, ns, digest, payload_len, checksum, created_ns, crc = (
+        _FIELDS_AND_CRC.unpack_from(raw)
+    )
     if magic != MAGIC:
         raise CorruptBlock(f"bad magic {magic!r}")
     if version not in READABLE_VERSIONS:  # before the CRC: another version may lay its header out anew
         readable = ", ".join(map(str, READABLE_VERSIONS))
         raise UnsupportedFormat(f"block format version {version}; this daemon reads versions {readable}")
-    if zlib.crc32(fields) != crc:
+    if zlib.crc32(memoryview(raw)[: _FIELDS.size]) != crc:
         raise CorruptBlock("header checksum mismatch")
-    if header_len not in (HEADER_SIZES if version >= 2 else (HEADER_SIZE,)):
+    if header_len not in (HEADER_SIZES if version >= ALIGNED_VERSION else (HEADER_SIZE,)):
         raise CorruptBlock(f"header length {header_len} is not valid in format version {version}")
-    key = BlockKey(Namespace(ns), Digest(digest))
-    if expect is not None and key != expect:
-        raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
+    if expect is not None and ns + digest == expect:
+        key = expect  # the same 48 bytes: no new key object per block read
+    else:
+        key = BlockKey(Namespace(ns), Digest(digest))
+        if expect is not None:
+            raise CorruptBlock(f"header names block {key.hex()}, expected {expect.hex()}")
     if max_payload is not None and payload_len > max_payload:
         raise CorruptBlock(
             f"header claims a {payload_len}-byte payload, more than max_block_bytes {max_payload}"
@@ -147,12 +172,12 @@ def decode_header(
         created_ns=created_ns,
         flags=flags,
         header_len=header_len,
+        version=version,
     )
 
 
 def _check_zero(padding: bytes | memoryview) -> None:
-    data = bytes(padding)
-    if data.count(0) != len(data):
+    if padding != _ZEROS[: len(padding)]:
         raise CorruptBlock("header padding is not zero")
 
 

@@ -1,8 +1,17 @@
 """The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
 
-Layout: ``<root>/<namespace hex>/<k[0:2]>/<k[2:4]>/<key hex>.blk`` where the root is chosen from
-several ``storage_backends`` by key, so blocks stripe across disks. Each file is a header of
-:mod:`ucm_server.store.format` followed by the payload.
+Layout: ``<root>/<namespace hex>/<k[0:2]>/<key hex>.blk`` where the root is chosen from several
+``storage_backends`` by key, so blocks stripe across disks. Each file is a header of
+:mod:`ucm_server.store.format` (version 3, :data:`~ucm_server.store.format.FLAT_LAYOUT_VERSION`)
+followed by the payload. Releases before it wrote one directory level more,
+``<namespace hex>/<k[0:2]>/<k[2:4]>/<key hex>.blk`` (format versions 1 and 2): 65,536 leaf
+directories per namespace, so while a store was small nearly every new block paid a ``mkdir`` and a
+directory open besides its own file (a 4 KiB dump ran at 0.4x a plain process writing into 256
+directories). Those files keep loading: a read that finds no file at the new path tries the old one,
+a delete removes both, the start-up scan adopts a file at the path its header's version names (and
+quarantines one anywhere else). A release that reads only versions 1 and 2 skips version-3 files,
+never quarantines them. DS3FS keeps the old layout (:attr:`PosixTier.flat_layout`): nodes of older
+releases share its mount.
 
 Writes use ``O_DIRECT`` when they can (``direct_io``, the default) and it pays: the block is at least
 ``direct_min_bytes`` (256 KiB; below that a synchronous device write per block costs more than the page-
@@ -93,12 +102,13 @@ from ucm_server.store.confined import (
     NotRegularFile,
     file_kind,
     open_block,
-    open_block_sized,
     open_regular,
+    open_regular_sized,
     parent_dir,
 )
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
+    FLAT_LAYOUT_VERSION,
     HEADER_SIZES,
     BlockHeader,
     CorruptBlock,
@@ -157,6 +167,10 @@ class PosixTier(Tier):
     persistent = True
     shared = False
     pin_gap: ClassVar[str] = ""
+    flat_layout: ClassVar[bool] = True
+    """Write new blocks at ``<ns>/<k[0:2]>/<key>.blk`` with format version 3 (reading the files of
+    the older ``<ns>/<k[0:2]>/<k[2:4]>/`` layout too); False: the older layout only (a shared mount
+    that nodes of older releases read)."""
     max_concurrency = 16
     client_reads: ClassVar[bool] = True
     """:meth:`read_checked` reads into client memory (subclasses with their own read path say no)."""
@@ -224,11 +238,39 @@ class PosixTier(Tier):
 
     # -- layout ---------------------------------------------------------------------------------------
     def root_of(self, key: BlockKey) -> Path:
-        return self.roots[int.from_bytes(key.digest[:4], "little") % len(self.roots)]
+        if len(self.roots) == 1:  # asked per block on the data path: no slicing when there is no choice
+            return self.roots[0]
+        pick = int.from_bytes(key[NAMESPACE_BYTES : NAMESPACE_BYTES + 4], "little")
+        return self.roots[pick % len(self.roots)]
 
     def path_of(self, key: BlockKey) -> Path:
+        """Where ``key``'s block is written (and read first)."""
+        root, parts, name = self._place(key)
+        return root.joinpath(*parts, name)
+
+    def legacy_path_of(self, key: BlockKey) -> Path:
+        """Where format versions 1 and 2 put ``key``'s block: one directory level deeper."""
         h = key.digest.hex()
         return self.root_of(key) / key.namespace.hex() / h[:2] / h[2:4] / f"{h}{SUFFIX}"
+
+    def _legacy_of(self, path: Path) -> Path | None:
+        """The older-layout path of the block whose current-layout path is ``path``; None when the
+        tier writes the older layout itself or ``path`` is not a current-layout block path."""
+        if not self.flat_layout:
+            return None
+        root, parts = self._split(path)
+        if len(parts) != 3 or not parts[2].endswith(SUFFIX):
+            return None
+        return root.joinpath(parts[0], parts[1], parts[2][2:4], parts[2])
+
+    def _expected_path(self, header: BlockHeader) -> str:
+        """Where a file with ``header`` must be found: the layout its format version names."""
+        key = header.key
+        h = key.digest.hex()
+        root = os.fspath(self.root_of(key)).rstrip("/")
+        if header.version >= FLAT_LAYOUT_VERSION:
+            return f"{root}/{key.namespace.hex()}/{h[:2]}/{h}{SUFFIX}"
+        return f"{root}/{key.namespace.hex()}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
 
     # -- primitives -----------------------------------------------------------------------------------
     index_snapshots: ClassVar[bool] = True
@@ -475,7 +517,7 @@ class PosixTier(Tier):
             if st.st_size != header.stored_len:
                 raise CorruptBlock(f"file is {st.st_size} bytes, header promises {header.stored_len}")
             key = header.key
-            if self._where(key) != path:
+            if self._expected_path(header) != path:
                 raise CorruptBlock(f"header names {key.hex()}, which does not live at this path")
         except UnsupportedFormat as exc:
             log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
@@ -490,12 +532,6 @@ class PosixTier(Tier):
             os.close(fd)
         return key, header.payload_len, header.created_ns / 1e9
 
-    def _where(self, key: BlockKey) -> str:
-        """:meth:`path_of` as a string, built without pathlib (the scan asks once per file)."""
-        h = key.digest.hex()
-        root = os.fspath(self.root_of(key)).rstrip("/")
-        return f"{root}/{key.namespace.hex()}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
-
     def _unusable(self, path: str) -> tuple[bytes, int, float] | None:
         """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
         root, parts = self._split(Path(path))
@@ -503,10 +539,12 @@ class PosixTier(Tier):
             ns, digest = bytes.fromhex(parts[0]), bytes.fromhex(parts[-1].removesuffix(SUFFIX))
         except (ValueError, IndexError):
             return None
-        if len(parts) != 4 or len(ns) != NAMESPACE_BYTES or len(digest) != 32:
+        if len(parts) not in (3, 4) or len(ns) != NAMESPACE_BYTES or len(digest) != 32:
             return None
         key = BlockKey(Namespace(ns), Digest(digest))
-        return (key, -1, 0.0) if self.path_of(key) == Path(path) and root == self.root_of(key) else None
+        if root != self.root_of(key) or Path(path) not in (self.path_of(key), self.legacy_path_of(key)):
+            return None
+        return key, -1, 0.0
 
     async def _entry(self, key: BlockKey) -> Stamp | None:
         """The index's entry for ``key``; while re-adopting, a key not indexed yet is looked for on
@@ -529,7 +567,7 @@ class PosixTier(Tier):
         except (UnsupportedFormat, FileNotFoundError, NotRegularFile):
             return None
         except CorruptBlock as exc:
-            self._move_to_quarantine(path, str(exc))
+            self._quarantine_key(key, str(exc))
             return None
         return key, header.payload_len, header.created_ns / 1e9
 
@@ -643,6 +681,7 @@ class PosixTier(Tier):
                 continue
             sizes[i] = entry.size
             todo.append(i)
+        todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         outcomes: list[_ReadOutcome] = await self._in_groups(
             self._read_group, [items[i] for i in todo], sizes, todo, checked
         )
@@ -700,6 +739,7 @@ class PosixTier(Tier):
                     results[i] = failed(self._full(sizes[i]))
             todo = fits
         group = self.durable and _SYNCFS is not None
+        todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         outcomes = await self._in_groups(self._stage_group, [items[i] for i in todo], sizes, todo, group)
         if group:
             staged = [(i, o) for i, o in zip(todo, outcomes, strict=True) if isinstance(o, _Staged)]
@@ -771,7 +811,10 @@ class PosixTier(Tier):
         present = [k for k in keys if k in self._index]
         for k in present:
             self._forget(k)
-        await self._run(self._unlink_all, [self.path_of(k) for k in present])
+        paths = [self.path_of(k) for k in present]
+        if self.flat_layout:  # and any copy an older release left (a read would find it next)
+            paths += [self.legacy_path_of(k) for k in present]
+        await self._run(self._unlink_all, paths)
         return len(present)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
@@ -865,11 +908,12 @@ class PosixTier(Tier):
         size, checksum = iov_len(src), payload_checksum(src)
         fd, direct = self._create(dfd, tmp, root, want_direct=self._wants_direct(src, size))
         try:
+            version = FLAT_LAYOUT_VERSION if self.flat_layout else None
             if direct:
-                header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE)
+                header = encode_header(key, size, checksum, header_len=ALIGNED_HEADER_SIZE, version=version)
                 direct = _write_direct(fd, header, src)
             if not direct:
-                _pwritev_all(fd, [memoryview(encode_header(key, size, checksum)), *src], 0)
+                _pwritev_all(fd, [memoryview(encode_header(key, size, checksum, version=version)), *src], 0)
             if fsync:
                 os.fsync(fd)
         except BaseException:
@@ -909,8 +953,10 @@ class PosixTier(Tier):
 
     def _place(self, key: BlockKey) -> tuple[Path, tuple[str, ...], str]:
         """Root, directories below it and file name of ``key``'s block (:meth:`path_of`, as strings)."""
-        h = key.digest.hex()
-        return self.root_of(key), (key.namespace.hex(), h[:2], h[2:4]), f"{h}{SUFFIX}"
+        h, ns = key[NAMESPACE_BYTES:].hex(), key[:NAMESPACE_BYTES].hex()
+        if self.flat_layout:
+            return self.root_of(key), (ns, h[:2]), f"{h}{SUFFIX}"
+        return self.root_of(key), (ns, h[:2], h[2:4]), f"{h}{SUFFIX}"
 
     def _stage_one(self, key: BlockKey, src: IoVec, dirs: DirCache, group: bool) -> tuple[_Staged, int]:
         root, parts, name = self._place(key)
@@ -1006,7 +1052,14 @@ class PosixTier(Tier):
         is counted and reported as skipped and raises :class:`NotRegularFile` (an ``OSError``)."""
         root, parts = self._split(path)
         try:
-            return open_block(root, parts, os.O_RDONLY)
+            try:
+                return open_block(root, parts, os.O_RDONLY)
+            except FileNotFoundError:
+                legacy = self._legacy_of(path)
+                if legacy is None:
+                    raise
+            path = legacy  # a block an older release wrote, one directory deeper
+            return open_block(root, self._split(legacy)[1], os.O_RDONLY)
         except NotRegularFile as exc:
             self._skip(path, exc.kind)
             raise
@@ -1051,10 +1104,10 @@ class PosixTier(Tier):
         verified), or with ``checked`` whether the bytes there matched the header's checksum (see
         :meth:`_read_file_checked`), or the error it raised."""
         out: list[_ReadOutcome] = []
-        with DirCache() as roots:
+        with DirCache() as dirs:
             for key, dest in items:
                 try:
-                    fd, size = self._open_key(key, roots)
+                    fd, size = self._open_key(key, dirs)
                     try:
                         header = self._read_whole(fd, size, key, dest)
                     finally:
@@ -1084,7 +1137,9 @@ class PosixTier(Tier):
                 _preadv_all(fd, dest, header.header_len)
                 return header
             head = bytearray(head_len)
-            _preadv_all(fd, [memoryview(head), *dest], 0)
+            iov = [memoryview(head), *dest]
+            if os.preadv(fd, iov, 0) != size:  # one call reads it all, unless the file is shorter
+                _preadv_all(fd, iov, 0)
             header = decode_header(memoryview(head), expect=key, max_payload=self.max_block_bytes)
             if header.stored_len != size:
                 raise CorruptBlock(f"file is {size} bytes, header promises {header.stored_len}")
@@ -1093,15 +1148,37 @@ class PosixTier(Tier):
             _zero(dest)
             raise
 
-    def _open_key(self, key: BlockKey, roots: DirCache) -> tuple[int, int]:
-        """``key``'s block file opened read-only below its root (confined, regular files only, as
-        :meth:`_open_block`), with its size; the root's descriptor comes from ``roots``."""
+    def _open_key(self, key: BlockKey, dirs: DirCache) -> tuple[int, int]:
+        """``key``'s block file opened read-only (confined, regular files only, as
+        :meth:`_open_block`), with its size. Its directory comes from ``dirs``, opened one component
+        at a time without following symlinks and kept for the batch, so the file itself is one
+        ``openat`` of its name with ``O_NOFOLLOW``: on a 4 KiB read a whole-path ``openat2`` through
+        ctypes cost more than the read."""
         root, parts, name = self._place(key)
         try:
-            return open_block_sized(roots.get(root, ()), root, [*parts, name], os.O_RDONLY)
+            try:
+                return self._open_in(dirs, root, parts, name)
+            except FileNotFoundError:
+                if not self.flat_layout:
+                    raise
+            parts = (*parts, name[2:4])  # a block an older release wrote, one directory deeper
+            return self._open_in(dirs, root, parts, name)
         except NotRegularFile as exc:
             self._skip(root.joinpath(*parts, name), exc.kind)
             raise
+
+    @staticmethod
+    def _open_in(dirs: DirCache, root: Path, parts: tuple[str, ...], name: str) -> tuple[int, int]:
+        try:
+            dfd = dirs.get(root, parts)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlinked directory on the way: never followed
+                raise NotRegularFile(str(root.joinpath(*parts)), "symlink") from None
+            raise
+        try:
+            return open_regular_sized(name, os.O_RDONLY, dir_fd=dfd)
+        except NotRegularFile as exc:  # the whole path in messages, built only when needed
+            raise NotRegularFile(str(root.joinpath(*parts, name)), exc.kind) from None
 
     def _read_file(self, path: Path, key: BlockKey, dest: IoVec) -> None:
         fd = self._open_block(path)
@@ -1161,7 +1238,7 @@ class PosixTier(Tier):
     def _check_file(self, path: Path) -> tuple[BlockKey, Entry] | None:
         try:
             header = self._read_header(path)
-            if self.path_of(header.key) != path:
+            if self._expected_path(header) != os.fspath(path):
                 raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
         except UnsupportedFormat as exc:
             log.warning("posix tier %s: skipping %s: %s", self.name, path, exc)
@@ -1176,9 +1253,10 @@ class PosixTier(Tier):
             return None
         return header.key, Entry(size=header.payload_len, stored_at=header.created_ns / 1e9)
 
-    def _move_to_quarantine(self, path: Path, reason: str) -> None:
+    def _move_to_quarantine(self, path: Path, reason: str) -> bool:
         """Move a bad block file into ``<root>/.quarantine`` by directory descriptors: neither the
-        file's directories nor the quarantine directory is followed if it is a symlink."""
+        file's directories nor the quarantine directory is followed if it is a symlink. False when
+        there was no file at ``path``."""
         root = self._root_for(path)
         target = f"{path.name}.{uuid.uuid4().hex[:8]}"
         try:
@@ -1187,19 +1265,25 @@ class PosixTier(Tier):
                 if self.durable:
                     os.fsync(qdir)
         except FileNotFoundError:
-            return
+            return False
         except OSError as exc:
             self._stats.errors += 1
             log.error("posix tier %s: cannot quarantine %s (%s): %s", self.name, path, reason, exc)
-            return
+            return True
         self._stats.corrupt += 1
         target = str(root / QUARANTINE / target)
         log.error("posix tier %s: quarantined %s -> %s: %s", self.name, path, target, reason)
+        return True
+
+    def _quarantine_key(self, key: BlockKey, reason: str) -> None:
+        """Quarantine ``key``'s file: the one at its path, else one the older layout left."""
+        if not self._move_to_quarantine(self.path_of(key), reason) and self.flat_layout:
+            self._move_to_quarantine(self.legacy_path_of(key), reason)
 
     # -- helpers --------------------------------------------------------------------------------------
     async def _quarantine(self, key: BlockKey, reason: str) -> None:
         self._forget(key)
-        await self._run(self._move_to_quarantine, self.path_of(key), reason)
+        await self._run(self._quarantine_key, key, reason)
 
     def _remember(self, key: BlockKey, entry: Entry) -> None:
         self._index.add(key, entry.size, entry.stored_at)

@@ -72,8 +72,10 @@ def decode_stored(raw: bytes, expect: BlockKey) -> bytes:
         _STORED_FIELDS.unpack_from(raw)
     )
     assert magic == b"UCMB", f"magic {magic!r}"
-    # 128-byte headers are written as version 1 (so the previous release reads them), 4 KiB ones as 2.
-    assert (version, header_len) in ((1, 128), (2, 4096)), f"version {version} with header_len {header_len}"
+    # 128-byte headers are written as version 1 (so the previous release reads them), 4 KiB ones as 2;
+    # version 3 (either header) is a Posix file in the two-level directory layout.
+    allowed = ((1, 128), (2, 4096), (3, 128), (3, 4096))
+    assert (version, header_len) in allowed, f"version {version} with header_len {header_len}"
     assert crc == zlib.crc32(raw[: _STORED_FIELDS.size - 4]), "header CRC does not cover the header fields"
     assert raw[_STORED_FIELDS.size : header_len] == bytes(header_len - _STORED_FIELDS.size), (
         "padding not zero"
