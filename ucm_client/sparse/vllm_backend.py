@@ -11,6 +11,7 @@ blocks. With a full budget nothing is rewritten, so output is bit-identical to t
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
             slot_mapping=md.slot_mapping,
             num_actual_tokens=md.num_actual_tokens,
         )
+        clock = runtime.method.clock
+        start = time.perf_counter()
         if inputs.block_table is not None and inputs.seq_lens is not None:
             seq_lens = inputs.seq_lens
             md = dataclasses.replace(
@@ -106,7 +109,10 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
             )
         if inputs.output is not output:
             raise RuntimeError("sparse attention_begin must write into vLLM's output buffer, not a new one")
+        mid = time.perf_counter()
+        clock.add("kernel_meta", mid - start)
         out = super().forward(layer, inputs.query, inputs.key, inputs.value, kv_cache, md, output)
+        clock.add("kernel", time.perf_counter() - mid)
         return runtime.finish_layer(layer.layer_name, out, query_start_loc=md.query_start_loc)
 
 

@@ -140,7 +140,9 @@ class SparseWorkerRuntime:
             num_actual_tokens=num_actual_tokens,
             row_keys=row_keys,
         )
+        start = time.perf_counter()
         inputs = self.method.attention_begin(idx, query, key, value, meta, output=output)
+        self.method.clock.add("hooks_begin", time.perf_counter() - start)
         self.trace[("attention_begin", idx)] += 1
         if inputs.block_table is not None:
             self.trace[("sparse_rewrite", idx)] += 1
@@ -174,13 +176,18 @@ class SparseWorkerRuntime:
         self, layer_name: str, output: torch.Tensor, *, query_start_loc: torch.Tensor
     ) -> torch.Tensor:
         idx = layer_index(layer_name)
+        start = time.perf_counter()
         out = self.method.attention_finished(idx, output)
+        clock = self.method.clock
+        clock.add("hooks_finish", time.perf_counter() - start)
         self.trace[("attention_finished", idx)] += 1
         if idx == self._last_layer:
             self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
             self._step_meta = None
             if self._decode_only:
                 self.decode_step_s.append(time.perf_counter() - self._step_start)
+                clock.add("step", self.decode_step_s[-1])
+            clock.end_step(keep=self._decode_only)
             self.trace[("execute_finished", -1)] += 1
             if self._trace_path:
                 self._write_trace(self._trace_path)
