@@ -38,7 +38,7 @@ SUFFIX = 64
 BLOCK = 128
 
 
-def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0) -> Any:
+def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides: Any) -> Any:
     """A runtime for ``name`` at ``ratio`` (``None``: dense attention through the same hooks).
 
     The scheduler bridge gets a SCHEDULER instance of the same method, so the retrieval decisions it
@@ -55,7 +55,7 @@ def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0) -> Any:
         if bridge is not None:
             bridge.method = DenseInVllmMethod(UcmSparseRole.SCHEDULER, {})
         return SparseWorkerRuntime(DenseInVllmMethod(UcmSparseRole.WORKER, {}), vllm_config=vllm_config)
-    config = {"sparse_ratio": ratio}
+    config = {"sparse_ratio": ratio, **overrides}
     if bridge is not None:
         bridge.method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.SCHEDULER, config)
     method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, config)
@@ -122,6 +122,24 @@ BREAKDOWN_DOC = (
     " norms, RoPE)."
 )
 
+
+def _row(
+    llm: Any,
+    vllm_config: Any,
+    prompts: list[dict[str, list[int]]],
+    args: argparse.Namespace,
+    name: str,
+    ratio: float,
+    **overrides: Any,
+) -> tuple[Measured, Measured, float]:
+    """One table row: fresh dense and sparse runtimes, both warmed, then interleaved rounds."""
+    dense = Measured(_runtime(vllm_config, None))
+    sparse = Measured(_runtime(vllm_config, name, ratio, **overrides))
+    _warm(llm, dense, prompts, args.decode)
+    _warm(llm, sparse, prompts, args.decode)
+    return dense, sparse, _compare(llm, dense, sparse, prompts, args.decode, args.repeat)
+
+
 PHASES = ("step", "kernel", "kernel_meta", "selection", "features", "hooks_begin", "hooks_finish")
 
 
@@ -145,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5, help="interleaved dense/sparse rounds per row")
     parser.add_argument("--methods", nargs="+", default=["ESA", "GSA", "KVStarMultiStep"])
+    parser.add_argument(
+        "--stride-only",
+        nargs="*",
+        default=["ESA", "KVStarMultiStep"],
+        help="methods also run at the longest context with the drift refresh off (a diagnostic row)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     os.environ.update(
@@ -197,11 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         size = f"{tokens // 1024}k"
         for name in args.methods:
             for ratio in (args.ratio, 1.0):
-                dense = Measured(_runtime(base.vllm_config, None))
-                sparse = Measured(_runtime(base.vllm_config, name, ratio))
-                _warm(llm, dense, prompts, args.decode)
-                _warm(llm, sparse, prompts, args.decode)
-                speedup = _compare(llm, dense, sparse, prompts, args.decode, args.repeat)
+                dense, sparse, speedup = _row(llm, base.vllm_config, prompts, args, name, ratio)
                 rows.append(
                     f"| {name} | {size} | {ratio:.0%} | {sparse.median_ms():.1f} | {dense.median_ms():.1f}"
                     f" | {speedup:.2f}× |"
@@ -212,6 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                         breakdown.append(_breakdown_row(f"dense {size}", dense))
                     breakdown.append(_breakdown_row(f"{name} {size} {ratio:.0%}", sparse))
                     print(breakdown[-1], flush=True)
+        if tokens == longest:
+            for name in args.stride_only:
+                # Diagnostic, not a default: what reuse between retrievals buys when queries do not
+                # drift (the drift refresh fires on every step of this random model).
+                _, sparse, speedup = _row(
+                    llm, base.vllm_config, prompts, args, name, args.ratio, drift_cosine=0.0
+                )
+                label = f"{name} (stride reuse only, drift refresh off: diagnostic)"
+                rows.append(
+                    f"| {label} | {size} | {args.ratio:.0%} | {sparse.median_ms():.1f}"
+                    f" | {dense.median_ms():.1f} | {speedup:.2f}× |"
+                )
+                print(rows[-1], flush=True)
+                breakdown.append(_breakdown_row(f"{name} {size} {args.ratio:.0%} stride only", sparse))
     vllm_runtime.reset_runtime()
     text = "\n".join(
         [

@@ -91,21 +91,7 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
                 block_table=inputs.block_table,
                 seq_lens=seq_lens,
                 max_seq_len=int(seq_lens.max()),
-                scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-                    num_reqs=int(seq_lens.numel()),
-                    num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_size,
-                    seq_lens=seq_lens,
-                    dtype=query.dtype,
-                    query_start_loc=md.query_start_loc,
-                    causal=md.causal,
-                    sliding_window_size=self.sliding_window,
-                    isa=layer.isa,
-                    enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                    dynamic_causal=md.dynamic_causal,
-                    kv_cache_dtype=self.kv_cache_dtype,
-                ),
+                scheduler_metadata=self._scheduler_metadata(runtime, layer, md, seq_lens, query.dtype),
             )
         if inputs.output is not output:
             raise RuntimeError("sparse attention_begin must write into vLLM's output buffer, not a new one")
@@ -114,6 +100,53 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
         out = super().forward(layer, inputs.query, inputs.key, inputs.value, kv_cache, md, output)
         clock.add("kernel", time.perf_counter() - mid)
         return runtime.finish_layer(layer.layer_name, out, query_start_loc=md.query_start_loc)
+
+
+    def _scheduler_metadata(
+        self,
+        runtime: SparseWorkerRuntime,
+        layer: Any,
+        md: CPUAttentionMetadata,
+        seq_lens: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The kernel's work split for the shortened rows, computed once per step and shape.
+
+        vLLM's dense path builds it once per step for all layers; a budget keeps the same number
+        of blocks in every layer, so the shortened rows of the next layers match and reuse it.
+        """
+        key = (
+            "cpu_attn_scheduler_metadata",
+            id(md.query_start_loc),
+            tuple(seq_lens.tolist()),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.sliding_window,
+            dtype,
+            layer.isa,
+            self.kv_cache_dtype,
+            md.causal,
+            md.dynamic_causal,
+        )
+        memo = runtime.step_memo
+        if key not in memo:
+            memo[key] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=int(seq_lens.numel()),
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                seq_lens=seq_lens,
+                dtype=dtype,
+                query_start_loc=md.query_start_loc,
+                causal=md.causal,
+                sliding_window_size=self.sliding_window,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=md.dynamic_causal,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+        return memo[key]
 
 
 class UcmSparseCPUAttentionBackend(CPUAttentionBackend):

@@ -70,6 +70,8 @@ class SparseWorkerRuntime:
         self._step_meta: SparseMeta | None = None
         self._step_start = 0.0
         self._decode_only = False
+        self.step_memo: dict[Any, Any] = {}
+        """Values every layer of one step can share (the attention backend's); emptied each step."""
         self.decode_step_s: list[float] = []
         """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
 
@@ -130,6 +132,7 @@ class SparseWorkerRuntime:
         if not self.method.session.is_open:
             self._step_start = time.perf_counter()
             self._decode_only = num_actual_tokens == int(seq_lens.numel())
+            self.step_memo.clear()
             self.method.execute_begin(self._step_meta)
             self.trace[("execute_begin", -1)] += 1
         row_keys = self._row_keys(block_table, seq_lens, kv_cache.shape[2])
@@ -154,6 +157,17 @@ class SparseWorkerRuntime:
         Without the scheduler channel a row is known by its first physical block: stable for one
         request, but shared by every request with the same prefix under prefix caching.
         """
+        memo_key = ("row_keys", id(block_table), id(seq_lens))
+        if memo_key in self.step_memo:  # every layer of a step sees the same rows
+            keys: list[str] = self.step_memo[memo_key]
+            return keys
+        keys = self._derive_row_keys(block_table, seq_lens, block_size)
+        self.step_memo[memo_key] = keys
+        return keys
+
+    def _derive_row_keys(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> list[str]:
         rows = int(seq_lens.numel())
         meta = self._step_meta
         if meta is None or not meta.write_blocks:
@@ -161,7 +175,7 @@ class SparseWorkerRuntime:
             return [f"blk{int(b)}" for b in block_table[:rows, 0].tolist()]
         last = ((seq_lens[:rows].to(torch.int64) - 1).clamp_min(0) // block_size)[:, None]
         written = block_table[:rows].to(torch.int64).gather(1, last).flatten().tolist()
-        keys = []
+        keys: list[str] = []
         for row, block in enumerate(written):
             req_id = meta.write_blocks.get(int(block))
             if req_id is None:
