@@ -199,10 +199,11 @@ class BlockSparseMethod(UcmSparseBase):
             return torch.arange(num_blocks, device=device), False
         if retrieve is None:
             retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
-        if state.selection is not None and not retrieve and state.anchor is not None:
+        drift = self._drift_cosine()
+        if drift != 0.0 and state.selection is not None and not retrieve and state.anchor is not None:
             direction = self._direction(query, state.anchor.shape[0])
             cosine = float((direction * state.anchor).sum(-1).min())
-            if cosine < self._drift_cosine():
+            if cosine < drift:
                 retrieve = True
                 state.drift_refreshes += 1
                 self.stats["drift_refreshes"] += 1
