@@ -17,6 +17,8 @@ def test_only_kept_steps_count_and_figures_are_medians() -> None:
     assert round(ms["kernel"], 6) == 2.0
     assert round(ms["step"], 6) == 4.0
     assert len(clock.records) == 3
+    assert round(clock.mean_ms("kernel"), 6) == round(1e3 * 0.103 / 3, 6)  # a periodic cost amortized
+    assert clock.mean_ms("absent") == 0.0
 
 
 def test_a_phase_missing_from_a_step_counts_as_zero_there() -> None:

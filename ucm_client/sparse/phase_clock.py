@@ -46,6 +46,13 @@ class PhaseClock:
         self.records.clear()
         self.pending.clear()
 
+    def mean_ms(self, phase: str) -> float:
+        """Mean milliseconds per decode-only step of one phase: what a cost paid every few steps
+        (a retrieval every ``retrieval_stride`` steps) amortizes to, which a median hides."""
+        if not self.records:
+            return 0.0
+        return 1e3 * statistics.fmean(r.get(phase, 0.0) for r in self.records)
+
     def per_step_ms(self) -> dict[str, float]:
         """Median milliseconds per decode-only step, per phase (0 in steps where it did not run)."""
         names = sorted({name for record in self.records for name in record})
