@@ -262,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         [
             __doc__.split("\n\n")[1].replace("\n", " "),
             "",
+            f"Machine load average (1 / 5 / 15 min) at the end of this run, on 2 shared cores:"
+            f" {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; figures of a loaded run are noisy"
+            " beyond what interleaving removes.",
+            "",
             "| method | tokens | budget | decode step ms (batch of 2, median) | dense ms (median) |"
             " speed-up vs dense (median of rounds) |",
             "|---|---|---|---|---|---|",
