@@ -327,7 +327,7 @@ class PosixTier(Tier):
                 self.snapshots.written_at_changes(self._index.changes)
             if self._from_snapshot:
                 log.info(
-                    "posix tier %s: %d blocks indexed from snapshots in %.2fs",
+                    "posix tier %s: %d blocks indexed from snapshots in %.3fs",
                     self.name,
                     self._from_snapshot,
                     time.monotonic() - started,
