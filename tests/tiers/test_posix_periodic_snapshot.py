@@ -161,8 +161,9 @@ def test_a_crash_soon_after_a_clean_restart_finds_the_clean_snapshot(tmp_path: P
 
 def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp_path: Path) -> None:
     """Dumps keep the index changing while snapshots of 20,000+ blocks are written every 50 ms;
-    SIGKILL at random moments (fixed seed). Each time the periodic marker names a whole file (or
-    there is none), and the next start finds every acknowledged block byte-exact."""
+    SIGKILL at random moments (fixed seed), every other time as soon as a periodic write's
+    temporary file shows (mid-write). Each time the periodic marker names a whole file (or there
+    is none), and the next start finds every acknowledged block byte-exact."""
     n = 20_000
     d = posix_daemon(tmp_path, *_every(0.05))
     plant(d, 0, n)
@@ -170,8 +171,8 @@ def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp
     rng = random.Random(2026)
     durable: list[int] = []
     next_block = n
-    interrupted = 0
-    for _ in range(5):
+    interrupted = seen_writing = 0
+    for attempt in range(6):
         d.start()
         stop = threading.Event()
 
@@ -191,6 +192,8 @@ def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp
         worker = threading.Thread(target=dump, args=(next_block, stop))
         worker.start()
         time.sleep(rng.uniform(0.5, 2.0))
+        if attempt % 2:
+            seen_writing += _wait_for_a_write(root, rng)
         d.kill()
         stop.set()
         worker.join(30)
@@ -212,7 +215,19 @@ def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp
             assert data == payload(n + candidates.index(key))
         alive(d, c)
         d.stop()
-    print(f"kills that left an interrupted snapshot write: {interrupted} of 5")
+    assert seen_writing >= 1  # at least one kill landed while a periodic snapshot was written
+    print(f"kills during a periodic write: {seen_writing} seen, {interrupted} left a temporary file")
+
+
+def _wait_for_a_write(root: Path, rng: random.Random, timeout_s: float = 10.0) -> bool:
+    """Return as soon as a periodic write's temporary file is in ``root`` (after 0-3 ms more), or
+    False after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.name.startswith(PERIODIC_PREFIX) and ".tmp." in p.name for p in root.iterdir()):
+            time.sleep(rng.uniform(0, 0.003))
+            return True
+    return False
 
 
 def _crash_with_a_periodic_snapshot(d: DaemonProcess, blocks: int, *, dump: int = 0) -> None:
