@@ -1,4 +1,4 @@
-"""The Posix tier's index snapshot: the whole index in one file, trusted only after a clean shutdown.
+"""The Posix tier's index snapshots: the whole index in one file, at clean shutdown and at intervals.
 
 A clean shutdown writes, per root, ``<root>/index.snapshot`` (every block of that root, least
 recently used first) and then ``<root>/index.clean`` (the marker), each through a

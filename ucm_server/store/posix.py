@@ -31,8 +31,10 @@ block), so a lookup never touches the disk. The daemon serves at once after a st
 waits at most ``index_wait_s`` (a small store is then fully indexed before the first call)
 for the index, then carries on in the background. After a clean
 shutdown the index comes back from the snapshot it left (:mod:`ucm_server.store.index_snapshot`,
-trusted only with its clean-shutdown marker); otherwise the tier re-adopts its files by reading
-every header (not every payload). Until that ends a Lookup may miss a block that is on disk; a Load
+trusted only with its clean-shutdown marker); after a crash from the newest periodic snapshot
+(``snapshot_interval_s``: :mod:`ucm_server.store.periodic_snapshots`), swept against the files as
+every snapshot is; with neither the tier re-adopts its files by reading every header (not every
+payload). Until that ends a Lookup may miss a block that is on disk; a Load
 of it opens its file directly (header and checksum checked as always), and the tier's stats show
 the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
 
