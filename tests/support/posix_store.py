@@ -7,6 +7,7 @@ Shared by the index tests (``tests/tiers/test_posix_index.py``) and the periodic
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import time
@@ -101,3 +102,22 @@ class FileSizeLimitedDaemon(DaemonProcess):
 
     def command(self) -> list[str]:
         return ["prlimit", f"--fsize={64 << 10}", *super().command()]
+
+
+def previous_release_sizes(root: Path, n: int) -> list[int | None]:
+    """Blocks 0 .. ``n - 1`` as a release without index snapshots sees them: its start-up scan (kept
+    as the DS3FS path) over ``root``, checked to quarantine and skip nothing."""
+
+    class PreviousRelease(PosixTier):
+        index_snapshots = False
+
+    async def read() -> list[int | None]:
+        tier = PreviousRelease(roots=[root])
+        await tier.open()
+        sizes = await tier.lookup([BlockKey(NS, k) for k in index_keys(n)])
+        stats = tier.stats()
+        assert stats.corrupt == 0 and "skipped_files" not in stats.extra
+        await tier.close()
+        return sizes
+
+    return asyncio.run(read())

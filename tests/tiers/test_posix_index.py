@@ -9,7 +9,6 @@ reports loads byte-exact, every block acknowledged durable is found, nothing wro
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import random
 import struct
@@ -32,6 +31,7 @@ from support.posix_store import (
     payload,
     plant,
     posix_daemon,
+    previous_release_sizes,
     put,
 )
 
@@ -39,7 +39,6 @@ from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.block_index import BlockIndex
 from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
-from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 
@@ -255,19 +254,7 @@ def test_the_previous_release_reads_the_block_files_and_ignores_the_snapshot(tmp
     root = blocks_root(d)
     before = {p.name for p in root.iterdir()}
 
-    class PreviousRelease(PosixTier):
-        index_snapshots = False
-
-    async def read() -> list[int | None]:
-        tier = PreviousRelease(roots=[root])
-        await tier.open()
-        sizes = await tier.lookup([BlockKey(NS, k) for k in index_keys(64)])
-        stats = tier.stats()
-        assert stats.corrupt == 0 and "skipped_files" not in stats.extra
-        await tier.close()
-        return sizes
-
-    assert asyncio.run(read()) == [SIZE] * 64
+    assert previous_release_sizes(root, 64) == [SIZE] * 64
     assert {p.name for p in root.iterdir()} == before  # nothing quarantined, nothing removed
     assert not (root / ".quarantine").exists()
 

@@ -9,7 +9,6 @@ acknowledged durable is found, and nothing deleted or never stored is served.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -38,14 +37,13 @@ from support.posix_store import (
     payload,
     plant,
     posix_daemon,
+    previous_release_sizes,
     put,
 )
 
 from ucm_client import UcmClient, key_digest
-from ucm_protocol.keys import BlockKey
 from ucm_server.store import index_snapshot
 from ucm_server.store.index_snapshot import PERIODIC_MARKER, PERIODIC_PREFIX
-from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 MAX_BLOCK = 1 << 30
@@ -396,19 +394,7 @@ def test_releases_without_periodic_snapshots_ignore_their_files(tmp_path: Path) 
     before = {p.name for p in root.iterdir()}
     assert PERIODIC_MARKER in before
 
-    class PreviousRelease(PosixTier):
-        index_snapshots = False
-
-    async def read() -> list[int | None]:
-        tier = PreviousRelease(roots=[root])
-        await tier.open()
-        sizes = await tier.lookup([BlockKey(NS, k) for k in index_keys(64)])
-        stats = tier.stats()
-        assert stats.corrupt == 0 and "skipped_files" not in stats.extra
-        await tier.close()
-        return sizes
-
-    assert asyncio.run(read()) == [SIZE] * 64
+    assert previous_release_sizes(root, 64) == [SIZE] * 64
     assert {p.name for p in root.iterdir()} == before and not (root / ".quarantine").exists()
     off = DaemonProcess(d.workdir, args=[*POSIX_ONLY, *_every(0)])
     at = _log_at(off)
