@@ -3,8 +3,9 @@
 Without them only a clean shutdown leaves a snapshot, and a crash costs a read of every block
 file's header before Lookup sees the whole store again (minutes at millions of blocks). Every
 ``interval_s`` seconds, if the index changed since the last snapshot, the tier's keys and stamps are
-copied on the event loop (two C-level list copies: the only part that holds the loop, measured and
-shown as ``index_snapshot_stall_s``) and written in a worker thread as a new periodic generation
+copied on the event loop (two C-level copies of the dict's arrays, in store order rather than
+exact LRU order: the only part that holds the loop, measured and shown as
+``index_snapshot_stall_s``) and written in a worker thread as a new periodic generation
 (:func:`ucm_server.store.index_snapshot.write_periodic`). A failure (disk full, ...) is logged and
 counted; the daemon keeps serving and the previous generation stays the crash base.
 
@@ -85,7 +86,7 @@ class PeriodicSnapshots:
         """Write a snapshot of the index as it is now; False (logged, counted) if it failed."""
         changes = self._index.changes
         started = time.perf_counter()
-        keys, stamps = self._index.columns()
+        keys, stamps = self._index.columns_by_store()
         self.stall_s = time.perf_counter() - started
         try:
             await self._write(keys, stamps)
