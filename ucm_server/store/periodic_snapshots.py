@@ -80,7 +80,11 @@ class PeriodicSnapshots:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
                 return
             if self.due:
-                await self.write_now()
+                try:
+                    await self.write_now()
+                except Exception:  # a bug must not end the timer (and with it every later snapshot)
+                    self.failures += 1
+                    log.exception("posix tier %s: periodic index snapshot failed", self.name)
 
     async def write_now(self) -> bool:
         """Write a snapshot of the index as it is now; False (logged, counted) if it failed."""
