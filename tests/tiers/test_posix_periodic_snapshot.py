@@ -432,3 +432,19 @@ def test_admin_stats_and_metrics_show_the_periodic_snapshot(tmp_path: Path) -> N
         assert re.search(r'ucm_tier_index_snapshot_blocks\{kind="Posix",tier="Posix"\} 50\.0', text)
         assert re.search(r'ucm_tier_index_snapshot_age_s\{kind="Posix",tier="Posix"\} [0-9.]+', text)
         assert "ucm_tier_index_snapshot_failures" in text
+
+
+def test_a_periodic_snapshot_is_written_only_when_the_index_changed(tmp_path: Path) -> None:
+    """Idle, the daemon does not rewrite the same index every interval; a deletion is a change."""
+    d = posix_daemon(tmp_path, *_every(0.2))
+    with d, UcmClient(d.target) as c:
+        put(c, 0, 30)
+        written = _wait_snapshot(c, 30)["index_snapshots_written"]
+        root = blocks_root(d)
+        generation = _generation(root).name
+        c.get_blocks(NS, index_keys(30))  # reads change the LRU order, not what is stored
+        time.sleep(1.5)  # seven intervals
+        assert _tier(c)["index_snapshots_written"] == written and _generation(root).name == generation
+        assert c.delete(NS, index_keys(1)) == 1
+        assert _wait_snapshot(c, 29)["index_snapshots_written"] == written + 1
+        assert _generation(root).name != generation  # a new generation; the old one removed
