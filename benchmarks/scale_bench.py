@@ -12,7 +12,10 @@ Rows:
   to its first answered Lookup; after a clean stop and after ``kill -9``. Baseline: the same daemon
   over an empty store.
 * restart to full index: until every block is indexed (clean: from the snapshot; ``kill -9``: by
-  re-adoption). Baseline: a plain process opening every block file and reading its header.
+  re-adoption, periodic snapshots off; ``kill -9, periodic snapshot``: periodic snapshots every
+  second, one written after one more block was stored, then SIGKILL). Baseline: a plain process
+  opening every block file and reading its header.
+* periodic snapshot while serving: its duration and how long collecting the keys held the event loop.
 * memory per indexed block: the daemon's RSS with N blocks minus an empty daemon's, per block; and
   the index structure alone under ``tracemalloc`` for 100k and 1M synthetic keys.
 """
@@ -40,6 +43,9 @@ from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
+POSIX_ONLY = ["--store-pipeline", "Posix"]
+PERIODIC_OFF = ["--posix-snapshot-interval-s", "0"]
+PERIODIC_1S = ["--posix-snapshot-interval-s", "1"]
 NS = namespace_id(model="scale-bench", dtype="uint8")
 BLOCK = 4096
 
@@ -83,9 +89,10 @@ def _plant(root: Path, n: int) -> None:
 
 
 def store(opts: Options, n: int) -> DaemonProcess:
-    """A daemon over ``n`` planted blocks (Posix only), cleanly stopped once (snapshot written)."""
+    """A daemon over ``n`` planted blocks (Posix only), cleanly stopped once (snapshot written);
+    periodic snapshots off, so a ``kill -9`` restart re-adopts (:func:`periodic_rows` turns them on)."""
     if n not in opts.stores:
-        d = DaemonProcess(opts.workdir / f"store-{n}", args=["--store-pipeline", "Posix"])
+        d = DaemonProcess(opts.workdir / f"store-{n}", args=[*POSIX_ONLY, *PERIODIC_OFF])
         if n:
             _plant(d.data_dir / "blocks", n)
         with d, UcmClient(d.target) as c:
@@ -193,7 +200,7 @@ def restart_rows(opts: Options) -> list[Row]:
                         f"{full:.2f} s {full_noise} from start; snapshot load {load:.3f} s {load_noise} "
                         f"= {load / n * 1e6:.1f} s per million",
                         f"header read {br:.2f} s {br_noise}",
-                        f"{br / load:.1f}× the header-read rate",
+                        f"{br / max(load, 1e-3):.1f}× the header-read rate",
                         "≤ 2 s per million",
                     )
                 )
@@ -220,6 +227,102 @@ def restart_rows(opts: Options) -> list[Row]:
                         "≥ 0.5× header-read rate",
                     )
                 )
+    return rows
+
+
+def _crash_after_periodic(d: DaemonProcess, n: int) -> tuple[float, float, float, float, float, float]:
+    """Start over ``n`` blocks with periodic snapshots every second, store one more block, wait for
+    the periodic snapshot that holds it, ``kill -9``, restart: (first answer, full index, sweep done,
+    snapshot load as logged, periodic write seconds, loop stall seconds); the extra block is then
+    deleted and the daemon stopped cleanly, leaving the store as it was."""
+    extra = key_digest("scale-extra", n)
+    d.start()
+    with UcmClient(d.target) as c:
+        _wait_indexed(c, n)
+        assert c.put_blocks(NS, [(extra, os.urandom(BLOCK))]).ok
+        deadline = time.monotonic() + 600
+        while _posix(c)[1].get("index_snapshot_blocks", 0) < n + 1:
+            assert time.monotonic() < deadline, "no periodic snapshot written"
+            time.sleep(0.05)
+        figures = _posix(c)[1]
+    d.kill()
+    started = time.monotonic()
+    d.start()
+    with UcmClient(d.target) as c:
+        c.lookup(NS, [key_digest("scale", 0)])
+        first = time.monotonic() - started
+        complete, swept = _wait_indexed(c, n + 1)
+        assert c.delete(NS, [extra]) == 1
+    d.stop()
+    logged = re.findall(r"indexed from snapshots in ([0-9.]+)s", d.log())
+    load = float(logged[-1]) if logged else swept - started
+    return (
+        first,
+        complete - started,
+        swept - started,
+        load,
+        figures["index_snapshot_duration_s"],
+        figures["index_snapshot_stall_s"],
+    )
+
+
+def periodic_rows(opts: Options) -> list[Row]:
+    """Restart after ``kill -9`` from a periodic snapshot, beside the header-read baseline."""
+    rows: list[Row] = []
+    for n in opts.blocks:
+        d = store(opts, n)
+        d.extra_args = [*POSIX_ONLY, *PERIODIC_1S]
+        runs: list[tuple[float, float, float, float, float, float]] = []
+        base_read: list[float] = []
+        try:
+            for _ in range(opts.repeats):
+                base_read.append(plain_header_read(d.data_dir / "blocks"))
+                runs.append(_crash_after_periodic(d, n))
+        finally:
+            d.extra_args = [*POSIX_ONLY, *PERIODIC_OFF]
+        br, br_noise = _med(base_read)
+        full, full_noise = _med([r[1] for r in runs])
+        load, load_noise = _med([r[3] for r in runs])
+        sweep, sweep_noise = _med([r[2] for r in runs])
+        write, write_noise = _med([r[4] for r in runs])
+        stall, stall_noise = _med([r[5] for r in runs])
+        first, first_noise = _med([r[0] for r in runs])
+        header = f"header read {br:.2f} s {br_noise}"
+        rows += [
+            Row(
+                "restart to first answer (kill -9, periodic snapshot)",
+                n,
+                f"{first:.2f} s {first_noise}",
+                "",
+                "",
+                "≤ 1 s",
+            ),
+            Row(
+                "restart to full index (kill -9, periodic snapshot)",
+                n,
+                f"{full:.2f} s {full_noise} from start; snapshot load {load:.3f} s {load_noise} "
+                f"= {load / n * 1e6:.1f} s per million",
+                header,
+                f"{br / max(load, 1e-3):.1f}× the header-read rate",
+                "≥ 0.5× header-read rate",
+            ),
+            Row(
+                "… and its background check of every header",
+                n,
+                f"{sweep:.2f} s {sweep_noise}",
+                header,
+                f"{br / sweep:.2f}× the header-read rate",
+                "(serving throughout)",
+            ),
+            Row(
+                "periodic snapshot while serving: write / event-loop stall",
+                n,
+                f"{write:.3f} s {write_noise} / {stall * 1e3:.1f} ms {stall_noise}",
+                "",
+                "",
+                "(off the loop but the key copy)",
+            ),
+        ]
     return rows
 
 
@@ -304,7 +407,13 @@ def snapshot_rows(opts: Options) -> list[Row]:
     ]
 
 
-MEASUREMENTS: list[Measurement] = [restart_rows, daemon_memory_rows, index_memory_rows, snapshot_rows]
+MEASUREMENTS: list[Measurement] = [
+    restart_rows,
+    periodic_rows,
+    daemon_memory_rows,
+    index_memory_rows,
+    snapshot_rows,
+]
 """One function per group of rows; add one to add rows (issue #13 helpers extend this list)."""
 
 

@@ -192,6 +192,15 @@ class ServerConfig:
             "background, and until then a Lookup may miss a block a Load still finds."
         ),
     )
+    posix_snapshot_interval_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "Seconds between periodic snapshots of the Posix tier's index while the daemon runs "
+            "(written off the event loop, only when the index changed). After kill -9 or a power "
+            "loss the next start loads the newest one at once, then checks every block file's header "
+            "in the background. 0: a snapshot only at clean shutdown (a crash then re-reads every header)."
+        ),
+    )
     writeback_max_bytes: int = field(
         default=0,
         metadata=_help(
@@ -409,6 +418,7 @@ class ServerConfig:
                 "durable": self.durable,
                 "direct_io": self.posix_direct_io,
                 "index_wait_s": self.posix_index_wait_s,
+                "snapshot_interval_s": self.posix_snapshot_interval_s,
             }
         return dict(self.tier_settings.get(name, {}))
 
@@ -469,6 +479,11 @@ class ServerConfig:
             raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
         if self.writeback_max_bytes < 0:
             raise ConfigError(f"writeback_max_bytes: must be 0 or more, got {self.writeback_max_bytes}")
+        if not self.posix_snapshot_interval_s >= 0:
+            raise ConfigError(
+                "posix_snapshot_interval_s: must be 0 (off) or more seconds, "
+                f"got {self.posix_snapshot_interval_s}"
+            )
         if not self.shared_lookup_ttl_s >= 0:
             raise ConfigError(f"shared_lookup_ttl_s: must be 0 or more, got {self.shared_lookup_ttl_s}")
         for name in ("task_retention_s", "heartbeat_interval_s"):

@@ -80,6 +80,18 @@ class Metrics:
             self._server = None
 
 
+INDEX_SNAPSHOT_GAUGES = (
+    ("index_snapshot_at", "Unix time the last periodic index snapshot was written"),
+    ("index_snapshot_age_s", "Seconds since the last periodic index snapshot"),
+    ("index_snapshot_blocks", "Blocks in the last periodic index snapshot"),
+    ("index_snapshot_duration_s", "Seconds the last periodic index snapshot took"),
+    ("index_snapshot_stall_s", "Seconds the event loop spent collecting the last snapshot's keys"),
+    ("index_snapshots_written", "Periodic index snapshots written since start"),
+    ("index_snapshot_failures", "Periodic index snapshots that failed (disk full, ...) since start"),
+)
+"""The Posix tier's periodic-snapshot figures (tier stats ``extra``), exported where present."""
+
+
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self._snapshot = snapshot
@@ -106,9 +118,16 @@ class _SnapshotCollector(Collector):
                 ("corrupt", "Corrupt blocks detected and quarantined"),
             )
         }
+        snapshots = {
+            name: GaugeMetricFamily(f"ucm_tier_{name}", help_, labels=labels)
+            for name, help_ in INDEX_SNAPSHOT_GAUGES
+        }
         for tier in snap.tiers:
             s = tier.stats
             lv = [s.name, s.kind]
+            for name, snap_fam in snapshots.items():
+                if name in s.extra:
+                    snap_fam.add_metric(lv, s.extra[name])
             gauges["blocks"].add_metric(lv, s.blocks)
             gauges["bytes"].add_metric(lv, s.bytes)
             gauges["capacity_bytes"].add_metric(lv, s.capacity_bytes)
@@ -117,6 +136,7 @@ class _SnapshotCollector(Collector):
                 fam.add_metric(lv, getattr(s, name))
         yield from gauges.values()
         yield from counters.values()
+        yield from (fam for fam in snapshots.values() if fam.samples)
         q = GaugeMetricFamily("ucm_task_queue_depth", "Tasks by state", labels=["state"])
         q.add_metric(["running"], snap.tasks_running)
         q.add_metric(["queued"], snap.tasks_queued)

@@ -9,7 +9,6 @@ reports loads byte-exact, every block acknowledged durable is found, nothing wro
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import random
 import struct
@@ -20,78 +19,27 @@ import tracemalloc
 from pathlib import Path
 
 from support.blocks import NS
+from support.posix_store import (
+    POSIX_ONLY,
+    SIZE,
+    FileSizeLimitedDaemon,
+    alive,
+    blocks_root,
+    check_all,
+    index_done,
+    index_keys,
+    payload,
+    plant,
+    posix_daemon,
+    previous_release_sizes,
+    put,
+)
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.block_index import BlockIndex
-from ucm_server.store.format import FLAT_LAYOUT_VERSION, encode_header, payload_checksum
 from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
-from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
-
-SIZE = 4096
-POSIX_ONLY = ["--store-pipeline", "Posix"]
-
-
-def _daemon(tmp_path: Path, *extra: str, name: str = "ucm") -> DaemonProcess:
-    return DaemonProcess(tmp_path / name, args=[*POSIX_ONLY, *extra])
-
-
-def _payload(i: int) -> bytes:
-    return hashlib.sha256(b"%d" % i).digest() * (SIZE // 32)
-
-
-def _keys(n: int, first: int = 0) -> list[bytes]:
-    return [key_digest("index", i) for i in range(first, first + n)]
-
-
-def _root(d: DaemonProcess) -> Path:
-    return d.data_dir / "blocks"
-
-
-def _plant(d: DaemonProcess, first: int, n: int) -> None:
-    """Write ``n`` block files the way the daemon writes buffered ones (fast: no fsync, no daemon)."""
-    tier = PosixTier(roots=[_root(d)])
-    for i in range(first, first + n):
-        key = BlockKey(NS, key_digest("index", i))
-        data = _payload(i)
-        path = tier.path_of(key)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        header = encode_header(key, SIZE, payload_checksum([memoryview(data)]), version=FLAT_LAYOUT_VERSION)
-        path.write_bytes(header + data)
-
-
-def _put(c: UcmClient, first: int, n: int) -> None:
-    for start in range(first, first + n, 256):
-        count = min(256, first + n - start)
-        items = [(k, _payload(start + j)) for j, k in enumerate(_keys(count, start))]
-        assert c.put_blocks(NS, items).ok
-
-
-def _index_done(c: UcmClient, timeout_s: float = 120.0) -> dict[str, float]:
-    """The Posix tier's stats once background indexing has ended (its progress keys gone)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        tier = next(t for t in c.stats().tiers if t.kind == "Posix")
-        if "index_adopting" not in tier.extra:
-            return {"blocks": float(tier.blocks), **dict(tier.extra)}
-        assert time.monotonic() < deadline, f"indexing did not end: {dict(tier.extra)}"
-        time.sleep(0.05)
-
-
-def _check_all(c: UcmClient, present: range, absent: range = range(0)) -> None:
-    """Every block in ``present`` is reported and loads byte-exact; none in ``absent`` is served."""
-    numbers = list(present)
-    keys = [key_digest("index", i) for i in numbers]
-    assert all(c.lookup(NS, keys).present)
-    for start in range(0, len(keys), 512):
-        got = c.get_blocks(NS, keys[start : start + 512])
-        for j, data in enumerate(got):
-            assert data == _payload(numbers[start + j])
-    if absent:
-        gone = _keys(len(absent), absent.start)
-        assert not any(c.lookup(NS, gone).present)
-        assert c.get_blocks(NS, gone) == [None] * len(gone)
 
 
 def _forge(snap: Path, keys: list[bytes], sizes: list[int], times: list[float]) -> None:
@@ -104,90 +52,83 @@ def _forge(snap: Path, keys: list[bytes], sizes: list[int], times: list[float]) 
     (snap.parent / MARKER_NAME).write_bytes(b"E" * 16)
 
 
-def _alive(d: DaemonProcess, c: UcmClient) -> None:
-    assert d.healthy()
-    key = key_digest("alive", random.randrange(1 << 30))
-    assert c.put_blocks(NS, [(key, b"x" * SIZE)]).ok
-    assert c.get_blocks(NS, [key]) == [b"x" * SIZE]
-
-
 def test_a_clean_restart_takes_the_index_from_the_snapshot(tmp_path: Path) -> None:
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 300)
-    root = _root(d)
+        put(c, 0, 300)
+    root = blocks_root(d)
     assert (root / SNAPSHOT_NAME).is_file() and (root / MARKER_NAME).is_file()
     with d, UcmClient(d.target) as c:
         assert not (root / MARKER_NAME).exists()  # taken at start: a crash from now on leaves none
-        assert _index_done(c)["blocks"] == 300
-        _check_all(c, range(300))
+        assert index_done(c)["blocks"] == 300
+        check_all(c, range(300))
         assert "300 from snapshots" in d.log()
-        _alive(d, c)
+        alive(d, c)
 
 
 def test_a_torn_snapshot_is_never_trusted(tmp_path: Path) -> None:
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 200)
-    snap = _root(d) / SNAPSHOT_NAME
+        put(c, 0, 200)
+    snap = blocks_root(d) / SNAPSHOT_NAME
     snap.write_bytes(snap.read_bytes()[:-100])  # torn: the marker still vouches for it
     with d, UcmClient(d.target) as c:
-        _index_done(c)
+        index_done(c)
         assert "torn" in d.log()
-        _check_all(c, range(200))
-        _alive(d, c)
+        check_all(c, range(200))
+        alive(d, c)
 
 
 def test_a_forged_snapshot_never_serves_wrong_bytes(tmp_path: Path) -> None:
     """A snapshot edited in place fails its checksum; one rebuilt whole with a valid checksum and a
     matching marker (a forgery) may make Lookup report blocks, but every Load checks the file."""
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 100)
-    snap = _root(d) / SNAPSHOT_NAME
+        put(c, 0, 100)
+    snap = blocks_root(d) / SNAPSHOT_NAME
     data = bytearray(snap.read_bytes())
     data[40 + 100 * 48 + 1] ^= 0xFF  # a byte of the first record's size
     snap.write_bytes(bytes(data))
     with d, UcmClient(d.target) as c:
-        _index_done(c)
+        index_done(c)
         assert "checksum mismatch" in d.log()
-        _check_all(c, range(100))
+        check_all(c, range(100))
     # The forgery: every record claims a wrong size, plus blocks that were never stored.
-    records = [bytes(NS) + k for k in _keys(100)] + [bytes(NS) + k for k in _keys(50, 1000)]
+    records = [bytes(NS) + k for k in index_keys(100)] + [bytes(NS) + k for k in index_keys(50, 1000)]
     _forge(snap, records, [SIZE * 2] * len(records), [1.0] * len(records))
     with d.start(), UcmClient(d.target) as c:
-        _index_done(c)
-        assert c.get_blocks(NS, _keys(50, 1000)) == [None] * 50  # listed, not there: missing
-        _check_all(c, range(100))  # real blocks: the sweep corrected their sizes
-        _alive(d, c)
+        index_done(c)
+        assert c.get_blocks(NS, index_keys(50, 1000)) == [None] * 50  # listed, not there: missing
+        check_all(c, range(100))  # real blocks: the sweep corrected their sizes
+        alive(d, c)
         d.stop()
 
 
 def test_a_stale_snapshot_is_not_trusted_after_a_crash(tmp_path: Path) -> None:
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 100)
-    root = _root(d)
+        put(c, 0, 100)
+    root = blocks_root(d)
     saved = {name: (root / name).read_bytes() for name in (SNAPSHOT_NAME, MARKER_NAME)}
     d.start()
     with UcmClient(d.target) as c:
-        _put(c, 100, 100)
-        assert c.delete(NS, _keys(20)) == 20
+        put(c, 100, 100)
+        assert c.delete(NS, index_keys(20)) == 20
     d.kill()
     with d.start(), UcmClient(d.target) as c:  # no marker (taken at the last start): headers read
-        _index_done(c)
+        index_done(c)
         assert "no clean-shutdown marker" in d.log()
-        _check_all(c, range(20, 200), absent=range(20))
+        check_all(c, range(20, 200), absent=range(20))
         d.stop()
     # The stale snapshot put back with its own marker (a restored backup, say): the sweep after it
     # adopts the blocks it lacks, and the deleted ones it lists are not served.
     for name, data in saved.items():
         (root / name).write_bytes(data)
     with d.start(), UcmClient(d.target) as c:
-        _index_done(c)
-        assert c.get_blocks(NS, _keys(20)) == [None] * 20
-        _check_all(c, range(20, 200))
-        _alive(d, c)
+        index_done(c)
+        assert c.get_blocks(NS, index_keys(20)) == [None] * 20
+        check_all(c, range(20, 200))
+        alive(d, c)
         d.stop()
 
 
@@ -195,8 +136,8 @@ def test_the_daemon_serves_while_it_re_adopts_and_survives_kill_9_then(tmp_path:
     """After a crash the daemon answers at once; Loads of blocks not adopted yet still return their
     exact bytes; stats show progress; a SIGKILL mid-way leaves every block for the next start."""
     n = 20_000
-    d = _daemon(tmp_path, "--posix-index-wait-s", "0")
-    _plant(d, 0, n)
+    d = posix_daemon(tmp_path, "--posix-index-wait-s", "0")
+    plant(d, 0, n)
     probe = random.Random(7).sample(range(n), 64)
     for attempt in range(2):
         started = time.monotonic()
@@ -209,26 +150,26 @@ def test_the_daemon_serves_while_it_re_adopts_and_survives_kill_9_then(tmp_path:
                     for j, i in enumerate(probe)
                 ]
                 assert c.wait(c.load(NS, blocks), 60).ok  # by path where not adopted yet
-                assert bytes(dst.buf) == b"".join(_payload(i) for i in probe)
+                assert bytes(dst.buf) == b"".join(payload(i) for i in probe)
             tier = next(t for t in c.stats().tiers if t.kind == "Posix")
             if "index_adopting" in tier.extra:  # progress, while it lasts
                 assert tier.extra["index_adopted"] <= tier.extra["index_files_read"] <= n
             if attempt == 0:
                 d.kill()  # SIGKILL during re-adoption (most likely still running: 20,000 headers)
                 continue
-            assert _index_done(c)["blocks"] == n
+            assert index_done(c)["blocks"] == n
             log = d.log()
             assert log.rindex("ready on unix://") < log.rindex("indexed from")  # served first
-            _check_all(c, range(0, n, 7))
-            _alive(d, c)
+            check_all(c, range(0, n, 7))
+            alive(d, c)
             d.stop()
         assert answered < 30
 
 
 def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: Path) -> None:
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 200)
+        put(c, 0, 200)
     d.start()
     durable: list[int] = []
     stop = threading.Event()
@@ -238,7 +179,9 @@ def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: 
             i = 200
             while not stop.is_set():
                 try:
-                    if not c.put_blocks(NS, [(k, _payload(i + j)) for j, k in enumerate(_keys(16, i))]).ok:
+                    if not c.put_blocks(
+                        NS, [(k, payload(i + j)) for j, k in enumerate(index_keys(16, i))]
+                    ).ok:
                         return
                 except Exception:
                     return
@@ -252,16 +195,16 @@ def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: 
     stop.set()
     worker.join(30)
     with d.start(), UcmClient(d.target) as c:
-        _index_done(c)
-        _check_all(c, range(200))
+        index_done(c)
+        check_all(c, range(200))
         for i in durable:
-            assert c.get_blocks(NS, [key_digest("index", i)]) == [_payload(i)]
-        everything = _keys(len(durable) + 64, 200)
+            assert c.get_blocks(NS, [key_digest("index", i)]) == [payload(i)]
+        everything = index_keys(len(durable) + 64, 200)
         present = c.lookup(NS, everything).present
         reported = [everything[j] for j, p in enumerate(present) if p]
         for key, data in zip(reported, c.get_blocks(NS, reported), strict=True):
-            assert data is not None and data == _payload(200 + everything.index(key))
-        _alive(d, c)
+            assert data is not None and data == payload(200 + everything.index(key))
+        alive(d, c)
         d.stop()
 
 
@@ -269,8 +212,8 @@ def test_kill_9_while_the_snapshot_is_written_is_never_trusted_later(tmp_path: P
     """SIGTERM then SIGKILL at random points of the shutdown (often while the snapshot or the marker
     is being written): whatever was left, the next start serves every block correctly."""
     n = 6_000
-    d = _daemon(tmp_path, "--posix-index-wait-s", "60")
-    _plant(d, 0, n)
+    d = posix_daemon(tmp_path, "--posix-index-wait-s", "60")
+    plant(d, 0, n)
     rng = random.Random(13)
     for delay in (0.0, 0.02, 0.05, 0.1, rng.uniform(0, 0.3)):
         d.start()
@@ -279,59 +222,39 @@ def test_kill_9_while_the_snapshot_is_written_is_never_trusted_later(tmp_path: P
         time.sleep(delay)
         d.kill()
         with d.start(), UcmClient(d.target) as c:
-            assert _index_done(c)["blocks"] == n
-            _check_all(c, range(0, n, 97))
+            assert index_done(c)["blocks"] == n
+            check_all(c, range(0, n, 97))
     with d.start(), UcmClient(d.target) as c:
-        _check_all(c, range(n))
-        _alive(d, c)
+        check_all(c, range(n))
+        alive(d, c)
         d.stop()
 
 
-class _FileSizeLimitedDaemon(DaemonProcess):
-    """The daemon under ``prlimit --fsize``: writing past the limit fails with EFBIG, a real refusal
-    standing in for a full disk (ENOSPC) that a test cannot cause without its own file system."""
-
-    def command(self) -> list[str]:
-        return ["prlimit", f"--fsize={64 << 10}", *super().command()]
-
-
 def test_a_snapshot_the_disk_refuses__efbig_stand_in_for_enospc(tmp_path: Path) -> None:
-    d = _FileSizeLimitedDaemon(tmp_path / "ucm", args=POSIX_ONLY)
-    _plant(d, 0, 2000)  # a 128 KiB snapshot: over the limit, while each block file is under it
+    d = FileSizeLimitedDaemon(tmp_path / "ucm", args=POSIX_ONLY)
+    plant(d, 0, 2000)  # a 128 KiB snapshot: over the limit, while each block file is under it
     with d, UcmClient(d.target) as c:
-        _index_done(c)
-        _alive(d, c)
+        index_done(c)
+        alive(d, c)
     assert d.proc is None and "index snapshot not written" in d.log()
-    assert not (_root(d) / MARKER_NAME).exists()
-    assert not [p for p in _root(d).iterdir() if ".tmp." in p.name]  # the partial file is removed
+    assert not (blocks_root(d) / MARKER_NAME).exists()
+    assert not [p for p in blocks_root(d).iterdir() if ".tmp." in p.name]  # the partial file is removed
     plain = DaemonProcess(d.workdir, args=POSIX_ONLY)
     with plain, UcmClient(plain.target) as c:
-        assert _index_done(c)["blocks"] == 2001
-        _check_all(c, range(2000))
+        assert index_done(c)["blocks"] == 2001
+        check_all(c, range(2000))
 
 
 def test_the_previous_release_reads_the_block_files_and_ignores_the_snapshot(tmp_path: Path) -> None:
     """A downgrade: the start-up scan of releases without snapshots (kept as the DS3FS path) reads
     every block after a clean shutdown, takes the snapshot files for no block and removes nothing."""
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 64)
-    root = _root(d)
+        put(c, 0, 64)
+    root = blocks_root(d)
     before = {p.name for p in root.iterdir()}
 
-    class PreviousRelease(PosixTier):
-        index_snapshots = False
-
-    async def read() -> list[int | None]:
-        tier = PreviousRelease(roots=[root])
-        await tier.open()
-        sizes = await tier.lookup([BlockKey(NS, k) for k in _keys(64)])
-        stats = tier.stats()
-        assert stats.corrupt == 0 and "skipped_files" not in stats.extra
-        await tier.close()
-        return sizes
-
-    assert asyncio.run(read()) == [SIZE] * 64
+    assert previous_release_sizes(root, 64) == [SIZE] * 64
     assert {p.name for p in root.iterdir()} == before  # nothing quarantined, nothing removed
     assert not (root / ".quarantine").exists()
 
@@ -357,16 +280,16 @@ def test_the_index_holds_a_block_in_under_256_bytes() -> None:
 def test_a_forged_snapshot_claiming_huge_blocks_is_refused(tmp_path: Path) -> None:
     """A valid-checksum snapshot whose record claims 2**62 bytes (or a time that is not a number)
     would have the daemon allocate for it: refused whole, the headers are read instead."""
-    d = _daemon(tmp_path)
+    d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
-        _put(c, 0, 10)
-    snap = _root(d) / SNAPSHOT_NAME
+        put(c, 0, 10)
+    snap = blocks_root(d) / SNAPSHOT_NAME
     for size, stored in ((1 << 62, 1.0), (SIZE, float("nan"))):
-        records = [bytes(NS) + k for k in _keys(10)]
+        records = [bytes(NS) + k for k in index_keys(10)]
         _forge(snap, records, [size if j == 3 else SIZE for j in range(10)], [stored] * 10)
         with d.start(), UcmClient(d.target) as c:
-            _index_done(c)
+            index_done(c)
             assert "(forged)" in d.log()
-            _check_all(c, range(10))
-            _alive(d, c)
+            check_all(c, range(10))
+            alive(d, c)
             d.stop()

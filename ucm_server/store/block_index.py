@@ -37,12 +37,15 @@ class Stamp(int):
 class BlockIndex:
     """Keys in LRU order (least recently used first) with their :class:`Stamp`; the byte total."""
 
-    __slots__ = ("_od", "_stamps", "bytes", "watch")
+    __slots__ = ("_od", "_stamps", "bytes", "changes", "watch")
 
     def __init__(self) -> None:
         self._od: OrderedDict[bytes, Stamp] = OrderedDict()
         self._stamps: dict[tuple[int, int], Stamp] = {}
         self.bytes = 0
+        self.changes = 0
+        """Bumped by every change of membership or size (not of LRU order): a periodic snapshot is
+        written only when it moved since the last one."""
         self.watch: IndexWatch | None = None
         """Told of every change of membership (:mod:`ucm_server.store.watch`): KV events."""
 
@@ -66,6 +69,7 @@ class BlockIndex:
             self.bytes -= old
         self._od[key] = self.stamp(size, stored_at)
         self.bytes += size
+        self.changes += 1
         if self.watch is not None:
             self.watch.stored(key)
 
@@ -77,6 +81,7 @@ class BlockIndex:
         self._od[key] = self.stamp(size, stored_at)
         self._od.move_to_end(key, last=False)
         self.bytes += size
+        self.changes += 1
         if self.watch is not None:
             self.watch.stored(key)
         return True
@@ -87,11 +92,13 @@ class BlockIndex:
         if old is not None:
             self._od[key] = self.stamp(size, stored_at)
             self.bytes += size - old
+            self.changes += 1
 
     def pop(self, key: bytes) -> Stamp | None:
         stamp = self._od.pop(key, None)
         if stamp is not None:
             self.bytes -= stamp
+            self.changes += 1
             if self.watch is not None:
                 self.watch.removed(key)
         return stamp
@@ -104,6 +111,7 @@ class BlockIndex:
         self._od.clear()
         self._stamps.clear()
         self.bytes = 0
+        self.changes += 1
         if self.watch is not None:
             self.watch.cleared()
 
@@ -130,6 +138,13 @@ class BlockIndex:
     def columns(self) -> tuple[list[bytes], list[Stamp]]:
         """Every key and its stamp, least recently used first (for a snapshot: C-level copies)."""
         return list(self._od.keys()), list(self._od.values())
+
+    def columns_by_store(self) -> tuple[list[bytes], list[Stamp]]:
+        """Every key and its stamp in the order blocks were last stored or adopted (reads since are
+        not reflected): the dict's own array, copied ten times faster than the LRU list
+        (:meth:`columns` looks every key up again; 1M blocks: ~15 ms against ~150 ms), so a
+        periodic snapshot holds the event loop briefly. Not exact LRU: a crash base only."""
+        return list(dict.keys(self._od)), list(dict.values(self._od))
 
     # -- bulk loading (a snapshot) ------------------------------------------------------------------------
     def stamps_for(self, sizes: Sequence[int], times: Sequence[float]) -> list[Stamp]:
@@ -168,6 +183,7 @@ class BlockIndex:
             total += stamp - loaded.pop(key, 0)
             loaded[key] = stamp
         self._od, self.bytes = loaded, total
+        self.changes += 1
         if self.watch is not None:
             self.watch.stored_many(loaded.keys())
         return len(loaded) - before

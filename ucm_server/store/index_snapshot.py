@@ -1,4 +1,4 @@
-"""The Posix tier's index snapshot: the whole index in one file, trusted only after a clean shutdown.
+"""The Posix tier's index snapshots: the whole index in one file, at clean shutdown and at intervals.
 
 A clean shutdown writes, per root, ``<root>/index.snapshot`` (every block of that root, least
 recently used first) and then ``<root>/index.clean`` (the marker), each through a
@@ -18,6 +18,18 @@ anything, so:
   the files' headers in the background (adding blocks the snapshot lacks, dropping torn ones),
   and a block the snapshot lists whose file is gone is forgotten on its first read.
 
+While the daemon runs it also writes *periodic* snapshots (``posix_snapshot_interval_s``), the base
+a start after ``kill -9`` or a power loss loads at once instead of reading every header. Each is a
+new generation: ``<root>/index.periodic.<generation>`` (same format, its own epoch), written whole
+through a temporary file, then ``<root>/index.periodic`` (the periodic marker: the epoch and the
+generation) replaced to name it, and only then the previous generation removed. So a crash at any
+point leaves the marker naming a whole, checksummed file: the new one, or the old one (a torn new
+file is a temporary one the next start's scan removes). Unlike the clean marker the periodic one is
+not taken at start: it is never *trusted* as complete. After loading it the tier sweeps every header
+(adding blocks written after it, dropping those removed or torn since), as after any snapshot. A
+start that loads the clean snapshot makes it the next periodic generation (a rename, no copy), so
+a crash soon after a clean restart still finds the newest index.
+
 A snapshot written by someone else with a matching marker (forged) can at worst make Lookup
 report blocks that are not there: every read still checks the file's header and checksum, so
 nothing wrong is ever served; a missing file is forgotten on first read.
@@ -35,6 +47,7 @@ import math
 import os
 import struct
 import sys
+import time
 import uuid
 from array import array
 from collections.abc import Sequence
@@ -47,10 +60,16 @@ MAGIC = b"UCMISNAP"
 VERSION = 1
 SNAPSHOT_NAME = "index.snapshot"
 MARKER_NAME = "index.clean"
+PERIODIC_MARKER = "index.periodic"
+PERIODIC_PREFIX = "index.periodic."
+_PERIODIC = struct.Struct("<16sQ")
 TMP_MARK = ".tmp."
 KEY_BYTES = 48
 _HEAD = struct.Struct("<8sII16sQ")
 _DIGEST = 32
+_STEP = 65536
+"""Records encoded per C-level step: a few ms each, so a write in a worker thread never holds the
+interpreter for long (one ``join`` of a million keys holds it for about a second)."""
 
 
 class SnapshotRejected(ValueError):
@@ -91,30 +110,85 @@ def write_snapshot(root: Path, blocks: Columns, *, durable: bool = True) -> None
     """Write ``blocks`` as the snapshot of ``root``, then the marker that makes the next start trust
     it. Raises ``OSError`` (disk full, ...) with no marker left behind: the next start then scans."""
     epoch = os.urandom(16)
+    _replace(root, SNAPSHOT_NAME, _encode(blocks, epoch), durable=durable)
+    _replace(root, MARKER_NAME, [epoch], durable=durable)
+
+
+def write_periodic(root: Path, blocks: Columns, *, durable: bool = True) -> None:
+    """Write ``blocks`` as a new periodic generation of ``root``, point the periodic marker at it,
+    then remove older generations. Raises ``OSError`` (disk full, ...) with the marker still naming
+    the previous generation (whole), or none."""
+    epoch, generation = os.urandom(16), time.time_ns()
+    _replace(root, f"{PERIODIC_PREFIX}{generation}", _encode(blocks, epoch), durable=durable)
+    _replace(root, PERIODIC_MARKER, [_PERIODIC.pack(epoch, generation)], durable=durable)
+    _drop_generations(root, keep=generation)
+
+
+def promote_clean(root: Path, epoch: bytes, *, durable: bool = True) -> None:
+    """Make the clean snapshot just loaded (``epoch``, its marker already taken) the newest periodic
+    generation: renamed, not copied. On ``OSError`` the previous generation stays named."""
+    generation = time.time_ns()
+    os.replace(root / SNAPSHOT_NAME, root / f"{PERIODIC_PREFIX}{generation}")
+    if durable:
+        fsync_dir(root)
+    _replace(root, PERIODIC_MARKER, [_PERIODIC.pack(epoch, generation)], durable=durable)
+    _drop_generations(root, keep=generation)
+
+
+def read_periodic(root: Path, max_size: int) -> Columns:
+    """The periodic generation the periodic marker of ``root`` names, checked as
+    :func:`read_snapshot` checks the clean one; :class:`SnapshotRejected` if there is none or a check
+    fails."""
+    try:
+        mark = (root / PERIODIC_MARKER).read_bytes()
+    except FileNotFoundError:
+        raise SnapshotRejected("no periodic snapshot") from None
+    except OSError as exc:
+        raise SnapshotRejected(f"cannot read {root / PERIODIC_MARKER}: {exc.strerror or exc}") from None
+    if len(mark) != _PERIODIC.size:
+        raise SnapshotRejected(f"periodic marker of {len(mark)} bytes, not {_PERIODIC.size} (torn)")
+    epoch, generation = _PERIODIC.unpack(mark)
+    return read_snapshot(root, epoch, max_size, name=f"{PERIODIC_PREFIX}{generation}")
+
+
+def _drop_generations(root: Path, *, keep: int) -> None:
+    """Remove the periodic generations of ``root`` other than ``keep`` (temporary files aside)."""
+    for path in root.glob(f"{PERIODIC_PREFIX}*"):
+        suffix = path.name[len(PERIODIC_PREFIX) :]
+        if suffix.isdigit() and int(suffix) != keep:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _encode(blocks: Columns, epoch: bytes) -> list[bytes | bytearray]:
+    """The file's parts (header, columns, SHA-256 of all before) for ``blocks`` under ``epoch``."""
     count = len(blocks.keys)
-    keys = b"".join(map(bytes, blocks.keys))
+    keys, sizes, times = bytearray(), array("Q"), array("d")
+    for start in range(0, count, _STEP):  # C-level slices: another thread gets the GIL in between
+        end = start + _STEP
+        keys += b"".join(blocks.keys[start:end])
+        sizes.extend(blocks.sizes[start:end])
+        times.extend(blocks.times[start:end])
     if len(keys) != count * KEY_BYTES:
         raise ValueError("every key must be 48 bytes")
-    sizes, times = array("Q", blocks.sizes), array("d", blocks.times)
     if sys.byteorder != "little":  # pragma: no cover (the format is little endian everywhere)
         sizes.byteswap()
         times.byteswap()
     head = _HEAD.pack(MAGIC, VERSION, KEY_BYTES, epoch, count)
-    parts = [head, keys, sizes.tobytes(), times.tobytes()]
+    parts: list[bytes | bytearray] = [head, keys, sizes.tobytes(), times.tobytes()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    _replace(root, SNAPSHOT_NAME, [*parts, digest.digest()], durable=durable)
-    _replace(root, MARKER_NAME, [epoch], durable=durable)
+    return [*parts, digest.digest()]
 
 
-def read_snapshot(root: Path, epoch: bytes, max_size: int) -> Columns:
-    """The snapshot of ``root``, checked whole: epoch, version, length, SHA-256, then every record
-    (a size from 1 to ``max_size``, a finite time); :class:`SnapshotRejected` if any check fails."""
+def read_snapshot(root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSHOT_NAME) -> Columns:
+    """The snapshot ``name`` of ``root``, checked whole: epoch, version, length, SHA-256, then every
+    record (a size from 1 to ``max_size``, a finite time); :class:`SnapshotRejected` if any fails."""
     try:
-        data = (root / SNAPSHOT_NAME).read_bytes()
+        data = (root / name).read_bytes()
     except OSError as exc:
-        raise SnapshotRejected(f"cannot read {root / SNAPSHOT_NAME}: {exc.strerror or exc}") from None
+        raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
     if len(data) < _HEAD.size + _DIGEST:
         raise SnapshotRejected("shorter than its header")
     magic, version, key_bytes, file_epoch, count = _HEAD.unpack_from(data)
@@ -125,7 +199,7 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int) -> Columns:
             f"format version {version} (keys of {key_bytes} B); this release reads {VERSION}"
         )
     if file_epoch != epoch:
-        raise SnapshotRejected("its epoch is not the clean-shutdown marker's (stale or foreign)")
+        raise SnapshotRejected("its epoch is not its marker's (stale or foreign)")
     end = _HEAD.size + count * (KEY_BYTES + 16)
     if len(data) != end + _DIGEST:
         raise SnapshotRejected(f"{len(data)} bytes where {count} records need {end + _DIGEST} (torn)")
@@ -146,7 +220,7 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int) -> Columns:
     return Columns(keys, sizes, times)  # arrays, not lists: no million short-lived number objects
 
 
-def _replace(root: Path, name: str, parts: list[bytes], *, durable: bool) -> None:
+def _replace(root: Path, name: str, parts: Sequence[bytes | bytearray], *, durable: bool) -> None:
     """Write ``root/name`` whole through a temporary file and ``rename``, or leave it as it was."""
     tmp = f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"  # a crash leaves it to the next start's scan
     dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -40,8 +40,10 @@ block), so a lookup never touches the disk. The daemon serves at once after a st
 waits at most ``index_wait_s`` (a small store is then fully indexed before the first call)
 for the index, then carries on in the background. After a clean
 shutdown the index comes back from the snapshot it left (:mod:`ucm_server.store.index_snapshot`,
-trusted only with its clean-shutdown marker); otherwise the tier re-adopts its files by reading
-every header (not every payload). Until that ends a Lookup may miss a block that is on disk; a Load
+trusted only with its clean-shutdown marker); after a crash from the newest periodic snapshot
+(``snapshot_interval_s``: :mod:`ucm_server.store.periodic_snapshots`), swept against the files as
+every snapshot is; with neither the tier re-adopts its files by reading every header (not every
+payload). Until that ends a Lookup may miss a block that is on disk; a Load
 of it opens its file directly (header and checksum checked as always), and the tier's stats show
 the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
 
@@ -118,6 +120,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.periodic_snapshots import PeriodicSnapshots
 from ucm_server.store.watch import IndexWatch
 
 log = logging.getLogger(__name__)
@@ -149,6 +152,9 @@ class PosixSettings:
     direct_min_bytes: int = field(default=256 << 10, metadata={"size": True})
     """Smallest block written with ``O_DIRECT``: below it a synchronous device write per block costs
     more than the page-cache copy it saves (4 KiB: 275 µs direct, under 20 µs buffered)."""
+    snapshot_interval_s: float = 60.0
+    """Seconds between periodic index snapshots (written only if the index changed); 0: at
+    shutdown only."""
 
 
 @dataclass(slots=True)
@@ -185,6 +191,7 @@ class PosixTier(Tier):
         direct_io: bool = True,
         index_wait_s: float = 0.2,
         direct_min_bytes: int = 256 << 10,
+        snapshot_interval_s: float = 60.0,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
@@ -193,6 +200,8 @@ class PosixTier(Tier):
         super().__init__(name)
         if not roots:
             raise ValueError("PosixTier needs at least one root directory")
+        if not snapshot_interval_s >= 0:
+            raise ValueError(f"snapshot_interval_s: must be 0 (off) or more, got {snapshot_interval_s}")
         self.roots = [Path(r) for r in roots]
         self.capacity = capacity
         self.durable = durable
@@ -225,6 +234,12 @@ class PosixTier(Tier):
         """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
         self._tmp_tag = uuid.uuid4().hex[:8]
         self._tmp_seq = itertools.count()
+        self._unseen: set[bytes] | None = None
+        """Keys a snapshot listed that the sweep after it has not found on disk yet: dropped when
+        the sweep ends (their files were removed while the daemon was down)."""
+        self.snapshots = PeriodicSnapshots(
+            name, snapshot_interval_s, self._index, lambda: self._index_complete, self._write_periodic
+        )
 
     Settings: ClassVar[type[Any] | None] = PosixSettings
 
@@ -286,6 +301,7 @@ class PosixTier(Tier):
         self._phase = "snapshot"
         epochs = await self._run(self._take_markers)
         self._adopter = asyncio.create_task(self._adopt_all(epochs))
+        self.snapshots.start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._adopter), self.index_wait_s)
 
@@ -304,6 +320,7 @@ class PosixTier(Tier):
             self._stop_adopt = True
             with contextlib.suppress(Exception):
                 await self._adopter
+        await self.snapshots.stop()
         if not (self.index_snapshots and self._index_complete):
             return
         keys, stamps = self._index.columns()
@@ -347,11 +364,14 @@ class PosixTier(Tier):
         try:
             loaded, loaded_bytes, unsure = await self._run(self._load_snapshots, epochs)
             if loaded:
+                self._unseen = set(loaded)
                 self._adopted += self._index.install(loaded, loaded_bytes, self._touched)
                 self._from_snapshot = len(loaded)
+            if not unsure:  # the index is what a snapshot on disk says: nothing new to write yet
+                self.snapshots.written_at_changes(self._index.changes)
             if self._from_snapshot:
                 log.info(
-                    "posix tier %s: %d blocks indexed from snapshots in %.2fs",
+                    "posix tier %s: %d blocks indexed from snapshots in %.3fs",
                     self.name,
                     self._from_snapshot,
                     time.monotonic() - started,
@@ -366,10 +386,13 @@ class PosixTier(Tier):
             for root in self.roots:
                 if root not in unsure and not self._stop_adopt:
                     await self._run(self._scan_root, root, loop)
+            if not self._stop_adopt:
+                await self._drop_unseen()
         except OSError as exc:
             self._stats.errors += 1
             log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
         finally:
+            self._unseen = None
             self._phase = ""
             self._adopting = self._scanning = False
             self._touched.clear()
@@ -387,7 +410,9 @@ class PosixTier(Tier):
     def _merge(self, chunk: list[tuple[bytes, int, float]]) -> None:
         """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
         one the index holds with another size (a snapshot that is wrong) takes the file's."""
-        touched, index = self._touched, self._index
+        touched, index, unseen = self._touched, self._index, self._unseen
+        if unseen is not None:
+            unseen.difference_update([item[0] for item in chunk if item[1] >= 0])
         for key, size, stored_at in chunk:
             if key in touched:
                 continue
@@ -397,6 +422,19 @@ class PosixTier(Tier):
                 self._adopted += 1
             elif index.get(key) != size:
                 index.correct(key, size, stored_at)
+
+    async def _drop_unseen(self) -> None:
+        """Forget the blocks a snapshot listed whose files the sweep did not find (removed while the
+        daemon was down, or since the snapshot), unless stored or deleted since start-up."""
+        unseen, self._unseen = self._unseen or set(), None
+        gone = [key for key in unseen.difference(self._touched) if key in self._index]
+        for start in range(0, len(gone), 8192):
+            for key in gone[start : start + 8192]:
+                if key not in self._touched:
+                    self._index.pop(key)
+            await asyncio.sleep(0)
+        if gone:
+            log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, len(gone))
 
     def _take_markers(self) -> list[bytes | None]:
         epochs: list[bytes | None] = []
@@ -415,12 +453,8 @@ class PosixTier(Tier):
         unsure: list[Path] = []
         total = 0
         for root, epoch in zip(self.roots, epochs, strict=True):
-            try:
-                if epoch is None:
-                    raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
-                blocks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)
-            except index_snapshot.SnapshotRejected as exc:
-                log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, exc)
+            blocks = self._load_root(root, epoch)
+            if blocks is None:
                 unsure.append(root)
                 continue
             keys += blocks.keys
@@ -428,7 +462,47 @@ class PosixTier(Tier):
             total += sum(blocks.sizes)
         return BlockIndex.build(keys, stamps), total, unsure
 
-    def _write_snapshots(self, keys: list[bytes], stamps: list[Stamp]) -> None:
+    async def _write_periodic(self, keys: list[bytes], stamps: list[Stamp]) -> None:
+        await self._run(lambda: self._write_snapshots(keys, stamps, periodic=True))
+
+    def _load_root(self, root: Path, epoch: bytes | None) -> index_snapshot.Columns | None:
+        """The snapshot of ``root`` to start from (worker thread): the clean one its marker vouches
+        for (then made the newest periodic generation), else the newest periodic one (when periodic
+        snapshots are on), else None (its headers are read)."""
+        why = []
+        try:
+            if epoch is None:
+                raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
+            blocks = index_snapshot.read_snapshot(root, epoch, self.max_block_bytes)
+        except index_snapshot.SnapshotRejected as exc:
+            why.append(str(exc))
+        else:
+            if self.snapshots.interval_s:
+                try:
+                    index_snapshot.promote_clean(root, epoch, durable=self.durable)
+                except OSError as exc:  # the previous periodic generation stays the crash base
+                    log.warning("posix tier %s: %s not kept as periodic: %s", self.name, root, exc)
+            return blocks
+        if self.snapshots.interval_s:
+            try:
+                blocks = index_snapshot.read_periodic(root, self.max_block_bytes)
+            except index_snapshot.SnapshotRejected as exc:
+                why.append(str(exc))
+            else:
+                log.info(
+                    "posix tier %s: index of %s from its periodic snapshot, then swept (%s)",
+                    self.name,
+                    root,
+                    why[0],
+                )
+                return blocks
+        log.info("posix tier %s: index of %s from block headers (%s)", self.name, root, "; ".join(why))
+        return None
+
+    def _write_snapshots(self, keys: list[bytes], stamps: list[Stamp], *, periodic: bool = False) -> None:
+        """Write the snapshot of every root (worker thread): the clean one at shutdown, or a new
+        periodic generation."""
+        write = index_snapshot.write_periodic if periodic else index_snapshot.write_snapshot
         by_root: dict[Path, tuple[list[bytes], list[Stamp]]] = {root: ([], []) for root in self.roots}
         if len(self.roots) == 1:
             by_root[self.roots[0]] = (keys, stamps)
@@ -439,7 +513,7 @@ class PosixTier(Tier):
                 mine[1].append(stamp)
         for root, (mine_keys, mine_stamps) in by_root.items():
             blocks = index_snapshot.Columns(mine_keys, mine_stamps, [s.stored_at for s in mine_stamps])
-            index_snapshot.write_snapshot(root, blocks, durable=self.durable)
+            write(root, blocks, durable=self.durable)
 
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
         """Read every block file's header under ``root`` (worker thread), by directory descriptor:
@@ -835,6 +909,7 @@ class PosixTier(Tier):
             s.extra["index_from_snapshot"] = float(self._from_snapshot)
         if self._skipped:
             s.extra["skipped_files"] = float(sum(self._skipped.values()))
+        s.extra.update(self.snapshots.figures())
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
     async def evict(self, nbytes: int) -> int:
