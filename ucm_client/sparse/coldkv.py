@@ -17,12 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.types import key_digest, namespace_id
 
-__all__ = ["ColdDump", "ColdKVConfig", "ColdKVStepMeta", "ColdRelease", "cold_block_key"]
+__all__ = [
+    "ColdDump",
+    "ColdKVConfig",
+    "ColdKVStepMeta",
+    "ColdRelease",
+    "ColdStepPlanner",
+    "SupportsColdKV",
+    "cold_block_key",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +115,20 @@ class ColdKVStepMeta:
 def cold_block_key(nonce: str, request_id: str, layer_idx: int, block: int) -> bytes:
     """The daemon key of one layer of one logical block of one request of one engine."""
     return key_digest(nonce, request_id, "cold", layer_idx, block)
+
+
+class ColdStepPlanner(Protocol):
+    """The scheduler half, as the connector sees it: one step's orders per ``build_connector_meta``."""
+
+    def step_meta(self, scheduler_output: Any) -> ColdKVStepMeta: ...
+
+
+@runtime_checkable
+class SupportsColdKV(Protocol):
+    """A connector that carries cold-KV orders to the workers (``UcmSparseConnector``)."""
+
+    cold_config: ColdKVConfig | None
+
+    def sparse_budget(self) -> BlockBudget | None: ...
+
+    def attach_cold_planner(self, planner: ColdStepPlanner) -> None: ...

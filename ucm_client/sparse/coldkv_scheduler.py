@@ -22,7 +22,14 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ucm_client.sparse.coldkv import ColdDump, ColdKVConfig, ColdKVStepMeta, ColdRelease, cold_block_key
+from ucm_client.sparse.coldkv import (
+    ColdDump,
+    ColdKVConfig,
+    ColdKVStepMeta,
+    ColdRelease,
+    SupportsColdKV,
+    cold_block_key,
+)
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.vllm_runtime import layer_index
@@ -155,11 +162,9 @@ class ColdKVScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from ucm_client.sparse.vllm_connector import UcmSparseConnector
-
         self.cold: ColdKVPlanner | None = None
         connector = self.connector
-        if not isinstance(connector, UcmSparseConnector) or connector.cold_config is None:
+        if not isinstance(connector, SupportsColdKV) or connector.cold_config is None:
             raise SparseInputError(
                 "ColdKVScheduler needs kv_transfer_config with UcmSparseConnector and a cold_kv entry"
             )

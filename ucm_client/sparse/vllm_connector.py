@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm_client.sparse.base import SparseMeta, UcmSparseRole
 from ucm_client.sparse.block_sparse import BlockSparseMethod
-from ucm_client.sparse.coldkv import ColdKVConfig, ColdKVStepMeta
+from ucm_client.sparse.coldkv import ColdKVConfig, ColdKVStepMeta, ColdStepPlanner
 from ucm_client.sparse.coldkv_worker import ColdKVWorker
 from ucm_client.sparse.config import BlockBudget, load_sparse_config
 from ucm_client.sparse.factory import UcmSparseFactory
@@ -50,9 +50,6 @@ __all__ = [
     "kv_transfer_config",
     "scheduler_bridge",
 ]
-
-if TYPE_CHECKING:
-    from ucm_client.sparse.coldkv_scheduler import ColdKVPlanner
 
 _BRIDGE: SparseSchedulerBridge | None = None
 _COLD_WORKER: ColdKVWorker | None = None
@@ -102,7 +99,7 @@ class UcmSparseConnector(KVConnectorBase_V1):
         global _BRIDGE
         super().__init__(vllm_config, role, kv_cache_config)
         self._bridge: SparseSchedulerBridge | None = None
-        self._cold_planner: ColdKVPlanner | None = None
+        self._cold_planner: ColdStepPlanner | None = None
         raw_extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra = dict(raw_extra) if raw_extra else None
         self.cold_config = ColdKVConfig.from_extra(extra)
@@ -120,7 +117,7 @@ class UcmSparseConnector(KVConnectorBase_V1):
         method = None if self._bridge is None else self._bridge.method
         return method.spec.budget() if isinstance(method, BlockSparseMethod) else None
 
-    def attach_cold_planner(self, planner: ColdKVPlanner) -> None:
+    def attach_cold_planner(self, planner: ColdStepPlanner) -> None:
         """Called by :class:`~ucm_client.sparse.coldkv_scheduler.ColdKVScheduler` once it is built."""
         self._cold_planner = planner
 
