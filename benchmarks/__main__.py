@@ -23,6 +23,7 @@ BENCHMARKS = {
     "e2e_vllm": ["benchmarks.e2e_vllm"],
     "prefetch_vllm": ["benchmarks.prefetch_vllm"],
     "sparse": ["benchmarks.sparse_bench"],
+    "sparse_offload_vllm": ["benchmarks.sparse_offload_vllm"],
     "scale": ["benchmarks.scale_bench"],
     "small_objects": ["benchmarks.small_objects"],
     "eviction": ["benchmarks.eviction_bench"],

@@ -9,12 +9,19 @@ differ from dense attention (so the equality is not trivially true).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.support.coldkv_engine import ConcurrencyRun, run_long_requests
+from tests.support.sparse_engine import multiprocess_env
+from ucm_client import UcmClient
 from ucm_client.sparse.coldkv import ColdKVConfig
 from ucm_client.sparse.errors import SparseInputError
 from ucm_server.testing.daemon import DaemonProcess
@@ -29,16 +36,19 @@ COLD_PER_REQUEST = PROMPT // BLOCK - 2 - 1  # full blocks minus local window (2)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ConcurrencyRun]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, daemon: DaemonProcess) -> Iterator[dict[str, Any]]:
     pytest.importorskip("vllm")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (PROMPT,), generator=gen).tolist() for _ in range(2)]
     models = tmp_path_factory.mktemp("models")
 
-    def run(ratio: float, target: str | None) -> ConcurrencyRun:
+    shared = prompts[0][:200] + prompts[1][200:]  # the first 6 blocks shared: too few for both to fit
+
+    def run(ratio: float, target: str | None, caching: bool = False) -> ConcurrencyRun:
         return run_long_requests(
             models,
-            prompts,
+            [prompts[0], shared] if caching else prompts,
+            enable_prefix_caching=caching,
             num_blocks=NUM_BLOCKS,
             block_size=BLOCK,
             ratio=ratio,
@@ -47,8 +57,39 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Concurr
             max_model_len=1536,
         )
 
-    with DaemonProcess(tmp_path_factory.mktemp("ucm"), args=["--cache-capacity", "64MiB"]) as daemon:
-        yield {"cold": run(0.2, daemon.target), "sparse": run(0.2, None), "dense": run(1.0, None)}
+    yield {
+        "cold": run(0.2, daemon.target),
+        "sparse": run(0.2, None),
+        "dense": run(1.0, None),
+        "cold_cached": run(0.2, daemon.target, caching=True),
+        "sparse_cached": run(0.2, None, caching=True),
+        "prompts": prompts,
+    }
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    with DaemonProcess(tmp_path_factory.mktemp("ucm"), args=["--cache-capacity", "64MiB"]) as d:
+        yield d
+
+
+_MP_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+from ucm_client.sparse.vllm_connector import kv_transfer_config
+from tests.support.coldkv_engine import SCHEDULER_CLS, sparse_settings
+
+if __name__ == "__main__":
+    model, target, prompts, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    cold = {"target": target, "min_cold_blocks": 2}
+    llm = LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=1536, block_size=32,
+              num_gpu_blocks_override=64, enable_prefix_caching=False, seed=0,
+              scheduler_cls=SCHEDULER_CLS, kv_transfer_config=kv_transfer_config(sparse_settings(0.2), cold))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with open(out, "w") as f:
+        json.dump([list(r.outputs[0].token_ids) for r in res], f)
+"""
 
 
 def _releases(run: ConcurrencyRun) -> list[int]:
@@ -60,7 +101,7 @@ def _releases(run: ConcurrencyRun) -> list[int]:
     ]
 
 
-def test_cold_blocks_leave_the_pool_and_a_second_long_request_runs(runs: dict[str, ConcurrencyRun]) -> None:
+def test_cold_blocks_leave_the_pool_and_a_second_long_request_runs(runs: dict[str, Any]) -> None:
     cold, sparse = runs["cold"], runs["sparse"]
     # Negative control: without cold KV the second request waits for the first to finish.
     assert sparse.max_running == 1, sparse.running
@@ -76,7 +117,7 @@ def test_cold_blocks_leave_the_pool_and_a_second_long_request_runs(runs: dict[st
     assert cold.free_blocks[-1] == NUM_BLOCKS - 1  # everything back (the null block is never free)
 
 
-def test_freed_blocks_were_reused_by_the_other_request(runs: dict[str, ConcurrencyRun]) -> None:
+def test_freed_blocks_were_reused_by_the_other_request(runs: dict[str, Any]) -> None:
     # The first request's cold physical ids went to the second request: reading them by the stale
     # block table would attend to the other request's KV, so equal output below needs the loads.
     cold = runs["cold"]
@@ -85,13 +126,22 @@ def test_freed_blocks_were_reused_by_the_other_request(runs: dict[str, Concurren
     assert first & cold.held_blocks["1"]
 
 
-def test_output_equals_sparse_without_offload(runs: dict[str, ConcurrencyRun]) -> None:
+def test_output_equals_sparse_without_offload(runs: dict[str, Any]) -> None:
     cold, sparse, dense = runs["cold"], runs["sparse"], runs["dense"]
     assert all(len(t) == 16 for t in cold.tokens)
     assert cold.worker["loaded_pages"] > 0  # selected cold blocks really came from the daemon
     assert cold.tokens == sparse.tokens
     # Negative control: 20% budget changes the tokens, so the equality above is not vacuous.
     assert sparse.tokens != dense.tokens
+
+
+def test_prefix_caching_on_with_a_shared_prefix(runs: dict[str, Any]) -> None:
+    # vLLM's default: freed cold blocks stay in the prefix cache (hashed) and the second request hits
+    # the first one's leading blocks, some of them already cold; scratch blocks are never hashed.
+    cold, sparse = runs["cold_cached"], runs["sparse_cached"]
+    assert sparse.max_running == 1 and cold.max_running == 2, (sparse.running, cold.running)
+    assert cold.planner["released_blocks"] > 0
+    assert cold.tokens == sparse.tokens
 
 
 @pytest.mark.parametrize(
@@ -111,3 +161,30 @@ def test_bad_cold_kv_settings_are_named(raw: dict[str, object], needle: str) -> 
 def test_no_cold_kv_entry_means_off() -> None:
     assert ColdKVConfig.from_extra({"ucm_sparse_config": {}}) is None
     assert ColdKVConfig.from_extra({"cold_kv": {"target": "/x"}}) == ColdKVConfig("/x")
+
+
+def test_cold_kv_across_vllm_processes(runs: dict[str, Any], daemon: DaemonProcess, tmp_path: Path) -> None:
+    # vLLM's default mode: the scheduler (engine core) and the worker are separate processes, so the
+    # orders cross only inside the connector metadata and each side has its own daemon client.
+    script, out = tmp_path / "run.py", tmp_path / "out.json"
+    script.write_text(_MP_SCRIPT)
+    env = multiprocess_env(tmp_path / "site")
+    with UcmClient(daemon.target) as client:
+        before = client.stats()
+        model = str(runs["sparse"].model)
+        proc = subprocess.run(
+            [sys.executable, str(script), model, daemon.target, json.dumps(runs["prompts"]), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        after = client.stats()
+    assert json.loads(out.read_text()) == runs["sparse"].tokens
+    # The scheduler process asked the daemon whether the dumps were durable, and the worker process
+    # read cold blocks back (Cache tier hits).
+    assert after.lookup_keys - before.lookup_keys >= 2 * COLD_PER_REQUEST * LAYERS
+    hits = sum(t.hits for t in after.tiers) - sum(t.hits for t in before.tiers)
+    assert hits > 0, (before.tiers, after.tiers)

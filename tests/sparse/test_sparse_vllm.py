@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import sparse_llm
+from tests.support.sparse_engine import multiprocess_env, sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -207,26 +207,11 @@ if __name__ == "__main__":
 
 def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) -> None:
     # vLLM's default mode: engine core and worker in their own processes, where only the
-    # `vllm.general_plugins` entry point can register the backend. The entry point is installed as
-    # a real dist-info on PYTHONPATH, exactly as `pip install` of the pyproject lines would do.
-    dist = tmp_path / "site" / "ucm_sparse_plugin-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nucm_sparse = ucm_client.sparse.vllm_plugin:register\n"
-    )
+    # `vllm.general_plugins` entry point can register the backend.
     script = tmp_path / "run.py"
     script.write_text(_MP_SCRIPT)
     trace, out = tmp_path / "trace.json", tmp_path / "out.json"
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(root)]),
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        UCM_SPARSE_TRACE=str(trace),
-    )
+    env = multiprocess_env(tmp_path / "site", UCM_SPARSE_TRACE=str(trace))
     env[ENV_VAR] = json.dumps({"ESA": {"sparse_ratio": 1.0}})
     proc = subprocess.run(
         [sys.executable, str(script), str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],

@@ -43,6 +43,8 @@ class ConcurrencyRun:
 
     tokens: list[list[int]]
     """Greedy output per prompt, in prompt order."""
+    model: Path
+    """The checkpoint the engine ran (another process can load the same one)."""
     running: list[int] = field(default_factory=list)
     """Requests vLLM's scheduler held as running after each step."""
     free_blocks: list[int] = field(default_factory=list)
@@ -53,7 +55,12 @@ class ConcurrencyRun:
     worker: dict[str, int] = field(default_factory=dict)
     released: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Physical ids of each request's cold blocks when they were freed."""
+    worker_s: dict[str, float] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    """Wall time of each engine step."""
     wall_s: float = 0.0
+    preemptions: int = 0
+    """Times vLLM preempted a request (freed all its blocks to make room; it recomputes later)."""
 
     @property
     def max_running(self) -> int:
@@ -77,6 +84,7 @@ def run_long_requests(
     layers: int = 2,
     max_model_len: int = 2048,
     model_kwargs: dict[str, Any] | None = None,
+    enable_prefix_caching: bool = False,
 ) -> ConcurrencyRun:
     """Submit every prompt at once and step the engine until all finish; ``cold_target``: the daemon."""
     wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -100,7 +108,7 @@ def run_long_requests(
         max_model_len=max_model_len,
         block_size=block_size,
         num_gpu_blocks_override=num_blocks,
-        enable_prefix_caching=False,
+        enable_prefix_caching=enable_prefix_caching,
         seed=0,
         kv_transfer_config=vllm_connector.kv_transfer_config(sparse_settings(ratio), cold),
         **extra,
@@ -113,18 +121,25 @@ def run_long_requests(
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        run = ConcurrencyRun(tokens=[[] for _ in prompts])
+        run = ConcurrencyRun(tokens=[[] for _ in prompts], model=model)
+        seen_preemptions: dict[str, int] = {}
         start = time.perf_counter()
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            run.step_s.append(time.perf_counter() - step_start)
+            for out in outputs:
                 if out.finished:
                     run.tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
             run.running.append(len(scheduler.running))
             run.free_blocks.append(pool.get_num_free_blocks())
+            for req_id, request in scheduler.requests.items():
+                seen_preemptions[req_id] = request.num_preemptions
             for req_id, blocks in manager.req_to_blocks.items():
                 ids = {b.block_id for b in blocks if not b.is_null}
                 run.held_blocks.setdefault(_external(req_id), set()).update(ids)
         run.wall_s = time.perf_counter() - start
+        run.preemptions = sum(seen_preemptions.values())
         planner = getattr(scheduler, "cold", None)
         if planner is not None:
             run.planner = dict(planner.trace)
@@ -134,6 +149,7 @@ def run_long_requests(
         worker = vllm_connector.cold_worker()
         if cold is not None and worker is not None:
             run.worker = dict(worker.stats)
+            run.worker_s = dict(worker.seconds)
         return run
     finally:
         engine.engine_core.shutdown()

@@ -16,7 +16,32 @@ from typing import Any
 
 from tests.support.tiny_llama import build_tiny_llama
 
-__all__ = ["sparse_llm"]
+__all__ = ["multiprocess_env", "sparse_llm"]
+
+
+def multiprocess_env(site: Path, **extra: str) -> dict[str, str]:
+    """Environment for a vLLM run in its own processes (engine core and worker spawned).
+
+    There only the ``vllm.general_plugins`` entry point can register the sparse backend, so it is
+    installed as a real dist-info under ``site`` (on PYTHONPATH), as ``pip install`` of the
+    pyproject's lines would do.
+    """
+    dist = site / "ucm_sparse_plugin-0.1.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nucm_sparse = ucm_client.sparse.vllm_plugin:register\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(site), str(root)]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        **extra,
+    )
+    return env
 
 
 @contextmanager

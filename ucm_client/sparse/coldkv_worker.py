@@ -13,6 +13,7 @@ that possible: each layer's selection differs, and each layer loads only its own
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,9 @@ class ColdKVWorker:
         self._namespace = b""
         self._cold: dict[str, _ColdRequest] = {}
         self.stats: Counter[str] = Counter()
-        """``dumped_pages``, ``loaded_pages``, ``reused_pages`` (tests and the benchmark read these)."""
+        """``dumped_pages``, ``loaded_pages``, ``reused_pages``, ``dump_tasks``, ``load_tasks``."""
+        self.seconds: dict[str, float] = {"dump": 0.0, "load": 0.0}
+        """Wall time spent in ``dump`` and ``load`` (copies and the daemon's task), for the benchmark."""
 
     # ------------------------------------------------------------ per step, before the forward
     def apply(self, meta: ColdKVStepMeta) -> None:
@@ -144,7 +147,10 @@ class ColdKVWorker:
             for slot, key in enumerate(keys)
         ]
         submit = self.client.dump if op == "dump" else self.client.load
+        start = time.perf_counter()
         result = self.client.wait(submit(self._namespace, ios), self.config.timeout_s)
+        self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
+        self.stats[f"{op}_tasks"] += 1
         if not result.ok:
             bad = [i for i, s in enumerate(result.states) if s is not BlockState.OK]
             raise RuntimeError(

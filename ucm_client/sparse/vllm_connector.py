@@ -100,6 +100,7 @@ class UcmSparseConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._bridge: SparseSchedulerBridge | None = None
         self._cold_planner: ColdStepPlanner | None = None
+        self._cold_worker: ColdKVWorker | None = None
         raw_extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra = dict(raw_extra) if raw_extra else None
         self.cold_config = ColdKVConfig.from_extra(extra)
@@ -141,7 +142,18 @@ class UcmSparseConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         global _COLD_WORKER
         if self.cold_config is not None:
-            _COLD_WORKER = ColdKVWorker(self.cold_config, kv_caches)
+            if _COLD_WORKER is not None:  # a previous engine of this process that was not shut down
+                _COLD_WORKER.close()
+            _COLD_WORKER = self._cold_worker = ColdKVWorker(self.cold_config, kv_caches)
+
+    def shutdown(self) -> None:
+        """Release the cold-KV worker's daemon client and staging buffer (the worker's shutdown)."""
+        global _COLD_WORKER
+        worker, self._cold_worker = self._cold_worker, None
+        if worker is not None:
+            worker.close()
+            if _COLD_WORKER is worker:
+                _COLD_WORKER = None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
