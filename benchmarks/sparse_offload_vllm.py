@@ -21,7 +21,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "sparse_offload_vllm.md"
+from benchmarks.results_file import publish
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, nargs="+", default=[70, 100, 140, 210])
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--print-only", action="store_true", help="do not write the results table")
     args = parser.parse_args(argv)
     import torch
 
@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             *rows,
         ]
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
+    publish("sparse_offload_vllm", text + "\n", write=not args.print_only)
     return 0
 
 

@@ -10,8 +10,6 @@ differ from dense attention (so the equality is not trivially true).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import pytest
 import torch
 
 from tests.support.coldkv_engine import ConcurrencyRun, run_long_requests
-from tests.support.sparse_engine import multiprocess_env
+from tests.support.sparse_engine import run_vllm_script
 from ucm_client import UcmClient
 from ucm_client.sparse.coldkv import ColdKVConfig
 from ucm_client.sparse.errors import SparseInputError
@@ -166,21 +164,11 @@ def test_no_cold_kv_entry_means_off() -> None:
 def test_cold_kv_across_vllm_processes(runs: dict[str, Any], daemon: DaemonProcess, tmp_path: Path) -> None:
     # vLLM's default mode: the scheduler (engine core) and the worker are separate processes, so the
     # orders cross only inside the connector metadata and each side has its own daemon client.
-    script, out = tmp_path / "run.py", tmp_path / "out.json"
-    script.write_text(_MP_SCRIPT)
-    env = multiprocess_env(tmp_path / "site")
+    out = tmp_path / "out.json"
     with UcmClient(daemon.target) as client:
         before = client.stats()
-        model = str(runs["sparse"].model)
-        proc = subprocess.run(
-            [sys.executable, str(script), model, daemon.target, json.dumps(runs["prompts"]), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        argv = [str(runs["sparse"].model), daemon.target, json.dumps(runs["prompts"]), str(out)]
+        run_vllm_script(tmp_path, _MP_SCRIPT, argv, timeout_s=300)
         after = client.stats()
     assert json.loads(out.read_text()) == runs["sparse"].tokens
     # The scheduler process asked the daemon whether the dumps were durable, and the worker process

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import multiprocess_env, sparse_llm
+from tests.support.sparse_engine import run_vllm_script, sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -208,20 +206,15 @@ if __name__ == "__main__":
 def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) -> None:
     # vLLM's default mode: engine core and worker in their own processes, where only the
     # `vllm.general_plugins` entry point can register the backend.
-    script = tmp_path / "run.py"
-    script.write_text(_MP_SCRIPT)
     trace, out = tmp_path / "trace.json", tmp_path / "out.json"
-    env = multiprocess_env(tmp_path / "site", UCM_SPARSE_TRACE=str(trace))
-    env[ENV_VAR] = json.dumps({"ESA": {"sparse_ratio": 1.0}})
-    proc = subprocess.run(
-        [sys.executable, str(script), str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    run_vllm_script(
+        tmp_path,
+        _MP_SCRIPT,
+        [str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],
+        timeout_s=240,
+        UCM_SPARSE_TRACE=str(trace),
+        **{ENV_VAR: json.dumps({"ESA": {"sparse_ratio": 1.0}})},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     hooks = json.loads(trace.read_text())
     assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
     assert hooks["hooks"]["bind_step_meta:-1"] >= 12  # scheduler metadata crossed into the worker

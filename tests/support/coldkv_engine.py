@@ -9,12 +9,12 @@ many blocks vLLM's pool has free.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.sparse_engine import in_process_engine_env
 from tests.support.tiny_llama import build_tiny_llama
 
 __all__ = ["ConcurrencyRun", "run_long_requests", "sparse_settings"]
@@ -87,76 +87,72 @@ def run_long_requests(
     enable_prefix_caching: bool = False,
 ) -> ConcurrencyRun:
     """Submit every prompt at once and step the engine until all finish; ``cold_target``: the daemon."""
-    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    from vllm import LLM, SamplingParams
+    with in_process_engine_env():
+        from vllm import LLM
 
-    from ucm_client.sparse import vllm_connector, vllm_plugin, vllm_runtime
+        from ucm_client.sparse import vllm_connector
 
-    vllm_plugin.register()
-    vllm_runtime.reset_runtime()
-    cold = None if cold_target is None else {"target": cold_target, "min_cold_blocks": 2}
-    extra: dict[str, Any] = {}
-    if cold is not None:
-        extra["scheduler_cls"] = SCHEDULER_CLS
-    model = build_tiny_llama(models_dir, layers=layers, **(model_kwargs or {}))
-    llm = LLM(
-        model=str(model),
-        enforce_eager=True,
-        dtype="float32",
-        max_model_len=max_model_len,
-        block_size=block_size,
-        num_gpu_blocks_override=num_blocks,
-        enable_prefix_caching=enable_prefix_caching,
-        seed=0,
-        kv_transfer_config=vllm_connector.kv_transfer_config(sparse_settings(ratio), cold),
-        **extra,
-    )
-    try:
-        engine = llm.llm_engine
-        scheduler = engine.engine_core.engine_core.scheduler
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        pool = scheduler.kv_cache_manager.block_pool
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        run = ConcurrencyRun(tokens=[[] for _ in prompts], model=model)
-        seen_preemptions: dict[str, int] = {}
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            step_start = time.perf_counter()
-            outputs = engine.step()
-            run.step_s.append(time.perf_counter() - step_start)
-            for out in outputs:
-                if out.finished:
-                    run.tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
-            run.running.append(len(scheduler.running))
-            run.free_blocks.append(pool.get_num_free_blocks())
-            for req_id, request in scheduler.requests.items():
-                seen_preemptions[req_id] = request.num_preemptions
-            for req_id, blocks in manager.req_to_blocks.items():
-                ids = {b.block_id for b in blocks if not b.is_null}
-                run.held_blocks.setdefault(_external(req_id), set()).update(ids)
-        run.wall_s = time.perf_counter() - start
-        run.preemptions = sum(seen_preemptions.values())
-        planner = getattr(scheduler, "cold", None)
-        if planner is not None:
-            run.planner = dict(planner.trace)
-            run.released = {
-                _external(req_id): off.physical for req_id, off in planner.released_history.items()
-            }
-        worker = vllm_connector.cold_worker()
-        if cold is not None and worker is not None:
-            run.worker = dict(worker.stats)
-            run.worker_s = dict(worker.seconds)
-        return run
-    finally:
-        engine.engine_core.shutdown()
-        del llm
-        vllm_runtime.reset_runtime()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        cold = None if cold_target is None else {"target": cold_target, "min_cold_blocks": 2}
+        extra: dict[str, Any] = {} if cold is None else {"scheduler_cls": SCHEDULER_CLS}
+        model = build_tiny_llama(models_dir, layers=layers, **(model_kwargs or {}))
+        llm = LLM(
+            model=str(model),
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_gpu_blocks_override=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=0,
+            kv_transfer_config=vllm_connector.kv_transfer_config(sparse_settings(ratio), cold),
+            **extra,
+        )
+        try:
+            run = _step_until_done(llm, prompts, max_tokens, ConcurrencyRun(tokens=[], model=model))
+            worker = vllm_connector.cold_worker()
+            if cold is not None and worker is not None:
+                run.worker = dict(worker.stats)
+                run.worker_s = dict(worker.seconds)
+            return run
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def _step_until_done(
+    llm: Any, prompts: list[list[int]], max_tokens: int, run: ConcurrencyRun
+) -> ConcurrencyRun:
+    """Add every prompt, then step until all finish, recording the scheduler's state after each step."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = scheduler.kv_cache_manager.block_pool
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    run.tokens = [[] for _ in prompts]
+    seen_preemptions: dict[str, int] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        run.step_s.append(time.perf_counter() - step_start)
+        for out in outputs:
+            if out.finished:
+                run.tokens[int(out.request_id)] = list(out.outputs[0].token_ids)
+        run.running.append(len(scheduler.running))
+        run.free_blocks.append(pool.get_num_free_blocks())
+        for req_id, request in scheduler.requests.items():
+            seen_preemptions[req_id] = request.num_preemptions
+        for req_id, blocks in manager.req_to_blocks.items():
+            ids = {b.block_id for b in blocks if not b.is_null}
+            run.held_blocks.setdefault(_external(req_id), set()).update(ids)
+    run.wall_s = time.perf_counter() - start
+    run.preemptions = sum(seen_preemptions.values())
+    planner = getattr(scheduler, "cold", None)
+    if planner is not None:
+        run.planner = dict(planner.trace)
+        run.released = {_external(req_id): off.physical for req_id, off in planner.released_history.items()}
+    return run
