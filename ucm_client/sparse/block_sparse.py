@@ -59,9 +59,12 @@ class BlockResolver(Protocol):
 
     def is_cold(self, request_id: str) -> bool: ...
 
-    def resolve(
-        self, request_id: str, layer_idx: int, logical: torch.Tensor, physical: torch.Tensor
-    ) -> torch.Tensor: ...
+    def resolve_rows(
+        self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Per row ``(request id, selected logical blocks, the row's physical blocks)``: the physical
+        blocks the kernel reads for that selection, in order."""
+        ...
 
 
 class BlockSparseSpec(Protocol):
@@ -384,6 +387,7 @@ class BlockSparseMethod(UcmSparseBase):
         seq_lens = meta.seq_lens.tolist()
         new_table: torch.Tensor | None = None
         new_lens: torch.Tensor | None = None
+        selections: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
         pending = self._pending_features[spec.layer_idx] = []
         for row, row_key in enumerate(meta.row_keys):
             self._rows_seen.add(row_key)
@@ -418,12 +422,21 @@ class BlockSparseMethod(UcmSparseBase):
                 new_table = meta.block_table.clone()
                 new_lens = meta.seq_lens.clone()
             assert new_lens is not None
-            resolver = self.block_resolver
-            new_table[row, : sel.numel()] = (
-                blocks[sel] if resolver is None else resolver.resolve(row_key, spec.layer_idx, sel, blocks)
-            )
+            selections.append((row, row_key, sel, blocks))
             new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
             self.stats["sparse_rows"] += 1
+        if new_table is not None:
+            # All rows' selections at once: a resolver that loads blocks does it in one batched task.
+            resolver = self.block_resolver
+            physical = (
+                [blocks[sel] for _, _, sel, blocks in selections]
+                if resolver is None
+                else resolver.resolve_rows(
+                    spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
+                )
+            )
+            for (row, _, sel, _), ids in zip(selections, physical, strict=True):
+                new_table[row, : sel.numel()] = ids
         return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
 
     def _row_state(self, row_key: str, layer_idx: int, blocks: torch.Tensor) -> DecodeState:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,42 +94,47 @@ class ColdKVWorker:
     def is_cold(self, request_id: str) -> bool:
         return request_id in self._cold
 
-    def resolve(
-        self, request_id: str, layer_idx: int, logical: torch.Tensor, physical: torch.Tensor
-    ) -> torch.Tensor:
-        """Physical blocks for the selected ``logical`` blocks; cold ones are loaded into scratch first."""
-        out = physical[logical]
-        req = self._cold.get(request_id)
-        if req is None:
-            return out
-        wanted = [(i, b) for i, b in enumerate(logical.tolist()) if req.first <= b < req.last]
-        if len(wanted) > len(req.scratch):
-            raise SparseInputError(
-                f"request {request_id} layer {layer_idx} selected {len(wanted)} cold blocks, "
-                f"but it has {len(req.scratch)} scratch blocks"
-            )
-        held = req.held.setdefault(layer_idx, {})
-        where = {b: slot for slot, b in held.items()}
-        need = {b for _, b in wanted} - set(where)
-        free = iter(s for s in range(len(req.scratch)) if held.get(s) not in {b for _, b in wanted})
-        loads = [(next(free), b) for b in sorted(need)]
-        self._load(request_id, layer_idx, [(req.scratch[slot], b) for slot, b in loads])
-        for slot, b in loads:
-            held[slot] = b
-            where[b] = slot
-        self.stats["reused_pages"] += len(wanted) - len(loads)
-        for i, b in wanted:
-            out[i] = req.scratch[where[b]]
+    def resolve_rows(
+        self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Physical blocks per row's selection; every row's cold blocks are loaded in one task first."""
+        out = [physical[logical] for _, logical, physical in rows]
+        loads: list[tuple[str, int, int]] = []  # (request, logical block, scratch block)
+        placed: list[tuple[int, int, int]] = []  # (row, position in the selection, scratch block)
+        for row, (request_id, logical, _) in enumerate(rows):
+            req = self._cold.get(request_id)
+            if req is None:
+                continue
+            wanted = [(i, b) for i, b in enumerate(logical.tolist()) if req.first <= b < req.last]
+            if len(wanted) > len(req.scratch):
+                raise SparseInputError(
+                    f"request {request_id} layer {layer_idx} selected {len(wanted)} cold blocks, "
+                    f"but it has {len(req.scratch)} scratch blocks"
+                )
+            held = req.held.setdefault(layer_idx, {})
+            where = {b: slot for slot, b in held.items()}
+            chosen = {b for _, b in wanted}
+            free = iter(s for s in range(len(req.scratch)) if held.get(s) not in chosen)
+            need = sorted(chosen - set(where))
+            for b in need:
+                slot = next(free)
+                held[slot], where[b] = b, slot
+                loads.append((request_id, b, req.scratch[slot]))
+            self.stats["loaded_pages"] += len(need)
+            self.stats["reused_pages"] += len(wanted) - len(need)
+            placed.extend((row, i, req.scratch[where[b]]) for i, b in wanted)
+        self._load(layer_idx, loads)
+        for row, i, scratch in placed:
+            out[row][i] = scratch
         return out
 
-    def _load(self, request_id: str, layer_idx: int, targets: list[tuple[int, int]]) -> None:
+    def _load(self, layer_idx: int, loads: list[tuple[str, int, int]]) -> None:
         cache = self.caches[layer_idx]
-        for start in range(0, len(targets), STAGING_BLOCKS):
-            batch = targets[start : start + STAGING_BLOCKS]
-            self._run("load", [cold_block_key(self._nonce, request_id, layer_idx, b) for _, b in batch])
-            for slot, (scratch, _) in enumerate(batch):
+        for start in range(0, len(loads), STAGING_BLOCKS):
+            batch = loads[start : start + STAGING_BLOCKS]
+            self._run("load", [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in batch])
+            for slot, (_, _, scratch) in enumerate(batch):
                 cache[scratch].copy_(self._page(slot))
-        self.stats["loaded_pages"] += len(targets)
 
     # ------------------------------------------------------------ plumbing
     def _page(self, slot: int) -> torch.Tensor:
