@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.coldkv_engine import ConcurrencyRun, run_long_requests
-from tests.support.sparse_engine import run_vllm_script
+from tests.support.coldkv_engine import SCHEDULER_CLS, ConcurrencyRun, run_long_requests, sparse_settings
+from tests.support.sparse_engine import in_process_engine_env, run_vllm_script
 from ucm_client import UcmClient
 from ucm_client.sparse.coldkv import ColdKVConfig
 from ucm_client.sparse.errors import SparseInputError
@@ -176,3 +176,23 @@ def test_cold_kv_across_vllm_processes(runs: dict[str, Any], daemon: DaemonProce
     assert after.lookup_keys - before.lookup_keys >= 2 * COLD_PER_REQUEST * LAYERS
     hits = sum(t.hits for t in after.tiers) - sum(t.hits for t in before.tiers)
     assert hits > 0, (before.tiers, after.tiers)
+
+
+def test_cold_scheduler_without_cold_kv_is_refused(runs: dict[str, Any]) -> None:
+    # ColdKVScheduler configured but the connector has no cold_kv entry: the engine refuses to start,
+    # naming what is missing, instead of running with every block resident.
+    from vllm import LLM
+
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
+
+    with in_process_engine_env(), pytest.raises(Exception, match="cold_kv entry"):
+        LLM(
+            model=str(runs["sparse"].model),
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=1536,
+            block_size=BLOCK,
+            num_gpu_blocks_override=NUM_BLOCKS,
+            scheduler_cls=SCHEDULER_CLS,
+            kv_transfer_config=kv_transfer_config(sparse_settings(0.2)),
+        )

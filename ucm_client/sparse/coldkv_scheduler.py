@@ -173,6 +173,12 @@ class ColdKVScheduler(Scheduler):
             raise SparseInputError(
                 "ColdKVScheduler needs kv_transfer_config with UcmSparseConnector and a cold_kv entry"
             )
+        if self.parallel_config.world_size != 1:
+            # Keys carry no rank: two workers would overwrite each other's shard of a block.
+            raise SparseInputError(
+                f"cold KV supports one worker (tensor and pipeline parallel size 1), this engine has "
+                f"{self.parallel_config.world_size}"
+            )
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1:
             raise SparseInputError(f"cold KV supports one KV cache group, this model has {len(managers)}")
