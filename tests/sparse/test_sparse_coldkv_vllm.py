@@ -182,17 +182,57 @@ def test_cold_scheduler_without_cold_kv_is_refused(runs: dict[str, Any]) -> None
     # ColdKVScheduler configured but the connector has no cold_kv entry: the engine refuses to start,
     # naming what is missing, instead of running with every block resident.
     from vllm import LLM
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
     from ucm_client.sparse.vllm_connector import kv_transfer_config
 
     with in_process_engine_env(), pytest.raises(Exception, match="cold_kv entry"):
-        LLM(
-            model=str(runs["sparse"].model),
-            enforce_eager=True,
-            dtype="float32",
-            max_model_len=1536,
+        try:
+            LLM(
+                model=str(runs["sparse"].model),
+                enforce_eager=True,
+                dtype="float32",
+                max_model_len=1536,
+                block_size=BLOCK,
+                num_gpu_blocks_override=NUM_BLOCKS,
+                scheduler_cls=SCHEDULER_CLS,
+                kv_transfer_config=kv_transfer_config(sparse_settings(0.2)),
+            )
+        finally:
+            # The half-built engine's worker connector is a process global in vLLM: drop it, or the
+            # next in-process engine would reuse it.
+            ensure_kv_transfer_shutdown()
+
+
+def test_preempted_offloaded_request_restarts_cleanly(runs: dict[str, Any], daemon: DaemonProcess) -> None:
+    # Sized so vLLM must preempt: the first request (1,278 tokens) is offloaded, the second (1,590
+    # tokens, 50 blocks) then takes every free block, and at the next step the first needs a new
+    # block before the second's cold blocks are durable, so vLLM preempts the second (recompute).
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (1278, 1590)]
+    models = runs["sparse"].model.parent
+
+    def run(batch: list[list[int]], target: str | None, max_tokens: int) -> ConcurrencyRun:
+        return run_long_requests(
+            models,
+            batch,
+            num_blocks=NUM_BLOCKS,
             block_size=BLOCK,
-            num_gpu_blocks_override=NUM_BLOCKS,
-            scheduler_cls=SCHEDULER_CLS,
-            kv_transfer_config=kv_transfer_config(sparse_settings(0.2)),
+            ratio=0.2,
+            cold_target=target,
+            layers=LAYERS,
+            max_tokens=max_tokens,
+            max_model_len=(NUM_BLOCKS - 1) * BLOCK,
         )
+
+    cold = run(prompts, daemon.target, 16)
+    assert cold.preemptions == 1, (cold.running, cold.free_blocks)
+    assert 0 in cold.free_blocks and cold.max_running == 2
+    assert cold.planner["dumps"] == 2 and cold.planner["dropped"] == 2  # dumped again after resuming
+    assert cold.free_blocks[-1] == NUM_BLOCKS - 1  # no scratch block leaked through the preemption
+    # vLLM resumes a preempted request by prefilling prompt + generated tokens, and prefill attends
+    # densely: the exact expectation is sparse-without-offload of that longer prompt.
+    resumed_prompt = prompts[1] + cold.tokens[1][:1]
+    alone = run([prompts[0], resumed_prompt], None, 16)
+    assert cold.tokens[0] == alone.tokens[0]
+    assert cold.tokens[1][1:] == alone.tokens[1][:15]
