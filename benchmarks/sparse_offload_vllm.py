@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(
         [
             f"{args.requests} requests × {args.prompt_tokens} prompt tokens + {args.max_tokens} generated, "
-            f"block {args.block}, ESA at {args.ratio:.0%} budget; *a / b* = without / with offload.",
+            f"block {args.block}, ESA at {args.ratio:.0%} budget; *a / b* = without / with offload; "
+            "*wall s*: the whole step loop on a shared 2-core machine (noisy).",
             "",
             "| KV blocks | blocks per request | max concurrent without offload | with offload | gain "
             "| identical tokens | preemptions | engine steps | wall s | blocks freed "
