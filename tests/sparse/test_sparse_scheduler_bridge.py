@@ -60,11 +60,17 @@ def test_shared_prefix_requests_are_told_apart_by_the_block_they_write() -> None
     assert meta.requests["a"].retrieve is False  # stride 2: step 0 retrieved, step 1 reuses
 
 
-def test_resumed_request_replaces_its_blocks_and_finished_ones_are_forwarded() -> None:
+def test_resumed_request_replaces_its_blocks_restarts_and_finished_ones_are_forwarded() -> None:
     bridge = _bridge()
     bridge.build(_out([_new("a", [1, 2], 0, 6)], [], {"a": 6}))
     meta = bridge.build(_out([], [("a", [5, 6], 0)], {"a": 7}, resumed={"a"}))
     assert dict(meta.write_blocks) == {6: "a"}  # not 2: the old list was replaced
+    # Preempted and recomputed from scratch: its sparse state starts over on both sides (the worker
+    # drops it like a finished request's; the retrieval count restarts, so step 0 retrieves again).
+    assert meta.finished == frozenset({"a"}) and bridge.trace["request_restarted"] == 1
+    assert meta.requests["a"].retrieve is True
+    meta = bridge.build(_out([], [("a", None, 7)], {"a": 1}))
+    assert meta.requests["a"].retrieve is False and meta.finished == frozenset()
     meta = bridge.build(_out([], [], {}, finished={"a"}))
     assert meta.finished == frozenset({"a"}) and not bridge.tracked()
     assert bridge.trace["request_finished_in_scheduler"] == 1

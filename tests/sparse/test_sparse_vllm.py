@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import sparse_llm
+from tests.support.sparse_engine import run_vllm_script, sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -207,36 +205,16 @@ if __name__ == "__main__":
 
 def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) -> None:
     # vLLM's default mode: engine core and worker in their own processes, where only the
-    # `vllm.general_plugins` entry point can register the backend. The entry point is installed as
-    # a real dist-info on PYTHONPATH, exactly as `pip install` of the pyproject lines would do.
-    dist = tmp_path / "site" / "ucm_sparse_plugin-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nucm_sparse = ucm_client.sparse.vllm_plugin:register\n"
-    )
-    script = tmp_path / "run.py"
-    script.write_text(_MP_SCRIPT)
+    # `vllm.general_plugins` entry point can register the backend.
     trace, out = tmp_path / "trace.json", tmp_path / "out.json"
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(root)]),
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
+    run_vllm_script(
+        tmp_path,
+        _MP_SCRIPT,
+        [str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],
+        timeout_s=240,
         UCM_SPARSE_TRACE=str(trace),
+        **{ENV_VAR: json.dumps({"ESA": {"sparse_ratio": 1.0}})},
     )
-    env[ENV_VAR] = json.dumps({"ESA": {"sparse_ratio": 1.0}})
-    proc = subprocess.run(
-        [sys.executable, str(script), str(engine.ucm_model_path), json.dumps(PROMPTS), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     hooks = json.loads(trace.read_text())
     assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
     assert hooks["hooks"]["bind_step_meta:-1"] >= 12  # scheduler metadata crossed into the worker

@@ -9,6 +9,8 @@ sparse config's path).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +18,66 @@ from typing import Any
 
 from tests.support.tiny_llama import build_tiny_llama
 
-__all__ = ["sparse_llm"]
+__all__ = ["in_process_engine_env", "run_vllm_script", "sparse_llm"]
+
+
+@contextmanager
+def in_process_engine_env(**extra: str) -> Iterator[None]:
+    """Environment for a CPU engine in this process (restored after), with the sparse backend registered
+    and no runtime left from a previous engine."""
+    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    wanted.update(extra)
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    from ucm_client.sparse import vllm_plugin, vllm_runtime
+
+    vllm_plugin.register()
+    vllm_runtime.reset_runtime()
+    try:
+        yield
+    finally:
+        vllm_runtime.reset_runtime()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_vllm_script(workdir: Path, script: str, argv: list[str], *, timeout_s: float, **env: str) -> None:
+    """Run ``script`` (Python source) in a fresh interpreter whose vLLM spawns engine core and worker.
+
+    There only the ``vllm.general_plugins`` entry point can register the sparse backend, so it is
+    installed as a real dist-info under ``site`` (on PYTHONPATH), as ``pip install`` of the
+    pyproject's lines would do.
+    """
+    site = workdir / "site"
+    dist = site / "ucm_sparse_plugin-0.1.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ucm-sparse-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nucm_sparse = ucm_client.sparse.vllm_plugin:register\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    full_env = dict(os.environ)
+    full_env.update(
+        PYTHONPATH=os.pathsep.join([str(site), str(root)]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        **env,
+    )
+    path = workdir / "run.py"
+    path.write_text(script)
+    proc = subprocess.run(
+        [sys.executable, str(path), *argv],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @contextmanager
@@ -24,18 +85,12 @@ def sparse_llm(
     models_dir: Path, *, layers: int, block_size: int, env: dict[str, str] | None = None, **llm_kwargs: Any
 ) -> Iterator[Any]:
     """Yield an ``LLM`` with ``ucm_runtime`` (the runtime it built) and ``ucm_model_path`` attached."""
-    wanted = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    wanted.update(env or {})
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
+    with in_process_engine_env(**(env or {})):
+        from vllm import LLM
 
-    vllm_plugin.register()
-    vllm_runtime.reset_runtime()
-    from vllm import LLM
+        from ucm_client.sparse import vllm_runtime
 
-    model = build_tiny_llama(models_dir, layers=layers)
-    try:
+        model = build_tiny_llama(models_dir, layers=layers)
         llm = LLM(
             model=str(model),
             enforce_eager=True,
@@ -49,10 +104,3 @@ def sparse_llm(
         llm.ucm_model_path = model
         yield llm
         del llm
-    finally:
-        vllm_runtime.reset_runtime()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

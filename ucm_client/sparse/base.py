@@ -81,7 +81,8 @@ class SparseMeta:
     request only, even when prefix caching shares every block before it (a row's *first* block is
     shared by every request with the same prefix, so it cannot name a request)."""
     finished: frozenset[str] = frozenset()
-    """Requests the scheduler finished since the last step; workers drop their state."""
+    """Requests the scheduler finished since the last step, or resumed after a preemption (their KV is
+    recomputed from scratch); workers drop their state."""
     custom: Any = None
     """What a seed-form method's ``build_sparse_meta`` returned (any object; see ``seed_form``)."""
 

@@ -29,6 +29,7 @@ from ucm_client.sparse.base import (
     UcmSparseRole,
 )
 from ucm_client.sparse.config import BlockBudget
+from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.kernels import (
     aggregate_heads,
     blocks_to_tokens,
@@ -40,7 +41,31 @@ from ucm_client.sparse.kernels import (
 )
 from ucm_client.sparse.paged import read_request_kv
 
-__all__ = ["BlockSparseMethod", "BlockSparseSpec", "ChannelMajorFeatures", "DecodeResult", "DecodeState"]
+__all__ = [
+    "BlockResolver",
+    "BlockSparseMethod",
+    "BlockSparseSpec",
+    "ChannelMajorFeatures",
+    "DecodeResult",
+    "DecodeState",
+]
+
+
+class BlockResolver(Protocol):
+    """Where a selected block's KV is for the kernel, when some blocks live outside vLLM's cache.
+
+    Cold KV (:class:`~ucm_client.sparse.coldkv_worker.ColdKVWorker`) implements it: a request's cold
+    blocks are loaded into its scratch blocks and the table points there instead.
+    """
+
+    def is_cold(self, request_id: str) -> bool: ...
+
+    def resolve_rows(
+        self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """Per row ``(request id, selected logical blocks, the row's physical blocks)``: the physical
+        blocks the kernel reads for that selection, in order."""
+        ...
 
 
 class BlockSparseSpec(Protocol):
@@ -90,6 +115,9 @@ class BlockSparseMethod(UcmSparseBase):
     spec: BlockSparseSpec
     prebuild_features = True
     """Feature blocks as prefill and decode fill them (False: only when a retrieval needs them)."""
+    block_resolver: BlockResolver | None = None
+    """Set by cold KV: maps selected logical blocks to where their KV is this layer (``None``: the row's
+    own blocks)."""
 
     def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
         super().__init__(role, config, min_seq_len=min_seq_len)
@@ -363,6 +391,7 @@ class BlockSparseMethod(UcmSparseBase):
         seq_lens = meta.seq_lens.tolist()
         new_table: torch.Tensor | None = None
         new_lens: torch.Tensor | None = None
+        selections: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
         pending = self._pending_features[spec.layer_idx] = []
         for row, row_key in enumerate(meta.row_keys):
             self._rows_seen.add(row_key)
@@ -376,6 +405,11 @@ class BlockSparseMethod(UcmSparseBase):
             read_keys = self._paged_reader(cache, spec, blocks)
             pending.append((state, n, read_keys))  # feature new full blocks once written
             if qsl[row + 1] - qsl[row] != 1 or self._budget.num_kept(num_blocks) >= num_blocks:
+                if self.block_resolver is not None and self.block_resolver.is_cold(row_key):
+                    raise SparseInputError(
+                        f"request {row_key} has cold blocks in the daemon but its step at layer "
+                        f"{spec.layer_idx} would attend densely (stale block ids)"
+                    )
                 self.stats["dense_rows"] += 1
                 continue  # prefill, or the budget covers everything: dense
             row_meta = self._step_meta.requests.get(row_key) if self._step_meta else None
@@ -394,9 +428,21 @@ class BlockSparseMethod(UcmSparseBase):
                 new_table = meta.block_table.clone()
                 new_lens = meta.seq_lens.clone()
             assert new_lens is not None
-            new_table[row, : sel.numel()] = blocks[sel]
+            selections.append((row, row_key, sel, blocks))
             new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
             self.stats["sparse_rows"] += 1
+        if new_table is not None:
+            # All rows' selections at once: a resolver that loads blocks does it in one batched task.
+            resolver = self.block_resolver
+            physical = (
+                [blocks[sel] for _, _, sel, blocks in selections]
+                if resolver is None
+                else resolver.resolve_rows(
+                    spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
+                )
+            )
+            for (row, _, sel, _), ids in zip(selections, physical, strict=True):
+                new_table[row, : sel.numel()] = ids
         return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
 
     def _row_state(self, row_key: str, layer_idx: int, blocks: torch.Tensor) -> DecodeState:

@@ -46,6 +46,8 @@ class SparseSchedulerBridge:
         self.method = method
         self.block_size = block_size
         self._blocks: dict[str, list[int]] = {}
+        self._prompts: dict[str, list[int]] = {}
+        """Prompt of each tracked request, to begin it again when vLLM resumes it after preemption."""
         self.trace: Counter[str] = Counter()
         """Hook calls, by hook name (what the tests read)."""
 
@@ -56,17 +58,27 @@ class SparseSchedulerBridge:
             self.finish(req_id)
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            self.method.request_begin(new.req_id, list(new.prompt_token_ids or ()))
+            self._prompts[new.req_id] = list(new.prompt_token_ids or ())
+            self.method.request_begin(new.req_id, self._prompts[new.req_id])
             self.trace["request_begin"] += 1
             self._blocks[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
             computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        restarted: set[str] = set()
         for i, req_id in enumerate(cached.req_ids):
             groups = cached.new_block_ids[i]
             new_ids = list(groups[0]) if groups else []
             if req_id in resumed or req_id not in self._blocks:
                 self._blocks[req_id] = new_ids  # a resumed request's list replaces the old one
+                if req_id in resumed and req_id in self._prompts:
+                    # Preempted, now recomputed from scratch: its sparse state starts over on both
+                    # sides (retrieval steps counted from here, features of the new KV), exactly as
+                    # for a request that never was preempted.
+                    self.method.request_finished_in_scheduler(req_id)
+                    self.method.request_begin(req_id, self._prompts[req_id])
+                    self.trace["request_restarted"] += 1
+                    restarted.add(req_id)
             else:
                 self._blocks[req_id].extend(new_ids)
             computed[req_id] = cached.num_computed_tokens[i]
@@ -83,10 +95,11 @@ class SparseSchedulerBridge:
                 write_blocks[blocks[last]] = req_id
         meta = self.method.build_sparse_meta(scheduler_output, scheduled, {})
         self.trace["build_sparse_meta"] += 1
-        return dataclasses.replace(meta, write_blocks=write_blocks, finished=finished)
+        return dataclasses.replace(meta, write_blocks=write_blocks, finished=finished | restarted)
 
     def finish(self, request_id: str) -> None:
         """The request left the scheduler (finished or aborted); idempotent."""
+        self._prompts.pop(request_id, None)
         if self._blocks.pop(request_id, None) is not None:
             self.method.request_finished_in_scheduler(request_id)
             self.trace["request_finished_in_scheduler"] += 1

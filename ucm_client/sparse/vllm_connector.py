@@ -11,6 +11,10 @@ no-op. Configure it as::
                         "kv_role": "kv_both",
                         "kv_connector_extra_config": {"ucm_sparse_config": {...}}}
 
+With a ``cold_kv`` entry in the extra config (and ``scheduler_cls`` set to
+:class:`~ucm_client.sparse.coldkv_scheduler.ColdKVScheduler`) it also carries the cold-KV orders: long
+requests' cold blocks go to ``ucm-server`` and leave vLLM's block pool (:mod:`ucm_client.sparse.coldkv`).
+
 With it, worker state is keyed by request id (prefix caching and parallel sampling are safe) and
 finished requests are dropped as the scheduler finishes them. Without it, the backend falls back to
 keying rows by their first physical block, which is wrong whenever requests share a prefix; to use
@@ -31,23 +35,42 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_client.sparse.base import SparseMeta, UcmSparseRole
-from ucm_client.sparse.config import load_sparse_config
+from ucm_client.sparse.block_sparse import BlockSparseMethod
+from ucm_client.sparse.coldkv import ColdKVConfig, ColdKVStepMeta, ColdStepPlanner
+from ucm_client.sparse.coldkv_worker import ColdKVWorker
+from ucm_client.sparse.config import BlockBudget, load_sparse_config
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.scheduler_bridge import SparseSchedulerBridge
 from ucm_client.sparse.vllm_runtime import worker_runtime
 
-__all__ = ["SparseConnectorMetadata", "UcmSparseConnector", "kv_transfer_config", "scheduler_bridge"]
+__all__ = [
+    "SparseConnectorMetadata",
+    "UcmSparseConnector",
+    "cold_worker",
+    "kv_transfer_config",
+    "scheduler_bridge",
+]
 
 _BRIDGE: SparseSchedulerBridge | None = None
+_COLD_WORKER: ColdKVWorker | None = None
 
 
-def kv_transfer_config(ucm_sparse_config: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` that loads this connector with ``ucm_sparse_config``."""
+def kv_transfer_config(
+    ucm_sparse_config: Mapping[str, Any], cold_kv: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` that loads this connector with ``ucm_sparse_config``.
+
+    ``cold_kv`` (see :class:`~ucm_client.sparse.coldkv.ColdKVConfig`) also needs
+    ``scheduler_cls=ucm_client.sparse.coldkv_scheduler.ColdKVScheduler``.
+    """
+    extra: dict[str, Any] = {"ucm_sparse_config": dict(ucm_sparse_config)}
+    if cold_kv is not None:
+        extra["cold_kv"] = dict(cold_kv)
     return {
         "kv_connector": "UcmSparseConnector",
         "kv_connector_module_path": __name__,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"ucm_sparse_config": dict(ucm_sparse_config)},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -56,11 +79,17 @@ def scheduler_bridge() -> SparseSchedulerBridge | None:
     return _BRIDGE
 
 
+def cold_worker() -> ColdKVWorker | None:
+    """The cold-KV worker of the connector registered last in this process (tests read its stats)."""
+    return _COLD_WORKER
+
+
 @dataclass(slots=True)
 class SparseConnectorMetadata(KVConnectorMetadata):
     """One step's sparse metadata (``None`` when sparse attention is off)."""
 
     sparse: SparseMeta | None
+    cold: ColdKVStepMeta | None = None
 
 
 class UcmSparseConnector(KVConnectorBase_V1):
@@ -70,15 +99,29 @@ class UcmSparseConnector(KVConnectorBase_V1):
         global _BRIDGE
         super().__init__(vllm_config, role, kv_cache_config)
         self._bridge: SparseSchedulerBridge | None = None
+        self._cold_planner: ColdStepPlanner | None = None
+        self._cold_worker: ColdKVWorker | None = None
+        raw_extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra = dict(raw_extra) if raw_extra else None
+        self.cold_config = ColdKVConfig.from_extra(extra)
+        """The ``cold_kv`` setting (``None``: every block stays in vLLM's cache)."""
         if role is KVConnectorRole.SCHEDULER:
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            config = load_sparse_config(dict(extra) if extra else None)
+            config = load_sparse_config(extra)
             if config is not None and config.enabled:
                 method = UcmSparseFactory.from_config(config, UcmSparseRole.SCHEDULER)
                 self._bridge = SparseSchedulerBridge(method, int(vllm_config.cache_config.block_size))
             _BRIDGE = self._bridge
 
     # ------------------------------------------------------------ scheduler
+    def sparse_budget(self) -> BlockBudget | None:
+        """The block budget of the configured method, if it is block-sparse (what cold KV sizes by)."""
+        method = None if self._bridge is None else self._bridge.method
+        return method.spec.budget() if isinstance(method, BlockSparseMethod) else None
+
+    def attach_cold_planner(self, planner: ColdStepPlanner) -> None:
+        """Called by :class:`~ucm_client.sparse.coldkv_scheduler.ColdKVScheduler` once it is built."""
+        self._cold_planner = planner
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
@@ -87,7 +130,8 @@ class UcmSparseConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         sparse = None if self._bridge is None else self._bridge.build(scheduler_output)
-        return SparseConnectorMetadata(sparse)
+        cold = None if self._cold_planner is None else self._cold_planner.step_meta(scheduler_output)
+        return SparseConnectorMetadata(sparse, cold)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._bridge is not None:
@@ -95,11 +139,38 @@ class UcmSparseConnector(KVConnectorBase_V1):
         return False, None
 
     # ------------------------------------------------------------ worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        global _COLD_WORKER
+        if self.cold_config is not None:
+            if _COLD_WORKER is not None:  # a previous engine of this process that was not shut down
+                _COLD_WORKER.close()
+            _COLD_WORKER = self._cold_worker = ColdKVWorker(self.cold_config, kv_caches)
+
+    def shutdown(self) -> None:
+        """Release the cold-KV worker's daemon client and staging buffer (the worker's shutdown)."""
+        global _COLD_WORKER
+        worker, self._cold_worker = self._cold_worker, None
+        if worker is not None:
+            worker.close()
+            if _COLD_WORKER is worker:
+                _COLD_WORKER = None
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         runtime = worker_runtime()
-        if runtime is not None and isinstance(connector_metadata, SparseConnectorMetadata):
+        if not isinstance(connector_metadata, SparseConnectorMetadata):
+            return
+        if runtime is not None:
             runtime.bind_step_meta(connector_metadata.sparse)
+        cold = connector_metadata.cold
+        if cold is not None:
+            if _COLD_WORKER is None:
+                raise RuntimeError("cold KV metadata arrived before the worker registered its KV caches")
+            if cold.releases and (runtime is None or not isinstance(runtime.method, BlockSparseMethod)):
+                raise RuntimeError("cold KV released blocks, but this worker runs no block-sparse method")
+            _COLD_WORKER.apply(cold)
+            if runtime is not None and isinstance(runtime.method, BlockSparseMethod):
+                runtime.method.block_resolver = _COLD_WORKER
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

@@ -142,7 +142,23 @@ def verify_patches() -> list[HookStatus]:
             )
         )
     rows.append(
-        HookStatus("estimate_num_slots_sparsed", False, "vLLM 0.32 allocates every block; no scheduler hook")
+        HookStatus(
+            "estimate_num_slots_sparsed",
+            False,
+            "vLLM 0.32 allocates every block; no scheduler hook (cold KV frees cold blocks after prefill)",
+        )
+    )
+    from ucm_client.sparse.vllm_connector import cold_worker
+
+    cold = cold_worker()
+    rows.append(
+        HookStatus(
+            "cold KV in ucm-server",
+            cold is not None,
+            f"worker bound to {cold.config.target}: selected cold blocks load into scratch blocks"
+            if cold is not None
+            else "off: set scheduler_cls=ColdKVScheduler and cold_kv in the connector's extra config",
+        )
     )
     rows.append(HookStatus("ReRoPE rotary embedding", False, "vLLM 0.32 has no rotary hook without patching"))
     rows.append(
