@@ -371,11 +371,12 @@ class Engine:
             check_digests(digests)
         await self.expiry.due()  # an expired block is never answered present
         sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
-        present = bytes(map(operator.is_not, sizes, repeat(None)))  # C-level: one byte per key, 0 or 1
-        prefix = present.find(0)
-        if prefix < 0:
-            prefix = len(present)
-        hits = present.count(1)
+        if None not in sizes:  # all found (a repeated prompt): no per-key pass at all
+            present, prefix, hits = b"\x01" * len(sizes), len(sizes), len(sizes)
+        else:
+            present = bytes(map(operator.is_not, sizes, repeat(None)))  # C-level: a byte per key, 0 or 1
+            prefix = present.find(0)
+            hits = present.count(1)
         self.lookups += 1
         self.lookup_keys += len(digests)
         self.lookup_hits += hits
