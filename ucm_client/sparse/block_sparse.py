@@ -33,6 +33,7 @@ from ucm_client.sparse.kernels import (
     aggregate_heads,
     blocks_to_tokens,
     group_query,
+    norm_shrink,
     per_head_sparse_attention,
     select_blocks,
     select_blocks_per_head,
@@ -454,3 +455,23 @@ class ChannelMajorFeatures(BlockSparseMethod):
 
     def _kv_heads(self, features: torch.Tensor) -> int:
         return int(features.shape[0])
+
+    @staticmethod
+    def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Each featured token's :func:`~ucm_client.sparse.kernels.norm_shrink` factor ``[H, n]``.
+
+        Squared norms are kept in ``state.aux`` and extended only by the tokens featured since the
+        last retrieval, and the factors are recomputed only when tokens were featured (the median
+        moves only then), so most retrievals read them instead of recomputing them.
+        """
+        n = features.shape[-1]
+        shrink = state.aux.get("shrink")
+        if shrink is not None and shrink.shape[-1] == n:
+            return shrink  # no token featured since: the median and every factor stand
+        cached = state.aux.get("sq_norms")
+        if cached is None or cached.shape[-1] > n:
+            cached = features.new_empty(features.shape[0], 0, dtype=torch.float32)
+        tail = features[:, :, cached.shape[-1] :].float().square().sum(dim=1)
+        state.aux["sq_norms"] = cached = torch.cat([cached, tail], dim=-1)
+        state.aux["shrink"] = shrink = norm_shrink(cached)
+        return shrink
