@@ -72,3 +72,17 @@ def test_a_loud_orthogonal_block_does_not_outscore_a_needle() -> None:
     raw = channel_token_max(q, cm, 16, BLOCK, torch.ones(1, n))[0, 0]
     assert int(raw.argmax()) == 6  # negative control: unshrunk, the loud block wins
     assert int(shrunk.argmax()) == 3
+
+
+def test_query_group_scored_in_one_pass_equals_one_query_at_a_time() -> None:
+    gen = torch.Generator().manual_seed(2)
+    n, dim = BLOCK * 16, 32
+    cm = torch.randn(2, dim, n, generator=gen).to(torch.float16)
+    shrink = norm_shrink(cm.float().square().sum(dim=1))
+    group = torch.randn(4, 2, dim, generator=gen)  # 4 x 16 channels >= 32: the one-pass branch
+    together = channel_token_max(group, cm, 16, BLOCK, shrink)
+    alone = torch.cat([channel_token_max(group[i : i + 1], cm, 16, BLOCK, shrink) for i in range(4)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-4)
+    # negative control: all channels instead of each query's 16 give other scores
+    full = channel_token_max(group[:1], cm, dim, BLOCK, shrink)
+    assert not torch.allclose(full, alone[:1], rtol=1e-3, atol=1e-3)
