@@ -150,11 +150,15 @@ class BlockSparseMethod(UcmSparseBase):
                 else self._append_features(state.features, new_features)
             )
             state.features_blocks = full
+            self._features_added(state, new_features)
         return state.features_blocks
 
     def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Features of blocks that filled since, after the cached ones (block-major by default)."""
         return torch.cat([old, new])
+
+    def _features_added(self, state: DecodeState, new: torch.Tensor) -> None:
+        """Derive what a retrieval will need from blocks just featured (at prefill, as blocks fill)."""
 
     def _queries_for_retrieval(self, state: DecodeState) -> torch.Tensor:
         """The queries retrieval scores against: by default only the newest."""
@@ -455,6 +459,16 @@ class ChannelMajorFeatures(BlockSparseMethod):
 
     def _kv_heads(self, features: torch.Tensor) -> int:
         return int(features.shape[0])
+
+    def _features_added(self, state: DecodeState, new: torch.Tensor) -> None:
+        # Squared norms as blocks are featured, so the first retrieval does not compute them for
+        # the whole context (measured: +136 ms on the first decode step at 32k, D 128).
+        cached = state.aux.get("sq_norms")
+        assert state.features is not None
+        if cached is not None and cached.shape[-1] + new.shape[-1] == state.features.shape[-1]:
+            state.aux["sq_norms"] = torch.cat([cached, new.float().square().sum(dim=1)], dim=-1)
+        elif cached is None and new.shape[-1] == state.features.shape[-1]:
+            state.aux["sq_norms"] = new.float().square().sum(dim=1)
 
     @staticmethod
     def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
