@@ -32,6 +32,7 @@ from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.kernels import (
     aggregate_heads,
     blocks_to_tokens,
+    channel_squared_norms,
     group_query,
     norm_shrink,
     per_head_sparse_attention,
@@ -466,9 +467,9 @@ class ChannelMajorFeatures(BlockSparseMethod):
         cached = state.aux.get("sq_norms")
         assert state.features is not None
         if cached is not None and cached.shape[-1] + new.shape[-1] == state.features.shape[-1]:
-            state.aux["sq_norms"] = torch.cat([cached, new.float().square().sum(dim=1)], dim=-1)
+            state.aux["sq_norms"] = torch.cat([cached, channel_squared_norms(new)], dim=-1)
         elif cached is None and new.shape[-1] == state.features.shape[-1]:
-            state.aux["sq_norms"] = new.float().square().sum(dim=1)
+            state.aux["sq_norms"] = channel_squared_norms(new)
 
     @staticmethod
     def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
@@ -485,7 +486,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
         cached = state.aux.get("sq_norms")
         if cached is None or cached.shape[-1] > n:
             cached = features.new_empty(features.shape[0], 0, dtype=torch.float32)
-        tail = features[:, :, cached.shape[-1] :].float().square().sum(dim=1)
+        tail = channel_squared_norms(features[:, :, cached.shape[-1] :])
         state.aux["sq_norms"] = cached = torch.cat([cached, tail], dim=-1)
         state.aux["shrink"] = shrink = norm_shrink(cached)
         return shrink

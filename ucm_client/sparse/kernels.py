@@ -17,6 +17,7 @@ __all__ = [
     "blocks_to_tokens",
     "causal_attention",
     "channel_major_keys",
+    "channel_squared_norms",
     "channel_token_max",
     "dense_decode_attention",
     "group_query",
@@ -138,6 +139,19 @@ def channel_token_max(
 
 SHRINK_SAMPLE_STRIDE = 8
 """Every 8th key estimates the median norm (5.9 -> ~0.8 ms at 32k tokens, 8 KV heads)."""
+
+
+def channel_squared_norms(keys_cm: torch.Tensor) -> torch.Tensor:
+    """Squared norm of every key of channel-major ``[H, D, n]`` keys, float32 ``[H, n]``.
+
+    One channel at a time, accumulated in place: converting the whole float16 tensor and summing
+    over its middle axis measured 135 ms at 32k tokens, 8 KV heads, D 128; this loop 8 ms.
+    """
+    out = torch.zeros(keys_cm.shape[0], keys_cm.shape[2], dtype=torch.float32, device=keys_cm.device)
+    for d in range(keys_cm.shape[1]):
+        row = keys_cm[:, d].float()
+        out.addcmul_(row, row)
+    return out
 
 
 def norm_shrink(squared_norms: torch.Tensor) -> torch.Tensor:
