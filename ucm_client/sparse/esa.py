@@ -78,4 +78,6 @@ class ESA(ChannelMajorFeatures):
         heads, dim = features.shape[0], features.shape[1]
         q = group_query(queries[-1].float(), heads).sum(dim=1)  # [H, D]: the KV head's query group
         block_size = int(state.aux["block_size"])
-        return channel_token_max(q[None], features, self.spec.score_channels, block_size)[0] / math.sqrt(dim)
+        return channel_token_max(
+            q[None], features, self.spec.score_channels, block_size, self._shrink(features, state)
+        )[0] / math.sqrt(dim)

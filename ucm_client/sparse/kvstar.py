@@ -93,9 +93,9 @@ class KVStarMultiStep(ChannelMajorFeatures):
         q = torch.stack([group_query(qi.float(), heads).sum(dim=1) for qi in queries])  # [G, H, D]
         qp = torch.gather(q, 2, dims[None].expand(q.shape[0], -1, -1))  # [G, H, r]
         block_size = int(state.aux["block_size"])
-        logits = channel_token_max(qp, features, self.spec.score_channels, block_size) / math.sqrt(
-            q.shape[-1]
-        )
+        logits = channel_token_max(
+            qp, features, self.spec.score_channels, block_size, self._shrink(features, state)
+        ) / math.sqrt(q.shape[-1])
         # Each query votes with its own distribution over blocks, so one step's outlier cannot
         # dominate the group; summing logits instead would let the largest-norm query decide.
         return torch.softmax(logits, dim=-1).sum(dim=0).clamp_min(1e-30).log()
