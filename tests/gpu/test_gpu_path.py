@@ -483,7 +483,7 @@ def test_gpu_dumps_count_against_the_tenant_quota(tmp_path: Path) -> None:
             await src.register(engine, sid)
             assert states(await io(engine, TaskKind.DUMP, sid, keys(n), src.region)) == [BlockState.OK] * n
             answer = await engine.lookup(NS, keys(n))
-            assert answer.present == [False] * 4 + [True] * 4  # the oldest went to make room
+            assert answer.present == bytes([0] * 4 + [1] * 4)  # the oldest went to make room
             assert engine.ledger.usage("acme") == 4 * BLOCK
 
     run(body)
