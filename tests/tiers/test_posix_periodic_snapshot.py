@@ -258,6 +258,18 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def _replace_with_fifo(path: Path) -> None:
+    """A FIFO where a file is expected: reading it would wait for a writer forever."""
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _replace_with_symlink(path: Path, target: Path) -> None:
+    """``path`` becomes a symlink to ``target`` (a file of the data directory, not a snapshot)."""
+    path.unlink()
+    path.symlink_to(target)
+
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[40 + 5 * 48 + 1] ^= 0xFF  # a byte of the sixth record's size
@@ -277,8 +289,21 @@ def _flip(path: Path) -> None:
             ),
             "its epoch is not its marker's",
         ),
+        (lambda root: _replace_with_fifo(root / PERIODIC_MARKER), "not a regular file (fifo)"),
+        (
+            lambda root: _replace_with_symlink(_generation(root), root / PERIODIC_MARKER),
+            "not a regular file (symlink)",
+        ),
     ],
-    ids=["torn-file", "flipped-byte", "torn-marker", "missing-file", "foreign-marker"],
+    ids=[
+        "torn-file",
+        "flipped-byte",
+        "torn-marker",
+        "missing-file",
+        "foreign-marker",
+        "fifo-marker",
+        "symlinked-file",
+    ],
 )
 def test_a_damaged_periodic_snapshot_is_never_trusted(
     tmp_path: Path, damage: Callable[[Path], object], logged: str

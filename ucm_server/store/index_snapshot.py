@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucm_server.api.paths import fsync_dir
+from ucm_server.store.confined import open_regular
 
 MAGIC = b"UCMISNAP"
 VERSION = 1
@@ -81,16 +82,11 @@ def take_marker(root: Path) -> bytes | None:
     16 bytes), removed durably: from now on nothing on disk claims the snapshot is current."""
     path = root / MARKER_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        epoch: bytes | None = _read_regular(root, MARKER_NAME, limit=17)
     except FileNotFoundError:
         return None
     except OSError:
         epoch = None
-    else:
-        try:
-            epoch = os.read(fd, 17)
-        finally:
-            os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     fsync_dir(root)
@@ -140,7 +136,7 @@ def read_periodic(root: Path, max_size: int) -> Columns:
     :func:`read_snapshot` checks the clean one; :class:`SnapshotRejected` if there is none or a check
     fails."""
     try:
-        mark = (root / PERIODIC_MARKER).read_bytes()
+        mark = _read_regular(root, PERIODIC_MARKER, limit=_PERIODIC.size + 1)
     except FileNotFoundError:
         raise SnapshotRejected("no periodic snapshot") from None
     except OSError as exc:
@@ -149,6 +145,19 @@ def read_periodic(root: Path, max_size: int) -> Columns:
         raise SnapshotRejected(f"periodic marker of {len(mark)} bytes, not {_PERIODIC.size} (torn)")
     epoch, generation = _PERIODIC.unpack(mark)
     return read_snapshot(root, epoch, max_size, name=f"{PERIODIC_PREFIX}{generation}")
+
+
+def _read_regular(root: Path, name: str, *, limit: int = -1) -> bytes:
+    """Up to ``limit`` bytes (all: -1) of ``root/name`` if it is a regular file: files under the
+    data directory are not trusted, so no symlink is followed and a FIFO is refused, not waited on
+    (``OSError``: ``FileNotFoundError``, :class:`~ucm_server.store.confined.NotRegularFile`, ...)."""
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = open_regular(name, os.O_RDONLY, dir_fd=dfd, shown=str(root / name))
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as file:
+        return file.read(limit)
 
 
 def _drop_generations(root: Path, *, keep: int) -> None:
@@ -186,7 +195,7 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSH
     """The snapshot ``name`` of ``root``, checked whole: epoch, version, length, SHA-256, then every
     record (a size from 1 to ``max_size``, a finite time); :class:`SnapshotRejected` if any fails."""
     try:
-        data = (root / name).read_bytes()
+        data = _read_regular(root, name)
     except OSError as exc:
         raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
     if len(data) < _HEAD.size + _DIGEST:
