@@ -13,7 +13,16 @@ the size of the context is written.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite.binding import ffi as _llvmlite_ffi  # type: ignore[import-untyped]
 from numba import njit  # type: ignore[import-untyped]
+
+# vLLM 0.32's CPU worker, when it starts, scans every loaded module's globals and reads
+# ``vars(value).get("kernel")`` of each (``triton_utils.dispatcher._rebind_kernels``). llvmlite's
+# library handle answers any attribute through ``__getattr__``, ``__dict__`` included, with a function
+# wrapper, so once numba is imported a second engine in the same process failed to start
+# (``'_lib_fn_wrapper' object has no attribute 'get'``). The handle caches what it answered in
+# ``_fntab``: an empty ``__dict__`` there is what a plain object would show the scan.
+_llvmlite_ffi.lib._fntab.setdefault("__dict__", {})
 
 __all__ = ["block_max_logits", "compile_now"]
 
