@@ -48,3 +48,24 @@ def test_every_loaded_module_global_answers_vllms_kernel_scan() -> None:
         for value in list(getattr(module, "__dict__", {}).values()):
             if hasattr(value, "__dict__"):
                 vars(value).get("kernel")  # raised AttributeError for llvmlite's handle before
+
+
+def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not() -> None:
+    """GSA on the host (compiled loop) against GSAOnDevice (torch popcounts) on the same codes."""
+    from ucm_client.sparse.base import UcmSparseRole
+    from ucm_client.sparse.block_sparse import DecodeState
+    from ucm_client.sparse.factory import UcmSparseFactory
+
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(BLOCK * 12, 4, 64, generator=gen)
+    query = torch.randn(1, 16, 64, generator=gen)
+    scores = []
+    for name, q in (("GSA", query), ("GSAOnDevice", query), ("GSA", -query)):
+        method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": 0.2})
+        state = DecodeState()
+        method.extend_features(state, keys.shape[0], BLOCK, lambda a, b: keys[a:b])
+        assert state.features is not None
+        scores.append(method._score(q, state.features, state))
+    assert scores[0].shape == (4, 12)
+    torch.testing.assert_close(scores[0], scores[1])
+    assert not torch.allclose(scores[0], scores[2])  # negative control: the opposite query

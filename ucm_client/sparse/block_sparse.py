@@ -145,6 +145,8 @@ class BlockSparseMethod(UcmSparseBase):
         self._pending_features: dict[
             int, list[tuple[DecodeState, int, Callable[[int, int], torch.Tensor]]]
         ] = {}
+        if role is UcmSparseRole.WORKER:
+            compile_now()  # the scoring loops, at engine start rather than at the first retrieval
 
     # ------------------------------------------------------------ algorithm
     @abstractmethod
@@ -504,11 +506,6 @@ class ChannelMajorFeatures(BlockSparseMethod):
     """Features kept as int8 ``[kv_heads, channels, tokens]`` codes (``kernels.channel_codes``): blocks
     append along the token axis; their per-block scales and the keys' squared norms are kept beside
     them in ``state.aux`` (``scales``, ``sq_norms``), extended as blocks are featured."""
-
-    def __init__(self, role: UcmSparseRole, config: Mapping[str, Any], *, min_seq_len: int = 0) -> None:
-        super().__init__(role, config, min_seq_len=min_seq_len)
-        if role is UcmSparseRole.WORKER:
-            compile_now()  # at engine start, not at the first retrieval
 
     def _code(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
         """Code whole blocks of token-major keys ``[m * block_size, H, C]``; returns the codes and
