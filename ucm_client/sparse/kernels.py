@@ -146,19 +146,10 @@ def channel_token_max(
         masked = torch.zeros_like(q).scatter_(-1, chosen, picked)
         dots = torch.einsum("xhc,hcn->xhn", masked, keys.dequantize()) * shrink
         return dots.view(count, heads, -1, block_size).amax(dim=-1)
-    if count * r >= dim:
-        # Several queries whose chosen channels together cover at least ``dim`` rows: read every
-        # channel once, each query weighted zero outside its own (KVStar's group of 4 over 32).
-        rows = torch.arange(dim)[None].expand(heads, -1)
-        weights = torch.zeros_like(q).scatter_(-1, chosen, picked)
-    else:
-        rows = chosen.permute(1, 0, 2).reshape(heads, count * r)  # each query's rows in turn
-        weights = q.new_zeros(count, heads, count * r)
-        for x in range(count):
-            weights[x, :, x * r : (x + 1) * r] = picked[x]
+    rows, weights = chosen, picked  # each query reads its own rows of a block, cached meanwhile
     pad = -rows.shape[-1] % 4  # the loop reads channels four at a time
     if pad:
-        rows = torch.cat([rows, rows.new_zeros(heads, pad)], dim=-1)
+        rows = torch.cat([rows, rows.new_zeros(count, heads, pad)], dim=-1)
         weights = torch.cat([weights, weights.new_zeros(count, heads, pad)], dim=-1)
     out = torch.empty(count, heads, n // block_size, dtype=torch.float32)
     block_max_logits(
