@@ -277,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     footer = [
         "",
         "GSA scans every token's code each retrieval: 256 bits = four uint64 words per key and head, XOR, "
-        "masked to the half of the bits the query is most sure of, and numpy `bitwise_count` over "
-        "zero-copy views (GSAOnDevice: torch SWAR ops on the cache's device), then the best token per "
-        "block. Its index is 32 bytes per key and head (512 for the float32 key), the *index read* column. "
-        "ESA keeps float16 channel-major keys and reads the query's 16 largest channels of every token; "
-        "KVStar the same over its kept half of the channels, for each recent query.",
+        "masked to the half of the bits the query is most sure of, popcount and the best token per "
+        "block in one compiled pass (`ucm_client/sparse/score_kernel.py`; GSAOnDevice: torch SWAR ops "
+        "on the cache's device). Its index is 32 bytes per key and head (512 for the float32 key), the "
+        "*index read* column. ESA keeps int8 channel-major key codes (a scale per block and channel) and "
+        "reads the query's 16 largest channels of every token in one compiled pass per block; KVStar "
+        "the same over its kept channels (all by default), for each recent query.",
         "Blend (prefill): 2 chunks × 96 tokens + 16-token question on a 4-layer random Llama, deviation "
         "checked from layer 1 with gradual filtering over 2 layers; relative logit error vs full prefill, "
         "mean of 4 prompts, deviation vs random selection (3 draws each, same schedule): 15% recompute "

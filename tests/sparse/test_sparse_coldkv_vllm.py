@@ -133,6 +133,31 @@ def test_output_equals_sparse_without_offload(runs: dict[str, Any]) -> None:
     assert sparse.tokens != dense.tokens
 
 
+@pytest.mark.parametrize("method", ["GSA", "KVStarMultiStep"])
+def test_other_block_methods_offload_alike(
+    method: str, runs: dict[str, Any], daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """GSA and KVStar take the same path: both requests run at once, tokens equal their own sparse
+    run without offload, and differ from dense attention (so the equality is not vacuous)."""
+    prompts, models = runs["prompts"], tmp_path / "models"
+    common: dict[str, Any] = {
+        "num_blocks": NUM_BLOCKS,
+        "block_size": BLOCK,
+        "ratio": 0.2,
+        "layers": LAYERS,
+        "max_model_len": 1536,
+        "method": method,
+    }
+    cold = run_long_requests(models, prompts, cold_target=daemon.target, **common)
+    sparse = run_long_requests(models, prompts, cold_target=None, **common)
+    assert sparse.max_running == 1, sparse.running  # negative control: without offload one at a time
+    assert cold.max_running == 2, cold.running
+    assert cold.worker["loaded_pages"] > 0
+    assert cold.tokens == sparse.tokens
+    assert all(len(t) == 16 for t in cold.tokens)
+    assert sparse.tokens != runs["dense"].tokens
+
+
 def test_prefix_caching_on_with_a_shared_prefix(runs: dict[str, Any]) -> None:
     # vLLM's default: freed cold blocks stay in the prefix cache (hashed) and the second request hits
     # the first one's leading blocks, some of them already cold; scratch blocks are never hashed.

@@ -14,7 +14,7 @@ import torch
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.kernels import channel_token_max, norm_shrink
+from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink, squared_key_norms
 
 BLOCK = 32
 
@@ -23,6 +23,13 @@ def _method(name: str) -> ChannelMajorFeatures:
     method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": 0.2})
     assert isinstance(method, ChannelMajorFeatures)
     return method
+
+
+def _kept(method: ChannelMajorFeatures, state: DecodeState, keys: torch.Tensor) -> torch.Tensor:
+    """The token-major keys a method codes: all channels (ESA) or its kept ones (KVStar)."""
+    dims = state.aux.get("dims")
+    n = state.features_blocks * BLOCK
+    return keys[:n] if dims is None else torch.gather(keys[:n], 2, dims[None].expand(n, -1, -1))
 
 
 def test_norm_shrink_scales_loud_keys_to_the_median_and_leaves_others() -> None:
@@ -43,15 +50,15 @@ def test_cached_shrink_follows_appended_blocks(name: str) -> None:
     method, state = _method(name), DecodeState()
     method.extend_features(state, BLOCK * 20, BLOCK, lambda a, b: keys[a:b])
     assert state.features is not None
-    # the norms are derived as blocks are featured (prefill), before any retrieval asks for them
-    torch.testing.assert_close(
-        state.aux["sq_norms"], state.features.float().square().sum(dim=1), rtol=1e-5, atol=1e-5
-    )
+    # the norms are derived as blocks are featured (prefill), before any retrieval asks for them,
+    # from the keys themselves (the codes round them to within a step of their block's loudest)
+    decoded = method._coded(state.features, state).dequantize()
+    torch.testing.assert_close(state.aux["sq_norms"], decoded.square().sum(dim=1), rtol=0.05, atol=0.5)
     early = method._shrink(state.features, state)
     assert early.shape == (2, BLOCK * 20)
     method.extend_features(state, BLOCK * 40, BLOCK, lambda a, b: keys[a:b])
     late = method._shrink(state.features, state)
-    fresh = norm_shrink(state.features.float().square().sum(dim=1))
+    fresh = norm_shrink(squared_key_norms(_kept(method, state, keys)))
     assert late.shape == fresh.shape == (2, BLOCK * 40)
     torch.testing.assert_close(late, fresh)
     # negative control: the factors of the first 20 blocks changed with the median, so reusing the
@@ -71,8 +78,8 @@ def test_a_loud_orthogonal_block_does_not_outscore_a_needle() -> None:
     keys[loud, 0, :16] = 8.0 * torch.sign(torch.randn(BLOCK, 16, generator=gen))  # loud, unaligned
     keys[loud, 0, :16] = keys[loud, 0, :16].abs()  # and on the query's side: large partial dots
     keys[loud, 0, 16:] = 40.0  # but far longer than any other key
-    cm = keys.permute(1, 2, 0).to(torch.float16).contiguous()
-    shrunk = channel_token_max(q, cm, 16, BLOCK, norm_shrink(cm.float().square().sum(dim=1)))[0, 0]
+    cm = channel_codes(keys, BLOCK)
+    shrunk = channel_token_max(q, cm, 16, BLOCK, norm_shrink(squared_key_norms(keys)))[0, 0]
     raw = channel_token_max(q, cm, 16, BLOCK, torch.ones(1, n))[0, 0]
     assert int(raw.argmax()) == 6  # negative control: unshrunk, the loud block wins
     assert int(shrunk.argmax()) == 3
@@ -81,8 +88,9 @@ def test_a_loud_orthogonal_block_does_not_outscore_a_needle() -> None:
 def test_query_group_scored_in_one_pass_equals_one_query_at_a_time() -> None:
     gen = torch.Generator().manual_seed(2)
     n, dim = BLOCK * 16, 32
-    cm = torch.randn(2, dim, n, generator=gen).to(torch.float16)
-    shrink = norm_shrink(cm.float().square().sum(dim=1))
+    keys = torch.randn(n, 2, dim, generator=gen)
+    cm = channel_codes(keys, BLOCK)
+    shrink = norm_shrink(squared_key_norms(keys))
     group = torch.randn(4, 2, dim, generator=gen)  # 4 x 16 channels >= 32: the one-pass branch
     together = channel_token_max(group, cm, 16, BLOCK, shrink)
     alone = torch.cat([channel_token_max(group[i : i + 1], cm, 16, BLOCK, shrink) for i in range(4)])

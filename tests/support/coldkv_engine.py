@@ -22,12 +22,13 @@ __all__ = ["ConcurrencyRun", "run_long_requests", "sparse_settings"]
 SCHEDULER_CLS = "ucm_client.sparse.coldkv_scheduler.ColdKVScheduler"
 
 
-def sparse_settings(ratio: float) -> dict[str, Any]:
-    """ESA at ``ratio`` with small windows (what every cold-KV run and its baseline use)."""
+def sparse_settings(ratio: float, method: str = "ESA") -> dict[str, Any]:
+    """``method`` (ESA unless named) at ``ratio`` with small windows (what every cold-KV run and its
+    baseline use)."""
     return {
         "enabled": True,
         "min_seq_len": 64,
-        "ESA": {
+        method: {
             "sparse_ratio": ratio,
             "local_window_sz": 2,
             "init_window_sz": 1,
@@ -85,6 +86,7 @@ def run_long_requests(
     max_model_len: int = 2048,
     model_kwargs: dict[str, Any] | None = None,
     enable_prefix_caching: bool = False,
+    method: str = "ESA",
 ) -> ConcurrencyRun:
     """Submit every prompt at once and step the engine until all finish; ``cold_target``: the daemon."""
     with in_process_engine_env():
@@ -104,7 +106,7 @@ def run_long_requests(
             num_gpu_blocks_override=num_blocks,
             enable_prefix_caching=enable_prefix_caching,
             seed=0,
-            kv_transfer_config=vllm_connector.kv_transfer_config(sparse_settings(ratio), cold),
+            kv_transfer_config=vllm_connector.kv_transfer_config(sparse_settings(ratio, method), cold),
             **extra,
         )
         try:

@@ -31,17 +31,20 @@ from ucm_client.sparse.base import (
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.kernels import (
+    ChannelCodes,
     aggregate_heads,
     blocks_to_tokens,
-    channel_squared_norms,
+    channel_codes,
     group_query,
     norm_shrink,
     per_head_sparse_attention,
     select_blocks,
     select_blocks_per_head,
     sparse_decode_attention,
+    squared_key_norms,
 )
 from ucm_client.sparse.paged import read_request_kv
+from ucm_client.sparse.score_kernel import compile_now
 
 __all__ = [
     "BlockResolver",
@@ -142,6 +145,8 @@ class BlockSparseMethod(UcmSparseBase):
         self._pending_features: dict[
             int, list[tuple[DecodeState, int, Callable[[int, int], torch.Tensor]]]
         ] = {}
+        if role is UcmSparseRole.WORKER:
+            compile_now()  # the scoring loops, at engine start rather than at the first retrieval
 
     # ------------------------------------------------------------ algorithm
     @abstractmethod
@@ -498,8 +503,20 @@ class BlockSparseMethod(UcmSparseBase):
 
 
 class ChannelMajorFeatures(BlockSparseMethod):
-    """Features kept as ``[kv_heads, channels, tokens]`` (``kernels.channel_major_keys``): blocks
-    append along the token axis."""
+    """Features kept as int8 ``[kv_heads, channels, tokens]`` codes (``kernels.channel_codes``): blocks
+    append along the token axis; their per-block scales and the keys' squared norms are kept beside
+    them in ``state.aux`` (``scales``, ``sq_norms``), extended as blocks are featured."""
+
+    def _code(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
+        """Code whole blocks of token-major keys ``[m * block_size, H, C]``; returns the codes and
+        leaves the scales and squared norms for :meth:`_features_added` to append."""
+        coded = channel_codes(keys, block_size)
+        state.aux["block_size"] = torch.tensor(block_size)
+        state.aux["new_scales"] = coded.scales
+        # Squared norms as blocks are featured, so the first retrieval does not compute them for
+        # the whole context (measured: +136 ms on the first decode step at 32k, D 128).
+        state.aux["new_sq_norms"] = squared_key_norms(keys)
+        return coded.codes
 
     def _append_features(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         return torch.cat([old, new], dim=-1)
@@ -508,31 +525,24 @@ class ChannelMajorFeatures(BlockSparseMethod):
         return int(features.shape[0])
 
     def _features_added(self, state: DecodeState, new: torch.Tensor) -> None:
-        # Squared norms as blocks are featured, so the first retrieval does not compute them for
-        # the whole context (measured: +136 ms on the first decode step at 32k, D 128).
-        cached = state.aux.get("sq_norms")
-        assert state.features is not None
-        if cached is not None and cached.shape[-1] + new.shape[-1] == state.features.shape[-1]:
-            state.aux["sq_norms"] = torch.cat([cached, channel_squared_norms(new)], dim=-1)
-        elif cached is None and new.shape[-1] == state.features.shape[-1]:
-            state.aux["sq_norms"] = channel_squared_norms(new)
+        for name in ("scales", "sq_norms"):
+            fresh = state.aux.pop(f"new_{name}")
+            kept = state.aux.get(name)
+            state.aux[name] = fresh if kept is None else torch.cat([kept, fresh], dim=-1)
+
+    @staticmethod
+    def _coded(features: torch.Tensor, state: DecodeState) -> ChannelCodes:
+        return ChannelCodes(features, state.aux["scales"])
 
     @staticmethod
     def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Each featured token's :func:`~ucm_client.sparse.kernels.norm_shrink` factor ``[H, n]``.
 
-        Squared norms are kept in ``state.aux`` and extended only by the tokens featured since the
-        last retrieval, and the factors are recomputed only when tokens were featured (the median
-        moves only then), so most retrievals read them instead of recomputing them.
+        Recomputed only when tokens were featured since the last retrieval (the median moves only
+        then), so most retrievals read them instead of recomputing them.
         """
         n = features.shape[-1]
         shrink = state.aux.get("shrink")
-        if shrink is not None and shrink.shape[-1] == n:
-            return shrink  # no token featured since: the median and every factor stand
-        cached = state.aux.get("sq_norms")
-        if cached is None or cached.shape[-1] > n:
-            cached = features.new_empty(features.shape[0], 0, dtype=torch.float32)
-        tail = channel_squared_norms(features[:, :, cached.shape[-1] :])
-        state.aux["sq_norms"] = cached = torch.cat([cached, tail], dim=-1)
-        state.aux["shrink"] = shrink = norm_shrink(cached)
+        if shrink is None or shrink.shape[-1] != n:
+            state.aux["shrink"] = shrink = norm_shrink(state.aux["sq_norms"])
         return shrink

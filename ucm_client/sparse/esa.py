@@ -1,12 +1,13 @@
 """ESA: retrieval by block representatives that keep single-token outliers, per KV head.
 
-Each full block is kept once as float16 channel-major keys; at retrieval the query's largest
-``score_channels`` channels (per KV head) give every token an approximate logit, and a block scores
-its best token, so one needle token is enough to fetch its block (a mean key dilutes it 1:block_size:
-measured recall 0.5 on single-token needles). The top blocks, plus the initial and local windows, are
-attended exactly. Retrieval runs every ``retrieval_stride`` decode steps, and earlier when the query
-drifts (``drift_cosine``). Where blocks live off-device (in the UCM
-daemon), :mod:`ucm_client.sparse.esa_offload` fetches the selected ones that are not resident.
+Each full block is kept once as int8 channel-major key codes (a scale per block and channel); at
+retrieval the query's largest ``score_channels`` channels (per KV head) give every token an
+approximate logit, and a block scores its best token, so one needle token is enough to fetch its
+block (a mean key dilutes it 1:block_size: measured recall 0.5 on single-token needles). The top
+blocks, plus the initial and local windows, are attended exactly. Retrieval runs every
+``retrieval_stride`` decode steps, and earlier when the query drifts (``drift_cosine``). Where
+blocks live off-device (in the UCM daemon), :mod:`ucm_client.sparse.esa_offload` fetches the
+selected ones that are not resident.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import channel_major_keys, channel_token_max, group_query
+from ucm_client.sparse.kernels import channel_token_max, group_query
 
 __all__ = ["ESA", "EsaSpec"]
 
@@ -71,13 +72,16 @@ class ESA(ChannelMajorFeatures):
         return parse_fields(EsaSpec, config, "ucm_sparse_config.ESA")
 
     def _features(self, keys: torch.Tensor, block_size: int, state: DecodeState) -> torch.Tensor:
-        state.aux["block_size"] = torch.tensor(block_size)
-        return channel_major_keys(keys)  # [H, D, n]
+        return self._code(keys, block_size, state)  # [H, D, n]
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads, dim = features.shape[0], features.shape[1]
         q = group_query(queries[-1].float(), heads).sum(dim=1)  # [H, D]: the KV head's query group
         block_size = int(state.aux["block_size"])
         return channel_token_max(
-            q[None], features, self.spec.score_channels, block_size, self._shrink(features, state)
+            q[None],
+            self._coded(features, state),
+            self.spec.score_channels,
+            block_size,
+            self._shrink(features, state),
         )[0] / math.sqrt(dim)

@@ -122,10 +122,7 @@ class OffloadedSequence:
         Representatives are computed here, while the keys are still at hand, as ESA does at prefill.
         """
         seq = cls(method, fetcher, block_size=block_size, resident_blocks=resident_blocks)
-        full = keys.shape[0] // block_size
-        if full:
-            seq.state.features = method._features(keys[: full * block_size], block_size, seq.state)
-            seq.state.features_blocks = full
+        full = method.extend_features(seq.state, keys.shape[0], block_size, lambda a, b: keys[a:b])
         for b in keep_resident:
             if b < full:
                 sl = slice(b * block_size, (b + 1) * block_size)

@@ -21,6 +21,7 @@ import torch
 from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import group_query
+from ucm_client.sparse.score_kernel import block_min_hamming
 
 __all__ = ["GSA", "GSAOnDevice", "GsaSpec", "hamming_words", "hash_codes", "pack_words", "popcount64"]
 
@@ -160,9 +161,19 @@ class GSA(BlockSparseMethod):
         used = max(1, round(self.spec.reliable_bits * self.spec.hash_bits))
         reliable = torch.zeros_like(projected, dtype=torch.bool)
         reliable.scatter_(1, projected.abs().topk(used, dim=-1).indices, True)
-        mask = pack_words(reliable)[None, None]
-        dist = hamming_words(features, qwords[None, None], on_device=self.on_device, mask=mask)  # [m, bs, H]
-        sim = used - dist.amin(dim=1).T.to(features.device)  # a block scores its best token
+        mask = pack_words(reliable)
+        if self.on_device or features.device.type != "cpu":
+            dist = hamming_words(features, qwords[None, None], on_device=True, mask=mask[None, None])
+            best = dist.amin(dim=1).T  # [H, m]: a block scores its best token
+        else:
+            best = torch.empty(heads, features.shape[0], dtype=torch.int64)
+            block_min_hamming(
+                features.numpy().view(np.uint64),
+                qwords.numpy().view(np.uint64),
+                mask.numpy().view(np.uint64),
+                best.numpy(),
+            )
+        sim = used - best
         return sim.float() / math.sqrt(used)
 
 

@@ -9,15 +9,19 @@ rely on.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from ucm_client.sparse.score_kernel import block_max_logits
+
 __all__ = [
+    "ChannelCodes",
     "aggregate_heads",
     "block_means",
     "blocks_to_tokens",
     "causal_attention",
-    "channel_major_keys",
-    "channel_squared_norms",
+    "channel_codes",
     "channel_token_max",
     "dense_decode_attention",
     "group_query",
@@ -26,6 +30,7 @@ __all__ = [
     "select_blocks",
     "select_blocks_per_head",
     "sparse_decode_attention",
+    "squared_key_norms",
 ]
 
 
@@ -83,57 +88,79 @@ def block_means(keys: torch.Tensor, block_size: int) -> torch.Tensor:
     return sums / counts[:, None, None]
 
 
-def channel_major_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Token-major keys ``[n, H, D]`` → float16 ``[H, D, n]``.
+class ChannelCodes(NamedTuple):
+    """Keys kept for scoring: int8 ``codes`` ``[H, C, n]`` times float32 ``scales`` ``[H, C, n / block]``.
 
     Channel-major per KV head, as vLLM's CPU cache pages are, so reading a few channels of every
-    token is reading a few contiguous rows; float16 halves what is kept and read. Blocks append
-    along the last axis.
+    token is reading a few contiguous rows. One scale per (head, channel, block): a block's loudest
+    key in a channel sets that channel's step there, so a single-token outlier is kept exactly (it
+    is the maximum) and one loud block costs no precision elsewhere. A quarter of float32 keys, half
+    of the float16 kept before, and what the compiled scoring loop reads.
     """
-    return keys.permute(1, 2, 0).to(torch.float16).contiguous()
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``[H, C, n]`` (tests and diagnostics; scoring reads the codes)."""
+        heads, chans, n = self.codes.shape
+        blocks = self.scales.shape[-1]
+        grid = self.codes.float().view(heads, chans, blocks, n // blocks)
+        return (grid * self.scales[..., None]).view(heads, chans, n)
+
+
+def channel_codes(keys: torch.Tensor, block_size: int) -> ChannelCodes:
+    """Token-major keys ``[m * block_size, H, D]`` of whole blocks → :class:`ChannelCodes`."""
+    n, heads, dim = keys.shape
+    if n % block_size:
+        raise ValueError(f"channel_codes takes whole blocks: {n} tokens, block size {block_size}")
+    grid = keys.float().permute(1, 2, 0).reshape(heads, dim, n // block_size, block_size)
+    scales = grid.abs().amax(dim=-1).div_(127.0).clamp_min_(1e-30)
+    codes = torch.round(grid / scales[..., None]).to(torch.int8).reshape(heads, dim, n)
+    return ChannelCodes(codes.contiguous(), scales.contiguous())
 
 
 def channel_token_max(
-    queries: torch.Tensor, keys_cm: torch.Tensor, channels: int, block_size: int, shrink: torch.Tensor
+    queries: torch.Tensor, keys: ChannelCodes, channels: int, block_size: int, shrink: torch.Tensor
 ) -> torch.Tensor:
     """Per block, the best token's approximate logit, from the query's ``channels`` largest channels.
 
-    ``queries`` ``[X, H, D]`` (one per KV head), ``keys_cm`` ``[H, D, m * block_size]``
-    (:func:`channel_major_keys`), ``shrink`` ``[H, m * block_size]`` (:func:`norm_shrink`) →
-    ``[X, H, m]``. The channels are chosen per query and KV head by magnitude (SparQ): they carry
-    most of ``q·k``, so a block's score is its best token's, and a single-token needle keeps its
-    block's score where a mean would dilute it by the block size.
+    ``queries`` ``[X, H, C]`` (one per KV head), ``keys`` :class:`ChannelCodes` of ``m`` blocks,
+    ``shrink`` ``[H, m * block_size]`` (:func:`norm_shrink`) → ``[X, H, m]``. The channels are
+    chosen per query and KV head by magnitude (SparQ): they carry most of ``q·k``, so a block's
+    score is its best token's, and a single-token needle keeps its block's score where a mean
+    would dilute it by the block size.
 
     A partial dot product of a key with a large norm is noise of that size even when the full one is
     ~0 (keys that no query matches); so each token's partial logit is multiplied by its ``shrink``,
     which scores a key longer than the median as if it had the median length (its direction still
     counts). The factor depends on the key alone, so it is kept with the features rather than
-    recomputed from the chosen channels at every retrieval (that was half of a retrieval's time).
+    recomputed from the chosen channels at every retrieval.
     """
-    heads, dim, n = keys_cm.shape
-    r = min(channels, dim)
+    heads, dim, n = keys.codes.shape
+    count, r = queries.shape[0], min(channels, dim)
     q = queries.float()
     chosen = torch.topk(q.abs(), r, dim=-1).indices  # [X, H, r]
-    q_chosen = q.gather(-1, chosen)  # [X, H, r]
-    out = torch.empty(queries.shape[0], heads, n // block_size, dtype=torch.float32, device=keys_cm.device)
-    # One head at a time, in one reused buffer: the working set (r x n floats) stays in cache, where
-    # a batched [X, H, r, n] gather measured 2x slower than this loop at 32k tokens.
-    if queries.shape[0] > 1 and queries.shape[0] * r >= dim:
-        # Several queries whose chosen channels together cover at least ``dim`` rows: read every
-        # channel once and score all queries in one product, each query zero outside its channels
-        # (KVStar's group of 4 over 32 kept channels: 32 rows read instead of 64).
-        masked = torch.zeros_like(q).scatter_(-1, chosen, q_chosen)  # [X, H, D]
-        whole = torch.empty(dim, n, dtype=torch.float32, device=keys_cm.device)
-        for h in range(heads):
-            dots = masked[:, h] @ whole.copy_(keys_cm[h])  # [X, n]
-            out[:, h] = dots.mul_(shrink[h]).view(queries.shape[0], -1, block_size).amax(dim=-1)
-        return out
-    sel = torch.empty(r, n, dtype=torch.float32, device=keys_cm.device)
-    for x in range(queries.shape[0]):
-        for h in range(heads):
-            sel.copy_(keys_cm[h].index_select(0, chosen[x, h]))  # [r, n] contiguous rows
-            dots = q_chosen[x, h] @ sel  # [n]
-            out[x, h] = dots.mul_(shrink[h]).view(-1, block_size).amax(dim=-1)
+    picked = q.gather(-1, chosen)
+    if keys.codes.device.type != "cpu":  # the compiled loop reads host memory
+        masked = torch.zeros_like(q).scatter_(-1, chosen, picked)
+        dots = torch.einsum("xhc,hcn->xhn", masked, keys.dequantize()) * shrink
+        return dots.view(count, heads, -1, block_size).amax(dim=-1)
+    rows, weights = chosen, picked  # each query reads its own rows of a block, cached meanwhile
+    pad = -rows.shape[-1] % 4  # the loop reads channels four at a time
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(count, heads, pad)], dim=-1)
+        weights = torch.cat([weights, weights.new_zeros(count, heads, pad)], dim=-1)
+    out = torch.empty(count, heads, n // block_size, dtype=torch.float32)
+    block_max_logits(
+        keys.codes.numpy(),
+        keys.scales.numpy(),
+        rows.contiguous().numpy(),
+        weights.contiguous().numpy(),
+        shrink.float().contiguous().numpy(),
+        block_size,
+        out.numpy(),
+    )
     return out
 
 
@@ -141,17 +168,10 @@ SHRINK_SAMPLE_STRIDE = 8
 """Every 8th key estimates the median norm (5.9 -> ~0.8 ms at 32k tokens, 8 KV heads)."""
 
 
-def channel_squared_norms(keys_cm: torch.Tensor) -> torch.Tensor:
-    """Squared norm of every key of channel-major ``[H, D, n]`` keys, float32 ``[H, n]``.
-
-    One channel at a time, accumulated in place: converting the whole float16 tensor and summing
-    over its middle axis measured 135 ms at 32k tokens, 8 KV heads, D 128; this loop 8 ms.
-    """
-    out = torch.zeros(keys_cm.shape[0], keys_cm.shape[2], dtype=torch.float32, device=keys_cm.device)
-    for d in range(keys_cm.shape[1]):
-        row = keys_cm[:, d].float()
-        out.addcmul_(row, row)
-    return out
+def squared_key_norms(keys: torch.Tensor) -> torch.Tensor:
+    """Squared norm of every key of token-major ``[n, H, D]`` keys, float32 ``[H, n]`` (taken from the
+    keys before they are coded, so the shrink does not inherit the codes' rounding)."""
+    return keys.float().square().sum(dim=-1).t().contiguous()
 
 
 def norm_shrink(squared_norms: torch.Tensor) -> torch.Tensor:

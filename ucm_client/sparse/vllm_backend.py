@@ -101,7 +101,6 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
         clock.add("kernel", time.perf_counter() - mid)
         return runtime.finish_layer(layer.layer_name, out, query_start_loc=md.query_start_loc)
 
-
     def _scheduler_metadata(
         self,
         runtime: SparseWorkerRuntime,

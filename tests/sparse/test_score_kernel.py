@@ -1,0 +1,71 @@
+"""The compiled scoring loop (``ucm_client.sparse.score_kernel``) through its torch entry point.
+
+Stated behaviour: on the same int8 codes the loop gives what plain float arithmetic gives, for one
+query and for a group, with channel counts that are not a multiple of its four-channel step; and
+importing it leaves a process where vLLM can still start an engine (vLLM's CPU worker scans every
+module's globals with ``vars(value).get(...)``, which llvmlite's library handle broke).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink, squared_key_norms
+
+BLOCK = 32
+
+
+def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not() -> None:
+    """The compiled loop against plain float arithmetic on the same codes: every block's best token."""
+    gen = torch.Generator().manual_seed(3)
+    n, heads, dim = BLOCK * 24, 4, 64
+    keys = torch.randn(n, heads, dim, generator=gen)
+    keys[5 * BLOCK + 7] *= 30.0  # a loud token sets its block's scales; others keep theirs
+    coded = channel_codes(keys, BLOCK)
+    decoded = coded.dequantize()  # [H, D, n]
+    torch.testing.assert_close(decoded.permute(2, 0, 1), keys, atol=keys.abs().max() / 250, rtol=0)
+    shrink = norm_shrink(squared_key_norms(keys))
+    for count, channels in ((1, 16), (1, 6), (2, 16), (4, 16)):  # 6: padded to a multiple of 4
+        queries = torch.randn(count, heads, dim, generator=gen)
+        got = channel_token_max(queries, coded, channels, BLOCK, shrink)
+        chosen = torch.topk(queries.abs(), channels, dim=-1).indices
+        masked = torch.zeros_like(queries).scatter_(-1, chosen, queries.gather(-1, chosen))
+        dots = torch.einsum("xhc,hcn->xhn", masked, decoded) * shrink
+        want = dots.view(count, heads, -1, BLOCK).amax(dim=-1)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        other = channel_token_max(-queries, coded, channels, BLOCK, shrink)  # negative control
+        assert not torch.allclose(other, want, rtol=1e-2, atol=1e-2)
+
+
+def test_every_loaded_module_global_answers_vllms_kernel_scan() -> None:
+    """What ``vllm.triton_utils.dispatcher._rebind_kernels`` does to every global of every module."""
+    import ucm_client.sparse.score_kernel  # noqa: F401  (numba and llvmlite loaded)
+
+    assert "llvmlite.binding.ffi" in sys.modules
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")  # raised AttributeError for llvmlite's handle before
+
+
+def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not() -> None:
+    """GSA on the host (compiled loop) against GSAOnDevice (torch popcounts) on the same codes."""
+    from ucm_client.sparse.base import UcmSparseRole
+    from ucm_client.sparse.block_sparse import DecodeState
+    from ucm_client.sparse.factory import UcmSparseFactory
+
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(BLOCK * 12, 4, 64, generator=gen)
+    query = torch.randn(1, 16, 64, generator=gen)
+    scores = []
+    for name, q in (("GSA", query), ("GSAOnDevice", query), ("GSA", -query)):
+        method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": 0.2})
+        state = DecodeState()
+        method.extend_features(state, keys.shape[0], BLOCK, lambda a, b: keys[a:b])
+        assert state.features is not None
+        scores.append(method._score(q, state.features, state))
+    assert scores[0].shape == (4, 12)
+    torch.testing.assert_close(scores[0], scores[1])
+    assert not torch.allclose(scores[0], scores[2])  # negative control: the opposite query

