@@ -112,6 +112,8 @@ def lookup_request(namespace: bytes, keys: Sequence[bytes]) -> pb.LookupRequest:
 
 def lookup_result(resp: pb.LookupResponse) -> LookupResult:
     packed = resp.present_bytes  # one byte per key, 0 or 1: numpy turns it into bools in C
+    if packed and resp.hit_prefix == len(packed):  # every key present (a repeated prompt)
+        return LookupResult(present=[True] * len(packed), hit_prefix=resp.hit_prefix)
     present = np.frombuffer(packed, np.bool_).tolist() if packed else list(resp.present)
     return LookupResult(present=present, hit_prefix=resp.hit_prefix)
 
