@@ -3,11 +3,14 @@
 Measured (defaults: 256 blocks of 1 MiB, 7 repeats, medians):
 - memcpy of the same bytes between two warm buffers (numpy ``copyto``): the physical baseline;
 - Dump and Load through the daemon, Cache tier <-> the client's registered shared memory, one task of
-  all blocks, from the Dump/Load call until Wait returns: ratio to memcpy (target >= 0.5);
+  all blocks, from the Dump/Load call until Wait returns: ratio to memcpy (target >= 0.9, issue #13);
+  also how much of that time the daemon's task itself took (its ``elapsed_s``: the chunks' copies and
+  bookkeeping) and the rest (the request's way in, its checks, the result's way back);
 - Lookup of 2,048 keys, p50, as a ratio of a bare gRPC round trip (the health ``Check``) on the same
-  socket (target <= 2), both through the raw stub, and also through the client library;
+  socket, through the raw stub (target <= 2) and through the client library (target <= 1.3);
 - Posix-tier Load (a daemon with ``store_pipeline: Posix``) as a ratio of reading the same block files
-  straight from disk with ``preadv`` (both from the page cache, which these machines cannot drop).
+  straight from disk with ``preadv`` (both from the page cache, which these machines cannot drop;
+  target >= 0.8).
 Run: ``python -m benchmarks.daemon_bench`` (or ``make bench``). Prints a markdown table and JSON.
 """
 
@@ -69,16 +72,24 @@ def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str
         def memcpy() -> None:
             np.copyto(b, a)
 
+        task_s: dict[str, list[float]] = {"dump": [], "load": []}
+
         def dump() -> None:
-            assert c.wait(c.dump(NS, blocks_src), 120).ok
+            r = c.wait(c.dump(NS, blocks_src), 120)
+            assert r.ok
+            task_s["dump"].append(r.elapsed_s)
 
         def load() -> None:
-            assert c.wait(c.load(NS, blocks_dst), 120).ok
+            r = c.wait(c.load(NS, blocks_dst), 120)
+            assert r.ok
+            task_s["load"].append(r.elapsed_s)
 
         dump()
         dump()  # warm: arena pages faulted in, then reused as blocks are replaced
         load()
         times: dict[str, list[float]] = {"memcpy": [], "dump": [], "load": []}
+        for v in task_s.values():
+            v.clear()  # warm-up rounds are not counted
         for _ in range(repeat):
             for name, fn in (
                 ("memcpy", memcpy),
@@ -90,7 +101,12 @@ def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str
                 fn()
                 times[name].append(time.perf_counter() - t0)
         assert bytes(dst.buf[: 1 << 20]) == bytes(src.buf[: 1 << 20])
-    return {f"{k}_gbps": n * size / statistics.median(v) / 1e9 for k, v in times.items()}
+    out = {f"{k}_gbps": n * size / statistics.median(v) / 1e9 for k, v in times.items()}
+    for kind in ("dump", "load"):
+        out[f"{kind}_ms"] = statistics.median(times[kind]) * 1e3
+        out[f"{kind}_task_ms"] = statistics.median(task_s[kind]) * 1e3
+    out["memcpy_ms"] = statistics.median(times["memcpy"]) * 1e3
+    return out
 
 
 def lookup_latency(workdir: Path, nkeys: int, samples_n: int) -> dict[str, float]:
@@ -193,20 +209,27 @@ def table(r: dict[str, Any]) -> str:
         base = peer.get("memcpy_gbps") or memcpy
         return fmt.format(v, v / base)
 
+    def split(kind: str) -> str:
+        total, task = r[f"{kind}_ms"], r[f"{kind}_task_ms"]
+        outside = total - task
+        return f"{total:.1f} ms: task {task:.1f} + outside it {outside:.1f} (memcpy {r['memcpy_ms']:.1f} ms)"
+
     rows = [
         ("memcpy (same bytes, same run)", f"{memcpy:.2f} GB/s", "", "baseline"),
         (
             f"Dump {r['blocks']}×{mb} MiB → Cache",
             f"{r['dump_gbps']:.2f} GB/s ({r['dump_vs_memcpy']:.2f}× memcpy)",
             peer_cell("store_batch_gbps"),
-            "≥ 0.5×",
+            "≥ 0.9×",
         ),
+        ("… where the Dump's time goes", split("dump"), "", ""),
         (
             f"Load {r['blocks']}×{mb} MiB Cache →",
             f"{r['load_gbps']:.2f} GB/s ({r['load_vs_memcpy']:.2f}× memcpy)",
             peer_cell("retrieve_batch_gbps"),
-            "≥ 0.5×",
+            "≥ 0.9×",
         ),
+        ("… where the Load's time goes", split("load"), "", ""),
         ("bare gRPC echo p50 (same socket)", f"{r['echo_p50_ms']:.3f} ms", "", "baseline"),
         (
             "Lookup 2,048 keys p50 (raw stub)",
@@ -218,14 +241,14 @@ def table(r: dict[str, Any]) -> str:
             "Lookup 2,048 keys p50 (UcmClient)",
             f"{r['lookup_client_p50_ms']:.3f} ms ({r['lookup_client_vs_echo']:.2f}× echo)",
             "",
-            "",
+            "≤ 1.3×",
         ),
         ("raw file read of the block files", f"{r['raw_file_read_gbps']:.2f} GB/s", "", "baseline"),
         (
             "Load from Posix tier",
             f"{r['posix_load_gbps']:.2f} GB/s ({r['posix_vs_raw_read']:.2f}× raw read)",
             "",
-            "",
+            "≥ 0.8×",
         ),
     ]
     lines = ["| measurement | UCM | LMCache 0.5.6 server | target |", "|---|---|---|---|"]

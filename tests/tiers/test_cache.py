@@ -175,3 +175,27 @@ def test_a_scan_of_one_off_blocks_flushes_shared_ones_under_lru_not_arc(policy: 
 def test_an_unknown_policy_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="unknown eviction policy 'lfu'; known: lru, arc"):
         CacheTier(capacity=1 << 20, eviction="lfu")
+
+
+def test_arena_allocation_gives_exact_runs_from_a_fragmented_free_list() -> None:
+    """Pages handed out are exactly the pages asked for, as runs of consecutive pages: one run when
+    the free pages are consecutive, several when freeing left holes (never a page twice)."""
+    from ucm_server.store.arena import Arena
+
+    arena = Arena(64 * 4096, 4096)
+    try:
+        blocks = [arena.allocate(4 * 4096) for _ in range(16)]
+        assert all(b is not None and len(b) == 1 for b in blocks)  # a fresh arena: one run each
+        for b in blocks[::2]:  # free every other block: holes of 4 pages
+            assert b is not None
+            arena.free(b)
+        extents = arena.allocate(12 * 4096)
+        assert extents is not None
+        pages = [p for e in extents for p in range(e.first, e.first + e.npages)]
+        assert len(pages) == len(set(pages)) == 12
+        assert len(extents) == 3  # three holes of 4, not one run
+        held = {p for b in blocks[1::2] if b for e in b for p in range(e.first, e.first + e.npages)}
+        assert not held & set(pages)  # never a page still in use
+        assert arena.free_pages == 64 - 8 * 4 - 12
+    finally:
+        arena.close()

@@ -49,3 +49,26 @@ def test_copy_all_moves_the_same_bytes_as_copy_iov(seed: int) -> None:
         copy_iov(d, s)
     assert fast == slow
     assert any(fast)
+
+
+@pytest.mark.parametrize("readonly_source", [False, True])
+def test_single_segment_blocks_copy_exactly_from_writable_and_read_only_memory(readonly_source: bool) -> None:
+    """The one-segment fast path (addresses through ctypes, or numpy for read-only memory such as a
+    client's bytes) moves exactly each block's bytes, and nothing next to them."""
+    rng = random.Random(3)
+    sizes = [1, RUN_COPY_MIN - 1, RUN_COPY_MIN, 1 << 20, 1 << 20, 5 << 20, 7]
+    total = sum(sizes) + 4096 * len(sizes)
+    raw = rng.randbytes(total)
+    src = memoryview(raw) if readonly_source else memoryview(bytearray(raw))
+    assert src.readonly is readonly_source
+    dst = bytearray(b"\xee" * total)
+    expected = bytearray(dst)
+    pairs: list[tuple[IoVec, IoVec]] = []
+    pos = 0
+    for size in sizes:
+        pairs.append(([memoryview(dst)[pos : pos + size]], [src[pos : pos + size]]))
+        expected[pos : pos + size] = raw[pos : pos + size]
+        pos += size + (4096 if size % 2 else 0)  # some blocks apart, some side by side
+    copy_all(pairs)
+    assert dst == expected
+    assert dst != bytearray(b"\xee" * total)  # negative control: the copy did something

