@@ -260,6 +260,16 @@ class PosixTier(Tier):
         pick = int.from_bytes(key[NAMESPACE_BYTES : NAMESPACE_BYTES + 4], "little")
         return self.roots[pick % len(self.roots)]
 
+    def _place(self, key: BlockKey, *, flat: bool | None = None) -> tuple[Path, tuple[str, ...], str]:
+        """Root, directories below it and file name of ``key``'s block, as strings: the one place
+        the layout is spelled. ``flat``: the two-level layout of format version 3
+        (``<ns>/<k[0:2]>/<key>.blk``) or, False, the one level deeper of versions 1 and 2
+        (``<ns>/<k[0:2]>/<k[2:4]>/<key>.blk``); None: the layout this tier writes."""
+        name, ns = block_name(key), key[:NAMESPACE_BYTES].hex()
+        if self.flat_layout if flat is None else flat:
+            return self.root_of(key), (ns, name[:2]), name
+        return self.root_of(key), (ns, name[:2], name[2:4]), name
+
     def path_of(self, key: BlockKey) -> Path:
         """Where ``key``'s block is written (and read first)."""
         root, parts, name = self._place(key)
@@ -267,27 +277,13 @@ class PosixTier(Tier):
 
     def legacy_path_of(self, key: BlockKey) -> Path:
         """Where format versions 1 and 2 put ``key``'s block: one directory level deeper."""
-        h = key.digest.hex()
-        return self.root_of(key) / key.namespace.hex() / h[:2] / h[2:4] / f"{h}{SUFFIX}"
-
-    def _legacy_of(self, path: Path) -> Path | None:
-        """The older-layout path of the block whose current-layout path is ``path``; None when the
-        tier writes the older layout itself or ``path`` is not a current-layout block path."""
-        if not self.flat_layout:
-            return None
-        root, parts = self._split(path)
-        if len(parts) != 3 or not parts[2].endswith(SUFFIX):
-            return None
-        return root.joinpath(parts[0], parts[1], parts[2][2:4], parts[2])
+        root, parts, name = self._place(key, flat=False)
+        return root.joinpath(*parts, name)
 
     def _expected_path(self, header: BlockHeader) -> str:
         """Where a file with ``header`` must be found: the layout its format version names."""
-        key = header.key
-        h = key.digest.hex()
-        root = os.fspath(self.root_of(key)).rstrip("/")
-        if header.version >= FLAT_LAYOUT_VERSION:
-            return f"{root}/{key.namespace.hex()}/{h[:2]}/{h}{SUFFIX}"
-        return f"{root}/{key.namespace.hex()}/{h[:2]}/{h[2:4]}/{h}{SUFFIX}"
+        root, parts, name = self._place(header.key, flat=header.version >= FLAT_LAYOUT_VERSION)
+        return "/".join((os.fspath(root).rstrip("/"), *parts, name))
 
     # -- primitives -----------------------------------------------------------------------------------
     index_snapshots: ClassVar[bool] = True
@@ -1042,13 +1038,6 @@ class PosixTier(Tier):
                             outcomes[n] = exc
         return outcomes
 
-    def _place(self, key: BlockKey) -> tuple[Path, tuple[str, ...], str]:
-        """Root, directories below it and file name of ``key``'s block (:meth:`path_of`, as strings)."""
-        h, ns = key[NAMESPACE_BYTES:].hex(), key[:NAMESPACE_BYTES].hex()
-        if self.flat_layout:
-            return self.root_of(key), (ns, h[:2]), f"{h}{SUFFIX}"
-        return self.root_of(key), (ns, h[:2], h[2:4]), f"{h}{SUFFIX}"
-
     def _stage_one(self, key: BlockKey, src: IoVec, dirs: DirCache, group: bool) -> tuple[_Staged, int]:
         root, parts, name = self._place(key)
         dfd = dirs.get(root, parts)
@@ -1138,19 +1127,21 @@ class PosixTier(Tier):
         with parent_dir(root, parts, create=create, sync_created=self.durable) as dfd:
             yield dfd
 
-    def _open_block(self, path: Path) -> int:
+    def _open_block(self, path: Path, key: BlockKey | None = None) -> int:
         """``path`` opened read-only if it is a regular file reached without symlinks; anything else
-        is counted and reported as skipped and raises :class:`NotRegularFile` (an ``OSError``)."""
+        is counted and reported as skipped and raises :class:`NotRegularFile` (an ``OSError``).
+        ``key``: the block ``path`` is the current-layout path of; when absent there, the older
+        layout's file of it is opened (a tier that writes the older layout itself tries nothing)."""
         root, parts = self._split(path)
         try:
             try:
                 return open_block(root, parts, os.O_RDONLY)
             except FileNotFoundError:
-                legacy = self._legacy_of(path)
-                if legacy is None:
+                if key is None or not self.flat_layout:
                     raise
-            path = legacy  # a block an older release wrote, one directory deeper
-            return open_block(root, self._split(legacy)[1], os.O_RDONLY)
+            root, legacy, name = self._place(key, flat=False)  # an older release's block
+            path = root.joinpath(*legacy, name)
+            return open_block(root, [*legacy, name], os.O_RDONLY)
         except NotRegularFile as exc:
             self._skip(path, exc.kind)
             raise
@@ -1217,7 +1208,7 @@ class PosixTier(Tier):
                         with contextlib.suppress(OSError):  # a symlinked or missing directory: careful path
                             dfd = shards[key[:cut]] = dirs.get(root, parts)
                     if dfd is not None:
-                        outcome = _read_fast(dfd, _file_name(key), key, dest[0], heads, limit, checked)
+                        outcome = _read_fast(dfd, block_name(key), key, dest[0], heads, limit, checked)
                 if outcome is None:
                     try:
                         outcome = self._read_careful(key, dest, dirs, checked)
@@ -1279,7 +1270,7 @@ class PosixTier(Tier):
             except FileNotFoundError:
                 if not self.flat_layout:
                     raise
-            parts = (*parts, name[2:4])  # a block an older release wrote, one directory deeper
+            root, parts, name = self._place(key, flat=False)  # an older release's block
             return self._open_in(dirs, root, parts, name)
         except NotRegularFile as exc:
             self._skip(root.joinpath(*parts, name), exc.kind)
@@ -1299,7 +1290,7 @@ class PosixTier(Tier):
             raise NotRegularFile(str(root.joinpath(*parts, name)), exc.kind) from None
 
     def _read_file(self, path: Path, key: BlockKey, dest: IoVec) -> None:
-        fd = self._open_block(path)
+        fd = self._open_block(path, key)
         try:
             header = read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
             _preadv_all(fd, dest, header.header_len)
@@ -1315,7 +1306,7 @@ class PosixTier(Tier):
         """Read a block into client memory; whether the bytes there match the header's checksum.
         On an error ``dest`` is zeroed (the block fails: none of its bytes stay there); on a
         mismatch the caller reads the block again and overwrites or zeroes ``dest``."""
-        fd = self._open_block(path)
+        fd = self._open_block(path, key)
         try:
             header = read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
             try:
@@ -1328,7 +1319,7 @@ class PosixTier(Tier):
             os.close(fd)
 
     def _read_header(self, path: Path, key: BlockKey | None = None) -> BlockHeader:
-        fd = self._open_block(path)
+        fd = self._open_block(path, key)
         try:
             return read_block_header(fd, expect=key, max_payload=self.max_block_bytes)
         finally:
@@ -1612,8 +1603,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 """A block file opened for reading: never through a symlink, and a FIFO does not block."""
 
 
-def _file_name(key: bytes) -> str:
-    """The file name of ``key``'s block in its shard directory (every layout)."""
+def block_name(key: bytes) -> str:
+    """The file name of ``key``'s block in its directory, in every layout: the digest in hex."""
     return f"{key[NAMESPACE_BYTES:].hex()}{SUFFIX}"
 
 
