@@ -64,6 +64,18 @@ def _interleaved(fns: dict[str, Callable[[], object]], n: int, repeat: int) -> d
     return {name: pick(ts) / n * 1e6 for name, ts in times.items()}
 
 
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """Seconds of CPU (user + system) each thread of ``pid`` has used, by thread name; the main
+    thread (the event loop) is ``main``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=4096)
@@ -100,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             assert c.wait(c.dump(NS, blocks), 600).ok
             into = [BlockIO(k, (Segment(rd, i * size, size),)) for i, k in enumerate(digests)]
             files = sorted((d.data_dir / "blocks").rglob("*.blk"))
+            assert d.proc is not None
+            cpu0 = _thread_cpu(d.proc.pid)
             first = _interleaved(
                 {"daemon": lambda: c.wait(c.load(NS, into), 600), "plain": plain}, n, a.repeat
             )
+            cpu1 = _thread_cpu(d.proc.pid)
             assert bytes(dst.buf[: n * size]) == bytes(src.buf[: n * size])
         keys = [BlockKey(Namespace(NS), Digest(k)) for k in digests]
         items = sorted(zip(keys, dests, strict=True), key=lambda kv: kv[0])
@@ -132,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             ("plain open+preadv+close", first["plain"], first["plain"]),
         ):
             print(f"  {name:44s} {us:8.2f}  ({base / us:.2f}x plain's rate)")
+        loads = n * a.repeat
+        for name in sorted(cpu1):
+            used = cpu1[name] - cpu0.get(name, 0.0)
+            if used > 0:
+                print(f"  daemon CPU, thread {name:30s} {used / loads * 1e6:8.2f} µs per block")
         if a.cprofile:
             stats = pstats.Stats(str(prof))
-            stats.sort_stats("tottime").print_stats("ucm_", 25)
-            stats.sort_stats("cumulative").print_stats("ucm_", 40)
+            stats.sort_stats("tottime").print_stats(35)
     return 0
 
 
