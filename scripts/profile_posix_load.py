@@ -65,14 +65,14 @@ def _interleaved(fns: dict[str, Callable[[], object]], n: int, repeat: int) -> d
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
-    """Seconds of CPU (user + system) each thread of ``pid`` has used, by thread name; the main
+    """Seconds of CPU (user + system) each thread of ``pid`` has used, by ``name/tid``; the main
     thread (the event loop) is ``main``."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        name = "main" if task.name == str(pid) else f"{(task / 'comm').read_text().strip()}/{task.name}"
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--cprofile", action="store_true")
+    p.add_argument(
+        "--dump-between",
+        action="store_true",
+        help="dump as many new blocks before each round, as benchmarks.small_objects does",
+    )
     a = p.parse_args(argv)
     size, n = a.size, a.blocks
     with tempfile.TemporaryDirectory(prefix="ucm-prof-") as tmp:
@@ -114,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
             files = sorted((d.data_dir / "blocks").rglob("*.blk"))
             assert d.proc is not None
             cpu0 = _thread_cpu(d.proc.pid)
-            first = _interleaved(
-                {"daemon": lambda: c.wait(c.load(NS, into), 600), "plain": plain}, n, a.repeat
-            )
+            rounds = iter(range(1 << 30))
+
+            def dump_new() -> None:
+                r = next(rounds)
+                fresh = [BlockIO(key_digest("p", r, i), b.segments) for i, b in enumerate(blocks)]
+                assert c.wait(c.dump(NS, fresh), 600).ok
+
+            fns: dict[str, Callable[[], object]] = {"dump": dump_new} if a.dump_between else {}
+            fns |= {"daemon": lambda: c.wait(c.load(NS, into), 600), "plain": plain}
+            first = _interleaved(fns, n, a.repeat)
             cpu1 = _thread_cpu(d.proc.pid)
             assert bytes(dst.buf[: n * size]) == bytes(src.buf[: n * size])
         keys = [BlockKey(Namespace(NS), Digest(k)) for k in digests]
