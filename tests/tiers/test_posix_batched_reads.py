@@ -72,6 +72,11 @@ def _fifo(path: Path, outside: Path) -> None:
     os.mkfifo(path)
 
 
+def _directory(path: Path, outside: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
 def _removed(path: Path, outside: Path) -> None:
     path.unlink()
 
@@ -83,6 +88,7 @@ DAMAGE: dict[str, tuple[Callable[[Path, Path], None], BlockState]] = {
     "another key's block": (_other_key, BlockState.FAILED),
     "symlink": (_symlink, BlockState.FAILED),
     "fifo": (_fifo, BlockState.FAILED),
+    "directory": (_directory, BlockState.FAILED),
     "removed": (_removed, BlockState.MISSING),
 }
 
@@ -124,9 +130,10 @@ def test_damage_among_good_blocks(tmp_path: Path, damage: str, checked: bool) ->
             assert bad is not None and bad.state is state, bad
             assert bytes(dest[BAD]) in (bytes(SIZE), b"\x55" * SIZE)  # zeroed, or never written
         assert b"\xee" * 16 not in bytes(dest[BAD])  # the symlink's target was never read
-        if damage in ("symlink", "fifo"):
+        if damage in ("symlink", "fifo", "directory"):
             assert t.stats().extra.get("skipped_files", 0) >= 1
-            assert (outside / "forged.blk").exists() or damage == "fifo"
+        if damage == "symlink":
+            assert (outside / "forged.blk").exists()  # refused, not moved or removed
         await t.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))  # a FIFO opened blocking would hang here

@@ -1625,6 +1625,8 @@ def _read_fast(
         head = heads.get(st.st_size - view.nbytes)
         if head is None or not stat.S_ISREG(st.st_mode) or os.preadv(fd, (head, view), 0) != st.st_size:
             return None
+    except OSError:  # an I/O error: the careful path meets it again and reports it for this block
+        return None
     finally:
         os.close(fd)
     want = fast_checksum(head, key, view.nbytes, limit)
