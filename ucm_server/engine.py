@@ -586,7 +586,8 @@ class Engine:
         return plan
 
     async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
-        for start, stop in chunk_bounds(map(iov_len, iovs)):
+        sizes = [iov_len(iov) for iov in iovs]  # once per block: small blocks feel every pass
+        for start, stop in chunk_bounds(sizes):
             if task.cancel_requested:
                 return
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
@@ -594,8 +595,8 @@ class Engine:
                 results = await self.pipeline.read_many(items)
             else:
                 results = await self.pipeline.write_many(items, durable=durable)
-            for offset, r in enumerate(results):
-                task.record(start + offset, r, iov_len(iovs[start + offset]))
+            for i, r in enumerate(results, start):
+                task.record(i, r, sizes[i])
             if self.quota.enabled:  # per-tenant quotas, chunk by chunk
                 await self.quota.account(task.kind, _done(items, results))
 

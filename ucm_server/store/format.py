@@ -37,13 +37,13 @@ from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Name
 from ucm_server.store.base import IoVec
 
 MAGIC = b"UCMB"
-FORMAT_VERSION = 3
-"""The newest layout this daemon writes: 3 = a Posix block file in the two-level directory layout."""
 ALIGNED_VERSION = 2
 """The first version whose ``header_len`` may be 4 KiB (``O_DIRECT`` files)."""
 FLAT_LAYOUT_VERSION = 3
 """Version 2's fields, written by the Posix tier for files at ``<ns>/<k[0:2]>/<key>.blk`` (versions 1
 and 2 live one directory deeper, at ``<ns>/<k[0:2]>/<k[2:4]>/<key>.blk``)."""
+FORMAT_VERSION = FLAT_LAYOUT_VERSION
+"""The newest layout this daemon writes: a Posix block file in the two-level directory layout."""
 READABLE_VERSIONS = (1, 2, 3)
 """Version 1 is version 2 with a 128-byte header; blocks with that header are still written as 1 by
 the tiers that do not say otherwise, so a daemon of an older release reads them, and skips (never
@@ -55,7 +55,9 @@ ALIGNED_HEADER_SIZE = 4096
 HEADER_SIZES = (HEADER_SIZE, ALIGNED_HEADER_SIZE)
 _FIELDS = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQ")
 _CRC = struct.Struct("<I")
-_FIELDS_AND_CRC = struct.Struct(f"<4sHHI{NAMESPACE_BYTES}s{KEY_BYTES}sQQQI")
+_FIELDS_AND_CRC = struct.Struct(_FIELDS.format + "I")
+_KEY_AT = struct.calcsize("<4sHHI")
+_KEY_END = _KEY_AT + NAMESPACE_BYTES + KEY_BYTES
 _ZEROS = bytes(ALIGNED_HEADER_SIZE)
 
 
@@ -174,6 +176,29 @@ def decode_header(
         header_len=header_len,
         version=version,
     )
+
+
+def fast_checksum(raw: bytearray, key: bytes, payload_len: int, max_payload: int) -> int | None:
+    """The payload checksum of the header in ``raw`` (all ``header_len`` bytes of it) when it
+    passes every check :func:`decode_header` makes, names ``key`` and promises exactly
+    ``payload_len`` bytes after itself; None otherwise (ask :func:`decode_header` which check
+    failed). The read path's per-block test: one unpack and a few compares, no header object (a
+    4 KiB block's read costs about 6 µs of system calls; a :class:`BlockHeader` cost 1 µs more)."""
+    magic, version, _, header_len, _, _, length, checksum, _, crc = _FIELDS_AND_CRC.unpack_from(raw)
+    if (
+        magic != MAGIC
+        or header_len != len(raw)
+        or length != payload_len
+        or length > max_payload
+        or version not in READABLE_VERSIONS
+        or (version < ALIGNED_VERSION and header_len != HEADER_SIZE)
+        or raw[_KEY_AT:_KEY_END] != key
+        or zlib.crc32(memoryview(raw)[: _FIELDS.size]) != crc
+        or raw[_FIELDS_AND_CRC.size :] != _ZEROS[: header_len - _FIELDS_AND_CRC.size]
+    ):
+        return None
+    result: int = checksum
+    return result
 
 
 def _check_zero(padding: bytes | memoryview) -> None:

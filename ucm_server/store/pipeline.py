@@ -349,24 +349,35 @@ class Pipeline:
     async def _read_staged(
         self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
     ) -> list[BlockResult]:
-        """Read ``batch`` from the tier at ``depth`` through daemon memory, promoting as it goes."""
+        """Read ``batch`` from the tier at ``depth`` through daemon memory, promoting as it goes.
+        From the top tier nothing is promoted: the whole batch goes straight into the caller's
+        memory in one call first (no staging groups: a 4 KiB block feels every per-block pass),
+        and only the blocks whose bytes there did not match are read again through staging."""
         results: list[BlockResult] = [MISSING] * len(batch)
-        sizes = [iov_len(dest) for _, dest in batch]
+        todo: Sequence[int] = range(len(batch))
+        if depth == 0:
+            first = await self.tiers[0].read_checked_many(batch)
+            todo = [i for i, r in enumerate(first) if r is None]
+            for i, r in enumerate(first):
+                if r is not None:
+                    results[i] = r
+        sizes = [iov_len(batch[i][1]) for i in todo]
         for group in self.staging.groups(sizes):
-            got = await self._read_group(depth, [batch[i] for i in group], started)
+            got = await self._read_group(depth, [batch[todo[i]] for i in group], started, direct=depth > 0)
             for i, r in zip(group, got, strict=True):
-                results[i] = r
+                results[todo[i]] = r
         return results
 
     async def _read_group(
-        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
+        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int, *, direct: bool = True
     ) -> list[BlockResult]:
         """One group of :meth:`_read_staged`. A block to promote is read into the Cache pages
         reserved for it, verified there, copied to the caller, and only then published. Any other
         block is read straight into the caller's memory where the tier can check it there without
         deciding anything from it (:meth:`Tier.read_checked`: the one-copy path of a Posix-only
         daemon); one whose bytes there do not match, or whose tier cannot, is read again into the
-        staging pool, verified there (a mismatch there is corruption), and copied."""
+        staging pool, verified there (a mismatch there is corruption), and copied. ``direct``
+        False: the caller read them straight already, so every block not promoted is staged."""
         tier = self.tiers[depth]
         top = self.leasing if depth > 0 else None
         reservations: dict[int, Reservation] = {}
@@ -377,12 +388,12 @@ class Pipeline:
                     if reservation is not None:
                         reservations[j] = reservation
         got: list[BlockResult | None] = [None] * len(batch)
-        direct = [j for j in range(len(batch)) if j not in reservations]
-        if direct:  # not promoted: straight into the caller's memory where the tier checks it there
-            checked = await tier.read_checked_many([batch[j] for j in direct])
-            for j, r in zip(direct, checked, strict=True):
+        unpromoted = [j for j in range(len(batch)) if j not in reservations]
+        if unpromoted and direct:  # straight into the caller's memory where the tier checks it there
+            checked = await tier.read_checked_many([batch[j] for j in unpromoted])
+            for j, r in zip(unpromoted, checked, strict=True):
                 got[j] = r
-        bounced = [j for j in direct if got[j] is None]
+        bounced = [j for j in unpromoted if got[j] is None]
         if not reservations and not bounced:
             return [r for r in got if r is not None]
         staged = await self.staging.take([iov_len(batch[j][1]) for j in bounced])
