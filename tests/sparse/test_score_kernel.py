@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink, squared_key_norms
@@ -17,25 +18,26 @@ from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shr
 BLOCK = 32
 
 
-def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not() -> None:
+@pytest.mark.parametrize("block", [BLOCK, 6])  # 6: the block maximum's tail past its 4-wide steps
+def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not(block: int) -> None:
     """The compiled loop against plain float arithmetic on the same codes: every block's best token."""
     gen = torch.Generator().manual_seed(3)
-    n, heads, dim = BLOCK * 24, 4, 64
+    n, heads, dim = block * 24, 4, 64
     keys = torch.randn(n, heads, dim, generator=gen)
-    keys[5 * BLOCK + 7] *= 30.0  # a loud token sets its block's scales; others keep theirs
-    coded = channel_codes(keys, BLOCK)
+    keys[5 * block + 3] *= 30.0  # a loud token sets its block's scales; others keep theirs
+    coded = channel_codes(keys, block)
     decoded = coded.dequantize()  # [H, D, n]
     torch.testing.assert_close(decoded.permute(2, 0, 1), keys, atol=keys.abs().max() / 250, rtol=0)
     shrink = norm_shrink(squared_key_norms(keys))
     for count, channels in ((1, 16), (1, 6), (2, 16), (4, 16)):  # 6: padded to a multiple of 4
         queries = torch.randn(count, heads, dim, generator=gen)
-        got = channel_token_max(queries, coded, channels, BLOCK, shrink)
+        got = channel_token_max(queries, coded, channels, block, shrink)
         chosen = torch.topk(queries.abs(), channels, dim=-1).indices
         masked = torch.zeros_like(queries).scatter_(-1, chosen, queries.gather(-1, chosen))
         dots = torch.einsum("xhc,hcn->xhn", masked, decoded) * shrink
-        want = dots.view(count, heads, -1, BLOCK).amax(dim=-1)
+        want = dots.view(count, heads, -1, block).amax(dim=-1)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        other = channel_token_max(-queries, coded, channels, BLOCK, shrink)  # negative control
+        other = channel_token_max(-queries, coded, channels, block, shrink)  # negative control
         assert not torch.allclose(other, want, rtol=1e-2, atol=1e-2)
 
 
