@@ -84,7 +84,7 @@ def block_max_logits(
                     m2, m3 = max(m2, acc[t + 2]), max(m3, acc[t + 3])
                 for t in range(block_size - block_size % 4, block_size):
                     m0 = max(m0, acc[t])
-                best = max(max(m0, m1), max(m2, m3))
+                best = max(m0, m1, m2, m3)
                 out[x, h, b] = best
 
 
