@@ -8,6 +8,7 @@ serialised by the loop, not by a lock held across the network.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine, Sequence
@@ -159,6 +160,14 @@ class UcmClient:
 
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))
+
+    def prefetch_nowait(self, namespace: bytes, keys: Sequence[bytes]) -> concurrent.futures.Future[int]:
+        """Send a ``Prefetch`` without waiting for its answer (the task id, or the error, lands in
+        the future): a caller on a latency-critical path, like vLLM's scheduler, does not pay the
+        round trip for a task it never waits for."""
+        if self._closed:
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+        return asyncio.run_coroutine_threadsafe(self._async.prefetch(namespace, keys), self._loop)
 
     def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
         return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
