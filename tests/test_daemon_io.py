@@ -8,6 +8,7 @@ import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
+from ucm_client.errors import UcmError
 
 
 def test_round_trip_bytes_identical(client: UcmClient) -> None:
@@ -136,3 +137,23 @@ def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm:
     assert client.lookup(NS, stored).hit_prefix == len(stored)
     with pytest.raises(Exception, match=r"keys\[1\]"):  # not packable: sent key by key, named
         client.lookup(NS, [stored[0], stored[1][:31]])
+
+
+def test_load_many_sends_every_batch_and_reports_a_refused_one_as_data(
+    client: UcmClient, shm: SharedBuffer
+) -> None:
+    """``load_many`` (one task per batch, sent together): each good batch loads its own bytes; a
+    batch the daemon refuses (a region it never registered) is that batch's error, the others run."""
+    region = client.register(shm)
+    size = 4096
+    shm.buf[: 4 * size] = os.urandom(4 * size)
+    expected = bytes(shm.buf[: 4 * size])
+    assert client.wait(client.dump(NS, blocks_in(region, 4, size)), 10).ok
+    shm.buf[: 4 * size] = bytes(4 * size)
+    good_a, good_b = blocks_in(region, 2, size), blocks_in(region, 2, size, first=2, offset=2 * size)
+    bad = blocks_in(region + 999, 2, size)
+    answers = client.load_many(NS, [good_a, bad, good_b])
+    assert isinstance(answers[1], UcmError) and "region" in str(answers[1]).lower()
+    for answer in (answers[0], answers[2]):
+        assert isinstance(answer, int) and client.wait(answer, 10).ok
+    assert bytes(shm.buf[: 4 * size]) == expected

@@ -274,9 +274,46 @@ class UcmWorker:
     def _start(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         """A job with every part submitted now: whole blocks, or all layers at once (layerwise)."""
         job = self._new_job(transfer, load=load)
-        layers: list[int | None] = list(range(len(self._layers))) if self._layerwise else [None]
-        job.parts = [self._submit_part(job, layer) for layer in layers]
+        if self._layerwise and load:
+            job.parts = self._submit_layer_loads(job)
+        else:
+            layers: list[int | None] = list(range(len(self._layers))) if self._layerwise else [None]
+            job.parts = [self._submit_part(job, layer) for layer in layers]
         return job
+
+    def _submit_layer_loads(self, job: TransferJob) -> list[PartTask | None]:
+        """Layerwise: every layer's Load of a job, sent together (``load_many``).
+
+        One after another they cost one round trip each before the forward could start (eight
+        layers: about eight milliseconds on a small CPU, issue #13 item 6); sent together, about
+        one. A layer the daemon refused is a failed part; the other layers still load.
+        """
+        transfer = job.transfer
+        parts = [PartTask(None, self._part_bytes(layer)) for layer in range(len(self._layers))]
+        client = None if self._io_off else self._client()
+        if client is None or not self._registered or self._layer_access() is None:
+            if not self._io_off:
+                self._stats.add(daemon_unavailable=1)
+            for part in parts:
+                self._end_part(job, part, None)
+            return list(parts)
+        batches = [self._layer_blocks(layer, transfer) for layer in range(len(parts))]
+        try:
+            answers: list[int | UcmError] = client.load_many(self._namespaces[transfer.group], batches)
+        except UcmError as exc:
+            answers = [exc] * len(parts)
+        for part, answer in zip(parts, answers, strict=True):
+            if isinstance(answer, UcmError):
+                if self._link.failed(answer):
+                    self._stats.add(daemon_unavailable=1)
+                else:
+                    logger.warning("UCM worker: load of %s refused: %s", transfer.req_id, answer)
+                self._end_part(job, part, None)
+            else:
+                part.task_id = answer
+        if any(part.task_id is not None for part in parts):
+            self._link.succeeded()
+        return list(parts)
 
     def _submit_part(self, job: TransferJob, layer: int | None) -> PartTask:
         """Hand one part (whole blocks, or one layer) to the daemon; a failed part if it could not be."""
