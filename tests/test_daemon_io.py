@@ -139,11 +139,11 @@ def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm:
         client.lookup(NS, [stored[0], stored[1][:31]])
 
 
-def test_load_many_sends_every_batch_and_reports_a_refused_one_as_data(
+def test_load_nowait_answers_in_a_future_and_a_refused_load_is_that_futures_error(
     client: UcmClient, shm: SharedBuffer
 ) -> None:
-    """``load_many`` (one task per batch, sent together): each good batch loads its own bytes; a
-    batch the daemon refuses (a region it never registered) is that batch's error, the others run."""
+    """``load_nowait``: loads sent without waiting each load their own bytes once their task id
+    arrives; one the daemon refuses (a region it never registered) raises from its own future only."""
     region = client.register(shm)
     size = 4096
     shm.buf[: 4 * size] = os.urandom(4 * size)
@@ -151,9 +151,11 @@ def test_load_many_sends_every_batch_and_reports_a_refused_one_as_data(
     assert client.wait(client.dump(NS, blocks_in(region, 4, size)), 10).ok
     shm.buf[: 4 * size] = bytes(4 * size)
     good_a, good_b = blocks_in(region, 2, size), blocks_in(region, 2, size, first=2, offset=2 * size)
-    bad = blocks_in(region + 999, 2, size)
-    answers = client.load_many(NS, [good_a, bad, good_b])
-    assert isinstance(answers[1], UcmError) and "region" in str(answers[1]).lower()
-    for answer in (answers[0], answers[2]):
-        assert isinstance(answer, int) and client.wait(answer, 10).ok
+    futures = [
+        client.load_nowait(NS, blocks) for blocks in (good_a, blocks_in(region + 999, 2, size), good_b)
+    ]
+    with pytest.raises(UcmError, match=r"(?i)region"):
+        futures[1].result(10)
+    for future in (futures[0], futures[2]):
+        assert client.wait(future.result(10), 10).ok
     assert bytes(shm.buf[: 4 * size]) == expected
