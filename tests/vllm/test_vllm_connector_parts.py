@@ -314,18 +314,25 @@ def test_shared_buffer_outlives_nothing_it_should_not() -> None:
 # ---------------------------------------------------------------- scheduler half on real vLLM objects
 
 
-def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
+def _scheduler(daemon: DaemonProcess, keyspace: KeySpace) -> Any:
+    """A scheduler half with 16-token blocks talking to ``daemon``."""
     from vllm.config import CacheConfig, VllmConfig
+
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    config = ConnectorConfig(target=daemon.target)
+    return UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+
+
+def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     from ucm_client.vllm.identity import KeySpace
-    from ucm_client.vllm.scheduler import UcmScheduler
 
     keyspace = KeySpace(fields=(("model", "parts-test"),), tp_size=2)
     tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
-        config = ConnectorConfig(target=daemon.target)
-        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+        scheduler = _scheduler(daemon, keyspace)
         first = vllm_request("a", tokens)
         keys = block_keys(first.block_hashes, 16, 16)
         assert len(keys) == 4
@@ -501,16 +508,13 @@ def test_own_hit_covering_every_grantable_block_sends_no_lookup(tmp_path: Path) 
 
     Negative control: an own hit one block shorter is looked up (and the daemon's block granted).
     """
-    from vllm.config import CacheConfig, VllmConfig
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
-    from ucm_client.vllm.scheduler import UcmScheduler
 
     keyspace = KeySpace(fields=(("model", "parts-own-hit"),), tp_size=1)
     tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
-        config = ConnectorConfig(target=daemon.target)
-        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+        scheduler = _scheduler(daemon, keyspace)
         own = vllm_request("own", tokens)
         keys = block_keys(own.block_hashes, 16, 16)
         client.put_blocks(keyspace.namespace(0), [(k, b"x" * 64) for k in keys])
