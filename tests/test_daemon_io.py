@@ -8,6 +8,7 @@ import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
+from ucm_client.errors import UcmError
 
 
 def test_round_trip_bytes_identical(client: UcmClient) -> None:
@@ -136,3 +137,25 @@ def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm:
     assert client.lookup(NS, stored).hit_prefix == len(stored)
     with pytest.raises(Exception, match=r"keys\[1\]"):  # not packable: sent key by key, named
         client.lookup(NS, [stored[0], stored[1][:31]])
+
+
+def test_load_nowait_answers_in_a_future_and_a_refused_load_is_that_futures_error(
+    client: UcmClient, shm: SharedBuffer
+) -> None:
+    """``load_nowait``: loads sent without waiting each load their own bytes once their task id
+    arrives; one the daemon refuses (a region it never registered) raises from its own future only."""
+    region = client.register(shm)
+    size = 4096
+    shm.buf[: 4 * size] = os.urandom(4 * size)
+    expected = bytes(shm.buf[: 4 * size])
+    assert client.wait(client.dump(NS, blocks_in(region, 4, size)), 10).ok
+    shm.buf[: 4 * size] = bytes(4 * size)
+    good_a, good_b = blocks_in(region, 2, size), blocks_in(region, 2, size, first=2, offset=2 * size)
+    futures = [
+        client.load_nowait(NS, blocks) for blocks in (good_a, blocks_in(region + 999, 2, size), good_b)
+    ]
+    with pytest.raises(UcmError, match=r"(?i)region"):
+        futures[1].result(10)
+    for future in (futures[0], futures[2]):
+        assert client.wait(future.result(10), 10).ok
+    assert bytes(shm.buf[: 4 * size]) == expected

@@ -314,18 +314,25 @@ def test_shared_buffer_outlives_nothing_it_should_not() -> None:
 # ---------------------------------------------------------------- scheduler half on real vLLM objects
 
 
-def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
+def _scheduler(daemon: DaemonProcess, keyspace: KeySpace) -> Any:
+    """A scheduler half with 16-token blocks talking to ``daemon``."""
     from vllm.config import CacheConfig, VllmConfig
+
+    from ucm_client.vllm.scheduler import UcmScheduler
+
+    config = ConnectorConfig(target=daemon.target)
+    return UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+
+
+def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     from ucm_client.vllm.identity import KeySpace
-    from ucm_client.vllm.scheduler import UcmScheduler
 
     keyspace = KeySpace(fields=(("model", "parts-test"),), tp_size=2)
     tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
     with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
-        config = ConnectorConfig(target=daemon.target)
-        scheduler = UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
+        scheduler = _scheduler(daemon, keyspace)
         first = vllm_request("a", tokens)
         keys = block_keys(first.block_hashes, 16, 16)
         assert len(keys) == 4
@@ -494,3 +501,61 @@ def test_worker_registers_again_after_sleep(tmp_path: Path) -> None:
             keyspace.namespace(0), [b"a" * 32]
         )
         worker.shutdown()
+
+
+def test_own_hit_covering_every_grantable_block_sends_no_lookup(tmp_path: Path) -> None:
+    """vLLM's own prefix cache holding every block the daemon could serve: no Lookup, no re-save.
+
+    Negative control: an own hit one block shorter is looked up (and the daemon's block granted).
+    """
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+
+    keyspace = KeySpace(fields=(("model", "parts-own-hit"),), tp_size=1)
+    tokens = list(range(100, 170))  # 4 full blocks of 16 + 6 tokens
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        scheduler = _scheduler(daemon, keyspace)
+        own = vllm_request("own", tokens)
+        keys = block_keys(own.block_hashes, 16, 16)
+        client.put_blocks(keyspace.namespace(0), [(k, b"x" * 64) for k in keys])
+        assert scheduler.get_num_new_matched_tokens(own, 64) == (0, False)
+        stats = scheduler.take_stats()
+        assert stats is None or stats.data["lookups"] == 0
+        own.num_computed_tokens = 64
+        output = SchedulerOutput.make_empty()
+        output.scheduled_new_reqs = [NewRequestData.from_request(own, ([1, 2, 3, 4, 5],))]
+        output.num_scheduled_tokens = {"own": 6}
+        meta = scheduler.build_connector_meta(output)
+        assert not meta.loads and not meta.saves  # the own hit's 4 blocks are not saved again
+        assert scheduler.request_finished(own) == (False, None)
+
+        shorter = vllm_request("shorter", tokens)
+        assert scheduler.get_num_new_matched_tokens(shorter, 48) == (16, False)
+        stats = scheduler.take_stats()
+        assert stats is not None and stats.data["lookups"] == 1
+        scheduler.shutdown()
+
+
+def test_shm_kv_allocation_is_mapped_up_front() -> None:
+    """The KV cache's shared memory is in this process's page tables from the start, as vLLM's own
+    ``torch.zeros`` leaves it: the first forward reading a loaded block takes no page faults.
+    Negative control: a plain ``SharedBuffer`` of the same size faults on first read."""
+    import resource
+
+    size, page = 32 << 20, 4096
+
+    def faults_reading(tensor: torch.Tensor) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        int(tensor[::page].sum())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    plain = SharedBuffer(size)
+    plain_faults = faults_reading(torch.frombuffer(plain.buf, dtype=torch.int8, count=size))
+    alloc = ShmAllocation()
+    with alloc:
+        raw = torch.zeros(size, dtype=torch.int8)
+    assert alloc.buffer is not None and raw.data_ptr() == alloc.buffer.torch().data_ptr()
+    populated_faults = faults_reading(raw)
+    assert plain_faults > size // page // 32  # at most 16 pages per fault with the kernel's fault-around
+    assert populated_faults < plain_faults // 10
+    assert int(raw.abs().sum()) == 0  # still zeros, as torch.zeros promises

@@ -136,7 +136,8 @@ def test_all_layer_loads_start_first_and_each_layer_waits_for_its_own(
     loader = target.worker
     loader.start_load(UcmConnectorMetadata(loads=[BlockTransfer("hit", (5, 6, 7), tuple(keys))]))
     (job,) = loader.sync_loads  # the step's hits: one task per layer, all submitted before the forward
-    assert [part is not None and part.task_id is not None for part in job.parts] == [True] * LAYERS
+    sent = [part is not None and (part.task_id, part.submitted) != (None, None) for part in job.parts]
+    assert sent == [True] * LAYERS  # every layer's Load sent (its answer taken when it is waited for)
     assert not any(part is not None and part.ended for part in job.parts)  # nothing waited for yet
 
     loader.wait_for_layer_load(NAMES[0])  # attention of layer 0 may run: layer 0's task alone is taken

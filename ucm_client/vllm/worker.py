@@ -28,6 +28,7 @@ same block. Both write the KV of the same token after the same prefix, so either
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Iterable
@@ -38,7 +39,7 @@ import torch
 
 from ucm_client import BlockIO, UcmClient
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
-from ucm_client.errors import UcmError
+from ucm_client.errors import UcmError, Unavailable
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_key
 from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
@@ -301,17 +302,46 @@ class UcmWorker:
                 blocks = kv.blocks(transfer.keys, transfer.block_ids, part.slots)
             else:
                 blocks = self._layer_blocks(layer, transfer)
-            submit = client.load if job.load else client.dump
-            part.task_id = submit(self._namespaces[transfer.group], blocks)
+            namespace = self._namespaces[transfer.group]
+            if job.load:  # the answer is taken when the part is first waited for (``_answer``)
+                part.submitted = client.load_nowait(namespace, blocks)
+                return part
+            part.task_id = client.dump(namespace, blocks)
         except UcmError as exc:
-            if self._link.failed(exc):
-                self._stats.add(daemon_unavailable=1)
-            else:
-                logger.warning("UCM worker: %s of %s refused: %s", op, transfer.req_id, exc)
-            self._end_part(job, part, None)
+            self._refused(job, part, exc)
             return part
         self._link.succeeded()
         return part
+
+    def _refused(self, job: TransferJob, part: PartTask, exc: UcmError) -> None:
+        """A part the daemon did not take: its blocks fail (loads are recomputed)."""
+        if self._link.failed(exc):
+            self._stats.add(daemon_unavailable=1)
+        else:
+            op = "load" if job.load else "save"
+            logger.warning("UCM worker: %s of %s refused: %s", op, job.transfer.req_id, exc)
+        self._end_part(job, part, None)
+
+    def _answer(self, job: TransferJob, part: PartTask, *, block: bool) -> bool:
+        """Take a load's task id from the daemon's answer to its ``Load`` (sent without waiting:
+        the forward started meanwhile); False while it is still on its way and ``block`` is off.
+        A refused load ends the part as failed."""
+        future = part.submitted
+        if future is None:
+            return True
+        if not block and not future.done():
+            return False
+        part.submitted = None
+        try:
+            part.task_id = future.result(timeout=2 * self._config.rpc_timeout_s)
+        except UcmError as exc:
+            self._refused(job, part, exc)
+            return True
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            self._refused(job, part, Unavailable("the Load call got no answer"))
+            return True
+        self._link.succeeded()
+        return True
 
     def _end_part(self, job: TransferJob, part: PartTask, ok: list[bool] | None) -> None:
         """Record a part's outcome: its failed loads become load errors, its staging slots are freed."""
@@ -387,6 +417,9 @@ class UcmWorker:
         for part in parts:
             if part is None or part.ended:
                 continue
+            self._answer(job, part, block=True)
+            if part.ended:
+                continue
             remaining = max((deadline or job.deadline) - time.monotonic(), 0.001)
             self._end_part(job, part, self._wait(part.task_id, job.count, remaining))
 
@@ -397,6 +430,10 @@ class UcmWorker:
         """
         for part in job.parts:
             if part is None or part.ended:
+                continue
+            if not self._answer(job, part, block=time.monotonic() >= job.deadline):
+                break
+            if part.ended:
                 continue
             outcome = self._poll(part.task_id, job.count, job.deadline)
             if outcome is False:
