@@ -86,9 +86,6 @@ class _Request:
     """Length of the stored prefix, in blocks, from the (cached) lookup; None = not asked yet."""
     local_tokens: int = 0
     """vLLM's own prefix-cache hit at the last ``get_num_new_matched_tokens`` call."""
-    local_blocks: int = 0
-    """Blocks of vLLM's own hit when it covered every block the daemon could have served, so the
-    lookup was skipped (``_covered_locally``): taken as stored, as ``stored_blocks`` would be."""
     block_ids: list[list[int]] = field(default_factory=list)
     """vLLM's block table, one list per KV cache group (block index -> block id)."""
     saved_blocks: int = 0
@@ -259,30 +256,15 @@ class UcmScheduler:
             return 0, False
         if state.stored_blocks is None:
             keys = self._keys(state)
-            if self._covered_locally(len(keys), request.num_tokens, num_computed_tokens):
-                state.local_blocks = num_computed_tokens // self._block_size
-                return 0, False
             stored = self._lookup(keys, request.num_tokens)
             if self._pd.must_wait(request, stored, len(keys)):  # a prefill's saves not all visible yet
                 return None, False
             state.stored_blocks = stored
-            state.local_blocks = 0
             self._stats.add(query_tokens=max(request.num_tokens - num_computed_tokens, 0))
         granted = hit_tokens(state.stored_blocks, self._block_size, request.num_tokens, num_computed_tokens)
         if self._keyspace.has_state_groups and (num_computed_tokens + granted) % self._block_size:
             granted = 0  # a Mamba state exists only at a block boundary (vLLM's own hits end on one)
         return granted, bool(granted) and self._config.load_async
-
-    def _covered_locally(self, num_keys: int, num_tokens: int, num_computed_tokens: int) -> bool:
-        """Whether vLLM's own prefix cache already holds every token any lookup could grant.
-
-        Then no answer of the daemon could add a token (``hit_tokens`` is 0 for every stored
-        length), so the Lookup is not sent: vLLM's own hits, its most common case, do not pay a
-        round trip to the daemon on the way to their first token (issue #13 item 6). The blocks of
-        that hit are taken as stored (this connector saved them when vLLM computed them): they are
-        not saved again, which a lookup would have done only for blocks the daemon lost since.
-        """
-        return 0 < min(num_keys * self._block_size, num_tokens - 1) <= num_computed_tokens
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -376,7 +358,7 @@ class UcmScheduler:
             return
         keys = self._keys(state)
         full = min(computed // self._block_size, len(keys), max(len(ids) for ids in state.block_ids))
-        start = max(state.saved_blocks, state.stored_blocks or state.local_blocks)
+        start = max(state.saved_blocks, state.stored_blocks or 0)
         if full <= start:
             return
         for group, table in enumerate(state.block_ids):
@@ -395,7 +377,7 @@ class UcmScheduler:
         state = self._requests.pop(request.request_id, None)
         self._pd.forget(request.request_id)
         if state is not None and state.retention is not None:
-            stored = max(state.saved_blocks, state.stored_blocks or state.local_blocks)
+            stored = max(state.saved_blocks, state.stored_blocks or 0)
             keys = self._keys(state)[:stored]
             saved = request.request_id in self._saved
             self._saved.pop(request.request_id, None)
