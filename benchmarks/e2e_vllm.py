@@ -463,8 +463,8 @@ def _breakdown_rows(ttft: dict[str, Any]) -> list[str]:
         f"mapping never touched; 4 KiB each) | {median['daemon_faults']:.0f} | | |",
         f"| … vLLM's own minor page faults during a warm request (its first reads of KV-cache pages the "
         f"daemon filled) | {median['vllm_faults']:.0f} | | |",
-        f"| own hit's time in the scheduler's lookup hook (no Lookup is sent when vLLM's own cache covers "
-        f"every grantable block) | {own_lookup:.2f} ms | | |",
+        f"| own hit's time in the scheduler's lookup hook (its Lookup keeps the daemon's copy fresh and "
+        f"re-saves blocks the daemon lost) | {own_lookup:.2f} ms | | |",
         f"| floor of a whole-block load: one plain copy of a warm request's {mib:.1f} MiB of KV in the vLLM "
         f"process (median of 9) | {floor * 1000:.2f} ms ({floor / own * 100:.0f}% of the own hit) | | |",
     ]
