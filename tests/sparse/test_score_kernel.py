@@ -13,7 +13,12 @@ import sys
 import pytest
 import torch
 
-from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink, squared_key_norms
+from ucm_client.sparse.kernels import (
+    channel_codes,
+    channel_codes_reference,
+    channel_token_max,
+    norm_shrink,
+)
 
 BLOCK = 32
 
@@ -25,10 +30,10 @@ def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not(bl
     n, heads, dim = block * 24, 4, 64
     keys = torch.randn(n, heads, dim, generator=gen)
     keys[5 * block + 3] *= 30.0  # a loud token sets its block's scales; others keep theirs
-    coded = channel_codes(keys, block)
+    coded, sq_norms = channel_codes(keys, block)
     decoded = coded.dequantize()  # [H, D, n]
     torch.testing.assert_close(decoded.permute(2, 0, 1), keys, atol=keys.abs().max() / 250, rtol=0)
-    shrink = norm_shrink(squared_key_norms(keys))
+    shrink = norm_shrink(sq_norms)
     for count, channels in ((1, 16), (1, 6), (2, 16), (4, 16)):  # 6: padded to a multiple of 4
         queries = torch.randn(count, heads, dim, generator=gen)
         got = channel_token_max(queries, coded, channels, block, shrink)
@@ -71,3 +76,22 @@ def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not
     assert scores[0].shape == (4, 12)
     torch.testing.assert_close(scores[0], scores[1])
     assert not torch.allclose(scores[0], scores[2])  # negative control: the opposite query
+
+
+@pytest.mark.parametrize("block", [BLOCK, 6])
+def test_compiled_coding_equals_torch_coding(block: int) -> None:
+    """The compiled coding pass against torch ops on the same keys: codes, scales and norms, with a
+    loud token and an all-zero channel block (whose scale is the floor, codes 0)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(block * 10, 3, 64, generator=gen)
+    keys[2 * block + 1, 1] *= 50.0
+    keys[4 * block : 5 * block, 2, 7] = 0.0
+    coded, norms = channel_codes(keys, block)
+    want, want_norms = channel_codes_reference(keys, block)
+    torch.testing.assert_close(coded.scales, want.scales)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-4)
+    mismatched = (coded.codes != want.codes).float().mean().item()
+    assert mismatched < 1e-4  # a tie at .5 may round either way after division (none expected)
+    assert coded.codes.dtype == torch.int8 and int(coded.codes[2, 7, 4 * block : 5 * block].abs().sum()) == 0
+    other, _ = channel_codes(-keys, block)  # negative control: the codes follow the keys
+    assert torch.equal(other.codes, -coded.codes) and not torch.equal(other.codes, coded.codes)

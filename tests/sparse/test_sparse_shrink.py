@@ -14,7 +14,7 @@ import torch
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink, squared_key_norms
+from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink
 
 BLOCK = 32
 
@@ -58,7 +58,7 @@ def test_cached_shrink_follows_appended_blocks(name: str) -> None:
     assert early.shape == (2, BLOCK * 20)
     method.extend_features(state, BLOCK * 40, BLOCK, lambda a, b: keys[a:b])
     late = method._shrink(state.features, state)
-    fresh = norm_shrink(squared_key_norms(_kept(method, state, keys)))
+    fresh = norm_shrink(channel_codes(_kept(method, state, keys), BLOCK)[1])
     assert late.shape == fresh.shape == (2, BLOCK * 40)
     torch.testing.assert_close(late, fresh)
     # negative control: the factors of the first 20 blocks changed with the median, so reusing the
@@ -78,8 +78,8 @@ def test_a_loud_orthogonal_block_does_not_outscore_a_needle() -> None:
     keys[loud, 0, :16] = 8.0 * torch.sign(torch.randn(BLOCK, 16, generator=gen))  # loud, unaligned
     keys[loud, 0, :16] = keys[loud, 0, :16].abs()  # and on the query's side: large partial dots
     keys[loud, 0, 16:] = 40.0  # but far longer than any other key
-    cm = channel_codes(keys, BLOCK)
-    shrunk = channel_token_max(q, cm, 16, BLOCK, norm_shrink(squared_key_norms(keys)))[0, 0]
+    cm, sq_norms = channel_codes(keys, BLOCK)
+    shrunk = channel_token_max(q, cm, 16, BLOCK, norm_shrink(sq_norms))[0, 0]
     raw = channel_token_max(q, cm, 16, BLOCK, torch.ones(1, n))[0, 0]
     assert int(raw.argmax()) == 6  # negative control: unshrunk, the loud block wins
     assert int(shrunk.argmax()) == 3
@@ -89,8 +89,8 @@ def test_query_group_scored_in_one_pass_equals_one_query_at_a_time() -> None:
     gen = torch.Generator().manual_seed(2)
     n, dim = BLOCK * 16, 32
     keys = torch.randn(n, 2, dim, generator=gen)
-    cm = channel_codes(keys, BLOCK)
-    shrink = norm_shrink(squared_key_norms(keys))
+    cm, sq_norms = channel_codes(keys, BLOCK)
+    shrink = norm_shrink(sq_norms)
     group = torch.randn(4, 2, dim, generator=gen)  # 4 x 16 channels >= 32: the one-pass branch
     together = channel_token_max(group, cm, 16, BLOCK, shrink)
     alone = torch.cat([channel_token_max(group[i : i + 1], cm, 16, BLOCK, shrink) for i in range(4)])

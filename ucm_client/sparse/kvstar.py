@@ -87,6 +87,8 @@ class KVStarMultiStep(ChannelMajorFeatures):
             energy = sample.abs().median(dim=0).values  # [H, D]
             dims = torch.topk(energy, keep, dim=-1).indices.sort(dim=-1).values  # [H, r]
             state.aux["dims"] = dims
+        if dims.shape[-1] == keys.shape[-1]:  # every channel kept (the default): no copy to prune
+            return self._code(keys, block_size, state)
         pruned = torch.gather(keys, 2, dims[None].expand(keys.shape[0], -1, -1))  # [n, H, r]
         return self._code(pruned, block_size, state)  # [H, r, n]
 

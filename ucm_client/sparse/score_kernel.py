@@ -24,7 +24,7 @@ from numba import njit  # type: ignore[import-untyped]
 # ``_fntab``: an empty ``__dict__`` there is what a plain object would show the scan.
 _llvmlite_ffi.lib._fntab.setdefault("__dict__", {})
 
-__all__ = ["block_max_logits", "block_min_hamming", "compile_now"]
+__all__ = ["block_max_logits", "block_min_hamming", "code_blocks", "compile_now"]
 
 
 @njit(  # type: ignore[untyped-decorator]
@@ -123,6 +123,44 @@ def block_min_hamming(
             out[h, b] = best[h]
 
 
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=False, boundscheck=False
+)
+def code_blocks(
+    keys: np.ndarray, block_size: int, codes: np.ndarray, scales: np.ndarray, sq_norms: np.ndarray
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_codes
+    """Code whole blocks of token-major float32 ``keys`` ``[m * block_size, H, C]`` in two passes per
+    block that stay in cache: ``codes`` int8 ``[H, C, n]`` (round half to even, as torch rounds),
+    ``scales`` float32 ``[H, C, m]`` (the block's largest magnitude / 127), ``sq_norms`` float32
+    ``[H, n]``. In torch this was eight passes over the whole context (permute, abs, max, divide,
+    round, cast, and the norms): 858 ms per layer at 32k tokens, 8 KV heads, D 128, paid at prefill.
+    """
+    n, heads, chans = keys.shape
+    peak = np.empty((heads, chans), np.float32)
+    for b in range(n // block_size):
+        start = b * block_size
+        peak[:] = 0.0
+        for t in range(start, start + block_size):
+            for h in range(heads):
+                total = np.float32(0.0)
+                for c in range(chans):
+                    v = keys[t, h, c]
+                    peak[h, c] = max(peak[h, c], abs(v))
+                    total += v * v
+                sq_norms[h, t] = total
+        for h in range(heads):
+            for c in range(chans):
+                step = max(peak[h, c] / np.float32(127.0), np.float32(1e-30))
+                scales[h, c, b] = step
+                peak[h, c] = step
+        for h in range(heads):
+            for c in range(chans):
+                step = peak[h, c]
+                row = codes[h, c]
+                for t in range(start, start + block_size):
+                    row[t] = np.int8(np.rint(keys[t, h, c] / step))
+
+
 def compile_now() -> None:
     """Compile (or load from numba's cache) the loop before the first retrieval needs it: a cold
     compile takes about a second, which a decode step must not wait for."""
@@ -136,6 +174,13 @@ def compile_now() -> None:
         np.ones((1, 4), np.float32),
         4,
         out,
+    )
+    code_blocks(
+        np.zeros((4, 1, 4), np.float32),
+        4,
+        np.empty((1, 4, 4), np.int8),
+        np.empty((1, 4, 1), np.float32),
+        np.empty((1, 4), np.float32),
     )
     words = np.zeros((1, 1, 1, 1), np.uint64)
     block_min_hamming(words, words[0, 0], words[0, 0], np.empty((1, 1), np.int64))
