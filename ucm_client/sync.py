@@ -69,12 +69,16 @@ class UcmClient:
         self._stub: Any = None
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the client's loop; a closed client says so (a typed error), rather than
+        """Run ``coro`` on the client's loop and wait for it (:meth:`_submit`)."""
+        return self._submit(coro).result(timeout)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the client's loop; a closed client says so (a typed error), rather than
         asyncio's "Event loop is closed" and a coroutine reported as never awaited."""
         if self._closed:
             coro.close()
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return self._on_loop(coro, timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -162,9 +166,7 @@ class UcmClient:
         The vLLM connector sends a step's loads this way and lets the forward start at once: the
         round trip overlaps the forward instead of preceding it (one per layer with ``use_layerwise``:
         about eight milliseconds on a small CPU, issue #13 item 6)."""
-        if self._closed:
-            raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return asyncio.run_coroutine_threadsafe(self._async.load(namespace, blocks), self._loop)
+        return self._submit(self._async.load(namespace, blocks))
 
     def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
         return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
@@ -176,9 +178,7 @@ class UcmClient:
         """Send a ``Prefetch`` without waiting for its answer (the task id, or the error, lands in
         the future): a caller on a latency-critical path, like vLLM's scheduler, does not pay the
         round trip for a task it never waits for."""
-        if self._closed:
-            raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return asyncio.run_coroutine_threadsafe(self._async.prefetch(namespace, keys), self._loop)
+        return self._submit(self._async.prefetch(namespace, keys))
 
     def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
         return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
