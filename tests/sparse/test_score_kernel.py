@@ -95,3 +95,73 @@ def test_compiled_coding_equals_torch_coding(block: int) -> None:
     assert coded.codes.dtype == torch.int8 and int(coded.codes[2, 7, 4 * block : 5 * block].abs().sum()) == 0
     other, _ = channel_codes(-keys, block)  # negative control: the codes follow the keys
     assert torch.equal(other.codes, -coded.codes) and not torch.equal(other.codes, coded.codes)
+
+
+@pytest.mark.parametrize("name", ["ESA", "KVStarMultiStep"])
+def test_host_scoring_in_one_call_equals_the_torch_operations_it_replaced(name: str) -> None:
+    """``grouped_block_max`` (query groups summed, channels chosen, scored and scaled in one compiled
+    call) against the torch path it replaced: group sums, ``topk`` of magnitudes, ``channel_token_max``."""
+    import math
+
+    from ucm_client.sparse.base import UcmSparseRole
+    from ucm_client.sparse.block_sparse import DecodeState
+    from ucm_client.sparse.factory import UcmSparseFactory
+    from ucm_client.sparse.kernels import group_query
+
+    gen = torch.Generator().manual_seed(5)
+    heads, dim = 4, 64
+    keys = torch.randn(BLOCK * 16, heads, dim, generator=gen)
+    config = {"sparse_ratio": 0.2, "dim_keep_ratio": 0.5} if name != "ESA" else {"sparse_ratio": 0.2}
+    method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, config)
+    state = DecodeState()
+    method.extend_features(state, keys.shape[0], BLOCK, lambda a, b: keys[a:b])
+    assert state.features is not None
+    queries = torch.randn(3, 16, dim, generator=gen)  # three steps of 16 query heads (4 per KV head)
+    dims = state.aux.get("dims", torch.arange(dim).expand(heads, -1))
+    grouped = torch.stack([group_query(q, heads).sum(dim=1) for q in queries]).gather(
+        2, dims[None].expand(3, -1, -1)
+    )
+    shrink = method._shrink(state.features, state)
+    want = channel_token_max(grouped, method._coded(state.features, state), 16, BLOCK, shrink) / math.sqrt(
+        dim
+    )
+    got = method._host_scores(queries, state.features, state, dims.contiguous(), 1.0 / math.sqrt(dim))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    other = method._host_scores(-queries, state.features, state, dims.contiguous(), 1.0 / math.sqrt(dim))
+    assert not torch.allclose(other, want, rtol=1e-2, atol=1e-2)  # negative control: opposite queries
+
+
+def test_compiled_top_blocks_equals_aggregate_then_select() -> None:
+    """``top_blocks`` (softmax per head, best head per block, windows forced, top-k, sorted) against
+    ``select_blocks(aggregate_heads(...))`` on scores where only a featured prefix of blocks is scored."""
+    import numpy as np
+
+    from ucm_client.sparse.kernels import aggregate_heads, select_blocks
+    from ucm_client.sparse.score_kernel import top_blocks
+
+    gen = torch.Generator().manual_seed(6)
+    for heads, full, num_blocks, keep, init, local in (
+        (8, 60, 64, 13, 1, 2),
+        (2, 9, 10, 5, 1, 2),
+        (4, 40, 40, 8, 0, 1),
+    ):
+        block_scores = torch.randn(heads, full, generator=gen) * 3
+        padded = torch.full((heads, num_blocks), float("-inf"))
+        padded[:, :full] = block_scores
+        want = select_blocks(aggregate_heads(padded), keep, init, local)
+        out = np.empty(num_blocks, np.int64)
+        count = top_blocks(block_scores.numpy(), num_blocks, keep, init, local, out)
+        assert out[:count].tolist() == want.tolist()
+        count = top_blocks((-block_scores).numpy(), num_blocks, keep, init, local, out)
+        assert out[:count].tolist() != want.tolist()  # negative control: reversed scores
+
+
+def test_compiled_query_directions_equal_torch() -> None:
+    """The drift anchor: unit direction of each KV head's summed query group, compiled vs torch."""
+    from ucm_client.sparse.block_sparse import BlockSparseMethod
+    from ucm_client.sparse.kernels import group_query
+
+    query = torch.randn(32, 128, generator=torch.Generator().manual_seed(7))
+    got = BlockSparseMethod._direction(query, 8)
+    summed = group_query(query, 8).sum(dim=1)
+    torch.testing.assert_close(got, summed / summed.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-6)

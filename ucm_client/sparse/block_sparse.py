@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ucm_client.sparse.base import (
@@ -43,7 +44,7 @@ from ucm_client.sparse.kernels import (
     sparse_decode_attention,
 )
 from ucm_client.sparse.paged import read_request_kv
-from ucm_client.sparse.score_kernel import compile_now
+from ucm_client.sparse.score_kernel import compile_now, grouped_block_max, top_blocks, unit_directions
 
 __all__ = [
     "BlockResolver",
@@ -238,10 +239,10 @@ class BlockSparseMethod(UcmSparseBase):
         if retrieve is None:
             retrieve = (state.step - 1) % self.spec.retrieval_stride == 0
         drift = self._drift_cosine()
+        direction: torch.Tensor | None = None
         if drift != 0.0 and state.selection is not None and not retrieve and state.anchor is not None:
             direction = self._direction(query, state.anchor.shape[0])
-            cosine = float((direction * state.anchor).sum(-1).min())
-            if cosine < drift:
+            if _min_cosine(direction, state.anchor) < drift:
                 retrieve = True
                 state.drift_refreshes += 1
                 self.stats["drift_refreshes"] += 1
@@ -264,21 +265,28 @@ class BlockSparseMethod(UcmSparseBase):
             newest = self._direction(query, kv_heads)
             tight = (1.0 + self._drift_cosine()) / 2
             state.queries[:] = [
-                q
-                for q in state.queries
-                if float((self._direction(q, kv_heads) * newest).sum(-1).min()) >= tight
+                q for q in state.queries if _min_cosine(self._direction(q, kv_heads), newest) >= tight
             ]
         block_scores = self._score(self._queries_for_retrieval(state), state.features, state)
         heads = block_scores.shape[0]
-        scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
-        scores[:, :full] = block_scores
         init, local = self._budget.init_window_sz, self._budget.local_window_sz
-        if per_head:
-            state.selection = select_blocks_per_head(scores, keep, init, local)
+        if not per_head and block_scores.device.type == "cpu":
+            chosen = np.empty(num_blocks, np.int64)  # one compiled call for the host's common case
+            count = top_blocks(
+                block_scores.float().contiguous().numpy(), num_blocks, keep, init, local, chosen
+            )
+            state.selection = torch.from_numpy(chosen[:count])
         else:
-            state.selection = select_blocks(aggregate_heads(scores), keep, init, local)
+            scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
+            scores[:, :full] = block_scores
+            if per_head:
+                state.selection = select_blocks_per_head(scores, keep, init, local)
+            else:
+                state.selection = select_blocks(aggregate_heads(scores), keep, init, local)
         state.selected_blocks = num_blocks
-        state.anchor = self._direction(query, heads)
+        if direction is None or direction.shape[0] != heads:
+            direction = self._direction(query, heads)
+        state.anchor = direction
         state.retrievals += 1
         self.stats["retrievals"] += 1
         return state.selection, True
@@ -293,6 +301,10 @@ class BlockSparseMethod(UcmSparseBase):
     @staticmethod
     def _direction(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Unit direction of each KV head's summed query group ``[kv_heads, D]``."""
+        if query.device.type == "cpu":
+            out = np.empty((kv_heads, query.shape[-1]), np.float32)
+            unit_directions(query.float().contiguous().numpy(), kv_heads, out)
+            return torch.from_numpy(out)
         q = group_query(query.float(), kv_heads).sum(dim=1)
         unit: torch.Tensor = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         return unit
@@ -528,6 +540,32 @@ class ChannelMajorFeatures(BlockSparseMethod):
             kept = state.aux.get(name)
             state.aux[name] = fresh if kept is None else torch.cat([kept, fresh], dim=-1)
 
+    def _host_scores(
+        self,
+        queries: torch.Tensor,
+        features: torch.Tensor,
+        state: DecodeState,
+        dims: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``scale`` × each block's best approximate logit ``[G, H, m]`` for ``queries`` ``[G, num_heads,
+        D]`` in one compiled call (:func:`~ucm_client.sparse.score_kernel.grouped_block_max`);
+        ``dims`` ``[H, R]`` names the query channel of each feature row."""
+        block_size = int(state.aux["block_size"])
+        out = np.empty((queries.shape[0], features.shape[0], features.shape[-1] // block_size), np.float32)
+        grouped_block_max(
+            queries.float().contiguous().numpy(),
+            dims.numpy(),
+            self.spec.score_channels,  # type: ignore[attr-defined]
+            features.numpy(),
+            state.aux["scales"].numpy(),
+            self._shrink(features, state).float().contiguous().numpy(),
+            block_size,
+            scale,
+            out,
+        )
+        return torch.from_numpy(out)
+
     @staticmethod
     def _coded(features: torch.Tensor, state: DecodeState) -> ChannelCodes:
         return ChannelCodes(features, state.aux["scales"])
@@ -544,3 +582,11 @@ class ChannelMajorFeatures(BlockSparseMethod):
         if shrink is None or shrink.shape[-1] != n:
             state.aux["shrink"] = shrink = norm_shrink(state.aux["sq_norms"])
         return shrink
+
+
+def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The smallest per-KV-head cosine of two sets of unit directions ``[kv_heads, D]`` (numpy on the
+    host: one call instead of three small torch operations on a decode step's path)."""
+    if a.device.type == "cpu" and b.device.type == "cpu":
+        return float((a.numpy() * b.numpy()).sum(-1).min())
+    return float((a * b).sum(-1).min())

@@ -76,6 +76,11 @@ class ESA(ChannelMajorFeatures):
 
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads, dim = features.shape[0], features.shape[1]
+        if features.device.type == "cpu":
+            dims = state.aux.get("dims")
+            if dims is None:  # every query channel, in order: ESA codes them all
+                dims = state.aux["dims"] = torch.arange(dim).expand(heads, -1).contiguous()
+            return self._host_scores(queries[-1:], features, state, dims, 1.0 / math.sqrt(dim))[0]
         q = group_query(queries[-1].float(), heads).sum(dim=1)  # [H, D]: the KV head's query group
         block_size = int(state.aux["block_size"])
         return channel_token_max(

@@ -95,6 +95,9 @@ class KVStarMultiStep(ChannelMajorFeatures):
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         dims = state.aux["dims"]
         heads = features.shape[0]
+        if features.device.type == "cpu":
+            logits = self._host_scores(queries, features, state, dims, 1.0 / math.sqrt(queries.shape[-1]))
+            return torch.softmax(logits, dim=-1).sum(dim=0).clamp_min(1e-30).log()
         q = torch.stack([group_query(qi.float(), heads).sum(dim=1) for qi in queries])  # [G, H, D]
         qp = torch.gather(q, 2, dims[None].expand(q.shape[0], -1, -1))  # [G, H, r]
         block_size = int(state.aux["block_size"])

@@ -26,7 +26,15 @@ from numba import njit  # type: ignore[import-untyped]
 # ``_fntab``: an empty ``__dict__`` there is what a plain object would show the scan.
 _llvmlite_ffi.lib._fntab.setdefault("__dict__", {})
 
-__all__ = ["block_max_logits", "block_min_hamming", "code_blocks", "compile_now"]
+__all__ = [
+    "block_max_logits",
+    "block_min_hamming",
+    "code_blocks",
+    "compile_now",
+    "grouped_block_max",
+    "top_blocks",
+    "unit_directions",
+]
 
 
 @njit(  # type: ignore[untyped-decorator]
@@ -88,6 +96,114 @@ def block_max_logits(
                     m0 = max(m0, acc[t])
                 best = max(m0, m1, m2, m3)
                 out[x, h, b] = best
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=True, boundscheck=False
+)
+def grouped_block_max(
+    queries: np.ndarray,
+    dims: np.ndarray,
+    channels: int,
+    codes: np.ndarray,
+    scales: np.ndarray,
+    shrink: np.ndarray,
+    block_size: int,
+    scale: float,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled; tested against kernels.channel_token_max
+    """A retrieval's scoring in one call: ``out[g, h, b] = scale * block max`` (:func:`block_max_logits`)
+    for each query ``queries[g]`` ``[num_heads, D]`` float32 summed over KV head ``h``'s query group.
+
+    ``dims`` int64 ``[H, R]``: the query channel each row of ``codes`` holds (all ``D`` for ESA, the
+    kept ones for a pruned KVStar); each query reads its ``channels`` largest of them by magnitude,
+    in order of magnitude as ``torch.topk`` gives them. In torch these were about fifteen small
+    operations per retrieval, each paying tens of microseconds of cold caches inside a forward pass
+    (0.35 ms per request and layer, as much as the scoring loop itself).
+    """
+    count, num_heads = queries.shape[0], queries.shape[1]
+    heads, kept = dims.shape
+    group = num_heads // heads
+    r = min(channels, kept)
+    padded = r + (-r) % 4
+    rows = np.zeros((count, heads, padded), np.int64)
+    weights = np.zeros((count, heads, padded), np.float32)
+    summed = np.empty(kept, np.float32)
+    for g in range(count):
+        for h in range(heads):
+            for i in range(kept):
+                total = np.float32(0.0)
+                for k in range(group):
+                    total += queries[g, h * group + k, dims[h, i]]
+                summed[i] = total
+            order = np.argsort(-np.abs(summed), kind="mergesort")
+            for j in range(r):
+                rows[g, h, j] = order[j]
+                weights[g, h, j] = summed[order[j]]
+    block_max_logits(codes, scales, rows, weights, shrink, block_size, out)
+    for g in range(count):
+        for h in range(heads):
+            for b in range(out.shape[2]):
+                out[g, h, b] *= scale
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=False, boundscheck=False
+)
+def top_blocks(scores: np.ndarray, num_blocks: int, keep: int, init: int, local: int, out: np.ndarray) -> int:
+    """``select_blocks(aggregate_heads(scores))`` in one call; returns how many ids it wrote to ``out``.
+
+    ``scores`` float32 ``[H, full]`` for the first ``full`` blocks of ``num_blocks`` (the others score
+    nothing); each head's scores become a softmax distribution, a block takes its best head's
+    probability, the first ``init`` and last ``local`` blocks are forced in, and the ``keep`` best
+    (at least the windows) are written to ``out`` in ascending order.
+    """
+    heads, full = scores.shape
+    agg = np.zeros(num_blocks, np.float32)
+    for h in range(heads):
+        peak = np.float32(-np.inf)
+        for b in range(full):
+            peak = max(peak, scores[h, b])
+        if peak == -np.inf:
+            continue
+        total = np.float32(0.0)
+        for b in range(full):
+            total += np.exp(scores[h, b] - peak)
+        for b in range(full):
+            agg[b] = max(agg[b], np.exp(scores[h, b] - peak) / total)
+    first = min(init, num_blocks)
+    local_start = max(first, num_blocks - local)
+    for b in range(first):
+        agg[b] = np.inf
+    for b in range(local_start, num_blocks):
+        agg[b] = np.inf
+    count = min(max(keep, first + num_blocks - local_start), num_blocks)
+    order = np.argsort(-agg, kind="mergesort")
+    chosen = np.sort(order[:count])
+    for i in range(count):
+        out[i] = chosen[i]
+    return count
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=False, boundscheck=False
+)
+def unit_directions(query: np.ndarray, heads: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out[h]``: the unit direction of KV head ``h``'s summed query group (``query`` ``[num_heads, D]``
+    float32), the anchor a drift check compares the next query with."""
+    num_heads, dim = query.shape
+    group = num_heads // heads
+    for h in range(heads):
+        norm = np.float32(0.0)
+        for d in range(dim):
+            total = np.float32(0.0)
+            for k in range(group):
+                total += query[h * group + k, d]
+            out[h, d] = total
+            norm += total * total
+        norm = max(np.float32(np.sqrt(norm)), np.float32(1e-12))
+        for d in range(dim):
+            out[h, d] /= norm
 
 
 @njit(inline="always")  # type: ignore[untyped-decorator]
@@ -184,5 +300,18 @@ def compile_now() -> None:
         np.empty((1, 4, 1), np.float32),
         np.empty((1, 4), np.float32),
     )
+    grouped_block_max(
+        np.zeros((1, 1, 4), np.float32),
+        np.zeros((1, 4), np.int64),
+        4,
+        codes,
+        np.ones((1, 4, 1), np.float32),
+        np.ones((1, 4), np.float32),
+        4,
+        1.0,
+        out,
+    )
+    top_blocks(np.zeros((1, 1), np.float32), 2, 1, 1, 1, np.empty(2, np.int64))
+    unit_directions(np.ones((1, 4), np.float32), 1, np.empty((1, 4), np.float32))
     words = np.zeros((1, 1, 1, 1), np.uint64)
     block_min_hamming(words, words[0, 0], words[0, 0], np.empty((1, 1), np.int64))
