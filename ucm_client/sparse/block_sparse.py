@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from ucm_client.sparse.base import (
@@ -271,11 +270,11 @@ class BlockSparseMethod(UcmSparseBase):
         heads = block_scores.shape[0]
         init, local = self._budget.init_window_sz, self._budget.local_window_sz
         if not per_head and block_scores.device.type == "cpu":
-            chosen = np.empty(num_blocks, np.int64)  # one compiled call for the host's common case
+            chosen = torch.empty(num_blocks, dtype=torch.int64)  # one compiled call, the host's case
             count = top_blocks(
-                block_scores.float().contiguous().numpy(), num_blocks, keep, init, local, chosen
+                block_scores.float().contiguous().numpy(), num_blocks, keep, init, local, chosen.numpy()
             )
-            state.selection = torch.from_numpy(chosen[:count])
+            state.selection = chosen[:count]
         else:
             scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
             scores[:, :full] = block_scores
@@ -302,9 +301,9 @@ class BlockSparseMethod(UcmSparseBase):
     def _direction(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Unit direction of each KV head's summed query group ``[kv_heads, D]``."""
         if query.device.type == "cpu":
-            out = np.empty((kv_heads, query.shape[-1]), np.float32)
-            unit_directions(query.float().contiguous().numpy(), kv_heads, out)
-            return torch.from_numpy(out)
+            out = torch.empty(kv_heads, query.shape[-1])
+            unit_directions(query.float().contiguous().numpy(), kv_heads, out.numpy())
+            return out
         q = group_query(query.float(), kv_heads).sum(dim=1)
         unit: torch.Tensor = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         return unit
@@ -552,7 +551,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
         D]`` in one compiled call (:func:`~ucm_client.sparse.score_kernel.grouped_block_max`);
         ``dims`` ``[H, R]`` names the query channel of each feature row."""
         block_size = int(state.aux["block_size"])
-        out = np.empty((queries.shape[0], features.shape[0], features.shape[-1] // block_size), np.float32)
+        out = torch.empty(queries.shape[0], features.shape[0], features.shape[-1] // block_size)
         grouped_block_max(
             queries.float().contiguous().numpy(),
             dims.numpy(),
@@ -562,9 +561,9 @@ class ChannelMajorFeatures(BlockSparseMethod):
             self._shrink(features, state).float().contiguous().numpy(),
             block_size,
             scale,
-            out,
+            out.numpy(),
         )
-        return torch.from_numpy(out)
+        return out
 
     @staticmethod
     def _coded(features: torch.Tensor, state: DecodeState) -> ChannelCodes:
