@@ -58,7 +58,8 @@ def test_every_loaded_module_global_answers_vllms_kernel_scan() -> None:
 
 
 def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not() -> None:
-    """GSA on the host (compiled loop) against GSAOnDevice (torch popcounts) on the same codes."""
+    """GSA on the host (one compiled call: query code, mask, Hamming loop) against GSAOnDevice (torch
+    projection, packing and popcounts) on the same codes."""
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.block_sparse import DecodeState
     from ucm_client.sparse.factory import UcmSparseFactory

@@ -21,7 +21,7 @@ import torch
 from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
 from ucm_client.sparse.kernels import group_query
-from ucm_client.sparse.score_kernel import block_min_hamming
+from ucm_client.sparse.score_kernel import block_min_hamming, hash_block_scores
 
 __all__ = ["GSA", "GSAOnDevice", "GsaSpec", "hamming_words", "hash_codes", "pack_words", "popcount64"]
 
@@ -146,10 +146,20 @@ class GSA(BlockSparseMethod):
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         heads = features.shape[2]
         proj = self._projection(queries.shape[-1], features.device, state)
+        used = max(1, round(self.spec.reliable_bits * self.spec.hash_bits))
+        if not self.on_device and features.device.type == "cpu" and sys.byteorder == "little":
+            out = torch.empty(heads, features.shape[0])  # the query's code, mask and scoring: one call
+            hash_block_scores(
+                queries.float().contiguous().numpy(),
+                proj.numpy(),
+                used,
+                features.numpy().view(np.uint64),
+                out.numpy(),
+            )
+            return out
         q = torch.stack([group_query(qi, heads) for qi in queries]).sum(dim=(0, 2))  # [H, D]
         projected = q.float() @ proj  # [H, bits]
         qwords = pack_words(projected > 0)  # [H, W]
-        used = max(1, round(self.spec.reliable_bits * self.spec.hash_bits))
         reliable = torch.zeros_like(projected, dtype=torch.bool)
         reliable.scatter_(1, projected.abs().topk(used, dim=-1).indices, True)
         mask = pack_words(reliable)
