@@ -23,6 +23,7 @@ import mmap
 import os
 import secrets
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,13 +41,52 @@ class SharedMemoryError(ResourceExhausted, MemoryError):
     """The memory for a :class:`SharedBuffer` could not be allocated (a cgroup / container limit)."""
 
 
+def available_memory() -> int | None:
+    """Bytes this process could still allocate: the system's ``MemAvailable`` plus free swap, and no
+    more than its cgroup has left below its limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes`` as
+    a container sees it); None where none of it can be read."""
+    figures: list[int] = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        figures.append((int(meminfo["MemAvailable"].split()[0]) + int(meminfo["SwapFree"].split()[0])) * 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        group = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n", 1)[0]
+        where = Path("/sys/fs/cgroup") / group.lstrip("/")
+        limit = (where / "memory.max").read_text().strip()
+        if limit != "max":
+            figures.append(int(limit) - int((where / "memory.current").read_text()))
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        v1 = Path("/sys/fs/cgroup/memory")
+        limit_v1 = int((v1 / "memory.limit_in_bytes").read_text())
+        if limit_v1 < 1 << 62:  # "no limit" is a page-rounded 2**63
+            figures.append(limit_v1 - int((v1 / "memory.usage_in_bytes").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(figures) if figures else None
+
+
 def _allocate(fd: int, size: int, label: str) -> None:
-    """Allocate every page now, so a too-small limit fails here with a clear message."""
+    """Allocate every page now, so a too-small limit fails here with a clear message.
+
+    A size past the memory left is refused before a page is allocated: shared memory (a memfd) has no
+    limit of its own, so the kernel would hand out pages until its OOM killer ends this process, the
+    daemon, or anything else on the host (``ucm-admin bench --block-size 1TiB`` did exactly that)."""
+    what = f" ({label})" if label else ""
+    left = available_memory()
+    if left is not None and size > left:
+        raise SharedMemoryError(
+            f"could not allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory for the KV "
+            f"buffer{what}: only {max(left, 0)} bytes ({max(left, 0) / 2**20:.1f} MiB) of memory are "
+            "available on this host or in this container; make the KV buffer smaller or free memory"
+        )
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        what = f" ({label})" if label else ""
         raise SharedMemoryError(
             f"could not allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory for the KV "
             f"buffer{what}: {exc.strerror or exc}. The process's memory limit is too small for it: "

@@ -8,6 +8,7 @@ accepted before or after the command (``ucm-admin --json stats`` and ``ucm-admin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -74,12 +75,38 @@ def namespace_hex(text: str) -> bytes:
 
 
 def size(text: str) -> int:
+    """A size like ``2GiB``; at most what the wire carries (uint64), so nothing fails later in protobuf."""
     from ucm_protocol.settings import parse_size
 
     try:
-        return parse_size(text, "size")
+        value = parse_size(text, "size")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"size {text} is more than 16 EiB")
+    return value
+
+
+def positive_size(text: str) -> int:
+    value = size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
+
+
+def priority_value(text: str) -> int:
+    """An eviction priority, checked here: a number past int32 cannot even be put in the request."""
+    from ucm_protocol.wire import PRIORITY_MAX, PRIORITY_MIN
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise argparse.ArgumentTypeError(
+            f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {value}"
+        )
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -104,8 +131,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number more than 0, got {text}")
     return value
 
 
@@ -266,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
     )
     keys_and_missing_ok(p)
-    p.add_argument("--priority", metavar="N", type=int, help="Also set the eviction priority (-100..100).")
+    p.add_argument(
+        "--priority", metavar="N", type=priority_value, help="Also set the eviction priority (-100..100)."
+    )
     p.add_argument("--require-all-tiers", action="store_true", help="Refuse where a tier cannot hold pins.")
 
     p = retention_command(
@@ -289,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Within one priority, the least recently used block goes first; pinned blocks never go.",
         "  ucm-admin priority -- -20 3f2a...e1/9c0d...77   # evict before everything else",
     )
-    p.add_argument("value", metavar="N", type=int, help="The priority, -100..100.")
+    p.add_argument("value", metavar="N", type=priority_value, help="The priority, -100..100.")
     keys_and_missing_ok(p)
 
     p = command(
@@ -357,7 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--blocks", metavar="N", type=positive_int, default=64, help="Blocks per round (default 64)."
     )
     p.add_argument(
-        "--block-size", metavar="SIZE", type=size, default=1 << 20, help="Bytes per block (default 1MiB)."
+        "--block-size",
+        metavar="SIZE",
+        type=positive_size,
+        default=1 << 20,
+        help="Bytes per block (default 1MiB).",
     )
     p.add_argument(
         "--rounds", metavar="N", type=positive_int, default=3, help="Dump+load rounds (default 3)."
