@@ -74,7 +74,7 @@ def parse_size(value: object, key: str = "size") -> int:
     m = _SIZE.match(str(value))
     if not m:
         raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
-    scale = 1024 ** " kmgtp".index(m.group(2).lower() or " ")
+    scale = int(1024 ** " kmgtp".index(m.group(2).lower() or " "))
     if m.group(1).isdigit():  # exact: a float loses bytes past 2**53 ("18446744073709551615" -> 2**64)
         return int(m.group(1)) * scale
     return int(float(m.group(1)) * scale)

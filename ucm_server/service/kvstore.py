@@ -112,7 +112,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def UnregisterRegion(
         self, request: pb.UnregisterRegionRequest, context: aio.ServicerContext
     ) -> pb.UnregisterRegionResponse:
-        self.engine.unregister_region(session_of(context), request.region_id)
+        await self.engine.release_region(session_of(context), request.region_id)
         return pb.UnregisterRegionResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
