@@ -229,11 +229,35 @@ def load_fields(
     return out
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest YAML file read as configuration. ``--config /dev/zero`` (or a log named by mistake) was
+read whole: a MemoryError traceback, or the host's memory, before any message."""
+
+
+def read_config_text(path: Path, source: str) -> str:
+    """The text of a configuration file, at most :data:`MAX_CONFIG_BYTES`; failures are ConfigErrors.
+
+    Read in one bounded call rather than checked by size first, so pipes (``--config <(...)``) and
+    devices work, and a file that is endless or huge is refused after the cap."""
+    try:
+        with Path(path).open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: more than {MAX_CONFIG_BYTES >> 20} MiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict[str, Any]:
     """The top-level mapping of a YAML file (empty file: ``{}``); any failure is a ConfigError."""
     source = f"{what} {path}"
+    text = read_config_text(path, source)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = yaml.safe_load(text)
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
     except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates
