@@ -12,20 +12,19 @@ Found and fixed here:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from support.blocks import NS
+from support.slow_tier import slow_daemon
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
-SLOW_TIER = "ucm_server.testing.faults:LatencyInjectingTier"
 SIZE = 4096
 N = 300  # two chunks (256 blocks each at most): a cancel point between them
 SENTINEL = b"\x5a"
@@ -34,19 +33,7 @@ SENTINEL = b"\x5a"
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """A daemon whose only tier sleeps 10 ms per block: a 300-block task runs for about half a second."""
-    root = tmp_path_factory.mktemp("rt-rpc")
-    settings = {
-        SLOW_TIER: {
-            "root": str(root / "blocks"),
-            "durable": False,
-            "read_delay_s": 0.01,
-            "write_delay_s": 0.01,
-        }
-    }
-    d = DaemonProcess(
-        root / "ucm", args=["--store-pipeline", SLOW_TIER], env={"UCM_TIER_SETTINGS": json.dumps(settings)}
-    )
-    with d:
+    with slow_daemon(tmp_path_factory.mktemp("rt-rpc"), 0.01) as d:
         yield d
 
 

@@ -98,10 +98,7 @@ def priority_value(text: str) -> int:
     """An eviction priority, checked here: a number past int32 cannot even be put in the request."""
     from ucm_protocol.wire import PRIORITY_MAX, PRIORITY_MIN
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = whole_number(text)
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise argparse.ArgumentTypeError(
             f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {value}"
@@ -109,11 +106,15 @@ def priority_value(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = whole_number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
