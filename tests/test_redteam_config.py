@@ -22,6 +22,7 @@ from ucm_protocol.errors import ConfigError
 from ucm_protocol.paths import socket_from_config
 from ucm_server.auth import Authenticator
 from ucm_server.config import load_config
+from ucm_server.testing.daemon import DaemonProcess
 
 
 def _readers() -> dict[str, object]:
@@ -74,3 +75,25 @@ def test_the_tools_exit_2_naming_the_file(capsys: pytest.CaptureFixture[str]) ->
     )
     assert proc.returncode == 2 and "config file /dev/zero: more than 16 MiB" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _meminfo_total() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+@pytest.mark.parametrize("capacity", ["99999999999999999999", "four times the host"])
+def test_a_cache_larger_than_the_host_is_refused_before_it_is_mapped(tmp_path: Path, capacity: str) -> None:
+    """``cache_capacity`` past ssize_t was an OverflowError traceback; past the host's memory the arena
+    was mapped and faulted in until the OOM killer came. Both are now a configuration error (exit 2)."""
+    value = str(4 * _meminfo_total()) if capacity.startswith("four") else capacity
+    d = DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", value])
+    with pytest.raises(RuntimeError) as info:
+        d.start(timeout_s=30)
+    message = str(info.value)
+    assert "setting cache_capacity) is more than the memory available" in message, message
+    assert "Traceback" not in message
+    with DaemonProcess(tmp_path / "ok", args=["--cache-capacity", "16MiB"]) as ok:  # control
+        assert ok.healthy()

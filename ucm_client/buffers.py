@@ -23,12 +23,12 @@ import mmap
 import os
 import secrets
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ucm_protocol.errors import ResourceExhausted
+from ucm_protocol.host import available_memory
 
 if TYPE_CHECKING:
     import torch
@@ -39,34 +39,6 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 class SharedMemoryError(ResourceExhausted, MemoryError):
     """The memory for a :class:`SharedBuffer` could not be allocated (a cgroup / container limit)."""
-
-
-def available_memory() -> int | None:
-    """Bytes this process could still allocate: the system's ``MemAvailable`` plus free swap, and no
-    more than its cgroup has left below its limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes`` as
-    a container sees it); None where none of it can be read."""
-    figures: list[int] = []
-    try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        figures.append((int(meminfo["MemAvailable"].split()[0]) + int(meminfo["SwapFree"].split()[0])) * 1024)
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
-        group = Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split("\n", 1)[0]
-        where = Path("/sys/fs/cgroup") / group.lstrip("/")
-        limit = (where / "memory.max").read_text().strip()
-        if limit != "max":
-            figures.append(int(limit) - int((where / "memory.current").read_text()))
-    except (OSError, IndexError, ValueError):
-        pass
-    try:
-        v1 = Path("/sys/fs/cgroup/memory")
-        limit_v1 = int((v1 / "memory.limit_in_bytes").read_text())
-        if limit_v1 < 1 << 62:  # "no limit" is a page-rounded 2**63
-            figures.append(limit_v1 - int((v1 / "memory.usage_in_bytes").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(figures) if figures else None
 
 
 def _allocate(fd: int, size: int, label: str) -> None:
