@@ -207,3 +207,40 @@ def test_a_sync_client_closed_before_its_first_lookup_opens_no_channel(daemon: D
     with pytest.raises(FailedPrecondition, match="UcmClient is closed"):
         c.lookup(NS, [K])
     assert c._channel is None
+
+
+CONSTRUCTOR = {
+    "int target": ({"target": 123}, ArgumentTypeError, "target must be a socket path or a gRPC target"),
+    "int client_name": ({"client_name": 5}, ArgumentTypeError, "client_name must be a str, got int"),
+    "int token": ({"token": 5}, ArgumentTypeError, "token must be a str, got int"),
+    "str daemon_uid": ({"daemon_uid": "x"}, ArgumentTypeError, "daemon_uid must be an integer, got str"),
+    "missing tls_ca": (
+        {"tls_ca": "/nonexistent/ca.pem"},
+        InvalidArgument,
+        "tls_ca /nonexistent/ca.pem: cannot read",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONSTRUCTOR))
+def test_a_bad_constructor_argument_is_named_and_leaves_no_thread(daemon: DaemonProcess, case: str) -> None:
+    """Before: TypeError at connect (an int client_name), a token or uid of the wrong type accepted and
+    never matching, FileNotFoundError for a TLS file, and the blocking client's loop thread left running."""
+    kwargs, exc_type, message = CONSTRUCTOR[case]
+    kwargs = {"target": daemon.target, **kwargs}
+    threads = threading.active_count()
+    with pytest.raises(exc_type, match=message):
+        UcmClient(**kwargs)  # type: ignore[arg-type]
+    assert threading.active_count() == threads
+    with pytest.raises(exc_type, match=message):
+        AsyncUcmClient(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("size", "exc_type"), [("4096", ArgumentTypeError), (4096.0, ArgumentTypeError), (0, InvalidArgument)]
+)
+def test_a_shared_buffer_of_a_bad_size_is_a_typed_error(size: Any, exc_type: type[UcmError]) -> None:
+    with pytest.raises(exc_type, match="SharedBuffer size must be"):
+        SharedBuffer(size)
+    with SharedBuffer(4096) as ok:  # control
+        assert ok.size == 4096

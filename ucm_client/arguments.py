@@ -15,7 +15,9 @@ the arguments again to name the culprit (:func:`explain_batch`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ucm_client import types
@@ -166,3 +168,30 @@ def block_batch(namespace: object, blocks: object, server_ids: Mapping[int, int]
         if isinstance(exc, InvalidArgument):  # already names what is wrong (an unknown region handle)
             raise
         raise explain_batch(blocks) from None
+
+
+def client_options(
+    target: object, client_name: object, token: object, daemon_uid: object, timeouts: Mapping[str, object]
+) -> None:
+    """The constructor arguments of both clients, checked before anything starts (the blocking client
+    starts a loop thread, which a refused argument used to leave running)."""
+    if target is not None and not isinstance(target, (str, os.PathLike)):
+        raise ArgumentTypeError(f"target must be a socket path or a gRPC target string, got {_kind(target)}")
+    if not isinstance(client_name, str):
+        raise ArgumentTypeError(f"client_name must be a str, got {_kind(client_name)}")
+    if token is not None and not isinstance(token, str):
+        raise ArgumentTypeError(f"token must be a str, got {_kind(token)}")
+    if daemon_uid is not None:
+        integer_arg(daemon_uid, "daemon_uid", 0, 1 << 32)
+    for name, value in timeouts.items():
+        positive_seconds_arg(value, name)
+
+
+def read_tls_file(path: str | os.PathLike[str] | None, name: str) -> bytes | None:
+    """A PEM file named by ``tls_ca``/``tls_cert``/``tls_key``; a missing or unreadable one is named."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"{name} {path}: cannot read it ({exc.strerror or exc})") from None

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ucm_client.errors import ArgumentTypeError, InvalidArgument
 from ucm_protocol.errors import ResourceExhausted
 from ucm_protocol.host import available_memory
 
@@ -71,8 +72,10 @@ class SharedBuffer:
     """``size`` bytes of sealed, preallocated, zero-filled shared memory (a memfd)."""
 
     def __init__(self, size: int, *, label: str = "") -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ArgumentTypeError(f"SharedBuffer size must be an integer, got {type(size).__name__}")
         if size <= 0:
-            raise ValueError(f"SharedBuffer size must be positive, got {size}")
+            raise InvalidArgument(f"SharedBuffer size must be positive, got {size}")
         self.size = size
         self.label = label
         # Diagnostics only (it shows in /proc/<pid>/maps as /memfd:NAME); the daemon never sees names.

@@ -116,13 +116,19 @@ class AsyncUcmClient:
         makes a TLS connection to a TCP target, with ``tls_cert``/``tls_key`` as client certificate.
         On a Unix socket nothing is sent before the daemon proves to run as this process's uid, root,
         or ``daemon_uid`` (default ``$UCM_DAEMON_UID``), see :mod:`ucm_client.trust`."""
+        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
+        args.client_options(target, client_name, token, daemon_uid, timeouts)
         self.target = target_for(target)
         self._trusted = trusted_uids(daemon_uid)
         self._token = token if token is not None else os.environ.get("UCM_TOKEN") or None
-        self._tls = tuple(None if p is None else Path(p).read_bytes() for p in (tls_ca, tls_key, tls_cert))
+        self._tls = (
+            args.read_tls_file(tls_ca, "tls_ca"),
+            args.read_tls_file(tls_key, "tls_key"),
+            args.read_tls_file(tls_cert, "tls_cert"),
+        )
         self.client_name = client_name
-        self.connect_timeout_s = args.positive_seconds_arg(connect_timeout_s, "connect_timeout_s")
-        self.rpc_timeout_s = args.positive_seconds_arg(rpc_timeout_s, "rpc_timeout_s")
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.rpc_timeout_s = float(rpc_timeout_s)
         self._closed = False
         self._channel: aio.Channel | None = None
         self._kv: rpc.KVStoreStub | None = None

@@ -48,14 +48,14 @@ class UcmClient:
         daemon_uid: int | None = None,
     ) -> None:
         """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts)."""
-        args.positive_seconds_arg(connect_timeout_s, "connect_timeout_s")
-        args.positive_seconds_arg(rpc_timeout_s, "rpc_timeout_s")
+        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
+        args.client_options(target, client_name, token, daemon_uid, timeouts)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._async = self._on_loop(
-            _make(
+        try:
+            self._async = self._make_async(
                 target,
                 client_name=client_name,
                 connect_timeout_s=connect_timeout_s,
@@ -66,9 +66,16 @@ class UcmClient:
                 tls_key=tls_key,
                 daemon_uid=daemon_uid,
             )
-        )
+        except BaseException:  # e.g. an unreadable TLS file: stop the loop thread started above
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
+
+    def _make_async(self, target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
+        return self._on_loop(_make(target, **kwargs))  # built on the loop it will run on
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the client's loop and wait for it (:meth:`_submit`)."""
