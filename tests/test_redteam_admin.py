@@ -45,6 +45,8 @@ BAD = {
     "infinite timeout": (["--timeout", "inf", "stats"], "argument --timeout: must be a finite number"),
     "infinite interval": (["watch", "--interval", "inf", "--count", "1"], "--interval: must be a finite"),
     "infinite ttl": (["ttl", "inf", KEY], "SECONDS: must be a finite number more than 0, got inf"),
+    "ls past the page limit": (["ls", "--limit", "99999"], "argument --limit: at most 10000, got 99999"),
+    "odd-length namespace": (["verify", "--namespace", "0"], "is not 32 hexadecimal digits (two per byte)"),
     "zero block size": (["bench", "--block-size", "0"], "--block-size: must be at least 1 byte, got 0"),
 }
 

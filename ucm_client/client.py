@@ -432,7 +432,11 @@ class AsyncUcmClient:
         return handle
 
     async def unregister(self, handle: int) -> None:
-        """Forget a handle (it is never valid again); a lost one needs no word to the daemon."""
+        """Forget a handle (it is never valid again); a lost one needs no word to the daemon.
+
+        When this returns the daemon no longer touches the memory: tasks of this client still loading
+        into or dumping from it are cancelled first (their blocks not yet copied end CANCELLED), so
+        the memory can be reused at once."""
         record = self._regions.pop(handle, None)
         if record is None:
             raise InvalidArgument(f"region handle {handle!r} is not registered")

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace, "Daemon", "Output"], ExitCode]
 
 PROG = "ucm-admin"
+MAX_PAGE_SIZE = 10000
+"""The most blocks the daemon answers in one ListBlocks page."""
 DEFAULT_TIMEOUT_S = 10.0
 
 DESCRIPTION = """\
@@ -66,7 +68,9 @@ def namespace_hex(text: str) -> bytes:
     try:
         value = bytes.fromhex(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"namespace {text!r} is not hexadecimal") from None
+        raise argparse.ArgumentTypeError(
+            f"namespace {text!r} is not 32 hexadecimal digits (two per byte)"
+        ) from None
     if len(value) != 16:
         raise argparse.ArgumentTypeError(
             f"namespace must be 32 hex digits (16 bytes), got {len(value)} bytes"
@@ -117,6 +121,14 @@ def positive_int(text: str) -> int:
     value = whole_number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def page_size(text: str) -> int:
+    """A page size, checked here against the daemon's limit so a typo is a usage error (exit 2)."""
+    value = positive_int(text)
+    if value > MAX_PAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"at most {MAX_PAGE_SIZE}, got {value}")
     return value
 
 
@@ -242,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", metavar="NAME", help="Only blocks in this tier (e.g. Cache, Posix).")
     paging = p.add_mutually_exclusive_group()
     paging.add_argument(
-        "--limit", metavar="N", type=positive_int, default=100, help="Page size (default 100, at most 10000)."
+        "--limit", metavar="N", type=page_size, default=100, help="Page size (default 100, at most 10000)."
     )
     paging.add_argument("--all", action="store_true", help="Follow the pages to the end.")
     p.add_argument("--page-token", metavar="TOKEN", help="Continue from a previous page's next_page_token.")
