@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -38,7 +39,11 @@ def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 def _blocks(region: int, tag: str) -> list[BlockIO]:
-    return [BlockIO(key_digest(tag, i), (Segment(region, i * SIZE, SIZE),)) for i in range(N)]
+    return [BlockIO(key_digest(tag, i), (seg(region, i),)) for i in range(N)]
+
+
+def seg(region: int, i: int) -> Segment:
+    return Segment(region, i * SIZE, SIZE)
 
 
 def _content(i: int) -> bytes:
@@ -168,3 +173,31 @@ def test_evict_with_conflicting_targets_is_refused_and_evicts_nothing(
             admin.Evict(pb.EvictRequest(tier="Cache", namespace=NS, all=True), timeout=5).blocks == len(K) - 1
         )
     assert daemon.healthy()
+
+
+def _memfd_mappings(pid: int) -> int:
+    """The client memory (memfds the client library names ``ucm-...``) the daemon still maps."""
+    return sum(1 for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "memfd:ucm-" in line)
+
+
+def test_tasks_cancelled_while_queued_release_the_clients_memory(tmp_path: Path) -> None:
+    """A task cancelled before a slot freed up (64 run at once) never ran its body, where its region
+    pins were released: the daemon kept the client's memory mapped after the client unregistered it
+    and left (one mapping per such region, for the daemon's lifetime)."""
+    with slow_daemon(tmp_path, 0.1) as d, UcmClient(d.target, client_name="rt-queued") as c:
+        assert d.proc is not None
+        with SharedBuffer(100 * SIZE) as buf:
+            region = c.register(buf)
+            tasks = [c.dump(NS, [BlockIO(key_digest("rt-queued", t), (seg(region, t),))]) for t in range(80)]
+            assert c.stats().tasks_queued > 0, "no task was queued: make the tier slower"
+            assert _memfd_mappings(d.proc.pid) >= 1  # control: the check sees the daemon's mapping
+            cancelled = [c.cancel(t) for t in tasks[64:]]
+            assert any(BlockState.CANCELLED in r.states for r in cancelled)
+            for t in tasks[:64]:
+                c.wait(t, 60)
+            c.unregister(region)
+        deadline = time.monotonic() + 5
+        while _memfd_mappings(d.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _memfd_mappings(d.proc.pid) == 0
+        assert d.healthy()

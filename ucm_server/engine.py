@@ -493,15 +493,11 @@ class Engine:
             raise
 
         async def body(task: Task) -> None:
-            try:
-                await self._run_chunks(task, keys, iovs, durable)
-            finally:
-                self._untrack(task, used)
-                self.regions.unpin(used)
+            await self._run_chunks(task, keys, iovs, durable)
 
-        task = self._start(kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used))
-        self._track(task, used)  # before the body first runs (it starts at the next await)
-        return task
+        return self._start(
+            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used), regions=used
+        )
 
     def _host_plan(
         self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
@@ -559,15 +555,27 @@ class Engine:
         nblocks: int,
         body: Callable[[Task], Awaitable[None]],
         on_refused: Callable[[], None] | None = None,
+        regions: Iterable[Region | GpuRegion] = (),
     ) -> Task:
-        """Submit a task body, re-checking the session's task slots (validation may have awaited)."""
+        """Submit a task body, re-checking the session's task slots (validation may have awaited).
+
+        ``regions`` (pinned by the caller) are tracked for :meth:`release_region` while the task
+        lives and unpinned when it ends, whether or not its body ran."""
         try:
             self._check_task_slot(session)
         except ResourceExhausted:
             if on_refused is not None:
                 on_refused()
             raise
-        return self.tasks.submit(kind, session.session_id, nblocks, body)
+        held = list(regions)
+
+        def release(task: Task) -> None:
+            self._untrack(task, held)
+            self.regions.unpin(held)
+
+        task = self.tasks.submit(kind, session.session_id, nblocks, body, release if held else None)
+        self._track(task, held)  # before the body first runs (it starts at the next await)
+        return task
 
     async def _check_load_sizes(self, keys: list[BlockKey], counts: list[int], lengths: list[int]) -> None:
         """A load into a destination of the wrong size is the caller's mistake: refuse it whole
@@ -602,21 +610,20 @@ class Engine:
             self.regions.unpin(held)
 
         async def body(task: Task) -> None:
-            try:
-                await self.gpu.run(task, keys, plan, durable)
-            finally:
-                self._untrack(task, plan.regions)
-                self.regions.unpin(plan.regions)
+            await self.gpu.run(task, keys, plan, durable)
             if self.quota.enabled:  # per-tenant quotas, as for host blocks (once, at the task's end)
                 states, blocks = task.states, plan.blocks
                 done = [(keys[i], blocks[i].nbytes) for i, s in enumerate(states) if s == BlockState.OK]
                 await self.quota.account(kind, done)
 
-        task = self._start(
-            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(plan.regions)
+        return self._start(
+            kind,
+            session,
+            len(keys),
+            body,
+            on_refused=lambda: self.regions.unpin(plan.regions),
+            regions=plan.regions,
         )
-        self._track(task, plan.regions)
-        return task
 
     def _gpu_plan(
         self, kind: TaskKind, session: Session, columns: SegmentColumns, counts: list[int]
