@@ -25,14 +25,29 @@ def available_memory() -> int | None:
         where = Path("/sys/fs/cgroup") / group.lstrip("/")
         limit = (where / "memory.max").read_text().strip()
         if limit != "max":
-            figures.append(int(limit) - int((where / "memory.current").read_text()))
+            used = int((where / "memory.current").read_text()) - _stat(where / "memory.stat", "inactive_file")
+            figures.append(int(limit) - used)
     except (OSError, IndexError, ValueError):
         pass
     try:
         v1 = Path("/sys/fs/cgroup/memory")
         limit_v1 = int((v1 / "memory.limit_in_bytes").read_text())
         if limit_v1 < 1 << 62:  # "no limit" is a page-rounded 2**63
-            figures.append(limit_v1 - int((v1 / "memory.usage_in_bytes").read_text()))
+            used = int((v1 / "memory.usage_in_bytes").read_text()) - _stat(
+                v1 / "memory.stat", "total_inactive_file"
+            )
+            figures.append(limit_v1 - used)
     except (OSError, ValueError):
         pass
     return min(figures) if figures else None
+
+
+def _stat(path: Path, name: str) -> int:
+    """One figure of a cgroup's ``memory.stat`` (0 if absent). The usage figures count page cache,
+    which the kernel reclaims before it fails an allocation: its inactive part is subtracted, as the
+    kubelet's working set does, so a container whose Posix tier filled the page cache is not refused."""
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return int(value)
+    return 0
