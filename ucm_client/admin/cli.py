@@ -91,11 +91,16 @@ def size(text: str) -> int:
     return value
 
 
+def _require(value: int, ok: bool, message: str) -> int:
+    """``value`` when ``ok``; else the usage error (exit 2) saying why."""
+    if not ok:
+        raise argparse.ArgumentTypeError(message)
+    return value
+
+
 def positive_size(text: str) -> int:
     value = size(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
-    return value
+    return _require(value, value > 0, f"must be at least 1 byte, got {text}")
 
 
 def priority_value(text: str) -> int:
@@ -103,11 +108,8 @@ def priority_value(text: str) -> int:
     from ucm_protocol.wire import PRIORITY_MAX, PRIORITY_MIN
 
     value = whole_number(text)
-    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
-        raise argparse.ArgumentTypeError(
-            f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {value}"
-        )
-    return value
+    message = f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {value}"
+    return _require(value, PRIORITY_MIN <= value <= PRIORITY_MAX, message)
 
 
 def whole_number(text: str) -> int:
@@ -119,17 +121,13 @@ def whole_number(text: str) -> int:
 
 def positive_int(text: str) -> int:
     value = whole_number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _require(value, value > 0, f"must be at least 1, got {value}")
 
 
 def page_size(text: str) -> int:
     """A page size, checked here against the daemon's limit so a typo is a usage error (exit 2)."""
     value = positive_int(text)
-    if value > MAX_PAGE_SIZE:
-        raise argparse.ArgumentTypeError(f"at most {MAX_PAGE_SIZE}, got {value}")
-    return value
+    return _require(value, value <= MAX_PAGE_SIZE, f"at most {MAX_PAGE_SIZE}, got {value}")
 
 
 def ttl_seconds(text: str) -> float:
