@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ucm_client.errors import ArgumentTypeError, InvalidArgument
 from ucm_protocol.errors import ResourceExhausted
+from ucm_protocol.host import available_memory
 
 if TYPE_CHECKING:
     import torch
@@ -41,12 +43,23 @@ class SharedMemoryError(ResourceExhausted, MemoryError):
 
 
 def _allocate(fd: int, size: int, label: str) -> None:
-    """Allocate every page now, so a too-small limit fails here with a clear message."""
+    """Allocate every page now, so a too-small limit fails here with a clear message.
+
+    A size past the memory left is refused before a page is allocated: shared memory (a memfd) has no
+    limit of its own, so the kernel would hand out pages until its OOM killer ends this process, the
+    daemon, or anything else on the host (``ucm-admin bench --block-size 1TiB`` did exactly that)."""
+    what = f" ({label})" if label else ""
+    left = available_memory()
+    if left is not None and size > left:
+        raise SharedMemoryError(
+            f"could not allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory for the KV "
+            f"buffer{what}: only {max(left, 0)} bytes ({max(left, 0) / 2**20:.1f} MiB) of memory are "
+            "available on this host or in this container; make the KV buffer smaller or free memory"
+        )
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        what = f" ({label})" if label else ""
         raise SharedMemoryError(
             f"could not allocate {size} bytes ({size / 2**20:.1f} MiB) of shared memory for the KV "
             f"buffer{what}: {exc.strerror or exc}. The process's memory limit is too small for it: "
@@ -59,8 +72,10 @@ class SharedBuffer:
     """``size`` bytes of sealed, preallocated, zero-filled shared memory (a memfd)."""
 
     def __init__(self, size: int, *, label: str = "") -> None:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ArgumentTypeError(f"SharedBuffer size must be an integer, got {type(size).__name__}")
         if size <= 0:
-            raise ValueError(f"SharedBuffer size must be positive, got {size}")
+            raise InvalidArgument(f"SharedBuffer size must be positive, got {size}")
         self.size = size
         self.label = label
         # Diagnostics only (it shows in /proc/<pid>/maps as /memfd:NAME); the daemon never sees names.

@@ -30,9 +30,10 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
+from ucm_client import arguments as args
 from ucm_client.buffers import SharedBuffer
 from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
-from ucm_client.errors import RegionLost
+from ucm_client.errors import ArgumentTypeError, RegionLost
 from ucm_client.handover import hand_over
 from ucm_client.task_events import FinishedTasks
 from ucm_client.trust import trusted_uids, verify_daemon
@@ -42,8 +43,6 @@ from ucm_client.types import (
     LookupResult,
     RetentionResult,
     TaskResult,
-    as_batch,
-    lookup_request,
     lookup_result,
 )
 from ucm_protocol.errors import (
@@ -61,6 +60,7 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import (
     MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_client.client.MAX_MESSAGE_BYTES)
     SESSION_METADATA,
+    WAIT_CAP_S,
     bearer_metadata,
     channel_options,
 )
@@ -116,13 +116,20 @@ class AsyncUcmClient:
         makes a TLS connection to a TCP target, with ``tls_cert``/``tls_key`` as client certificate.
         On a Unix socket nothing is sent before the daemon proves to run as this process's uid, root,
         or ``daemon_uid`` (default ``$UCM_DAEMON_UID``), see :mod:`ucm_client.trust`."""
+        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
+        args.client_options(target, client_name, token, daemon_uid, timeouts)
         self.target = target_for(target)
         self._trusted = trusted_uids(daemon_uid)
         self._token = token if token is not None else os.environ.get("UCM_TOKEN") or None
-        self._tls = tuple(None if p is None else Path(p).read_bytes() for p in (tls_ca, tls_key, tls_cert))
+        self._tls = (
+            args.read_tls_file(tls_ca, "tls_ca"),
+            args.read_tls_file(tls_key, "tls_key"),
+            args.read_tls_file(tls_cert, "tls_cert"),
+        )
         self.client_name = client_name
-        self.connect_timeout_s = connect_timeout_s
-        self.rpc_timeout_s = rpc_timeout_s
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self._closed = False
         self._channel: aio.Channel | None = None
         self._kv: rpc.KVStoreStub | None = None
         self._admin: rpc.AdminStub | None = None
@@ -142,6 +149,7 @@ class AsyncUcmClient:
 
     async def connect(self) -> None:
         """Open the channel and the session; raises :class:`Unavailable` if no daemon answers."""
+        self._check_open()
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -251,7 +259,15 @@ class AsyncUcmClient:
         self._session_id = None
 
     async def close(self) -> None:
+        """End the session for good: later calls raise FailedPrecondition instead of reconnecting
+        (as :class:`~ucm_client.sync.UcmClient` does), so a client closed by one part of a program
+        cannot quietly open a new session for another."""
+        self._closed = True
         await self._close_channel()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("this AsyncUcmClient is closed; open a new one")
 
     async def __aenter__(self) -> AsyncUcmClient:
         await self.connect()
@@ -279,6 +295,7 @@ class AsyncUcmClient:
         A call made while another coroutine reconnects waits for it (regions are being registered
         again); a failed call only drops the session it ran in, never a newer one.
         """
+        self._check_open()
         if self._session_id is None or (self._lock is not None and self._lock.locked()):
             await self.connect()
         session = self._session_id
@@ -348,7 +365,7 @@ class AsyncUcmClient:
                 f"register() takes a ucm_client.SharedBuffer, got {type(buffer).__name__}: memory is handed "
                 "to the daemon as a sealed memfd, never registered by name"
             )
-        size = buffer.size if size is None else size
+        size = buffer.size if size is None else args.size_arg(size, "size")
         if not 0 < size <= buffer.size:
             raise InvalidArgument(f"register(size={size}): the buffer holds {buffer.size} bytes")
         if buffer.fileno() < 0:
@@ -415,10 +432,14 @@ class AsyncUcmClient:
         return handle
 
     async def unregister(self, handle: int) -> None:
-        """Forget a handle (it is never valid again); a lost one needs no word to the daemon."""
+        """Forget a handle (it is never valid again); a lost one needs no word to the daemon.
+
+        When this returns the daemon no longer touches the memory: tasks of this client still loading
+        into or dumping from it are cancelled first (their blocks not yet copied end CANCELLED), so
+        the memory can be reused at once."""
         record = self._regions.pop(handle, None)
         if record is None:
-            raise InvalidArgument(f"region handle {handle} is not registered")
+            raise InvalidArgument(f"region handle {handle!r} is not registered")
         region_id = record.server_id
         if self._session_id is not None and region_id is not None:
             await self._call(
@@ -446,7 +467,7 @@ class AsyncUcmClient:
     # -- the store ------------------------------------------------------------------------------------
     async def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
         """Which keys the store holds, and how many leading ones (the hit prefix)."""
-        request = lookup_request(namespace, keys)
+        request = args.lookup_request(namespace, keys)
         resp = await self._call(
             lambda: self.kv.Lookup(request, metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
@@ -456,7 +477,7 @@ class AsyncUcmClient:
         """Start copying blocks from the store into registered memory; returns the task id."""
         resp = await self._call(
             lambda: self.kv.Load(
-                pb.LoadRequest(blocks=as_batch(namespace, blocks, self._server_ids())),
+                pb.LoadRequest(blocks=args.block_batch(namespace, blocks, self._server_ids())),
                 metadata=self._metadata(),
                 timeout=self.rpc_timeout_s,
             )
@@ -468,7 +489,8 @@ class AsyncUcmClient:
         resp = await self._call(
             lambda: self.kv.Dump(
                 pb.DumpRequest(
-                    blocks=as_batch(namespace, blocks, self._server_ids()), wait_durable=wait_durable
+                    blocks=args.block_batch(namespace, blocks, self._server_ids()),
+                    wait_durable=bool(wait_durable),
                 ),
                 metadata=self._metadata(),
                 timeout=self.rpc_timeout_s,
@@ -477,6 +499,7 @@ class AsyncUcmClient:
         return self._finished.expect(int(resp.task_id))
 
     async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        namespace, keys = args.namespace_arg(namespace), args.keys_arg(keys)
         resp = await self._call(
             lambda: self.kv.Prefetch(
                 pb.PrefetchRequest(namespace=namespace, keys=keys),
@@ -494,6 +517,8 @@ class AsyncUcmClient:
         task this client is not waiting for, or one whose result was dropped long ago) the daemon is
         asked, and it also applies ``cancel_on_timeout``.
         """
+        task_id = args.task_id_arg(task_id)
+        timeout_s = min(max(args.seconds_arg(timeout_s, "timeout_s"), 0.0), WAIT_CAP_S)
         deadline = time.monotonic() + timeout_s
         pushed = await self._finished.wait(task_id, timeout_s)
         if pushed is not None:
@@ -511,6 +536,7 @@ class AsyncUcmClient:
 
     async def check(self, task_id: int) -> TaskResult:
         """Where the task stands now, without waiting (answered from a pushed result if it ended)."""
+        task_id = args.task_id_arg(task_id)
         pushed = self._finished.peek(task_id)
         if pushed is not None:
             return pushed
@@ -524,6 +550,7 @@ class AsyncUcmClient:
 
     async def cancel(self, task_id: int) -> TaskResult:
         """Stop a task; when this returns the daemon no longer touches the task's memory."""
+        task_id = args.task_id_arg(task_id)
         resp = await self._call(
             lambda: self.kv.Cancel(
                 pb.CancelRequest(task_id=task_id), metadata=self._metadata(), timeout=self.rpc_timeout_s
@@ -533,6 +560,7 @@ class AsyncUcmClient:
         return TaskResult.from_pb(resp)
 
     async def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        namespace, keys = args.namespace_arg(namespace), args.keys_arg(keys)
         resp = await self._call(
             lambda: self.kv.Delete(
                 pb.DeleteRequest(namespace=namespace, keys=keys),
@@ -555,6 +583,13 @@ class AsyncUcmClient:
         """Pin (``pin=True``) or unpin (``False``) stored blocks, expire them ``ttl_s`` seconds from
         now (``0``: never), or set their eviction ``priority`` (-100..100; lower goes first); ``None``
         leaves that part as it is. ``require_all_tiers``: refuse a pin some tier cannot hold."""
+        namespace, keys = args.namespace_arg(namespace), args.keys_arg(keys)
+        if pin is not None and not isinstance(pin, bool):
+            raise ArgumentTypeError(f"pin must be True, False or None, got {type(pin).__name__}")
+        if ttl_s is not None:
+            ttl_s = args.seconds_arg(ttl_s, "ttl_s")
+        if priority is not None:
+            priority = args.integer_arg(priority, "priority", -(1 << 31), 1 << 31)
         request = pb.SetRetentionRequest(
             namespace=namespace,
             keys=keys,
@@ -574,6 +609,7 @@ class AsyncUcmClient:
     # -- the slow path (bytes in messages) ----------------------------------------------------------------
     async def put_blocks(self, namespace: bytes, items: Sequence[tuple[bytes, bytes]]) -> TaskResult:
         """Store ``(key, data)`` pairs by sending the bytes over gRPC (slow: for remote clients)."""
+        namespace, items = args.namespace_arg(namespace), args.put_items_arg(items)
 
         async def call() -> pb.PutBlocksReply:
             reqs = [pb.BlockBytes(namespace=namespace, key=k, data=d) for k, d in items]
@@ -593,6 +629,7 @@ class AsyncUcmClient:
 
     async def get_blocks(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes | None]:
         """Fetch blocks' bytes over gRPC (slow path); ``None`` where missing or failed."""
+        namespace, keys = args.namespace_arg(namespace), args.keys_arg(keys)
 
         async def call() -> list[bytes | None]:
             out: list[bytes | None] = [None] * len(keys)

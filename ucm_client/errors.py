@@ -22,6 +22,11 @@ from ucm_protocol.errors import (
 )
 
 
+class ArgumentTypeError(InvalidArgument, TypeError):
+    """An argument of the wrong type (a ``str`` key, a tuple in place of a ``BlockIO``): refused by the
+    client before anything is sent, naming the argument. Also a ``TypeError``, as Python's own is."""
+
+
 class RegionLost(FailedPrecondition):
     """A region handle that can no longer be used: the daemon restarted and registering the handle's
     memory again failed (its memory is gone, or the new daemon refused it). The handle stays dead for
@@ -36,6 +41,7 @@ class RegionLost(FailedPrecondition):
 
 __all__ = [
     "AlreadyExists",
+    "ArgumentTypeError",
     "Cancelled",
     "ConfigError",
     "DeadlineExceeded",

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from ucm_client import arguments as args
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
 from ucm_client.types import (
@@ -23,7 +24,6 @@ from ucm_client.types import (
     LookupResult,
     RetentionResult,
     TaskResult,
-    lookup_request,
     lookup_result,
 )
 from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
@@ -47,13 +47,15 @@ class UcmClient:
         tls_key: str | os.PathLike[str] | None = None,
         daemon_uid: int | None = None,
     ) -> None:
-        """Same arguments as :class:`AsyncUcmClient`."""
+        """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts)."""
+        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
+        args.client_options(target, client_name, token, daemon_uid, timeouts)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._async = self._on_loop(
-            _make(
+        try:
+            self._async = self._make_async(
                 target,
                 client_name=client_name,
                 connect_timeout_s=connect_timeout_s,
@@ -64,9 +66,16 @@ class UcmClient:
                 tls_key=tls_key,
                 daemon_uid=daemon_uid,
             )
-        )
+        except BaseException:  # e.g. an unreadable TLS file: stop the loop thread started above
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+            raise
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
+
+    def _make_async(self, target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
+        return self._on_loop(_make(target, **kwargs))  # built on the loop it will run on
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the client's loop and wait for it (:meth:`_submit`)."""
@@ -135,15 +144,18 @@ class UcmClient:
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult:
         """Answered on a plain blocking channel, not through the event-loop thread: this is the
         scheduler's hot path (one call per request), where a thread hop would cost as much as the call."""
+        if self._closed:  # before a channel is opened: a closed client never opens a new one
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
         if self._stub is None:
             self._async.verify_daemon()  # who serves the socket, before the token goes out
             creds = self._async.channel_credentials()
             target = self._async.target
             self._channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
             self._stub = rpc.KVStoreStub(self._channel)
+        request = args.lookup_request(namespace, keys)  # a caller's mistake is named, not "closed"
         try:
             resp = self._stub.Lookup(
-                lookup_request(namespace, keys),
+                request,
                 metadata=self._async._auth_metadata(),
                 timeout=self._async.rpc_timeout_s,
             )

@@ -166,7 +166,7 @@ def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: Mapping[in
                 regions.append(server_ids[s.region])
             except KeyError:
                 raise InvalidArgument(
-                    f"block {b.key.hex()[:16]}: region handle {s.region} is not registered"
+                    f"block {b.key.hex()[:16]}: region handle {s.region!r} is not registered"
                 ) from None
             offsets.append(s.offset)
             lengths.append(s.length)

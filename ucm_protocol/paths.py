@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ucm_protocol.errors import ConfigError
+from ucm_protocol.settings import read_yaml_mapping
 
 SOCKET_ENV = "UCM_SOCKET"
 
@@ -43,19 +42,9 @@ def socket_from_config(path: Path, environ: Mapping[str, str] | None = None) -> 
 
 
 def _daemon_settings(path: Path) -> dict[Any, Any]:
-    """The settings mapping of a daemon config file (either form), with the daemon's error messages."""
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from exc
-    except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates
-        raise ConfigError(f"config file {path}: not valid YAML ({exc})") from exc
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(
-            f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}"
-        )
+    """The settings mapping of a daemon config file (either form), with the daemon's error messages
+    (read by the daemon's own reader: the same size cap and the same messages)."""
+    doc = read_yaml_mapping(path)
     if "ucm_connectors" not in doc:
         return doc
     connectors = doc["ucm_connectors"]  # seed 001 form: the first connector's config

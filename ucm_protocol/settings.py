@@ -74,8 +74,10 @@ def parse_size(value: object, key: str = "size") -> int:
     m = _SIZE.match(str(value))
     if not m:
         raise ConfigError(f"{key}: expected a size like '4GiB' or a number of bytes, got {value!r}")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    return int(number * 1024 ** " kmgtp".index(unit or " "))
+    scale = int(1024 ** " kmgtp".index(m.group(2).lower() or " "))
+    if m.group(1).isdigit():  # exact: a float loses bytes past 2**53 ("18446744073709551615" -> 2**64)
+        return int(m.group(1)) * scale
+    return int(float(m.group(1)) * scale)
 
 
 def parse_bool(value: object, where: str, *, source: Source = "text", shown: str | None = None) -> bool:
@@ -227,11 +229,35 @@ def load_fields(
     return out
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest YAML file read as configuration. ``--config /dev/zero`` (or a log named by mistake) was
+read whole: a MemoryError traceback, or the host's memory, before any message."""
+
+
+def read_config_text(path: Path, source: str) -> str:
+    """The text of a configuration file, at most :data:`MAX_CONFIG_BYTES`; failures are ConfigErrors.
+
+    Read in one bounded call rather than checked by size first, so pipes (``--config <(...)``) and
+    devices work, and a file that is endless or huge is refused after the cap."""
+    try:
+        with Path(path).open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: more than {MAX_CONFIG_BYTES >> 20} MiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict[str, Any]:
     """The top-level mapping of a YAML file (empty file: ``{}``); any failure is a ConfigError."""
     source = f"{what} {path}"
+    text = read_config_text(path, source)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = yaml.safe_load(text)
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read ({exc.strerror or exc})") from exc
     except (yaml.YAMLError, ValueError) as exc:  # PyYAML raises ValueError for impossible dates

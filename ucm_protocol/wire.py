@@ -15,6 +15,14 @@ AUTH_METADATA = "authorization"
 MAX_MESSAGE_BYTES = 512 << 20
 """Largest gRPC message either side sends or accepts (PutBlocks/GetBlocks carry payloads inline)."""
 
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+"""The eviction priorities a block may have (``Retention.priority``): the daemon refuses others, and
+``ucm-admin`` checks them before anything is sent (a number past int32 cannot even be encoded)."""
+
+WAIT_CAP_S = 3600.0
+"""The longest one ``Wait`` lasts: the daemon waits at most this long, and the client asks for no more,
+so an infinite timeout keeps a finite gRPC deadline (waiting again is always allowed)."""
+
 
 def channel_options() -> list[tuple[str, int]]:
     """The gRPC channel/server options that apply :data:`MAX_MESSAGE_BYTES` in both directions."""

@@ -34,11 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ucm_protocol.errors import ConfigError, Unauthenticated
 from ucm_protocol.keys import NAMESPACE_BYTES, Namespace
-from ucm_protocol.settings import parse_size
+from ucm_protocol.settings import parse_size, read_yaml_mapping
 from ucm_protocol.wire import AUTH_METADATA
 
 log = logging.getLogger(__name__)
@@ -96,12 +94,7 @@ class Authenticator:
 
     @classmethod
     def from_file(cls, path: Path) -> Authenticator:
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"auth_tokens_file {path}: {exc.strerror}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"auth_tokens_file {path}: not valid YAML ({exc})") from exc
+        doc = read_yaml_mapping(path, "auth_tokens_file")  # capped, and every failure a ConfigError
         entries = doc.get("tokens") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")

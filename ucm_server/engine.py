@@ -125,6 +125,8 @@ class Engine:
         self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.sessions: dict[str, Session] = {}
+        self._region_tasks: dict[Region | GpuRegion, dict[int, Task]] = {}
+        """The unfinished tasks copying to or from each region (see :meth:`release_region`)."""
         self.metrics = Metrics()
         self.metrics.attach(self.snapshot)
         self.tasks.on_finish.append(self._observe)
@@ -343,8 +345,43 @@ class Engine:
         return region
 
     def unregister_region(self, session_id: str | None, region_id: int) -> None:
+        """Forget the region at once; tasks already using it keep their pin and finish (see
+        :meth:`release_region` for what the UnregisterRegion call does)."""
         s = self.session(session_id)
         self.regions.unregister(s.session_id, region_id)
+
+    async def release_region(self, session_id: str | None, region_id: int) -> None:
+        """UnregisterRegion: when this returns the daemon no longer touches the region's memory.
+
+        Before, the region was only forgotten: a Load still running into it went on writing for as long
+        as it ran, over memory the client had every reason to think was its own again (a red-team test
+        saw all 64 blocks of a load land after the call returned, the task reporting OK). Now the
+        session's tasks still using the region are cancelled and waited for, as Cancel does: blocks they
+        had not copied end CANCELLED, and nothing is copied after the call returns."""
+        s = self.session(session_id)
+        region = self.regions.get(s.session_id, region_id)
+        users = list(self._region_tasks.get(region, {}).values())
+        self.regions.unregister(s.session_id, region_id)
+        if users:
+            log.info(
+                "session %s unregistered region %d under %d running task(s): cancelling them",
+                s.session_id[:8],
+                region_id,
+                len(users),
+            )
+            await asyncio.gather(*(self.tasks.cancel(task) for task in users))
+
+    def _track(self, task: Task, regions: Iterable[Region | GpuRegion]) -> None:
+        for region in regions:
+            self._region_tasks.setdefault(region, {})[task.task_id] = task
+
+    def _untrack(self, task: Task, regions: Iterable[Region | GpuRegion]) -> None:
+        for region in regions:
+            users = self._region_tasks.get(region)
+            if users is not None:
+                users.pop(task.task_id, None)
+                if not users:
+                    del self._region_tasks[region]
 
     # -- lookups and deletes --------------------------------------------------------------------------
     def _scope(self, namespace: bytes) -> Namespace:
@@ -456,12 +493,11 @@ class Engine:
             raise
 
         async def body(task: Task) -> None:
-            try:
-                await self._run_chunks(task, keys, iovs, durable)
-            finally:
-                self.regions.unpin(used)
+            await self._run_chunks(task, keys, iovs, durable)
 
-        return self._start(kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used))
+        return self._start(
+            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used), regions=used
+        )
 
     def _host_plan(
         self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
@@ -519,15 +555,27 @@ class Engine:
         nblocks: int,
         body: Callable[[Task], Awaitable[None]],
         on_refused: Callable[[], None] | None = None,
+        regions: Iterable[Region | GpuRegion] = (),
     ) -> Task:
-        """Submit a task body, re-checking the session's task slots (validation may have awaited)."""
+        """Submit a task body, re-checking the session's task slots (validation may have awaited).
+
+        ``regions`` (pinned by the caller) are tracked for :meth:`release_region` while the task
+        lives and unpinned when it ends, whether or not its body ran."""
         try:
             self._check_task_slot(session)
         except ResourceExhausted:
             if on_refused is not None:
                 on_refused()
             raise
-        return self.tasks.submit(kind, session.session_id, nblocks, body)
+        held = list(regions)
+
+        def release(task: Task) -> None:
+            self._untrack(task, held)
+            self.regions.unpin(held)
+
+        task = self.tasks.submit(kind, session.session_id, nblocks, body, release if held else None)
+        self._track(task, held)  # before the body first runs (it starts at the next await)
+        return task
 
     async def _check_load_sizes(self, keys: list[BlockKey], counts: list[int], lengths: list[int]) -> None:
         """A load into a destination of the wrong size is the caller's mistake: refuse it whole
@@ -562,17 +610,19 @@ class Engine:
             self.regions.unpin(held)
 
         async def body(task: Task) -> None:
-            try:
-                await self.gpu.run(task, keys, plan, durable)
-            finally:
-                self.regions.unpin(plan.regions)
+            await self.gpu.run(task, keys, plan, durable)
             if self.quota.enabled:  # per-tenant quotas, as for host blocks (once, at the task's end)
                 states, blocks = task.states, plan.blocks
                 done = [(keys[i], blocks[i].nbytes) for i, s in enumerate(states) if s == BlockState.OK]
                 await self.quota.account(kind, done)
 
         return self._start(
-            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(plan.regions)
+            kind,
+            session,
+            len(keys),
+            body,
+            on_refused=lambda: self.regions.unpin(plan.regions),
+            regions=plan.regions,
         )
 
     def _gpu_plan(

@@ -28,11 +28,11 @@ from typing import TypeVar
 
 from ucm_protocol.errors import ConfigError, InvalidArgument, ResourceExhausted
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
+from ucm_protocol.wire import PRIORITY_MAX, PRIORITY_MIN
 from ucm_server.journal import JournalFile, read_regular
 
 V = TypeVar("V")
 
-PRIORITY_MIN, PRIORITY_MAX = -100, 100
 MAX_TTL_S = 10 * 365 * 86400.0
 MAX_RULES = 1_000_000
 """Rules the table holds at most (about 150 B each): a client cannot grow the daemon without bound."""

@@ -100,17 +100,27 @@ class TaskManager:
         """Tasks of ``session_id`` submitted and not yet finished."""
         return self._active.get(session_id, 0)
 
-    def submit(self, kind: TaskKind, session_id: str, nblocks: int, body: TaskBody) -> Task:
+    def submit(
+        self,
+        kind: TaskKind,
+        session_id: str,
+        nblocks: int,
+        body: TaskBody,
+        release: Callable[[Task], None] | None = None,
+    ) -> Task:
+        """Run ``body`` when a slot is free. ``release`` (what the task holds: pinned regions) runs
+        once when the task ends, also when it was cancelled while queued and ``body`` never ran: a
+        release inside ``body`` was skipped then, and the client's memory stayed mapped for good."""
         self._reap()
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
         self._active[session_id] = self._active.get(session_id, 0) + 1
         self._runners[task.task_id] = asyncio.create_task(
-            self._run(task, body), name=f"ucm-task-{task.task_id}"
+            self._run(task, body, release), name=f"ucm-task-{task.task_id}"
         )
         return task
 
-    async def _run(self, task: Task, body: TaskBody) -> None:
+    async def _run(self, task: Task, body: TaskBody, release: Callable[[Task], None] | None) -> None:
         self._queued += 1
         try:
             async with self._slots:
@@ -124,6 +134,8 @@ class TaskManager:
                     task.states[i] = BlockState.FAILED
                     task.reasons[i] = f"internal error: {exc}"
         finally:
+            if release is not None:
+                release(task)
             self._runners.pop(task.task_id, None)
             left = self._active.get(task.session_id, 1) - 1
             if left > 0:

@@ -84,6 +84,16 @@ class Upkeep:
         if not tier_name:
             raise InvalidArgument("evict needs a tier name")
         tier = self.tier_named(tier_name)
+        # One target, as ucm-admin asks: a request naming several used to run one and ignore the rest
+        # (keys + all evicted only the keys), and a namespace of the wrong size with all matched nothing.
+        targets = (("keys", bool(digests)), ("min_bytes", nbytes > 0), ("all", everything))
+        chosen = [name for name, on in targets if on]
+        if len(chosen) > 1:
+            raise InvalidArgument(f"evict takes one target: keys, min_bytes or all (got {', '.join(chosen)})")
+        if namespace and not digests:
+            if not everything:
+                raise InvalidArgument("namespace narrows keys or all, not min_bytes")
+            check_namespace(namespace)
         if digests:
             keys = self._keys(namespace, digests)
             sizes = await tier.lookup(keys)

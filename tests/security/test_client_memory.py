@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 from support.blocks import NS
+from support.slow_tier import slow_daemon
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_server.testing.daemon import DaemonProcess
 
-SLOW_TIER = "ucm_server.testing.faults:LatencyInjectingTier"
 SIZE = 64 << 10
 N = 64  # blocks per task: ~0.4 s behind the slow tier (8 io threads), long enough to act in the middle
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -73,21 +73,7 @@ def _round_trip_works(d: DaemonProcess, tag: str) -> None:
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """A daemon whose only tier sleeps 10 ms per block read and written: tasks take long enough to be
     attacked while they run."""
-    import json
-
-    root = tmp_path_factory.mktemp("clientmem")
-    settings = {
-        SLOW_TIER: {
-            "root": str(root / "blocks"),
-            "durable": False,
-            "read_delay_s": 0.05,
-            "write_delay_s": 0.05,
-        }
-    }
-    d = DaemonProcess(
-        root / "ucm", args=["--store-pipeline", SLOW_TIER], env={"UCM_TIER_SETTINGS": json.dumps(settings)}
-    )
-    with d:
+    with slow_daemon(tmp_path_factory.mktemp("clientmem"), 0.05) as d:
         yield d
 
 

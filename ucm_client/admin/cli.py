@@ -8,6 +8,7 @@ accepted before or after the command (``ucm-admin --json stats`` and ``ucm-admin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace, "Daemon", "Output"], ExitCode]
 
 PROG = "ucm-admin"
+MAX_PAGE_SIZE = 10000
+"""The most blocks the daemon answers in one ListBlocks page."""
 DEFAULT_TIMEOUT_S = 10.0
 
 DESCRIPTION = """\
@@ -65,7 +68,9 @@ def namespace_hex(text: str) -> bytes:
     try:
         value = bytes.fromhex(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"namespace {text!r} is not hexadecimal") from None
+        raise argparse.ArgumentTypeError(
+            f"namespace {text!r} is not 32 hexadecimal digits (two per byte)"
+        ) from None
     if len(value) != 16:
         raise argparse.ArgumentTypeError(
             f"namespace must be 32 hex digits (16 bytes), got {len(value)} bytes"
@@ -74,22 +79,55 @@ def namespace_hex(text: str) -> bytes:
 
 
 def size(text: str) -> int:
+    """A size like ``2GiB``; at most what the wire carries (uint64), so nothing fails later in protobuf."""
     from ucm_protocol.settings import parse_size
 
     try:
-        return parse_size(text, "size")
+        value = parse_size(text, "size")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"size {text} is more than 16 EiB")
+    return value
+
+
+def _require(value: int, ok: bool, message: str) -> int:
+    """``value`` when ``ok``; else the usage error (exit 2) saying why."""
+    if not ok:
+        raise argparse.ArgumentTypeError(message)
+    return value
+
+
+def positive_size(text: str) -> int:
+    value = size(text)
+    return _require(value, value > 0, f"must be at least 1 byte, got {text}")
+
+
+def priority_value(text: str) -> int:
+    """An eviction priority, checked here: a number past int32 cannot even be put in the request."""
+    from ucm_protocol.wire import PRIORITY_MAX, PRIORITY_MIN
+
+    value = whole_number(text)
+    message = f"priority must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {value}"
+    return _require(value, PRIORITY_MIN <= value <= PRIORITY_MAX, message)
+
+
+def whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    value = whole_number(text)
+    return _require(value, value > 0, f"must be at least 1, got {value}")
+
+
+def page_size(text: str) -> int:
+    """A page size, checked here against the daemon's limit so a typo is a usage error (exit 2)."""
+    value = positive_int(text)
+    return _require(value, value <= MAX_PAGE_SIZE, f"at most {MAX_PAGE_SIZE}, got {value}")
 
 
 def ttl_seconds(text: str) -> float:
@@ -104,8 +142,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number more than 0, got {text}")
     return value
 
 
@@ -214,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", metavar="NAME", help="Only blocks in this tier (e.g. Cache, Posix).")
     paging = p.add_mutually_exclusive_group()
     paging.add_argument(
-        "--limit", metavar="N", type=positive_int, default=100, help="Page size (default 100, at most 10000)."
+        "--limit", metavar="N", type=page_size, default=100, help="Page size (default 100, at most 10000)."
     )
     paging.add_argument("--all", action="store_true", help="Follow the pages to the end.")
     p.add_argument("--page-token", metavar="TOKEN", help="Continue from a previous page's next_page_token.")
@@ -266,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
     )
     keys_and_missing_ok(p)
-    p.add_argument("--priority", metavar="N", type=int, help="Also set the eviction priority (-100..100).")
+    p.add_argument(
+        "--priority", metavar="N", type=priority_value, help="Also set the eviction priority (-100..100)."
+    )
     p.add_argument("--require-all-tiers", action="store_true", help="Refuse where a tier cannot hold pins.")
 
     p = retention_command(
@@ -289,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Within one priority, the least recently used block goes first; pinned blocks never go.",
         "  ucm-admin priority -- -20 3f2a...e1/9c0d...77   # evict before everything else",
     )
-    p.add_argument("value", metavar="N", type=int, help="The priority, -100..100.")
+    p.add_argument("value", metavar="N", type=priority_value, help="The priority, -100..100.")
     keys_and_missing_ok(p)
 
     p = command(
@@ -357,7 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--blocks", metavar="N", type=positive_int, default=64, help="Blocks per round (default 64)."
     )
     p.add_argument(
-        "--block-size", metavar="SIZE", type=size, default=1 << 20, help="Bytes per block (default 1MiB)."
+        "--block-size",
+        metavar="SIZE",
+        type=positive_size,
+        default=1 << 20,
+        help="Bytes per block (default 1MiB).",
     )
     p.add_argument(
         "--rounds", metavar="N", type=positive_int, default=3, help="Dump+load rounds (default 3)."

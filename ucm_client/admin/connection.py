@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +24,8 @@ from ucm_protocol.paths import default_socket_path, socket_from_config, target_f
 from ucm_protocol.wire import bearer_metadata
 
 T = TypeVar("T")
+CONNECTIVITY_POLL_S = 0.25
+"""A little over grpc's connectivity poll period (0.2 s in ``grpc._channel._poll_connectivity``)."""
 START_HINT = "start it with `ucm-server`, or point --socket/--target (or $UCM_SOCKET) at a running one"
 
 
@@ -94,9 +97,15 @@ class Daemon:
             except Unavailable as exc:
                 raise DaemonUnreachable(f"{exc} ({START_HINT})") from None
         channel = grpc.insecure_channel(self.target)
+        ready = grpc.channel_ready_future(channel)
         try:
-            grpc.channel_ready_future(channel).result(timeout=self.timeout_s)
+            ready.result(timeout=self.timeout_s)
         except grpc.FutureTimeoutError:
+            # Stop the future's connectivity polling first: closing the channel under it made grpc's
+            # polling thread print a traceback ("Exception in thread ... (_run)") next to our message.
+            # The thread notices the cancel at its next poll (every 0.2 s) and ends.
+            ready.cancel()
+            time.sleep(CONNECTIVITY_POLL_S)
             channel.close()
             where = f"socket {path}" if path is not None else self.target
             raise DaemonUnreachable(

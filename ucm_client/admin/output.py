@@ -92,7 +92,8 @@ class Output:
         """Report a failure: always on stderr; with ``--json`` also on stdout unless a result is there."""
         if message:
             shown = printable(message, 4096, backslashes=False)  # may echo a client's text
-            self.err_console.print(f"[bold red]error:[/] {_escape(shown)}", highlight=False)
+            # one line however long (soft_wrap): a script greps it, a log keeps it as one record
+            self.err_console.print(f"[bold red]error:[/] {_escape(shown)}", highlight=False, soft_wrap=True)
         if self.mode is Mode.JSON and not self.emitted:
             self.result({"error": {"type": label, "message": message, "exit_code": exit_code}})
 

@@ -17,7 +17,7 @@ from ucm_protocol.errors import InvalidArgument, PermissionDenied
 from ucm_protocol.keys import PackedDigests
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_protocol.wire import SESSION_METADATA
+from ucm_protocol.wire import SESSION_METADATA, WAIT_CAP_S
 from ucm_server.engine import Engine
 from ucm_server.retention import Change
 from ucm_server.tasks import Task, TaskKind
@@ -112,7 +112,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def UnregisterRegion(
         self, request: pb.UnregisterRegionRequest, context: aio.ServicerContext
     ) -> pb.UnregisterRegionResponse:
-        self.engine.unregister_region(session_of(context), request.region_id)
+        await self.engine.release_region(session_of(context), request.region_id)
         return pb.UnregisterRegionResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
@@ -154,7 +154,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
 
     async def Wait(self, request: pb.WaitRequest, context: aio.ServicerContext) -> pb.TaskStatus:
         task = self.engine.task(session_of(context), request.task_id)
-        timeout = max(0.0, min(request.timeout_s, 3600.0))
+        timeout = max(0.0, min(request.timeout_s, WAIT_CAP_S))
         return task_status(await self.engine.tasks.wait(task, timeout, request.cancel_on_timeout))
 
     async def Check(self, request: pb.TaskHandle, context: aio.ServicerContext) -> pb.TaskStatus:

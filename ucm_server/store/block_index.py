@@ -104,8 +104,16 @@ class BlockIndex:
         return stamp
 
     def move_to_end(self, key: bytes) -> None:
-        """Mark ``key`` most recently used (it must be present)."""
-        self._od.move_to_end(key)
+        """Mark ``key`` most recently used, if it is still indexed.
+
+        A Delete or Evict may remove the key while its read runs in a worker thread. The read stands
+        (its bytes were whole and checked); the key only has no place left to move to. This used to
+        raise KeyError, which failed every unfinished block of the reading task as "internal error"
+        (two clients loading and deleting the same keys at once hit it within seconds)."""
+        try:
+            self._od.move_to_end(key)
+        except KeyError:
+            pass
 
     def clear(self) -> None:
         self._od.clear()

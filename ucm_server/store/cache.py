@@ -17,6 +17,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
+from ucm_protocol.errors import ConfigError
+from ucm_protocol.host import available_memory
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.arena import Arena, Extent
 from ucm_server.store.base import (
@@ -100,6 +102,21 @@ class Reservation:
         return self._entry.size if self._entry is not None else 0
 
 
+def check_fits_in_memory(name: str, capacity: int) -> None:
+    """Refuse an arena larger than the memory left, before it is mapped.
+
+    ``mmap`` does not refuse one (memory is overcommitted) and the arena is faulted in at start-up
+    (``cache_prefault``), so ``cache_capacity: 100GiB`` on a smaller host ended in the OOM killer, and
+    a capacity past ``ssize_t`` in an OverflowError traceback."""
+    left = available_memory()
+    if capacity >= 1 << 63 or (left is not None and capacity > left):
+        gib = f"{left / 2**30:.1f} GiB" if left is not None else "unknown"
+        raise ConfigError(
+            f"{name}: capacity {capacity} bytes ({capacity / 2**30:.1f} GiB, setting cache_capacity) is "
+            f"more than the memory available to this process ({gib}); make it smaller"
+        )
+
+
 class CacheTier(Tier):
     """Implements :class:`~ucm_server.store.leasing.Leasing`: the pipeline and the GPU path reach its
     leases, reservations and arena through that capability, not through this class."""
@@ -120,6 +137,7 @@ class CacheTier(Tier):
         eviction: str = "lru",
     ) -> None:
         super().__init__(name)
+        check_fits_in_memory(name, capacity)
         self.arena = Arena(capacity, page_size)
         self.policy: EvictionPolicy = make_policy(eviction, self.arena.capacity)
         self._prefault = prefault
