@@ -43,6 +43,7 @@ from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
 from ucm_server.journal import remember_names
+from ucm_server.load_progress import ProgressWord, progress_word
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
@@ -423,12 +424,15 @@ class Engine:
         lengths: list[int],
         *,
         durable: bool = False,
+        progress: tuple[int, int, int] | None = None,
     ) -> Task:
         """Validate everything up front (nothing is copied for a bad request), then run as a task.
 
         Validation costs time linear in the segments, which the caps bound; a request with more
         than :data:`INLINE_SEGMENTS` segments is checked in a worker thread (its regions pinned), so
-        other clients are answered meanwhile."""
+        other clients are answered meanwhile. ``progress``: a Load's progress word ``(region,
+        offset, length)`` (:mod:`ucm_server.load_progress`); taken for host loads only, which the
+        task says in ``reports_progress``."""
         session = self.session(session_id)
         self._check_task_slot(session)
         keys = self._keys(namespace, digests)
@@ -445,6 +449,10 @@ class Engine:
         block_counts = columns.block_counts(len(keys))
         found = self.regions.regions_for(session.session_id, columns, block_counts, gpu=False)
         used: set[Region] = set(found.values())
+        word = None
+        if kind is TaskKind.LOAD and progress is not None:
+            word = progress_word(self.regions, session.session_id, *progress, columns)
+            used.add(word.region)
         self.regions.pin(used)
         try:
             iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
@@ -457,11 +465,15 @@ class Engine:
 
         async def body(task: Task) -> None:
             try:
-                await self._run_chunks(task, keys, iovs, durable)
+                await self._run_chunks(task, keys, iovs, durable, word)
             finally:
+                if word is not None:
+                    word.done()
                 self.regions.unpin(used)
 
-        return self._start(kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used))
+        task = self._start(kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used))
+        task.reports_progress = word is not None
+        return task
 
     def _host_plan(
         self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
@@ -585,14 +597,26 @@ class Engine:
             check_disjoint(columns, counts)
         return plan
 
-    async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
+    async def _run_chunks(
+        self,
+        task: Task,
+        keys: list[BlockKey],
+        iovs: list[IoVec],
+        durable: bool,
+        word: ProgressWord | None = None,
+    ) -> None:
+        """The task's blocks a chunk at a time; a Load's progress ``word`` is reported by the last
+        chunk only, as its counts then hold for every block of the task."""
         sizes = [iov_len(iov) for iov in iovs]  # once per block: small blocks feel every pass
-        for start, stop in chunk_bounds(sizes):
+        bounds = chunk_bounds(sizes)
+        for start, stop in bounds:
             if task.cancel_requested:
                 return
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
             if task.kind is TaskKind.LOAD:
-                results = await self.pipeline.read_many(items)
+                last = stop == bounds[-1][1]
+                report = word.report if word is not None and last else None
+                results = await self.pipeline.read_many(items, report=report)
             else:
                 results = await self.pipeline.write_many(items, durable=durable)
             for i, r in enumerate(results, start):

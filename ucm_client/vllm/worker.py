@@ -40,6 +40,7 @@ import torch
 from ucm_client import BlockIO, UcmClient
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.errors import UcmError, Unavailable
+from ucm_client.load_progress import LOAD_PROGRESS_DONE
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_key
 from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
@@ -156,6 +157,9 @@ class UcmWorker:
         """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
+        self._segment_of: dict[str, int] = {}
+        """Zero copy on CPU: which segment of a whole block holds each layer's page (empty when a
+        block's segments do not follow its layers: whole-block loads are then waited for whole)."""
 
     # ------------------------------------------------------------------ registration
 
@@ -193,11 +197,19 @@ class UcmWorker:
             vllm_config=self._vllm_config,
         )
         self._use(chosen)
+        self._segment_of = self._segments_by_layer()
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
     @property
     def _staging_bytes(self) -> int:
         return int(self._config.staging_buffer_gib * (1 << 30))
+
+    def _segments_by_layer(self) -> dict[str, int]:
+        memory = self.memory
+        if memory is None or self._layerwise:
+            return {}
+        found = {name: memory.segment_of(name) for name in self._kv_caches}
+        return {name: i for name, i in found.items() if i is not None}
 
     def _use(self, chosen: KVAccess | str) -> None:
         """Hold the chosen access, or remember why this worker moves no bytes at all."""
@@ -304,7 +316,10 @@ class UcmWorker:
                 blocks = self._layer_blocks(layer, transfer)
             namespace = self._namespaces[transfer.group]
             if job.load:  # the answer is taken when the part is first waited for (``_answer``)
-                part.submitted = client.load_nowait(namespace, blocks)
+                words = kv.progress if layer is None and isinstance(kv, SharedMemoryKV) else None
+                part.word = words.take() if words is not None and self._segment_of else None
+                progress = words.segment(part.word) if words is not None and part.word is not None else None
+                part.submitted = client.load_nowait(namespace, blocks, progress=progress)
                 return part
             part.task_id = client.dump(namespace, blocks)
         except UcmError as exc:
@@ -344,8 +359,16 @@ class UcmWorker:
         return True
 
     def _end_part(self, job: TransferJob, part: PartTask, ok: list[bool] | None) -> None:
-        """Record a part's outcome: its failed loads become load errors, its staging slots are freed."""
+        """Record a part's outcome: its failed loads become load errors, its staging slots are freed.
+
+        Its progress word is given back only once it reads ``LOAD_PROGRESS_DONE`` (the daemon's
+        task ended, or the call never reached it): a task still running after a lost connection
+        might otherwise count into the word of a later load."""
         flags = part.end(ok, job.count)
+        words = self._kv.progress if isinstance(self._kv, SharedMemoryKV) else None
+        if part.word is not None and words is not None and words.read(part.word) == LOAD_PROGRESS_DONE:
+            words.give_back(part.word)
+        part.word = None
         block_ids = job.transfer.block_ids
         if part.slots is not None and self._kv is not None:
             self._kv.finish(part.slots, block_ids, flags, load=job.load)
@@ -405,11 +428,25 @@ class UcmWorker:
         layer = self._layer_index.get(layer_name) if layer_name is not None else None
         started = time.monotonic()
         for job in list(self._sync_loads):
+            if layer_name is not None and self._copied_for(job, layer_name):
+                continue  # this layer's pages are in; the job is waited for to its end later
             self._wait_job(job, layer)
             if job.ended:
                 self._sync_loads.remove(job)
                 self._account(job)
         self._stats.add(load_wait_seconds=time.monotonic() - started)
+
+    def _copied_for(self, job: TransferJob, layer_name: str) -> bool:
+        """Whole blocks: wait on the job's progress word until ``layer_name``'s segment of every
+        block is copied (True), while the daemon goes on copying the later layers. False (wait
+        for the whole job) without a word, for a layer whose page is not a segment of its own, or
+        once the task ended first (its result then says which blocks failed)."""
+        part = job.parts[0] if len(job.parts) == 1 else None
+        segment = self._segment_of.get(layer_name)
+        words = self._kv.progress if isinstance(self._kv, SharedMemoryKV) else None
+        if part is None or part.word is None or part.ended or segment is None or words is None:
+            return False
+        return words.wait(part.word, segment + 1, job.deadline)
 
     def _wait_job(self, job: TransferJob, layer: int | None = None, deadline: float | None = None) -> None:
         """Wait for a job's parts (only layer ``layer``'s when given and the job is layerwise)."""

@@ -81,19 +81,43 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
             if n < RUN_COPY_MIN:  # one segment on each side (the usual block): no walk
                 dst[0][:] = src[0]
                 continue
-            pieces = [(_address(dst[0]), _address(src[0]), n)]
+            pieces = [(_address(dst[0]), _address(src[0]), n, 0)]
         elif iov_len(dst) < RUN_COPY_MIN:
             copy_iov(dst, src)
             continue
         else:
             pieces = _pieces(dst, src)
-        for d, s, n in pieces:
+        for d, s, n, _ in pieces:
             last = runs[-1] if runs else None
             if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
                 last[2] += n
             else:
                 runs.append([d, s, n])
     _memmove_runs(runs)
+
+
+def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], None]) -> None:
+    """Copy each ``(dst, src)`` pair of a batch segment by segment of the destinations: segment 0 of
+    every block, ``report(1)``, then segment 1 of every block, ``report(2)``, and so on (a block with
+    fewer segments is complete from its last one on). A Load's client can so read the first
+    segments of every block (vLLM's first layers) while later ones are still copied
+    (:mod:`ucm_server.load_progress`). One thread, in order: splitting a round across threads
+    would add a hand-off per round for bytes another core is already busy computing on.
+    """
+    rounds: list[list[list[int]]] = []
+    for dst, src in pairs:
+        for d, s, n, segment in _pieces(dst, src):
+            while len(rounds) <= segment:
+                rounds.append([])
+            runs = rounds[segment]
+            last = runs[-1] if runs else None
+            if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
+                last[2] += n
+            else:
+                runs.append([d, s, n])
+    for k, runs in enumerate(rounds, 1):
+        _memmove_all(runs)
+        report(k)
 
 
 SPLIT_COPY_BYTES = 8 << 20
@@ -144,10 +168,10 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
-def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int]]:
-    """``(dst address, src address, length)`` pieces of one copy, split where the segments differ
-    (as :func:`copy_iov` walks them)."""
-    out: list[tuple[int, int, int]] = []
+def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int, int]]:
+    """``(dst address, src address, length, dst segment index)`` pieces of one copy, split where the
+    segments differ (as :func:`copy_iov` walks them)."""
+    out: list[tuple[int, int, int, int]] = []
     di = si = doff = soff = 0
     daddr = saddr = 0
     while di < len(dst) and si < len(src):
@@ -163,7 +187,7 @@ def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int]]:
         if soff == 0:
             saddr = _address(s)
         n = min(d.nbytes - doff, s.nbytes - soff)
-        out.append((daddr + doff, saddr + soff, n))
+        out.append((daddr + doff, saddr + soff, n, di))
         doff += n
         soff += n
         if doff == d.nbytes:
