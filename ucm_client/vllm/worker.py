@@ -429,6 +429,7 @@ class UcmWorker:
         started = time.monotonic()
         for job in list(self._sync_loads):
             if layer_name is not None and self._copied_for(job, layer_name):
+                self._stats.add(load_layers_ahead=1)
                 continue  # this layer's pages are in; the job is waited for to its end later
             self._wait_job(job, layer)
             if job.ended:
