@@ -2,8 +2,10 @@
 
 Runs in every worker process, on its own TP rank's shard. Per step it is told (metadata) which
 blocks to load and which to save; it never decides. Loads that feed this step's forward are waited
-for at the first attention layer; async loads and all saves are polled each step and never block
-decode. Failures are data: a block that did not load is reported through
+for at the first attention layer; on CPU zero copy each layer waits only until its own pages of every
+block are in (the Load's progress word, ``ucm_client.load_progress``: the daemon copies every block's
+layer-0 page first, then layer 1's, ...), and the whole load is waited for at the end of the step.
+Async loads and all saves are polled each step and never block decode. Failures are data: a block that did not load is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it; a save that failed is a future miss.
 
 With ``use_layerwise`` every block is one object per attention layer. All layers' loads are

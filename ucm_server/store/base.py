@@ -101,8 +101,9 @@ def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], 
     every block, ``report(1)``, then segment 1 of every block, ``report(2)``, and so on (a block with
     fewer segments is complete from its last one on). A Load's client can so read the first
     segments of every block (vLLM's first layers) while later ones are still copied
-    (:mod:`ucm_server.load_progress`). One thread, in order: splitting a round across threads
-    would add a hand-off per round for bytes another core is already busy computing on.
+    (:mod:`ucm_server.load_progress`). The first round is split over two threads like any large
+    copy (the reader waits for it, its core idle); later rounds run on this thread alone, in
+    order, while the reader computes on the other core: a split there would take that core.
     """
     rounds: list[list[list[int]]] = []
     for dst, src in pairs:
@@ -116,20 +117,26 @@ def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], 
             else:
                 runs.append([d, s, n])
     for k, runs in enumerate(rounds, 1):
-        _memmove_all(runs)
+        if k == 1:
+            _memmove_runs(runs, FIRST_ROUND_SPLIT_BYTES)
+        else:
+            _memmove_all(runs)
         report(k)
 
 
 SPLIT_COPY_BYTES = 8 << 20
 """A batch at least this large is copied by two threads, each half of the bytes (GIL released)."""
+FIRST_ROUND_SPLIT_BYTES = 1 << 20
+""":func:`copy_in_order`'s first round is split from this size on: its reader waits for it."""
 _helper: ThreadPoolExecutor | None = None
 
 
-def _memmove_runs(runs: list[list[int]]) -> None:
-    """Copy the runs; a large batch in two halves at once, this thread and one helper thread (a
-    ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy faster than one)."""
+def _memmove_runs(runs: list[list[int]], split_bytes: int = SPLIT_COPY_BYTES) -> None:
+    """Copy the runs; a batch of ``split_bytes`` or more in two halves at once, this thread and one
+    helper thread (a ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy
+    faster than one)."""
     total = sum(n for _, _, n in runs)
-    if total < SPLIT_COPY_BYTES:
+    if total < split_bytes:
         for d, s, n in runs:
             ctypes.memmove(d, s, n)
         return
