@@ -150,7 +150,7 @@ def test_a_bad_word_is_refused_naming_what_is_wrong(
 def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k() -> None:
     """The daemon's ordered copy: at ``report(k)`` segments ``< k`` of every block are in place and
     no segment ``>= k`` has been touched (blocks of unequal segment counts, split sources)."""
-    shapes = [[3000, 5000, 7000], [100, 200], [4096] * 5]
+    shapes = [[3000, 0, 7000], [100, 200], [4096] * 5]  # an empty segment too
     src_blocks = [[bytearray(os.urandom(n)) for n in block] for block in shapes]
     dst_blocks = [[bytearray(n) for n in block] for block in shapes]
     pairs = []

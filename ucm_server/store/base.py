@@ -105,23 +105,28 @@ def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], 
     copy (the reader waits for it, its core idle); later rounds run on this thread alone, in
     order, while the reader computes on the other core: a split there would take that core.
     """
-    rounds: list[list[list[int]]] = []
-    for dst, src in pairs:
-        for d, s, n, segment in _pieces(dst, src):
-            while len(rounds) <= segment:
-                rounds.append([])
-            runs = rounds[segment]
-            last = runs[-1] if runs else None
-            if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
-                last[2] += n
-            else:
-                runs.append([d, s, n])
-    for k, runs in enumerate(rounds, 1):
-        if k == 1:
+    walks = [_walk(dst, src) for dst, src in pairs]  # each block's pieces, walked one round at a time
+    pending = [next(walk, None) for walk in walks]
+    segment = 0
+    while any(piece is not None for piece in pending):
+        runs: list[list[int]] = []
+        for i, walk in enumerate(walks):
+            piece = pending[i]
+            while piece is not None and piece[3] == segment:
+                d, s, n, _ = piece
+                last = runs[-1] if runs else None
+                if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
+                    last[2] += n
+                else:
+                    runs.append([d, s, n])
+                piece = next(walk, None)
+            pending[i] = piece
+        if segment == 0:
             _memmove_runs(runs, FIRST_ROUND_SPLIT_BYTES)
         else:
             _memmove_all(runs)
-        report(k)
+        segment += 1
+        report(segment)
 
 
 SPLIT_COPY_BYTES = 8 << 20
@@ -178,7 +183,12 @@ def _address(view: memoryview) -> int:
 def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int, int]]:
     """``(dst address, src address, length, dst segment index)`` pieces of one copy, split where the
     segments differ (as :func:`copy_iov` walks them)."""
-    out: list[tuple[int, int, int, int]] = []
+    return list(_walk(dst, src))
+
+
+def _walk(dst: IoVec, src: IoVec) -> Iterator[tuple[int, int, int, int]]:
+    """:func:`_pieces` one at a time, in destination order (an ordered copy starts on the first
+    segments before the walk has reached the last ones)."""
     di = si = doff = soff = 0
     daddr = saddr = 0
     while di < len(dst) and si < len(src):
@@ -194,14 +204,13 @@ def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int, int]]:
         if soff == 0:
             saddr = _address(s)
         n = min(d.nbytes - doff, s.nbytes - soff)
-        out.append((daddr + doff, saddr + soff, n, di))
+        yield (daddr + doff, saddr + soff, n, di)
         doff += n
         soff += n
         if doff == d.nbytes:
             di, doff = di + 1, 0
         if soff == s.nbytes:
             si, soff = si + 1, 0
-    return out
 
 
 @dataclass(frozen=True, slots=True)
