@@ -600,8 +600,13 @@ def test_whole_block_load_lets_each_layer_start_on_its_own_pages(tmp_path: Path)
             time.sleep(0.02)
         raw.zero_()
 
-        worker.start_load(UcmConnectorMetadata(loads=[BlockTransfer("hit", (3, 4, 5), keys)]))
+        # vLLM's order in a step: handle_preemptions (first thing: the loads start there on CPU),
+        # then start_load_kv (right before the forward: nothing left to submit), then the layers.
+        meta = UcmConnectorMetadata(loads=[BlockTransfer("hit", (3, 4, 5), keys)])
+        worker.handle_preemptions(meta)
         assert [job.parts[0].word is not None for job in worker.sync_loads] == [True]
+        worker.start_load(meta)
+        assert len(worker.sync_loads) == 1
         worker.wait_for_layer_load(first)
         assert torch.equal(views[first][3:6], expected[first])  # this layer's pages are in now
         worker.save(UcmConnectorMetadata())  # end of step: the whole load is waited for

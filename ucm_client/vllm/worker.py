@@ -5,8 +5,9 @@ blocks to load and which to save; it never decides. Loads that feed this step's 
 for at the first attention layer; on CPU zero copy each layer waits only until its own pages of every
 block are in (the Load's progress word, ``ucm_client.load_progress``: the daemon copies every block's
 layer-0 page first, then layer 1's, ...), and the whole load is waited for at the end of the step.
-Async loads and all saves are polled each step and never block decode. Failures are data: a block that did not load is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it; a save that failed is a future miss.
+Async loads and all saves are polled each step and never block decode. Failures are data: a block
+that did not load is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
+save that failed is a future miss.
 
 With ``use_layerwise`` every block is one object per attention layer. All layers' loads are
 submitted before the forward (one task per layer), each attention layer waits for its own layer only,
@@ -159,6 +160,8 @@ class UcmWorker:
         """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
+        self._loads_started: UcmConnectorMetadata | None = None
+        """This step's metadata when ``handle_preemptions`` already submitted its loads."""
         self._segment_of: dict[str, int] = {}
         """Zero copy on CPU: which segment of a whole block holds each layer's page (empty when a
         block's segments do not follow its layers: whole-block loads are then waited for whole)."""
@@ -399,7 +402,17 @@ class UcmWorker:
 
         Layerwise, the step's sync loads are combined into one task per layer (all submitted now,
         before the forward), so a step costs one submission per layer however many requests hit.
-        """
+
+        On CPU zero copy they are submitted from ``handle_preemptions``, which vLLM calls first
+        thing in a step, before it prepares the step's inputs (about a millisecond for a long
+        prompt), not from ``start_load_kv`` right before the forward: the daemon copies meanwhile.
+        That is safe there: the previous forward has returned (CPU runs it synchronously), the
+        dumps still reading reused blocks have been waited for, and nothing before the forward
+        touches the KV cache. Not with Mamba state groups (vLLM copies state blocks in between),
+        nor on CUDA (the previous step's kernels may still run)."""
+        if meta is self._loads_started:
+            self._loads_started = None
+            return
         layerwise_sync: list[BlockTransfer] = []
         for transfer in meta.loads:
             if transfer.is_async:
@@ -610,6 +623,9 @@ class UcmWorker:
                 if not meta.allocated_block_ids.isdisjoint(job.transfer.block_ids):
                     self._wait_job(job)
                     self._complete_save(job)
+        if isinstance(self._kv, SharedMemoryKV) and not self._states_first:
+            self.start_load(meta)  # early: see ``start_load``
+            self._loads_started = meta
 
     def _complete_save(self, job: TransferJob) -> None:
         """Account an ended dump once and take it off every request waiting for it."""
