@@ -151,6 +151,7 @@ def _install_breakdown() -> dict[str, float]:
     timed(UCMConnector, "get_num_new_matched_tokens", "lookup")
     timed(UCMConnector, "update_state_after_alloc", "plan")
     timed(UCMConnector, "build_connector_meta", "plan")
+    timed(UCMConnector, "handle_preemptions", "submit")  # CPU zero copy submits the loads there
     timed(UCMConnector, "start_load_kv", "submit")
     timed(UCMConnector, "wait_for_layer_load", "wait")
     for method in (
