@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ from ucm_client.types import (
     BlockState,
     LookupResult,
     RetentionResult,
+    Segment,
     TaskResult,
+    as_segment,
     lookup_result,
 )
 from ucm_protocol.errors import (
@@ -58,6 +61,7 @@ from ucm_protocol.paths import target_for
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import (
+    LOAD_PROGRESS_DONE,
     MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_client.client.MAX_MESSAGE_BYTES)
     SESSION_METADATA,
     WAIT_CAP_S,
@@ -473,16 +477,41 @@ class AsyncUcmClient:
         )
         return lookup_result(resp)
 
-    async def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
-        """Start copying blocks from the store into registered memory; returns the task id."""
-        resp = await self._call(
-            lambda: self.kv.Load(
-                pb.LoadRequest(blocks=args.block_batch(namespace, blocks, self._server_ids())),
-                metadata=self._metadata(),
-                timeout=self.rpc_timeout_s,
+    async def load(
+        self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None
+    ) -> int:
+        """Start copying blocks from the store into registered memory; returns the task id.
+
+        ``progress``: 8 zeroed bytes of a registered buffer where the daemon counts the segments of
+        every block already copied (:mod:`ucm_client.load_progress`). If the daemon does not take
+        it (an older one) or the call fails, this client writes ``LOAD_PROGRESS_DONE`` there itself,
+        so whoever watches the word goes on to the task's result instead of waiting."""
+
+        def request() -> pb.LoadRequest:  # built per attempt: a reconnect renumbers the regions
+            ids = self._server_ids()
+            word = None if progress is None else as_segment(progress, ids)
+            return pb.LoadRequest(blocks=args.block_batch(namespace, blocks, ids), progress=word)
+
+        try:
+            resp = await self._call(
+                lambda: self.kv.Load(request(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
             )
-        )
+        except BaseException:
+            self._progress_done(progress)
+            raise
+        if not resp.progress:
+            self._progress_done(progress)
         return self._finished.expect(int(resp.task_id))
+
+    def _progress_done(self, progress: Segment | None) -> None:
+        """Write ``LOAD_PROGRESS_DONE`` into a progress word the daemon will not write (only into
+        a well-formed word of a registered buffer: a bad one was refused and is left alone)."""
+        record = self._regions.get(progress.region) if progress is not None else None
+        if progress is None or record is None or record.buffer is None:
+            return
+        offset = progress.offset
+        if progress.length == 8 and offset % 8 == 0 and 0 <= offset <= record.size - 8:
+            struct.pack_into("<Q", record.buffer.buf, offset, LOAD_PROGRESS_DONE)
 
     async def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
         """Start storing blocks from registered memory; returns the task id."""

@@ -23,6 +23,7 @@ from ucm_client.types import (
     BlockIO,
     LookupResult,
     RetentionResult,
+    Segment,
     TaskResult,
     lookup_result,
 )
@@ -168,17 +169,20 @@ class UcmClient:
             raise FailedPrecondition(f"this UcmClient is closed: {exc}") from None
         return lookup_result(resp)
 
-    def load(self, namespace: bytes, blocks: Sequence[BlockIO]) -> int:
-        return self._run(self._async.load(namespace, blocks))
+    def load(self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None) -> int:
+        return self._run(self._async.load(namespace, blocks, progress=progress))
 
-    def load_nowait(self, namespace: bytes, blocks: Sequence[BlockIO]) -> concurrent.futures.Future[int]:
+    def load_nowait(
+        self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None
+    ) -> concurrent.futures.Future[int]:
         """Send a ``Load`` without waiting for the daemon's answer; its task id (or the error that
         refused it) lands in the future. Loads sent one after another reach the daemon in that order.
 
         The vLLM connector sends a step's loads this way and lets the forward start at once: the
         round trip overlaps the forward instead of preceding it (one per layer with ``use_layerwise``:
-        about eight milliseconds on a small CPU, issue #13 item 6)."""
-        return self._submit(self._async.load(namespace, blocks))
+        about eight milliseconds on a small CPU, issue #13 item 6). ``progress``: see
+        :meth:`AsyncUcmClient.load`."""
+        return self._submit(self._async.load(namespace, blocks, progress=progress))
 
     def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
         return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))

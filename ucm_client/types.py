@@ -150,6 +150,15 @@ def key_digest(*parts: bytes | str | int) -> bytes:
     return h.digest()
 
 
+def as_segment(segment: Segment, server_ids: Mapping[int, int]) -> pb.Segment:
+    """One segment on the wire (a Load's progress word), its region handle translated."""
+    try:
+        region = server_ids[segment.region]
+    except KeyError:
+        raise InvalidArgument(f"progress word: region handle {segment.region} is not registered") from None
+    return pb.Segment(region_id=region, offset=segment.offset, length=segment.length)
+
+
 def as_batch(namespace: bytes, blocks: Sequence[BlockIO], server_ids: Mapping[int, int]) -> pb.BlockBatch:
     """Column-wise protobuf batch, translating client region handles to the daemon's ids (a handle
     the mapping does not know is refused here; the mapping may raise its own error for a dead one)."""

@@ -35,3 +35,8 @@ def channel_options() -> list[tuple[str, int]]:
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """``authorization: Bearer <token>`` as call metadata, or nothing when there is no token."""
     return ((AUTH_METADATA, f"Bearer {token}"),) if token else ()
+
+
+LOAD_PROGRESS_DONE = (1 << 64) - 1
+"""Value of a Load's progress word (``LoadRequest.progress``) once its task has ended, whatever the
+outcome; below it, the word counts the leading segments of every block already copied."""

@@ -43,6 +43,7 @@ from ucm_server.gpu.region import GpuRegion
 from ucm_server.gpu.service import GpuPlan, GpuService
 from ucm_server.handover import HandoverTable
 from ucm_server.journal import remember_names
+from ucm_server.load_progress import ProgressWord, progress_word
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
@@ -460,12 +461,15 @@ class Engine:
         lengths: list[int],
         *,
         durable: bool = False,
+        progress: tuple[int, int, int] | None = None,
     ) -> Task:
         """Validate everything up front (nothing is copied for a bad request), then run as a task.
 
         Validation costs time linear in the segments, which the caps bound; a request with more
         than :data:`INLINE_SEGMENTS` segments is checked in a worker thread (its regions pinned), so
-        other clients are answered meanwhile."""
+        other clients are answered meanwhile. ``progress``: a Load's progress word ``(region,
+        offset, length)`` (:mod:`ucm_server.load_progress`); taken for host loads only, which the
+        task says in ``reports_progress``."""
         session = self.session(session_id)
         self._check_task_slot(session)
         keys = self._keys(namespace, digests)
@@ -482,6 +486,10 @@ class Engine:
         block_counts = columns.block_counts(len(keys))
         found = self.regions.regions_for(session.session_id, columns, block_counts, gpu=False)
         used: set[Region] = set(found.values())
+        word = None
+        if kind is TaskKind.LOAD and progress is not None:
+            word = progress_word(self.regions, session.session_id, *progress, columns)
+            used.add(word.region)
         self.regions.pin(used)
         try:
             iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
@@ -493,11 +501,19 @@ class Engine:
             raise
 
         async def body(task: Task) -> None:
-            await self._run_chunks(task, keys, iovs, durable)
+            await self._run_chunks(task, keys, iovs, durable, word)
 
-        return self._start(
-            kind, session, len(keys), body, on_refused=lambda: self.regions.unpin(used), regions=used
+        task = self._start(
+            kind,
+            session,
+            len(keys),
+            body,
+            on_refused=lambda: self.regions.unpin(used),
+            regions=used,
+            on_end=None if word is None else word.done,
         )
+        task.reports_progress = word is not None
+        return task
 
     def _host_plan(
         self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
@@ -556,11 +572,14 @@ class Engine:
         body: Callable[[Task], Awaitable[None]],
         on_refused: Callable[[], None] | None = None,
         regions: Iterable[Region | GpuRegion] = (),
+        on_end: Callable[[], None] | None = None,
     ) -> Task:
         """Submit a task body, re-checking the session's task slots (validation may have awaited).
 
         ``regions`` (pinned by the caller) are tracked for :meth:`release_region` while the task
-        lives and unpinned when it ends, whether or not its body ran."""
+        lives and unpinned when it ends, whether or not its body ran; ``on_end`` runs then too,
+        before the unpinning (a Load's progress word reads DONE even for a task cancelled while
+        queued, so no reader waits on it until its deadline)."""
         try:
             self._check_task_slot(session)
         except ResourceExhausted:
@@ -570,10 +589,14 @@ class Engine:
         held = list(regions)
 
         def release(task: Task) -> None:
+            if on_end is not None:
+                on_end()
             self._untrack(task, held)
             self.regions.unpin(held)
 
-        task = self.tasks.submit(kind, session.session_id, nblocks, body, release if held else None)
+        task = self.tasks.submit(
+            kind, session.session_id, nblocks, body, release if held or on_end is not None else None
+        )
         self._track(task, held)  # before the body first runs (it starts at the next await)
         return task
 
@@ -635,14 +658,26 @@ class Engine:
             check_disjoint(columns, counts)
         return plan
 
-    async def _run_chunks(self, task: Task, keys: list[BlockKey], iovs: list[IoVec], durable: bool) -> None:
+    async def _run_chunks(
+        self,
+        task: Task,
+        keys: list[BlockKey],
+        iovs: list[IoVec],
+        durable: bool,
+        word: ProgressWord | None = None,
+    ) -> None:
+        """The task's blocks a chunk at a time; a Load's progress ``word`` is reported by the last
+        chunk only, as its counts then hold for every block of the task."""
         sizes = [iov_len(iov) for iov in iovs]  # once per block: small blocks feel every pass
-        for start, stop in chunk_bounds(sizes):
+        bounds = chunk_bounds(sizes)
+        for start, stop in bounds:
             if task.cancel_requested:
                 return
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
             if task.kind is TaskKind.LOAD:
-                results = await self.pipeline.read_many(items)
+                last = stop == bounds[-1][1]
+                report = word.report if word is not None and last else None
+                results = await self.pipeline.read_many(items, report=report)
             else:
                 results = await self.pipeline.write_many(items, durable=durable)
             for i, r in enumerate(results, start):

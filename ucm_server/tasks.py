@@ -50,6 +50,8 @@ class Task:
     cancel_requested: bool = False
     state: TaskState = TaskState.RUNNING
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    reports_progress: bool = False
+    """A Load that took its client's progress word (``ucm_server.load_progress``)."""
 
     def __post_init__(self) -> None:
         self.states = bytearray([BlockState.PENDING]) * self.nblocks

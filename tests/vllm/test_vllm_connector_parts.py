@@ -167,6 +167,10 @@ def test_segments_per_layer_and_merged_when_contiguous() -> None:
     flat = raw.view(torch.float32).view(BLOCKS, LAYERS, HEADS, BLOCK, 2 * HEAD)
     merged = KVMemory(alloc.buffer, raw, {f"l{i}": flat[:, i] for i in range(LAYERS)})
     assert [(s.offset, s.length) for s in merged.segments(0, 2)] == [(2 * 2 * PAGE, 2 * PAGE)]
+    # Which segment holds a layer (what a whole-block load's progress word counts): layer order
+    # when pages never merge; none when they do (the whole block is one segment).
+    assert [memory.segment_of(f"model.layers.{i}.self_attn.attn") for i in range(LAYERS)] == [0, 1]
+    assert merged.segment_of("l1") is None and memory.segment_of("not-a-layer") is None
     with pytest.raises(IndexError):
         memory.segments(0, BLOCKS)
     # Layerwise, a block's object for one layer is that layer's page, merged layouts or not.
@@ -559,3 +563,63 @@ def test_shm_kv_allocation_is_mapped_up_front() -> None:
     assert plain_faults > size // page // 32  # at most 16 pages per fault with the kernel's fault-around
     assert populated_faults < plain_faults // 10
     assert int(raw.abs().sum()) == 0  # still zeros, as torch.zeros promises
+
+
+def test_whole_block_load_lets_each_layer_start_on_its_own_pages(tmp_path: Path) -> None:
+    """Zero copy on CPU: a whole-block load carries a progress word, the first attention layer
+    waits only until its own pages of every block are in (they are then), the step's end waits for
+    the rest. Negative control: a block the daemon lacks is still a load error (recomputed), and
+    its neighbours still load."""
+    import time
+    from types import SimpleNamespace
+
+    from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm_client.vllm.worker import UcmWorker
+
+    keyspace = KeySpace(fields=(("model", "progress-test"),), tp_size=1)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    first = "model.layers.0.self_attn.attn"
+    with DaemonProcess(tmp_path / "ucm") as daemon, UcmClient(daemon.target) as client:
+        worker = UcmWorker(vllm_config, keyspace, ConnectorConfig(target=daemon.target), tp_rank=0)
+        alloc = worker.mem_pool_context()
+        assert alloc is not None
+        with alloc:
+            raw = torch.zeros(RAW_BYTES, dtype=torch.int8)
+        views = _layer_views(raw)
+        worker.register_kv_caches(views)
+        assert worker.memory is not None
+        for i, view in enumerate(views.values()):
+            view[:3].copy_(torch.randn(view[:3].shape, generator=torch.Generator().manual_seed(40 + i)))
+        expected = {name: view[:3].clone() for name, view in views.items()}
+        keys = tuple(bytes([k]) * 32 for k in b"xyz")
+        worker.save(UcmConnectorMetadata(saves=[BlockTransfer("fill", (0, 1, 2), keys)]))
+        deadline = time.monotonic() + 10
+        while client.lookup(keyspace.namespace(0), list(keys)).hit_prefix != 3:
+            assert time.monotonic() < deadline, "the fill was not saved"
+            worker.get_finished(set())
+            time.sleep(0.02)
+        raw.zero_()
+
+        # vLLM's order in a step: handle_preemptions (first thing: the loads start there on CPU),
+        # then start_load_kv (right before the forward: nothing left to submit), then the layers.
+        meta = UcmConnectorMetadata(loads=[BlockTransfer("hit", (3, 4, 5), keys)])
+        worker.handle_preemptions(meta)
+        assert [job.parts[0].word is not None for job in worker.sync_loads] == [True]
+        worker.start_load(meta)
+        assert len(worker.sync_loads) == 1
+        worker.wait_for_layer_load(first)
+        assert torch.equal(views[first][3:6], expected[first])  # this layer's pages are in now
+        worker.save(UcmConnectorMetadata())  # end of step: the whole load is waited for
+        assert not worker.sync_loads and worker.take_load_errors() == set()
+        for name, view in views.items():
+            assert torch.equal(view[3:6], expected[name]), name
+
+        raw.zero_()
+        gap = (keys[0], b"w" * 32, keys[2])  # the middle block was never stored
+        worker.start_load(UcmConnectorMetadata(loads=[BlockTransfer("gap", (3, 4, 5), gap)]))
+        worker.wait_for_layer_load(first)
+        worker.save(UcmConnectorMetadata())
+        assert worker.take_load_errors() == {4}
+        for name, view in views.items():
+            assert torch.equal(view[3], expected[name][0]) and torch.equal(view[5], expected[name][2])
+        worker.shutdown()

@@ -160,4 +160,3 @@ def _stubs() -> Any:
     from ucm_protocol.ucm.v1 import ucm_pb2_grpc
 
     return ucm_pb2_grpc
-

@@ -43,6 +43,9 @@ class PartTask:
     submitted: Future[int] | None = None
     """A load sent without waiting for the daemon's answer: the task id arrives here, and
     ``task_id`` is set from it when the part is first waited for or polled."""
+    word: int | None = None
+    """A whole-block load's progress word (``SharedMemoryKV.progress``): the daemon counts there
+    the segments of every block copied so far, so a layer can start once its own are in."""
 
     @property
     def ended(self) -> bool:

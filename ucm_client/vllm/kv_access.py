@@ -28,6 +28,7 @@ import torch
 
 from ucm_client import BlockIO, UcmClient
 from ucm_client.cuda_ipc import StreamMark, producers_done
+from ucm_client.load_progress import ProgressWords
 from ucm_client.vllm.config import LOGGER_NAME
 from ucm_client.vllm.cuda_kv import CudaKVCache
 from ucm_client.vllm.kv_memory import KVMemory, ShmAllocation, adopt
@@ -153,6 +154,9 @@ class SharedMemoryKV:
     def __init__(self, memory: KVMemory) -> None:
         self.memory = memory
         self.region: int | None = None
+        self.progress: ProgressWords | None = None
+        """Words the daemon counts a whole-block load's copied segments in, so that each attention
+        layer waits only for its own page of the blocks (``UcmWorker.wait_for_layer_load``)."""
 
     @property
     def block_bytes(self) -> int:
@@ -160,9 +164,13 @@ class SharedMemoryKV:
 
     def register(self, client: UcmClient) -> None:
         self.region = client.register(self.memory.buffer, label=self.label)
+        words = ProgressWords()
+        words.region = client.register(words.buffer, label=words.buffer.label)
+        self.progress = words
 
     def regions(self) -> list[int]:
-        return [self.region] if self.region is not None else []
+        words = self.progress.region if self.progress is not None else None
+        return [r for r in (self.region, words) if r is not None]
 
     def acquire(self, block_ids: Sequence[int], *, save: bool) -> list[int] | None:
         return []

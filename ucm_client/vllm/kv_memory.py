@@ -210,6 +210,19 @@ class KVMemory:
         self.num_blocks = min(t.shape[0] for t in kv_caches.values())
         self.block_bytes = sum(p.length for p in self.layers)
 
+    def segment_of(self, layer_name: str) -> int | None:
+        """Which segment of every block (``segments``) holds layer ``layer_name``'s page: its place
+        among the pages in address order, when no two pages of a block ever merge (layer-major
+        layouts: equal strides, pages apart); None otherwise (then a block's segments do not follow
+        its layers, and nothing can be read before the whole block is in)."""
+        page = self.pages_by_name.get(layer_name)
+        if page is None:
+            return None
+        for a, b in zip(self.layers, self.layers[1:], strict=False):
+            if a.stride != b.stride or a.start + a.length == b.start:
+                return None
+        return self.layers.index(page)
+
     def _check_block(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")

@@ -30,6 +30,10 @@ COUNTERS: dict[str, str] = {
     "load_bytes": "Bytes loaded from the daemon into vLLM's KV cache.",
     "load_seconds": "Time from load submission to completion.",
     "load_wait_seconds": "Time the forward waited for this step's loads (layerwise: summed over layers).",
+    "load_layers_ahead": (
+        "Attention layers that started on their own pages of a whole-block load while the daemon was "
+        "still copying later layers (its progress word, ucm_client.load_progress)."
+    ),
     "load_failed_blocks": "Blocks whose load failed (missing, corrupt, timeout); vLLM recomputes them.",
     "save_blocks": "Blocks stored in the daemon.",
     "save_bytes": "Bytes stored in the daemon.",

@@ -2,9 +2,12 @@
 
 Runs in every worker process, on its own TP rank's shard. Per step it is told (metadata) which
 blocks to load and which to save; it never decides. Loads that feed this step's forward are waited
-for at the first attention layer; async loads and all saves are polled each step and never block
-decode. Failures are data: a block that did not load is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it; a save that failed is a future miss.
+for at the first attention layer; on CPU zero copy each layer waits only until its own pages of every
+block are in (the Load's progress word, ``ucm_client.load_progress``: the daemon copies every block's
+layer-0 page first, then layer 1's, ...), and the whole load is waited for at the end of the step.
+Async loads and all saves are polled each step and never block decode. Failures are data: a block
+that did not load is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it; a
+save that failed is a future miss.
 
 With ``use_layerwise`` every block is one object per attention layer. All layers' loads are
 submitted before the forward (one task per layer), each attention layer waits for its own layer only,
@@ -40,6 +43,7 @@ import torch
 from ucm_client import BlockIO, UcmClient
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.errors import UcmError, Unavailable
+from ucm_client.load_progress import LOAD_PROGRESS_DONE
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_key
 from ucm_client.vllm.jobs import PartTask, TransferJob, per_block
@@ -156,6 +160,11 @@ class UcmWorker:
         """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
         self._load_errors: set[int] = set()
         self._stats = UcmConnectorStats()
+        self._loads_started: UcmConnectorMetadata | None = None
+        """This step's metadata when ``handle_preemptions`` already submitted its loads."""
+        self._segment_of: dict[str, int] = {}
+        """Zero copy on CPU: which segment of a whole block holds each layer's page (empty when a
+        block's segments do not follow its layers: whole-block loads are then waited for whole)."""
 
     # ------------------------------------------------------------------ registration
 
@@ -193,11 +202,19 @@ class UcmWorker:
             vllm_config=self._vllm_config,
         )
         self._use(chosen)
+        self._segment_of = self._segments_by_layer()
         self._link.client()  # registers now if the daemon is up; otherwise on reconnect
 
     @property
     def _staging_bytes(self) -> int:
         return int(self._config.staging_buffer_gib * (1 << 30))
+
+    def _segments_by_layer(self) -> dict[str, int]:
+        memory = self.memory
+        if memory is None or self._layerwise:
+            return {}
+        found = {name: memory.segment_of(name) for name in self._kv_caches}
+        return {name: i for name, i in found.items() if i is not None}
 
     def _use(self, chosen: KVAccess | str) -> None:
         """Hold the chosen access, or remember why this worker moves no bytes at all."""
@@ -304,7 +321,10 @@ class UcmWorker:
                 blocks = self._layer_blocks(layer, transfer)
             namespace = self._namespaces[transfer.group]
             if job.load:  # the answer is taken when the part is first waited for (``_answer``)
-                part.submitted = client.load_nowait(namespace, blocks)
+                words = kv.progress if layer is None and isinstance(kv, SharedMemoryKV) else None
+                part.word = words.take() if words is not None and self._segment_of else None
+                progress = words.segment(part.word) if words is not None and part.word is not None else None
+                part.submitted = client.load_nowait(namespace, blocks, progress=progress)
                 return part
             part.task_id = client.dump(namespace, blocks)
         except UcmError as exc:
@@ -344,8 +364,16 @@ class UcmWorker:
         return True
 
     def _end_part(self, job: TransferJob, part: PartTask, ok: list[bool] | None) -> None:
-        """Record a part's outcome: its failed loads become load errors, its staging slots are freed."""
+        """Record a part's outcome: its failed loads become load errors, its staging slots are freed.
+
+        Its progress word is given back only once it reads ``LOAD_PROGRESS_DONE`` (the daemon's
+        task ended, or the call never reached it): a task still running after a lost connection
+        might otherwise count into the word of a later load."""
         flags = part.end(ok, job.count)
+        words = self._kv.progress if isinstance(self._kv, SharedMemoryKV) else None
+        if part.word is not None and words is not None and words.read(part.word) == LOAD_PROGRESS_DONE:
+            words.give_back(part.word)
+        part.word = None
         block_ids = job.transfer.block_ids
         if part.slots is not None and self._kv is not None:
             self._kv.finish(part.slots, block_ids, flags, load=job.load)
@@ -374,7 +402,17 @@ class UcmWorker:
 
         Layerwise, the step's sync loads are combined into one task per layer (all submitted now,
         before the forward), so a step costs one submission per layer however many requests hit.
-        """
+
+        On CPU zero copy they are submitted from ``handle_preemptions``, which vLLM calls first
+        thing in a step, before it prepares the step's inputs (about a millisecond for a long
+        prompt), not from ``start_load_kv`` right before the forward: the daemon copies meanwhile.
+        That is safe there: the previous forward has returned (CPU runs it synchronously), the
+        dumps still reading reused blocks have been waited for, and nothing before the forward
+        touches the KV cache. Not with Mamba state groups (vLLM copies state blocks in between),
+        nor on CUDA (the previous step's kernels may still run)."""
+        if meta is self._loads_started:
+            self._loads_started = None
+            return
         layerwise_sync: list[BlockTransfer] = []
         for transfer in meta.loads:
             if transfer.is_async:
@@ -405,11 +443,26 @@ class UcmWorker:
         layer = self._layer_index.get(layer_name) if layer_name is not None else None
         started = time.monotonic()
         for job in list(self._sync_loads):
+            if layer_name is not None and self._copied_for(job, layer_name):
+                self._stats.add(load_layers_ahead=1)
+                continue  # this layer's pages are in; the job is waited for to its end later
             self._wait_job(job, layer)
             if job.ended:
                 self._sync_loads.remove(job)
                 self._account(job)
         self._stats.add(load_wait_seconds=time.monotonic() - started)
+
+    def _copied_for(self, job: TransferJob, layer_name: str) -> bool:
+        """Whole blocks: wait on the job's progress word until ``layer_name``'s segment of every
+        block is copied (True), while the daemon goes on copying the later layers. False (wait
+        for the whole job) without a word, for a layer whose page is not a segment of its own, or
+        once the task ended first (its result then says which blocks failed)."""
+        part = job.parts[0] if len(job.parts) == 1 else None
+        segment = self._segment_of.get(layer_name)
+        words = self._kv.progress if isinstance(self._kv, SharedMemoryKV) else None
+        if part is None or part.word is None or part.ended or segment is None or words is None:
+            return False
+        return words.wait(part.word, segment + 1, job.deadline)
 
     def _wait_job(self, job: TransferJob, layer: int | None = None, deadline: float | None = None) -> None:
         """Wait for a job's parts (only layer ``layer``'s when given and the job is layerwise)."""
@@ -570,6 +623,9 @@ class UcmWorker:
                 if not meta.allocated_block_ids.isdisjoint(job.transfer.block_ids):
                     self._wait_job(job)
                     self._complete_save(job)
+        if isinstance(self._kv, SharedMemoryKV) and not self._states_first:
+            self.start_load(meta)  # early: see ``start_load``
+            self._loads_started = meta
 
     def _complete_save(self, job: TransferJob) -> None:
         """Account an ended dump once and take it off every request waiting for it."""

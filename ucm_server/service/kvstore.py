@@ -127,7 +127,12 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.LookupResponse(present=list(map(bool, answer.present)), hit_prefix=answer.hit_prefix)
 
     async def _submit(
-        self, kind: TaskKind, batch: pb.BlockBatch, context: aio.ServicerContext, durable: bool = False
+        self,
+        kind: TaskKind,
+        batch: pb.BlockBatch,
+        context: aio.ServicerContext,
+        durable: bool = False,
+        progress: pb.Segment | None = None,
     ) -> pb.TaskHandle:
         task = await self.engine.submit_io(
             kind,
@@ -139,11 +144,13 @@ class KVStoreServicer(rpc.KVStoreServicer):
             list(batch.offsets),
             list(batch.lengths),
             durable=durable,
+            progress=(progress.region_id, progress.offset, progress.length) if progress is not None else None,
         )
-        return pb.TaskHandle(task_id=task.task_id)
+        return pb.TaskHandle(task_id=task.task_id, progress=task.reports_progress)
 
     async def Load(self, request: pb.LoadRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        return await self._submit(TaskKind.LOAD, request.blocks, context)
+        progress = request.progress if request.HasField("progress") else None
+        return await self._submit(TaskKind.LOAD, request.blocks, context, progress=progress)
 
     async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)

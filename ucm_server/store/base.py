@@ -81,13 +81,13 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
             if n < RUN_COPY_MIN:  # one segment on each side (the usual block): no walk
                 dst[0][:] = src[0]
                 continue
-            pieces = [(_address(dst[0]), _address(src[0]), n)]
+            pieces = [(_address(dst[0]), _address(src[0]), n, 0)]
         elif iov_len(dst) < RUN_COPY_MIN:
             copy_iov(dst, src)
             continue
         else:
             pieces = _pieces(dst, src)
-        for d, s, n in pieces:
+        for d, s, n, _ in pieces:
             last = runs[-1] if runs else None
             if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
                 last[2] += n
@@ -96,16 +96,52 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     _memmove_runs(runs)
 
 
+def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], None]) -> None:
+    """Copy each ``(dst, src)`` pair of a batch segment by segment of the destinations: segment 0 of
+    every block, ``report(1)``, then segment 1 of every block, ``report(2)``, and so on (a block with
+    fewer segments is complete from its last one on). A Load's client can so read the first
+    segments of every block (vLLM's first layers) while later ones are still copied
+    (:mod:`ucm_server.load_progress`). The first round is split over two threads like any large
+    copy (the reader waits for it, its core idle); later rounds run on this thread alone, in
+    order, while the reader computes on the other core: a split there would take that core.
+    """
+    walks = [_walk(dst, src) for dst, src in pairs]  # each block's pieces, walked one round at a time
+    pending = [next(walk, None) for walk in walks]
+    segment = 0
+    while any(piece is not None for piece in pending):
+        runs: list[list[int]] = []
+        for i, walk in enumerate(walks):
+            piece = pending[i]
+            while piece is not None and piece[3] == segment:
+                d, s, n, _ = piece
+                last = runs[-1] if runs else None
+                if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
+                    last[2] += n
+                else:
+                    runs.append([d, s, n])
+                piece = next(walk, None)
+            pending[i] = piece
+        if segment == 0:
+            _memmove_runs(runs, FIRST_ROUND_SPLIT_BYTES)
+        else:
+            _memmove_all(runs)
+        segment += 1
+        report(segment)
+
+
 SPLIT_COPY_BYTES = 8 << 20
 """A batch at least this large is copied by two threads, each half of the bytes (GIL released)."""
+FIRST_ROUND_SPLIT_BYTES = 1 << 20
+""":func:`copy_in_order`'s first round is split from this size on: its reader waits for it."""
 _helper: ThreadPoolExecutor | None = None
 
 
-def _memmove_runs(runs: list[list[int]]) -> None:
-    """Copy the runs; a large batch in two halves at once, this thread and one helper thread (a
-    ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy faster than one)."""
+def _memmove_runs(runs: list[list[int]], split_bytes: int = SPLIT_COPY_BYTES) -> None:
+    """Copy the runs; a batch of ``split_bytes`` or more in two halves at once, this thread and one
+    helper thread (a ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy
+    faster than one)."""
     total = sum(n for _, _, n in runs)
-    if total < SPLIT_COPY_BYTES:
+    if total < split_bytes:
         for d, s, n in runs:
             ctypes.memmove(d, s, n)
         return
@@ -144,10 +180,15 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
-def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int]]:
-    """``(dst address, src address, length)`` pieces of one copy, split where the segments differ
-    (as :func:`copy_iov` walks them)."""
-    out: list[tuple[int, int, int]] = []
+def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int, int]]:
+    """``(dst address, src address, length, dst segment index)`` pieces of one copy, split where the
+    segments differ (as :func:`copy_iov` walks them)."""
+    return list(_walk(dst, src))
+
+
+def _walk(dst: IoVec, src: IoVec) -> Iterator[tuple[int, int, int, int]]:
+    """:func:`_pieces` one at a time, in destination order (an ordered copy starts on the first
+    segments before the walk has reached the last ones)."""
     di = si = doff = soff = 0
     daddr = saddr = 0
     while di < len(dst) and si < len(src):
@@ -163,14 +204,13 @@ def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int]]:
         if soff == 0:
             saddr = _address(s)
         n = min(d.nbytes - doff, s.nbytes - soff)
-        out.append((daddr + doff, saddr + soff, n))
+        yield (daddr + doff, saddr + soff, n, di)
         doff += n
         soff += n
         if doff == d.nbytes:
             di, doff = di + 1, 0
         if soff == s.nbytes:
             si, soff = si + 1, 0
-    return out
 
 
 @dataclass(frozen=True, slots=True)

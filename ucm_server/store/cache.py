@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -33,6 +33,7 @@ from ucm_server.store.base import (
     TierContext,
     TierStats,
     copy_all,
+    copy_in_order,
     failed,
     iov_len,
     load_tier_settings,
@@ -186,6 +187,45 @@ class CacheTier(Tier):
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """All copies of the batch in one executor hop (a hop costs more than a small copy)."""
+        results, plan = self._lease_reads(items)
+        try:
+            if plan:
+                pairs = [(dest, lease.iov) for _, lease, dest in plan]
+                await self._copy(pairs, sum(lease.size for _, lease, _ in plan))
+        finally:
+            for _, lease, _ in plan:
+                lease.release()
+        self._count_reads(results, plan)
+        return results
+
+    async def read_in_order(
+        self, items: Sequence[tuple[BlockKey, IoVec]], report: Callable[[int], None]
+    ) -> list[BlockResult] | None:
+        """Copy the batch segment by segment of the destinations (:func:`copy_in_order`), calling
+        ``report(k)`` once the first ``k`` segments of every block are in place; ``None``, with
+        nothing copied, unless every block is here at the destination's size (the caller then
+        reads the usual way, so a count never covers a block still to be read from elsewhere)."""
+        results, plan = self._lease_reads(items)
+        if len(plan) < len(items):
+            for _, lease, _ in plan:
+                lease.release()
+            return None
+        try:
+            pairs = [(dest, lease.iov) for _, lease, dest in plan]
+            if sum(lease.size for _, lease, _ in plan) <= INLINE_COPY_BYTES:
+                copy_in_order(pairs, report)
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._executor, copy_in_order, pairs, report)
+        finally:
+            for _, lease, _ in plan:
+                lease.release()
+        self._count_reads(results, plan)
+        return results
+
+    def _lease_reads(
+        self, items: Sequence[tuple[BlockKey, IoVec]]
+    ) -> tuple[list[BlockResult], list[tuple[int, Lease, IoVec]]]:
+        """Results so far (misses, size mismatches) and a read lease for every block to copy."""
         results: list[BlockResult] = [MISSING] * len(items)
         plan: list[tuple[int, Lease, IoVec]] = []
         for i, (key, dest) in enumerate(items):
@@ -199,18 +239,14 @@ class CacheTier(Tier):
                 results[i] = failed(f"length mismatch: block is {lease.size} bytes, destination {want}")
                 continue
             plan.append((i, lease, dest))
-        try:
-            if plan:
-                pairs = [(dest, lease.iov) for _, lease, dest in plan]
-                await self._copy(pairs, sum(lease.size for _, lease, _ in plan))
-        finally:
-            for _, lease, _ in plan:
-                lease.release()
+        return results, plan
+
+    def _count_reads(self, results: list[BlockResult], plan: list[tuple[int, Lease, IoVec]]) -> None:
+        """The copied blocks are read: OK, and counted as hits."""
         for i, lease, _ in plan:
             results[i] = OK
             self._stats.hits += 1
             self._stats.read_bytes += lease.size
-        return results
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         results: list[BlockResult] = [OK] * len(items)

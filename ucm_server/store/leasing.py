@@ -10,11 +10,12 @@ slow. :class:`~ucm_server.store.cache.CacheTier` is the one built-in tier that i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.arena import Arena
-from ucm_server.store.base import Tier
+from ucm_server.store.base import BlockResult, IoVec, Tier
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Lease, Reservation
@@ -55,6 +56,13 @@ class Leasing(Protocol):
 
     def abort(self, reservation: Reservation) -> None:
         """Give a reservation's pages back."""
+        ...
+
+    async def read_in_order(
+        self, items: Sequence[tuple[BlockKey, IoVec]], report: Callable[[int], None]
+    ) -> list[BlockResult] | None:
+        """Read a batch segment by segment, ``report(k)`` once the first ``k`` segments of every block
+        are copied; ``None`` (nothing copied) unless every block is held (a Load's progress word)."""
         ...
 
 

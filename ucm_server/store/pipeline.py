@@ -286,13 +286,23 @@ class Pipeline:
             self._written = {k: v for k, v in self._written.items() if v > oldest}
 
     async def read_many(
-        self, items: Sequence[tuple[BlockKey, IoVec]], *, owned: bool = False
+        self,
+        items: Sequence[tuple[BlockKey, IoVec]],
+        *,
+        owned: bool = False,
+        report: Callable[[int], None] | None = None,
     ) -> list[BlockResult]:
         """Read a batch into ``items``' iovecs; ``owned``: they are daemon memory no client can write.
-        Blocks a prefetch is promoting are waited for, then read from memory, not read twice."""
+        Blocks a prefetch is promoting are waited for, then read from memory, not read twice.
+        ``report``: a Load's progress word; called only when the top tier copies the whole batch
+        segment by segment from memory (``Leasing.read_in_order``), otherwise never."""
         await self.promotions.wait_for([k for k, _ in items])
         started = self.begin_read()
         try:
+            if report is not None and self.leasing is not None:
+                got = await self.leasing.read_in_order(items, report)
+                if got is not None:
+                    return got
             return await self._read_many(items, started, owned)
         finally:
             self.end_read(started)

@@ -121,10 +121,22 @@ class BlockBatch(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., segment_counts: _Optional[_Iterable[int]] = ..., region_ids: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "progress")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     blocks: BlockBatch
-    def __init__(self, blocks: _Optional[_Union[BlockBatch, _Mapping]] = ...) -> None: ...
+    progress: Segment
+    def __init__(self, blocks: _Optional[_Union[BlockBatch, _Mapping]] = ..., progress: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("region_id", "offset", "length")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    offset: int
+    length: int
+    def __init__(self, region_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class DumpRequest(_message.Message):
     __slots__ = ("blocks", "wait_durable")
@@ -143,10 +155,12 @@ class PrefetchRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TaskHandle(_message.Message):
-    __slots__ = ("task_id",)
+    __slots__ = ("task_id", "progress")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     task_id: int
-    def __init__(self, task_id: _Optional[int] = ...) -> None: ...
+    progress: bool
+    def __init__(self, task_id: _Optional[int] = ..., progress: _Optional[bool] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("task_id", "timeout_s", "cancel_on_timeout")
