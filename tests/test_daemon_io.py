@@ -159,3 +159,29 @@ def test_load_nowait_answers_in_a_future_and_a_refused_load_is_that_futures_erro
     for future in (futures[0], futures[2]):
         assert client.wait(future.result(10), 10).ok
     assert bytes(shm.buf[: 4 * size]) == expected
+
+
+def test_dump_nowait_answers_in_a_future_and_a_refused_dump_is_that_futures_error(
+    client: UcmClient, shm: SharedBuffer
+) -> None:
+    """``dump_nowait`` (how the vLLM connector saves): dumps sent without waiting store their own
+    bytes once their task id arrives; one the daemon refuses (a region it never registered) raises
+    from its own future only, and stores nothing."""
+    region = client.register(shm)
+    size = 4096
+    shm.buf[: 4 * size] = os.urandom(4 * size)
+    expected = bytes(shm.buf[: 4 * size])
+    good_a, good_b = (
+        blocks_in(region, 2, size, first=70),
+        blocks_in(region, 2, size, first=72, offset=2 * size),
+    )
+    refused = blocks_in(region + 999, 2, size, first=74)
+    futures = [client.dump_nowait(NS, blocks) for blocks in (good_a, refused, good_b)]
+    with pytest.raises(UcmError, match=r"(?i)region"):
+        futures[1].result(10)
+    for future in (futures[0], futures[2]):
+        assert client.wait(future.result(10), 10).ok
+    assert client.lookup(NS, [b.key for b in refused]).hit_prefix == 0
+    shm.buf[: 4 * size] = bytes(4 * size)
+    assert client.wait(client.load(NS, [*good_a, *good_b]), 10).ok
+    assert bytes(shm.buf[: 4 * size]) == expected

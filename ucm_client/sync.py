@@ -187,6 +187,14 @@ class UcmClient:
     def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
         return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
 
+    def dump_nowait(
+        self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False
+    ) -> concurrent.futures.Future[int]:
+        """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
+        refused it, lands in the future), in order with this client's other calls. The vLLM
+        connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
+        return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))
 

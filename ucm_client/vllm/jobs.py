@@ -6,8 +6,8 @@ Stored whole, it is one daemon task (one *part*) holding every block's bytes. St
 block, so the forward can wait for layer L alone while the daemon still copies layer L+1. Results
 are data: each part ends with one success flag per block, and a block is good only if every part
 moved it. Nothing here talks to the daemon; the worker submits, waits and polls, and records what
-came back with ``PartTask.end``. Loads are sent without waiting for the daemon's answer
-(``PartTask.submitted``), so the forward starts while the Load calls are still on their way.
+came back with ``PartTask.end``. Loads and dumps are sent without waiting for the daemon's answer
+(``PartTask.submitted``), so the forward starts while the Load and Dump calls are still on their way.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class PartTask:
     ok: list[bool] | None = None
     """Success per block once the task has ended; None while it runs."""
     submitted: Future[int] | None = None
-    """A load sent without waiting for the daemon's answer: the task id arrives here, and
+    """A load or dump sent without waiting for the daemon's answer: the task id arrives here, and
     ``task_id`` is set from it when the part is first waited for or polled."""
     word: int | None = None
     """A whole-block load's progress word (``SharedMemoryKV.progress``): the daemon counts there

@@ -326,11 +326,9 @@ class UcmWorker:
                 progress = words.segment(part.word) if words is not None and part.word is not None else None
                 part.submitted = client.load_nowait(namespace, blocks, progress=progress)
                 return part
-            part.task_id = client.dump(namespace, blocks)
+            part.submitted = client.dump_nowait(namespace, blocks)  # answered like a load's
         except UcmError as exc:
             self._refused(job, part, exc)
-            return part
-        self._link.succeeded()
         return part
 
     def _refused(self, job: TransferJob, part: PartTask, exc: UcmError) -> None:
@@ -343,9 +341,9 @@ class UcmWorker:
         self._end_part(job, part, None)
 
     def _answer(self, job: TransferJob, part: PartTask, *, block: bool) -> bool:
-        """Take a load's task id from the daemon's answer to its ``Load`` (sent without waiting:
-        the forward started meanwhile); False while it is still on its way and ``block`` is off.
-        A refused load ends the part as failed."""
+        """Take a part's task id from the daemon's answer to its ``Load`` or ``Dump`` (sent without
+        waiting: the forward started meanwhile); False while it is still on its way and ``block`` is
+        off. A refused part ends as failed (a load is recomputed, a save is not stored)."""
         future = part.submitted
         if future is None:
             return True
@@ -358,7 +356,8 @@ class UcmWorker:
             self._refused(job, part, exc)
             return True
         except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
-            self._refused(job, part, Unavailable("the Load call got no answer"))
+            op = "Load" if job.load else "Dump"
+            self._refused(job, part, Unavailable(f"the {op} call got no answer"))
             return True
         self._link.succeeded()
         return True
