@@ -286,6 +286,10 @@ osd_pool_default_pg_num = 8
 osd_pool_default_pgp_num = 8
 osd_crush_chooseleaf_type = 0
 mon_allow_pool_size_one = true
+# The test cluster keeps a few MiB on the monitor's filesystem: a busy shared disk (95% used) must
+# not stop it (ceph-mon exits at start below mon_data_avail_crit, 5% by default).
+mon_data_avail_crit = 1
+mon_data_avail_warn = 2
 mon_allow_pool_delete = true
 mon_max_pg_per_osd = 1000
 mon_warn_on_pool_no_redundancy = false
