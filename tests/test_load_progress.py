@@ -180,7 +180,9 @@ def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
     from ucm_client import BlockState
 
     size = 4096
-    with slow_daemon(tmp_path, 0.1) as d, UcmClient(d.target, client_name="progress-queued") as c:
+    # 1 s per block: 80 dump calls, one round trip each, are all made before the first task ends,
+    # however slow a loaded machine makes the round trips (0.1 s let the first ones end: none queued)
+    with slow_daemon(tmp_path, 1.0) as d, UcmClient(d.target, client_name="progress-queued") as c:
         with SharedBuffer(100 * size) as buf:
             region = c.register(buf)
             stored = [BlockIO(key_digest("queued", 0), (Segment(region, 0, size),))]

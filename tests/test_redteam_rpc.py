@@ -184,7 +184,9 @@ def test_tasks_cancelled_while_queued_release_the_clients_memory(tmp_path: Path)
     """A task cancelled before a slot freed up (64 run at once) never ran its body, where its region
     pins were released: the daemon kept the client's memory mapped after the client unregistered it
     and left (one mapping per such region, for the daemon's lifetime)."""
-    with slow_daemon(tmp_path, 0.1) as d, UcmClient(d.target, client_name="rt-queued") as c:
+    # 1 s per block: 80 dump calls, one round trip each, are all made before the first task ends,
+    # however slow a loaded machine makes the round trips (0.1 s let the first ones end: none queued)
+    with slow_daemon(tmp_path, 1.0) as d, UcmClient(d.target, client_name="rt-queued") as c:
         assert d.proc is not None
         with SharedBuffer(100 * SIZE) as buf:
             region = c.register(buf)
