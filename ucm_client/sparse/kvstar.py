@@ -95,19 +95,23 @@ class KVStarMultiStep(ChannelMajorFeatures):
     def _score(self, queries: torch.Tensor, features: torch.Tensor, state: DecodeState) -> torch.Tensor:
         dims = state.aux["dims"]
         heads = features.shape[0]
+        scale = 1.0 / math.sqrt(queries.shape[-1])
         if features.device.type == "cpu":
-            logits = self._host_scores(queries, features, state, dims, 1.0 / math.sqrt(queries.shape[-1]))
-            return torch.softmax(logits, dim=-1).sum(dim=0).clamp_min(1e-30).log()
-        q = torch.stack([group_query(qi.float(), heads).sum(dim=1) for qi in queries])  # [G, H, D]
-        qp = torch.gather(q, 2, dims[None].expand(q.shape[0], -1, -1))  # [G, H, r]
-        block_size = int(state.aux["block_size"])
-        logits = channel_token_max(
-            qp,
-            self._coded(features, state),
-            self.spec.score_channels,
-            block_size,
-            self._shrink(features, state),
-        ) / math.sqrt(q.shape[-1])
+            logits = self._host_scores(queries, features, state, dims, scale)
+        else:
+            q = torch.stack([group_query(qi.float(), heads).sum(dim=1) for qi in queries])  # [G, H, D]
+            qp = torch.gather(q, 2, dims[None].expand(q.shape[0], -1, -1))  # [G, H, r]
+            block_size = int(state.aux["block_size"])
+            logits = (
+                channel_token_max(
+                    qp,
+                    self._coded(features, state),
+                    self.spec.score_channels,
+                    block_size,
+                    self._shrink(features, state),
+                )
+                * scale
+            )
         # Each query votes with its own distribution over blocks, so one step's outlier cannot
         # dominate the group; summing logits instead would let the largest-norm query decide.
         return torch.softmax(logits, dim=-1).sum(dim=0).clamp_min(1e-30).log()
