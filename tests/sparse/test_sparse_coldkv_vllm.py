@@ -10,6 +10,7 @@ differ from dense attention (so the equality is not trivially true).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, daemon: DaemonProcess) -> Ite
 
     shared = prompts[0][:200] + prompts[1][200:]  # the first 6 blocks shared: too few for both to fit
 
-    def run(ratio: float, target: str | None, caching: bool = False) -> ConcurrencyRun:
+    def run(ratio: float, target: str | None, caching: bool = False, prefetch: bool = True) -> ConcurrencyRun:
         return run_long_requests(
             models,
             [prompts[0], shared] if caching else prompts,
@@ -53,10 +54,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, daemon: DaemonProcess) -> Ite
             cold_target=target,
             layers=LAYERS,
             max_model_len=1536,
+            cold_options={"prefetch": prefetch},
         )
 
     yield {
         "cold": run(0.2, daemon.target),
+        "cold_no_prefetch": run(0.2, daemon.target, prefetch=False),
         "sparse": run(0.2, None),
         "dense": run(1.0, None),
         "cold_cached": run(0.2, daemon.target, caching=True),
@@ -131,6 +134,19 @@ def test_output_equals_sparse_without_offload(runs: dict[str, Any]) -> None:
     assert cold.tokens == sparse.tokens
     # Negative control: 20% budget changes the tokens, so the equality above is not vacuous.
     assert sparse.tokens != dense.tokens
+
+
+def test_next_layer_prefetch_takes_loads_off_the_layers_path(runs: dict[str, Any]) -> None:
+    """Layer 0's guess for layer 1 (its own selection) is loaded while layer 0 runs; layer 1 takes
+    the pages both chose from it and loads the rest. Same tokens; fewer pages on the layer's path, by
+    exactly the pages taken from guesses (the selections, hence the pages needed, do not change)."""
+    on, off = Counter(runs["cold"].worker), Counter(runs["cold_no_prefetch"].worker)
+    assert runs["cold"].tokens == runs["cold_no_prefetch"].tokens == runs["sparse"].tokens
+    assert off["prefetched_pages"] == off["prefetch_hits"] == 0
+    assert 0 < on["prefetch_hits"] <= on["prefetched_pages"]
+    assert on["prefetch_failed"] == 0
+    assert on["loaded_pages"] + on["prefetch_hits"] == off["loaded_pages"]
+    assert on["loaded_pages"] < off["loaded_pages"]
 
 
 @pytest.mark.parametrize("method", ["GSA", "KVStarMultiStep"])

@@ -87,14 +87,20 @@ def run_long_requests(
     model_kwargs: dict[str, Any] | None = None,
     enable_prefix_caching: bool = False,
     method: str = "ESA",
+    cold_options: dict[str, Any] | None = None,
 ) -> ConcurrencyRun:
-    """Submit every prompt at once and step the engine until all finish; ``cold_target``: the daemon."""
+    """Submit every prompt at once and step the engine until all finish; ``cold_target``: the daemon,
+    ``cold_options``: more ``cold_kv`` settings (e.g. ``{"prefetch": False}``)."""
     with in_process_engine_env():
         from vllm import LLM
 
         from ucm_client.sparse import vllm_connector
 
-        cold = None if cold_target is None else {"target": cold_target, "min_cold_blocks": 2}
+        cold = (
+            None
+            if cold_target is None
+            else {"target": cold_target, "min_cold_blocks": 2, **(cold_options or {})}
+        )
         extra: dict[str, Any] = {} if cold is None else {"scheduler_cls": SCHEDULER_CLS}
         model = build_tiny_llama(models_dir, layers=layers, **(model_kwargs or {}))
         llm = LLM(

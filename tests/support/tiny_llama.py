@@ -177,12 +177,15 @@ def build_tiny_llama(
     vocab: int = 1000,
     dtype: str = "float32",
     max_positions: int = 4096,
+    shared_qk: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny Llama checkpoint under ``path`` and return its directory.
 
     The returned directory is ``path / <key>`` where ``<key>`` hashes all parameters; it is reused
     when its marker file exists, so repeated test sessions pay the build cost (~2 s) once.
-    ``head_dim`` must be one the vLLM CPU backend accepts (32, 64, 80, ...).
+    ``head_dim`` must be one the vLLM CPU backend accepts (32, 64, 80, ...). ``shared_qk``: every
+    layer gets layer 0's query and key projections, so adjacent layers attend to much the same
+    tokens, as trained models' adjacent layers largely do (random layers share nothing).
     """
     params: dict[str, object] = {
         "seed": seed,
@@ -196,6 +199,8 @@ def build_tiny_llama(
     }
     if max_positions != 4096:  # only then: existing checkpoints keep their directory names
         params["max_positions"] = max_positions
+    if shared_qk:
+        params["shared_qk"] = True
 
     make = _maker(
         seed,
@@ -210,8 +215,16 @@ def build_tiny_llama(
         head_dim=head_dim,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
+        after=_share_qk if shared_qk else None,
     )
     return _build(path, "tiny-llama", params, make)
+
+
+def _share_qk(model: Any) -> None:
+    first = model.model.layers[0].self_attn
+    for layer in model.model.layers[1:]:
+        layer.self_attn.q_proj.weight.data.copy_(first.q_proj.weight.data)
+        layer.self_attn.k_proj.weight.data.copy_(first.k_proj.weight.data)
 
 
 GEMMA3_LAYERS = ("sliding_attention", "sliding_attention", "full_attention") * 2

@@ -46,6 +46,9 @@ class ColdKVConfig:
     """Namespace label; the engine adds a random nonce so two engines never read each other's blocks."""
     timeout_s: float = 30.0
     """How long a worker waits for one dump or load task before the step fails."""
+    prefetch: bool = True
+    """Send layer L+1's likely cold blocks (those layer L selected) while layer L runs, so the blocks
+    both layers pick are already in the worker when L+1's selection asks for them."""
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -54,6 +57,8 @@ class ColdKVConfig:
             raise SparseInputError(f"cold_kv.min_cold_blocks must be >= 1, got {self.min_cold_blocks}")
         if self.timeout_s <= 0:
             raise SparseInputError(f"cold_kv.timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.prefetch, bool):
+            raise SparseInputError(f"cold_kv.prefetch must be true or false, got {self.prefetch!r}")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ColdKVConfig | None:
@@ -63,7 +68,7 @@ class ColdKVConfig:
             return None
         if not isinstance(raw, Mapping):
             raise SparseInputError(f"cold_kv must be a mapping, got {type(raw).__name__}")
-        unknown = set(raw) - {"target", "min_cold_blocks", "namespace", "timeout_s"}
+        unknown = set(raw) - {"target", "min_cold_blocks", "namespace", "timeout_s", "prefetch"}
         if unknown:
             raise SparseInputError(f"unknown cold_kv settings {sorted(unknown)}")
         if "target" not in raw:

@@ -9,13 +9,26 @@ holds across steps, so a selection ESA reuses (between retrievals) costs no load
 
 Per-layer objects in ``ucm-server`` (``cold_block_key(nonce, request, layer, block)``) are what make
 that possible: each layer's selection differs, and each layer loads only its own.
+
+A layer's selection needs that layer's query, which exists only once the layer runs, so its loads
+cannot all be known a layer ahead. What can be is a guess: with ``cold_kv.prefetch`` (the default)
+layer L, once its own blocks are in place, sends a load of the blocks *it* selected for layer L+1's
+objects without waiting for it; the daemon copies them into a second staging area while layer L's
+attention and MLP run. Layer L+1 takes the pages its selection shares with the guess from there
+(a local copy) and loads only the rest. Adjacent layers of trained models attend to largely the
+same blocks (the observation InfiniGen builds on); a wrong guess costs daemon bandwidth, never a
+wrong byte: a page is used only for the (request, block) it was loaded for, and only if its load
+ended OK.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
+import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +42,12 @@ from ucm_client.types import BlockIO, BlockState, Segment
 
 __all__ = ["ColdKVWorker"]
 
+_log = logging.getLogger(__name__)
+
 STAGING_BLOCKS = 64
 """Block pages in the shared staging buffer: one dump or load task moves at most this many."""
+PREFETCH_BLOCKS = 64
+"""Block pages after those, where a layer's guess for the next layer lands (at most this many)."""
 
 
 @dataclass(slots=True)
@@ -40,6 +57,16 @@ class _ColdRequest:
     scratch: tuple[int, ...]
     held: dict[int, dict[int, int]] = field(default_factory=dict)
     """Per layer: scratch slot → logical block it holds now."""
+
+
+@dataclass(slots=True)
+class _Prefetch:
+    """A load sent for the next layer while this one runs, and where each of its pages lands."""
+
+    layer: int
+    task: concurrent.futures.Future[int]
+    pages: list[tuple[str, int]]
+    """(request, logical block) of staging page ``PREFETCH_FIRST + i``."""
 
 
 class ColdKVWorker:
@@ -54,20 +81,29 @@ class ColdKVWorker:
         self.page_shape, self.dtype = tuple(page.shape), page.dtype
         self.page_bytes = page.numel() * page.element_size()
         self.client = UcmClient(config.target, client_name="ucm-cold-kv-worker")
-        self._buffer = SharedBuffer(STAGING_BLOCKS * self.page_bytes, label="cold-kv")
+        self._buffer = SharedBuffer((STAGING_BLOCKS + PREFETCH_BLOCKS) * self.page_bytes, label="cold-kv")
         self._region = self.client.register(self._buffer)
         self._view = self._buffer.torch()
         self._nonce = ""
         self._namespace = b""
         self._cold: dict[str, _ColdRequest] = {}
+        layers = sorted(self.caches)
+        self._next_layer = dict(itertools.pairwise(layers))
+        self._prefetch: _Prefetch | None = None
+        self._prefetching = config.prefetch
+        """Turned off for good after a prefetch fails: a task that did not end may still write its pages."""
         self.stats: Counter[str] = Counter()
-        """``dumped_pages``, ``loaded_pages``, ``reused_pages``, ``dump_tasks``, ``load_tasks``."""
-        self.seconds: dict[str, float] = {"dump": 0.0, "load": 0.0}
-        """Wall time spent in ``dump`` and ``load`` (copies and the daemon's task), for the benchmark."""
+        """``dumped_pages``, ``loaded_pages`` (loaded on the layer's own path), ``reused_pages`` (already
+        in scratch), ``prefetched_pages`` (sent a layer ahead), ``prefetch_hits`` (of those, taken by the
+        layer's selection), ``dump_tasks``, ``load_tasks``, ``prefetch_tasks``, ``prefetch_failed``."""
+        self.seconds: dict[str, float] = {"dump": 0.0, "load": 0.0, "prefetch_wait": 0.0}
+        """Wall time spent in ``dump`` and ``load`` (copies and the daemon's task) and waiting for a
+        prefetch the layer then used (near zero when it overlapped the layer before), for the benchmark."""
 
     # ------------------------------------------------------------ per step, before the forward
     def apply(self, meta: ColdKVStepMeta) -> None:
         """Forget, dump and take over released ranges, in that order."""
+        self._take_prefetch(None)  # a step that ended early may have left one in flight
         if meta.nonce != self._nonce:
             self._nonce, self._namespace = meta.nonce, self.config.namespace_bytes(meta.nonce)
         for req_id in meta.forget:
@@ -97,10 +133,19 @@ class ColdKVWorker:
     def resolve_rows(
         self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]
     ) -> list[torch.Tensor]:
-        """Physical blocks per row's selection; every row's cold blocks are loaded in one task first."""
+        """Physical blocks per row's selection; every row's cold blocks are in scratch blocks first,
+        copied from the previous layer's guess where it brought them, loaded in one task otherwise.
+        Then the next layer's guess is sent.
+
+        The blocks the guess does not cover are sent first and the guess is waited for while the
+        daemon loads them: a guess still running never delays a load the layer surely needs."""
+        fetch = self._prefetch
+        guessed = set(fetch.pages) if fetch is not None and fetch.layer == layer_idx else set()
         out = [physical[logical] for _, logical, physical in rows]
         loads: list[tuple[str, int, int]] = []  # (request, logical block, scratch block)
+        from_guess: list[tuple[str, int, int]] = []  # the same, for blocks the guess should hold
         placed: list[tuple[int, int, int]] = []  # (row, position in the selection, scratch block)
+        changed: list[int] = []  # rows whose selection at this layer brought in new blocks
         for row, (request_id, logical, _) in enumerate(rows):
             req = self._cold.get(request_id)
             if req is None:
@@ -119,20 +164,112 @@ class ColdKVWorker:
             for b in need:
                 slot = next(free)
                 held[slot], where[b] = b, slot
-                loads.append((request_id, b, req.scratch[slot]))
-            self.stats["loaded_pages"] += len(need)
+                (from_guess if (request_id, b) in guessed else loads).append(
+                    (request_id, b, req.scratch[slot])
+                )
             self.stats["reused_pages"] += len(wanted) - len(need)
+            if need:
+                changed.append(row)
             placed.extend((row, i, req.scratch[where[b]]) for i, b in wanted)
-        self._load(layer_idx, loads)
+        staged: dict[tuple[str, int], int] = {}
+
+        def take_guess() -> None:
+            staged.update(self._take_prefetch(layer_idx))
+
+        self._load(layer_idx, loads, meanwhile=take_guess)
+        if self._prefetch is not None:  # no load ran: the guess is still to be waited for
+            take_guess()
+        cache = self.caches[layer_idx]
+        missed = []  # in the guess, but its load did not end OK: the layer loads them itself
+        for request_id, b, scratch in from_guess:
+            page = staged.get((request_id, b))
+            if page is None:
+                missed.append((request_id, b, scratch))
+            else:
+                cache[scratch].copy_(self._page(page))
+        self._load(layer_idx, missed)
+        self.stats["prefetch_hits"] += len(from_guess) - len(missed)
+        self.stats["loaded_pages"] += len(loads) + len(missed)
         for row, i, scratch in placed:
             out[row][i] = scratch
+        self._send_prefetch(layer_idx, [rows[row] for row in changed])
         return out
 
-    def _load(self, layer_idx: int, loads: list[tuple[str, int, int]]) -> None:
+    def _send_prefetch(self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Send a load of this layer's cold selection, as the next layer's objects, without waiting.
+
+        Only for ``rows`` whose selection changed at this layer: where it did not (ESA between
+        retrievals), the next layer most likely keeps its own too, and a guess would only cost
+        daemon bandwidth."""
+        after = self._next_layer.get(layer_idx)
+        if not self._prefetching or after is None:
+            return
+        pages: list[tuple[str, int]] = []
+        for request_id, logical, _ in rows:
+            req = self._cold.get(request_id)
+            if req is None:
+                continue
+            there = set(req.held.get(after, {}).values())
+            pages.extend(
+                (request_id, b) for b in logical.tolist() if req.first <= b < req.last and b not in there
+            )
+        pages = pages[:PREFETCH_BLOCKS]
+        if not pages:
+            return
+        ios = [
+            BlockIO(
+                cold_block_key(self._nonce, request_id, after, b),
+                (Segment(self._region, (STAGING_BLOCKS + i) * self.page_bytes, self.page_bytes),),
+            )
+            for i, (request_id, b) in enumerate(pages)
+        ]
+        self._prefetch = _Prefetch(after, self.client.load_nowait(self._namespace, ios), pages)
+        self.stats["prefetched_pages"] += len(pages)
+        self.stats["prefetch_tasks"] += 1
+
+    def _take_prefetch(self, layer_idx: int | None) -> dict[tuple[str, int], int]:
+        """The prefetch in flight, finished: staging page per (request, block) that arrived OK for
+        ``layer_idx`` (empty for another layer, or when it failed: the layer then loads them itself).
+
+        It is always waited for, used or not: its pages share the staging buffer with the next one."""
+        fetch, self._prefetch = self._prefetch, None
+        if fetch is None:
+            return {}
+        start = time.perf_counter()
+        try:
+            task_id = fetch.task.result(self.config.timeout_s)
+            result = self.client.wait(task_id, self.config.timeout_s, cancel_on_timeout=True)
+            if not result.done:
+                raise TimeoutError(f"task {task_id} did not end within {self.config.timeout_s} s")
+        except Exception as exc:  # refused or timed out: only a guess, the layer's own load decides
+            self.stats["prefetch_failed"] += 1
+            self._prefetching = False
+            _log.warning("cold KV prefetch failed (%s); layers load their own blocks from now on", exc)
+            return {}
+        finally:
+            self.seconds["prefetch_wait"] += time.perf_counter() - start
+        if fetch.layer != layer_idx:
+            return {}
+        return {
+            page: STAGING_BLOCKS + i
+            for i, (page, state) in enumerate(zip(fetch.pages, result.states, strict=True))
+            if state is BlockState.OK
+        }
+
+    def _load(
+        self,
+        layer_idx: int,
+        loads: list[tuple[str, int, int]],
+        *,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Load into scratch blocks, a staging-buffer's worth per task; ``meanwhile`` runs while the
+        daemon works on the first one."""
         cache = self.caches[layer_idx]
         for start in range(0, len(loads), STAGING_BLOCKS):
             batch = loads[start : start + STAGING_BLOCKS]
-            self._run("load", [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in batch])
+            keys = [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in batch]
+            self._run("load", keys, meanwhile=meanwhile if start == 0 else None)
             for slot, (_, _, scratch) in enumerate(batch):
                 cache[scratch].copy_(self._page(slot))
 
@@ -141,8 +278,9 @@ class ColdKVWorker:
         raw = self._view[slot * self.page_bytes : (slot + 1) * self.page_bytes]
         return raw.view(self.dtype).view(self.page_shape)
 
-    def _run(self, op: str, keys: Iterable[bytes]) -> None:
+    def _run(self, op: str, keys: Iterable[bytes], *, meanwhile: Callable[[], None] | None = None) -> None:
         """One dump or load task over the first staging slots; any block not OK fails the step.
+        ``meanwhile`` runs once the task is sent, before it is waited for.
 
         A cold block that cannot be written or read back would make attention silently differ from
         the sparse result it replaces, so it is an error naming the block count and the reasons.
@@ -153,7 +291,10 @@ class ColdKVWorker:
         ]
         submit = self.client.dump if op == "dump" else self.client.load
         start = time.perf_counter()
-        result = self.client.wait(submit(self._namespace, ios), self.config.timeout_s)
+        task_id = submit(self._namespace, ios)
+        if meanwhile is not None:
+            meanwhile()
+        result = self.client.wait(task_id, self.config.timeout_s)
         self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
         self.stats[f"{op}_tasks"] += 1
         if not result.ok:
@@ -164,6 +305,7 @@ class ColdKVWorker:
             )
 
     def close(self) -> None:
+        self._take_prefetch(None)
         self.client.unregister(self._region)
         del self._view
         self._buffer.close()
