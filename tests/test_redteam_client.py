@@ -250,3 +250,17 @@ def test_a_shared_buffer_of_a_bad_size_is_a_typed_error(size: Any, exc_type: typ
         SharedBuffer(size)
     with SharedBuffer(4096) as ok:  # control
         assert ok.size == 4096
+
+
+def test_a_block_state_this_client_does_not_know_reads_as_failed_with_its_value() -> None:
+    """A newer daemon may answer with a state added after this client was built: that block must
+    not read as OK, and the other blocks' states must survive (no exception for the whole task)."""
+    from ucm_client.types import TaskResult
+
+    status = pb.TaskStatus(task_id=7, state=pb.TASK_DONE, block_status=[pb.BLOCK_OK, 99, pb.BLOCK_MISSING])
+    result = TaskResult.from_pb(status)
+    assert [s.name for s in result.states] == ["OK", "FAILED", "MISSING"]
+    assert not result.ok
+    assert "unknown block state 99" in result.reasons[1]
+    known = TaskResult.from_pb(pb.TaskStatus(task_id=8, state=pb.TASK_DONE, block_status=[pb.BLOCK_OK]))
+    assert known.ok and known.reasons == {}  # control: known states decode as before

@@ -90,12 +90,13 @@ class TaskResult:
 
     @classmethod
     def from_pb(cls, msg: pb.TaskStatus) -> TaskResult:
+        reasons = dict(msg.reasons)
         return cls(
             task_id=msg.task_id,
             done=msg.state != pb.TASK_RUNNING,
             cancelled=msg.state == pb.TASK_CANCELLED,
-            states=_states(msg.block_status),
-            reasons=dict(msg.reasons),
+            states=_states(msg.block_status, reasons),
+            reasons=reasons,
             bytes_done=msg.bytes_done,
             elapsed_s=msg.elapsed_s,
         )
@@ -104,14 +105,23 @@ class TaskResult:
 _STATES = {int(s): s for s in BlockState}
 
 
-def _states(values: Sequence[int]) -> list[BlockState]:
+def _states(values: Sequence[int], reasons: dict[int, str]) -> list[BlockState]:
     """Wire values as states, by one C-level map over a dict: 256 ``BlockState(v)`` calls cost
-    ~0.15 ms per task result, as much as a round trip's share of a small task. An unknown value
-    falls back to the enum, whose ValueError names it."""
+    ~0.15 ms per task result, as much as a round trip's share of a small task.
+
+    A value this client does not know (a newer daemon's) reads as FAILED, with a reason naming it:
+    never as OK, and never as an exception that would lose the other blocks' states."""
     try:
         return list(map(_STATES.__getitem__, values))
     except KeyError:
-        return [BlockState(v) for v in values]
+        states = []
+        for i, v in enumerate(values):
+            state = _STATES.get(v)
+            if state is None:
+                state = BlockState.FAILED
+                reasons.setdefault(i, f"unknown block state {v} from ucm-server (a newer daemon?)")
+            states.append(state)
+        return states
 
 
 def lookup_request(namespace: bytes, keys: Sequence[bytes]) -> pb.LookupRequest:

@@ -262,6 +262,15 @@ class ServerConfig:
             size=True,
         ),
     )
+    reply_bytes: int = field(
+        default=1 << 30,
+        metadata=_help(
+            "Block bytes the daemon holds at once, across all clients, for GetBlocks replies being "
+            "sent (each reply holds its block until gRPC has sent it). A reply beyond it waits; a "
+            "block larger than this is sent alone.",
+            size=True,
+        ),
+    )
     max_sessions: int = field(
         default=1024, metadata=_help("Most sessions (attached clients) the daemon holds at once.")
     )
@@ -466,6 +475,7 @@ class ServerConfig:
             "max_segments_per_block",
             "max_segments_per_request",
             "staging_bytes",
+            "reply_bytes",
             "max_sessions",
             "max_sessions_per_peer",
             "max_tasks_per_session",

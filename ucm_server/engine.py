@@ -55,6 +55,7 @@ from ucm_server.regions import (
     check_segments,
     host_iovecs,
 )
+from ucm_server.reply_budget import ReplyBudget
 from ucm_server.retention import FILE_NAME as RETENTION_FILE
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
@@ -125,6 +126,7 @@ class Engine:
         self.upkeep = Upkeep(self.pipeline, self._keys)
         self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
+        self.reply_budget = ReplyBudget(config.reply_bytes)
         self.sessions: dict[str, Session] = {}
         self._region_tasks: dict[Region | GpuRegion, dict[int, Task]] = {}
         """The unfinished tasks copying to or from each region (see :meth:`release_region`)."""
@@ -721,9 +723,12 @@ class Engine:
             if size is None:
                 yield i, BlockResult(BlockState.MISSING), b""
                 continue
-            buf = bytearray(size)
-            (r,) = await self.pipeline.read_many([(key, [memoryview(buf)])], owned=True)
-            yield i, r, bytes(buf) if r.ok else b""
+            async with self.reply_budget.hold(size):  # until the reply is sent: see ReplyBudget
+                buf = bytearray(size)
+                (r,) = await self.pipeline.read_many([(key, [memoryview(buf)])], owned=True)
+                data = bytes(buf) if r.ok else b""
+                del buf
+                yield i, r, data
 
     async def put_bytes(self, namespace: bytes, digest: bytes, data: bytes) -> BlockResult:
         (key,) = self._keys(namespace, [digest])
@@ -764,6 +769,8 @@ class Engine:
             pinned_blocks=self.retention.pinned_count,
             retention_rules=len(self.retention),
             expired_blocks=self.expiry.expired,
+            reply_bytes_held=self.reply_budget.held,
+            reply_waits=self.reply_budget.waits,
         )
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:

@@ -156,6 +156,14 @@ class _SnapshotCollector(Collector):
         yield CounterMetricFamily(
             "ucm_expired_blocks", "Blocks removed by their TTL", value=snap.expired_blocks
         )
+        yield GaugeMetricFamily(
+            "ucm_reply_bytes_held",
+            "Block bytes held for GetBlocks replies being sent (bounded by reply_bytes)",
+            value=snap.reply_bytes_held,
+        )
+        yield CounterMetricFamily(
+            "ucm_reply_waits", "GetBlocks replies that waited for reply_bytes", value=snap.reply_waits
+        )
         yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=snap.sessions)
         yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=snap.regions)
 

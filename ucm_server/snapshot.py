@@ -46,3 +46,6 @@ class EngineSnapshot:
     retention_rules: int = 0
     expired_blocks: int = 0
     """Retention: blocks pinned now, blocks with any rule, blocks removed by their TTL since start."""
+    reply_bytes_held: int = 0
+    reply_waits: int = 0
+    """``GetBlocks`` replies: block bytes held now for replies being sent, replies that waited."""

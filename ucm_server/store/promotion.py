@@ -37,6 +37,7 @@ class PromotionHost(Protocol):
     def end_read(self, started: int) -> None: ...
     def unwritten_since(self, key: BlockKey, started: int) -> bool: ...
 
+
 __all__ = ["PromotionHost", "Promotions"]
 
 
