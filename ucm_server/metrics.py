@@ -147,25 +147,32 @@ class _SnapshotCollector(Collector):
             value=snap.pending_writeback,
         )
         yield from _writeback_metrics(snap)
-        yield GaugeMetricFamily("ucm_pinned_blocks", "Blocks pinned now", value=snap.pinned_blocks)
-        yield GaugeMetricFamily(
-            "ucm_retention_rules",
-            "Blocks with a retention rule (pin, TTL or priority)",
-            value=snap.retention_rules,
+        plain: tuple[tuple[Callable[..., Metric], str, str, float], ...] = (
+            (GaugeMetricFamily, "ucm_pinned_blocks", "Blocks pinned now", snap.pinned_blocks),
+            (
+                GaugeMetricFamily,
+                "ucm_retention_rules",
+                "Blocks with a retention rule (pin, TTL or priority)",
+                snap.retention_rules,
+            ),
+            (CounterMetricFamily, "ucm_expired_blocks", "Blocks removed by their TTL", snap.expired_blocks),
+            (
+                GaugeMetricFamily,
+                "ucm_reply_bytes_held",
+                "Block bytes held for GetBlocks replies being sent (bounded by reply_bytes)",
+                snap.reply_bytes_held,
+            ),
+            (
+                CounterMetricFamily,
+                "ucm_reply_waits",
+                "GetBlocks replies that waited for reply_bytes",
+                snap.reply_waits,
+            ),
+            (GaugeMetricFamily, "ucm_sessions", "Attached client sessions", snap.sessions),
+            (GaugeMetricFamily, "ucm_regions", "Registered memory regions", snap.regions),
         )
-        yield CounterMetricFamily(
-            "ucm_expired_blocks", "Blocks removed by their TTL", value=snap.expired_blocks
-        )
-        yield GaugeMetricFamily(
-            "ucm_reply_bytes_held",
-            "Block bytes held for GetBlocks replies being sent (bounded by reply_bytes)",
-            value=snap.reply_bytes_held,
-        )
-        yield CounterMetricFamily(
-            "ucm_reply_waits", "GetBlocks replies that waited for reply_bytes", value=snap.reply_waits
-        )
-        yield GaugeMetricFamily("ucm_sessions", "Attached client sessions", value=snap.sessions)
-        yield GaugeMetricFamily("ucm_regions", "Registered memory regions", value=snap.regions)
+        for family, name, documentation, value in plain:
+            yield family(name, documentation, value=value)
 
 
 def _writeback_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
