@@ -139,6 +139,28 @@ def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm:
         client.lookup(NS, [stored[0], stored[1][:31]])
 
 
+@pytest.mark.parametrize("n", [2, 2047, 5000])
+def test_lookup_a_malformed_key_is_named_even_when_the_lengths_add_up(
+    client: UcmClient, shm: SharedBuffer, n: int
+) -> None:
+    """The client packs keys only when each is exactly 32 bytes, checked per key in C
+    (``ucm_client.types.packed_keys``), not by the joined length: a 31-byte key next to a 33-byte
+    one (all zero bytes, so the join is 32 * n zero bytes, like well-formed zero keys) must be an
+    error naming the first bad index, in any run of a batch, never a silent answer about other keys.
+    The same batch with both keys fixed is answered (the control)."""
+    region = client.register(shm)
+    zero = bytes(32)
+    assert client.wait(client.dump(NS, [BlockIO(zero, (Segment(region, 0, 4096),))]), 10).ok
+    keys = [key_digest("malformed", i) for i in range(n)]
+    bad = n - 2  # the last two keys: in the last power-of-two run of the batch
+    keys[bad], keys[bad + 1] = bytes(31), bytes(33)
+    with pytest.raises(UcmError, match=rf"keys\[{bad}\].*32 bytes"):
+        client.lookup(NS, keys)
+    keys[bad], keys[bad + 1] = zero, zero
+    answer = client.lookup(NS, keys)
+    assert answer.present == [False] * bad + [True, True]
+
+
 def test_load_nowait_answers_in_a_future_and_a_refused_load_is_that_futures_error(
     client: UcmClient, shm: SharedBuffer
 ) -> None:

@@ -148,8 +148,8 @@ def put_items_arg(items: object) -> list[tuple[bytes, bytes]]:
 
 
 def lookup_request(namespace: object, keys: object) -> pb.LookupRequest:
-    """:func:`ucm_client.types.lookup_request` for checked arguments. Good keys cost one C-level join
-    (the packing itself); only a refused one walks the keys to name it."""
+    """:func:`ucm_client.types.lookup_request` for checked arguments. Good keys cost two C calls
+    (:func:`~ucm_client.types.packed_keys`); only a refused one walks the keys to name it."""
     ns = namespace_arg(namespace)
     items = key_list(keys)
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -124,11 +126,48 @@ def _states(values: Sequence[int], reasons: dict[int, str]) -> list[BlockState]:
         return states
 
 
+_STAMP = KEY_BYTES + 2
+"""Bytes per key of a Pascal-string struct (``"34p"``): a length byte, then up to 33 bytes of the key
+(padded). The length byte is ``min(len(key), 33)``, so it reads 32 exactly when the key is 32 bytes
+long: one byte of the packed output per key says whether that key is well formed."""
+_LENGTH_BYTE = bytes([KEY_BYTES])
+_RUN_MAX = 4096
+
+
+@functools.cache
+def _stamper(count: int) -> struct.Struct:
+    """The Pascal-string struct for ``count`` keys (a power of two up to ``_RUN_MAX``: at most 13
+    are ever built, the largest ~130 KB)."""
+    return struct.Struct(f"{_STAMP}p" * count)
+
+
+def packed_keys(keys: Sequence[bytes]) -> bytes | None:
+    """``keys`` concatenated if every one is exactly ``KEY_BYTES`` bytes (``bytes``/``bytearray``),
+    else ``None`` (the caller then sends them one by one, so the daemon names the bad index).
+
+    Why not ``len`` per key: ``map(len, keys)`` costs ~20 µs per 2,048 keys, twice the join itself,
+    on the scheduler's hot path. A struct packs the keys as Pascal strings in one C call (~8 µs);
+    its length bytes, one every ``_STAMP`` bytes, are then compared with the expected ones at once.
+    Exact for any content (an all-zero key included); batches are packed in power-of-two runs of
+    at most ``_RUN_MAX`` keys, so only a few small structs are ever compiled."""
+    n = len(keys)
+    start = 0
+    try:
+        while start < n:
+            run = min(_RUN_MAX, 1 << ((n - start).bit_length() - 1))
+            part = keys if run == n else keys[start : start + run]
+            if _stamper(run).pack(*part)[::_STAMP] != _LENGTH_BYTE * run:
+                return None
+            start += run
+    except struct.error:  # not bytes (a str, a memoryview...): the caller's slow path names it
+        return None
+    return b"".join(keys)
+
+
 def lookup_request(namespace: bytes, keys: Sequence[bytes]) -> pb.LookupRequest:
     """Keys travel packed (one bytes field) unless one is malformed, so the daemon can name it."""
-    packed = b"".join(keys)
-    # None longer than a key and all of them as long as n keys: every key is KEY_BYTES (one C pass)
-    if not keys or max(map(len, keys)) != KEY_BYTES or len(packed) != KEY_BYTES * len(keys):
+    packed = packed_keys(keys) if keys else None
+    if packed is None:
         return pb.LookupRequest(namespace=namespace, keys=keys)
     return pb.LookupRequest(namespace=namespace, packed_keys=packed)
 

@@ -410,8 +410,8 @@ class Engine:
         if not checked:
             check_digests(digests)
         await self.expiry.due()  # an expired block is never answered present
-        sizes = await self.pipeline.lookup_digests(ns, digests)  # the hot path: no per-key objects
-        if all(sizes) or None not in sizes:  # all found (a repeated prompt): no per-key pass at all
+        sizes, complete = await self.pipeline.lookup_presence(ns, digests)  # no per-key objects
+        if complete or None not in sizes:  # all found (a repeated prompt): no per-key pass at all
             present, prefix, hits = b"\x01" * len(sizes), len(sizes), len(sizes)
         else:
             present = bytes(map(operator.is_not, sizes, repeat(None)))  # C-level: a byte per key, 0 or 1

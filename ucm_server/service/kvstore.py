@@ -116,12 +116,11 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.UnregisterRegionResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: aio.ServicerContext) -> pb.LookupResponse:
-        if request.packed_keys:
+        packed = request.packed_keys  # read once: each read of a bytes field is a copy
+        if packed:
             if request.keys:
                 raise InvalidArgument("send keys or packed_keys, not both")
-            answer = await self.engine.lookup(
-                request.namespace, PackedDigests(request.packed_keys), checked=True
-            )
+            answer = await self.engine.lookup(request.namespace, PackedDigests(packed), checked=True)
             return pb.LookupResponse(present_bytes=answer.present, hit_prefix=answer.hit_prefix)
         answer = await self.engine.lookup(request.namespace, list(request.keys))
         return pb.LookupResponse(present=list(map(bool, answer.present)), hit_prefix=answer.hit_prefix)

@@ -251,6 +251,7 @@ class CacheTier(Tier):
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         results: list[BlockResult] = [OK] * len(items)
         staged: list[tuple[int, _Entry, IoVec]] = []
+        now = time.time()  # one clock read per batch
         for i, (key, src) in enumerate(items):
             size = iov_len(src)
             extents = self._allocate(size)
@@ -261,7 +262,7 @@ class CacheTier(Tier):
                 )
                 self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
                 continue
-            entry = _Entry(key=key, size=size, extents=extents, stored_at=time.time())
+            entry = _Entry(key=key, size=size, extents=extents, stored_at=now)
             entry.leases = 1  # not evictable while being filled
             staged.append((i, entry, src))
         try:
