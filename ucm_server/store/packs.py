@@ -34,6 +34,7 @@ keys in a list and their offsets in an ``array``: 16 B more per block than a blo
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import time
@@ -306,6 +307,8 @@ def _check(head: bytearray, key: bytes, dest: IoVec, limit: int, checked: bool) 
     want = fast_checksum(head, key, iov_len(dest), limit)
     if want is None:
         _zero(dest)
+        if head == _ZERO_HEADER:  # a tombstone: deleted (a stale snapshot may still list it)
+            return FileNotFoundError(errno.ENOENT, "deleted from its pack")
         return CorruptBlock("the block's header in its pack does not name it, its length, or fails its CRC")
     matched = payload_checksum(dest) == want
     if checked or matched:
