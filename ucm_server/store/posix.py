@@ -877,7 +877,7 @@ class PosixTier(Tier):
         bytes in the caller's memory did not match)."""
         results: list[BlockResult | None] = [MISSING] * len(items)
         todo: list[int] = []
-        packed: list[int] = []
+        packed: list[tuple[int, PackedStamp]] = []
         sizes = [0] * len(items)
         index = self._index
         for i, (key, dest) in enumerate(items):
@@ -891,23 +891,12 @@ class PosixTier(Tier):
                 results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
             sizes[i] = want
-            (packed if isinstance(entry, PackedStamp) else todo).append(i)
+            if isinstance(entry, PackedStamp):
+                packed.append((i, entry))
+            else:
+                todo.append(i)
         if packed:
-            stamps = {i: index.get(items[i][0]) for i in packed}
-            held = [i for i in packed if isinstance(stamps[i], PackedStamp)]  # not deleted meanwhile
-            reads = [(items[i][0], items[i][1], stamps[i]) for i in held]
-            got_by_item: dict[int, packs.Outcome] = dict(
-                zip(held, await self._read_packed(reads, checked), strict=True)  # type: ignore[arg-type]
-            )
-            for i in packed:
-                got = got_by_item.get(i, FileNotFoundError())
-                if got is True:
-                    index.move_to_end(items[i][0])
-                    self._stats.hits += 1
-                    self._stats.read_bytes += sizes[i]
-                    results[i] = OK
-                else:
-                    results[i] = await self._packed_result(items[i][0], got, sizes[i])
+            await self._read_batch_packed(items, packed, sizes, results, checked)
         todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         outcomes: list[_ReadOutcome] = await self._in_groups(
             self._read_group, [items[i] for i in todo], sizes, todo, checked, most=READ_GROUP_BLOCKS
@@ -924,6 +913,31 @@ class PosixTier(Tier):
         self._stats.hits += hits
         self._stats.read_bytes += nbytes
         return results
+
+    async def _read_batch_packed(
+        self,
+        items: Sequence[tuple[BlockKey, IoVec]],
+        packed: list[tuple[int, PackedStamp]],
+        sizes: list[int],
+        results: list[BlockResult | None],
+        checked: bool,
+    ) -> None:
+        """The packed blocks of :meth:`_read_batch` (item index and entry), their results set."""
+        outcomes = await self._read_packed(
+            [(items[i][0], items[i][1], stamp) for i, stamp in packed], checked
+        )
+        index = self._index
+        hits = nbytes = 0
+        for (i, _), got in zip(packed, outcomes, strict=True):
+            if got is True:
+                index.move_to_end(items[i][0])
+                hits += 1
+                nbytes += sizes[i]
+                results[i] = OK
+            else:
+                results[i] = await self._packed_result(items[i][0], got, sizes[i])
+        self._stats.hits += hits
+        self._stats.read_bytes += nbytes
 
     async def _read_packed(
         self, reads: Sequence[tuple[BlockKey, IoVec, PackedStamp]], checked: bool
