@@ -163,8 +163,9 @@ def _size(n: int) -> str:
 
 def table(rows: list[dict[str, Any]], packs: int) -> str:
     lines = [
-        "| block | durable | packs | blocks | daemon dump /s | plain create+write+rename /s | dump ratio (≥ 1.0) "
-        "| daemon load /s | plain open+read /s | load ratio (≥ 0.8) | noise (max/min dump, load) |",
+        "| block | durable | packs | blocks | daemon dump /s | plain create+write+rename /s "
+        "| dump ratio (≥ 1.0) | daemon load /s | plain open+read /s | load ratio (≥ 0.8) "
+        "| noise (max/min dump, load) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["size"], r["durable"]): r for r in rows if r.get("packs", True)}

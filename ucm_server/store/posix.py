@@ -50,6 +50,10 @@ the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
 A file whose header or size is wrong, or whose header claims a payload above ``max_block_bytes``,
 is moved to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
 
+With ``pack_max_block_bytes`` set, the small blocks of a batch are written many to a file instead
+(:mod:`ucm_server.store.packs`: ``<root>/pack/<id[0:2]>/<id>.pack``, each block keeping its own
+header inside); the index then points such a block at its pack. Block files and packs coexist.
+
 Files on disk are data, not instructions (:mod:`ucm_server.store.confined`): below a root no symlink
 is followed (a symlinked directory fails that block's write or read, nothing is written outside the
 roots), only regular files are opened (a FIFO, socket, device or symlink where a block file should be
@@ -450,8 +454,8 @@ class PosixTier(Tier):
                     self._unindex(key)
             elif index.adopt(_block_key(key), size, stored_at):
                 self._adopted += 1
-            elif index.get(key) != size:
-                index.correct(key, size, stored_at)
+            elif index.get(key) != size and not isinstance(index.get(key), PackedStamp):
+                index.correct(key, size, stored_at)  # (a packed block keeps its place in its pack)
 
     def _merge_packed(self, key: BlockKey, size: int, stored_at: float, found: Pack, offset: int) -> None:
         """Adopt a block found in a pack (event loop). The pack object is the table's when a snapshot
