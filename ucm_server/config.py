@@ -209,7 +209,8 @@ class ServerConfig:
             "(8 MiB) instead of one file per block, so small blocks dump and load at file-system "
             "speed. A deleted or evicted block in a pack is marked dead on disk; the pack file is "
             "removed with its last live block, and until then its dead bytes count against "
-            "posix_capacity. 0 (default): one file per block. At most 8 MiB.",
+            "posix_capacity. 0 (default): one file per block, as releases before packs; 65536 is a good "
+            "value for per-layer or small blocks. At most 8 MiB.",
             size=True,
         ),
     )

@@ -361,3 +361,30 @@ def test_an_older_snapshot_version_still_loads(tmp_path: Path) -> None:
     epoch = (tmp_path / index_snapshot.MARKER_NAME).read_bytes()
     got = index_snapshot.read_snapshot(tmp_path, epoch, 1 << 20)
     assert list(got.packs or []) == [7] and list(got.offsets or []) == [116]
+
+
+def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
+    """``<root>/pack`` replaced by a symlink: the packed dump fails per block naming it, nothing is
+    written outside the data directory; with packs off the same dump stores block files (control)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    d = posix_daemon(tmp_path, *PACKS)
+    items = [(k, payload(j)) for j, k in enumerate(index_keys(8))]
+    with d.start(), UcmClient(d.target) as c, SharedBuffer(8 * SIZE) as buf:
+        (blocks_root(d) / packs.PACK_DIR).symlink_to(outside, target_is_directory=True)
+        region = c.register(buf)
+        for j, (_, v) in enumerate(items):
+            buf.buf[j * SIZE : (j + 1) * SIZE] = v
+        blocks = [BlockIO(k, (Segment(region, j * SIZE, SIZE),)) for j, (k, _) in enumerate(items)]
+        r = c.wait(c.dump(NS, blocks, wait_durable=True), 30)
+        assert r.states == [BlockState.FAILED] * 8, r.states
+        assert all("symlink" in reason for reason in r.reasons.values()), r.reasons
+        assert not any(c.lookup(NS, index_keys(8)).present)
+        assert list(outside.rglob("*")) == []
+        d.stop()
+    d.extra_args = [a for a in d.extra_args if a not in PACKS]  # packs off: block files, as before
+    with d.start(), UcmClient(d.target) as c:
+        dump(c, items)
+        check_all(c, range(8))
+        d.stop()
+    assert list(outside.rglob("*")) == []

@@ -806,15 +806,15 @@ class PosixTier(Tier):
         entry = await self._sized_entry(key, dest)
         if isinstance(entry, BlockResult):
             return entry
+        outcome: packs.Outcome = True
         if isinstance(entry, PackedStamp):
-            (packed,) = await self._read_packed([(key, dest, entry)], False)
-            return await self._packed_result(key, packed, entry.size) or failed("not read")
-        outcome: _ReadOutcome = True
-        try:
-            await self._run(self._read_file, self.path_of(key), key, dest)
-        except (OSError, CorruptBlock) as exc:
-            outcome = exc
-        result = await self._read_result(key, outcome, entry.size)
+            (outcome,) = await self._read_packed([(key, dest, entry)], False)
+        else:
+            try:
+                await self._run(self._read_file, self.path_of(key), key, dest)
+            except (OSError, CorruptBlock) as exc:
+                outcome = exc
+        result = await self._settle(key, dest, False, entry, outcome)
         assert result is not None  # only a checked read answers "not matched"
         return result
 
@@ -825,13 +825,32 @@ class PosixTier(Tier):
         if isinstance(entry, BlockResult):
             return entry
         if isinstance(entry, PackedStamp):
-            (packed,) = await self._read_packed([(key, dest, entry)], True)
-            return await self._packed_result(key, packed, entry.size)
+            (outcome,) = await self._read_packed([(key, dest, entry)], True)
+            return await self._settle(key, dest, True, entry, outcome)
         try:
             matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
         except (OSError, CorruptBlock) as exc:  # a corrupt header or length was read into daemon memory
-            return await self._read_result(key, exc, entry.size)
+            return await self._settle(key, dest, True, entry, exc)
         return await self._read_result(key, matched, entry.size)
+
+    async def _settle(
+        self, key: BlockKey, dest: IoVec, checked: bool, entry: Stamp, outcome: packs.Outcome
+    ) -> BlockResult | None:
+        """The answer for one block's read from where ``entry`` put it (:meth:`_read_result`, or
+        :meth:`_packed_result` for a pack). A failed read whose key was stored again or deleted
+        while it ran is stale, not a fault: its old place may be gone (a block moved into or out of
+        a pack, its pack record retired), so the block is read again from where it is now, and
+        nothing is forgotten or quarantined for it."""
+        if outcome is not True and outcome is not False:
+            current = self._index.get(key)
+            if current is not entry:
+                if current is None:
+                    self._stats.misses += 1
+                    return MISSING
+                return await (self.read_checked(key, dest) if checked else self.read_into(key, dest))
+        if isinstance(entry, PackedStamp):
+            return await self._packed_result(key, outcome, entry.size)
+        return await self._read_result(key, outcome, entry.size)
 
     async def _read_result(self, key: BlockKey, outcome: _ReadOutcome, size: int) -> BlockResult | None:
         """What one block's read means for the caller and the tier (one place for the single-block
@@ -883,6 +902,7 @@ class PosixTier(Tier):
         todo: list[int] = []
         packed: list[tuple[int, PackedStamp]] = []
         sizes = [0] * len(items)
+        entries: list[Stamp | None] = [None] * len(items)
         index = self._index
         for i, (key, dest) in enumerate(items):
             # While re-adopting, a key not indexed yet is probed on disk (see _entry), as one-block reads do.
@@ -895,6 +915,7 @@ class PosixTier(Tier):
                 results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
             sizes[i] = want
+            entries[i] = entry
             if isinstance(entry, PackedStamp):
                 packed.append((i, entry))
             else:
@@ -913,7 +934,7 @@ class PosixTier(Tier):
                 nbytes += sizes[i]
                 results[i] = OK
             else:
-                results[i] = await self._read_result(items[i][0], outcome, sizes[i])
+                results[i] = await self._settle(items[i][0], items[i][1], checked, entries[i], outcome)  # type: ignore[arg-type]
         self._stats.hits += hits
         self._stats.read_bytes += nbytes
         return results
@@ -932,14 +953,14 @@ class PosixTier(Tier):
         )
         index = self._index
         hits = nbytes = 0
-        for (i, _), got in zip(packed, outcomes, strict=True):
+        for (i, stamp), got in zip(packed, outcomes, strict=True):
             if got is True:
                 index.move_to_end(items[i][0])
                 hits += 1
                 nbytes += sizes[i]
                 results[i] = OK
             else:
-                results[i] = await self._packed_result(items[i][0], got, sizes[i])
+                results[i] = await self._settle(items[i][0], items[i][1], checked, stamp, got)
         self._stats.hits += hits
         self._stats.read_bytes += nbytes
 
