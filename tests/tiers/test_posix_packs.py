@@ -4,22 +4,21 @@ With ``posix_pack_max_block_bytes`` set, the small blocks of a dump batch share 
 Against a real Posix-only daemon: byte-exact round trips of packed blocks of several sizes beside
 block files; deletes that stay deleted across restarts (scan and snapshot); a corrupt block in a
 pack never served while its neighbours are; truncated and forged packs adopting only their valid
-records; ``kill -9`` mid-dump losing nothing acknowledged durable; old ``.blk`` files beside packs;
-a clean restart restoring packed blocks from the (version 2) index snapshot, a stale one not
-trusted. Each test has its negative control (packs off, or the untouched neighbours).
+records; old ``.blk`` files beside packs; a clean restart restoring packed blocks from the (version
+2) index snapshot, a stale one not trusted; durable packed batches group-committed. (``kill -9``
+mid packed dump: the ``packs`` case of ``test_posix_group_commit``.) Each test has its negative
+control (packs off, or the untouched neighbours).
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import os
-import random
 import struct
-import threading
-import time
 from pathlib import Path
 
-from support.blocks import NS, blocks_in
+import pytest
+from support.blocks import NS
 from support.posix_store import (
     SIZE,
     alive,
@@ -33,11 +32,10 @@ from support.posix_store import (
 )
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
-from ucm_client.errors import UcmError
 from ucm_protocol.keys import BlockKey
-from ucm_server.store import index_snapshot, packs
+from ucm_server.store import index_snapshot, packs, posix
 from ucm_server.store.format import HEADER_SIZE, decode_header, encode_header, payload_checksum
-from ucm_server.store.posix import SUFFIX, TMP_MARK
+from ucm_server.store.posix import SUFFIX, TMP_MARK, PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 PACKS = ("--posix-pack-max-block-bytes", "65536")
@@ -245,54 +243,6 @@ def test_truncated_and_forged_packs_adopt_only_their_valid_records(tmp_path: Pat
         d.stop()
 
 
-def test_kill_9_during_packed_dumps_loses_nothing_acknowledged(tmp_path: Path) -> None:
-    n, size, batch = 2048, 4096, 256
-    d = DaemonProcess(tmp_path / "ucm", args=["--store-pipeline", "Posix", *PACKS])
-    digests: list[bytes] = []
-    with SharedBuffer(n * size) as src:
-        for i in range(n):
-            chunk = os.urandom(size)
-            src.buf[i * size : (i + 1) * size] = chunk
-            digests.append(hashlib.sha256(chunk).digest())
-        d.start()
-        acked: set[int] = set()
-
-        def dump() -> None:
-            with UcmClient(d.target, rpc_timeout_s=5) as c:
-                region = c.register(src)
-                try:
-                    for i in range(0, n, batch):
-                        blocks = blocks_in(region, batch, size, first=i, offset=i * size)
-                        r = c.wait(c.dump(NS, blocks, wait_durable=True), 30)
-                        acked.update(i + j for j, s in enumerate(r.states) if s is BlockState.OK)
-                except UcmError:
-                    return  # killed under us: expected
-
-        t = threading.Thread(target=dump)
-        t.start()
-        deadline = time.monotonic() + 30
-        while not acked and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(random.uniform(0.0, 0.2))  # somewhere inside a later batch
-        d.kill()
-        t.join(30)
-        assert acked, "no batch completed before the kill"
-        assert pack_files(d) and not block_files(d)  # the batches went into packs
-
-    with d.start(), UcmClient(d.target) as c, SharedBuffer(n * size) as dst:
-        index_done(c)
-        blocks = blocks_in(c.register(dst), n, size)
-        present = c.lookup(NS, [b.key for b in blocks]).present
-        found = {i for i, p in enumerate(present) if p}
-        assert acked <= found, f"{len(acked - found)} acknowledged blocks lost"
-        result = c.wait(c.load(NS, [blocks[i] for i in sorted(found)]), 60)
-        assert result.ok, result.reasons
-        for i in found:
-            assert hashlib.sha256(bytes(dst.buf[i * size : (i + 1) * size])).digest() == digests[i]
-        assert not [p for p in blocks_root(d).rglob("*") if TMP_MARK in p.name]
-        d.stop()
-
-
 def test_old_block_files_beside_packs_load_and_a_rewrite_moves_a_block_into_a_pack(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path, *PACKS)
     plant(d, 0, 20)  # block files as a release without packs wrote them
@@ -388,3 +338,31 @@ def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
         check_all(c, range(8))
         d.stop()
     assert list(outside.rglob("*")) == []
+
+
+@pytest.mark.skipif(posix._SYNCFS is None, reason="group commit needs syncfs (Linux >= 5.8)")
+def test_a_durable_packed_batch_costs_two_syncs_per_root(tmp_path: Path) -> None:
+    """300 blocks of 4 KiB, durable, into two roots: a few pack files, committed as a group (two
+    ``syncfs`` per root for the whole batch, not a sync per pack or per block)."""
+    roots = [tmp_path / "a", tmp_path / "b"]
+    datas = [os.urandom(SIZE) for _ in range(300)]
+    keys = [BlockKey(NS, k) for k in index_keys(300)]
+
+    async def main() -> tuple[dict[str, float], list[bytes]]:
+        t = PosixTier(roots=roots, pack_max_block_bytes=65536)
+        await t.open()
+        results = await t.write_many([(k, [memoryview(v)]) for k, v in zip(keys, datas, strict=True)])
+        assert all(r.ok for r in results), results
+        extra = dict(t.stats().extra)
+        outs = [bytearray(SIZE) for _ in datas]
+        got = await t.read_many([(k, [memoryview(o)]) for k, o in zip(keys, outs, strict=True)])
+        assert all(r.ok for r in got), got
+        await t.close()
+        return extra, [bytes(o) for o in outs]
+
+    extra, outs = asyncio.run(main())
+    assert extra["group_syncs"] == 4 and extra["packed_writes"] == 300
+    assert 2 <= extra["pack_files"] <= 12  # jobs of up to 64 blocks, one pack per root in each
+    assert outs == datas
+    assert not [p for p in tmp_path.rglob("*") if TMP_MARK in p.name]
+    assert not list(tmp_path.rglob(f"*{SUFFIX}"))

@@ -660,9 +660,9 @@ class PosixTier(Tier):
             finally:
                 os.close(fd)
 
-    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
-        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
-        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
+    def _open_scanned(self, dirfd: int, path: str, fname: str) -> tuple[int, os.stat_result] | None:
+        """Regular file ``fname`` of ``dirfd`` opened for the start-up scan, with its ``fstat``; None
+        (counted, or logged) for a symlink, FIFO, device or a file that cannot be opened."""
         try:
             fd = os.open(fname, os.O_RDONLY | _SCAN_FLAGS, dir_fd=dirfd)
         except OSError as exc:
@@ -673,9 +673,24 @@ class PosixTier(Tier):
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._skip(Path(path), file_kind(st.st_mode))
-                return None
+        except OSError as exc:
+            os.close(fd)
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._skip(Path(path), file_kind(st.st_mode))
+            return None
+        return fd, st
+
+    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
+        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
+        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
+        opened = self._open_scanned(dirfd, path, fname)
+        if opened is None:
+            return None
+        fd, st = opened
+        try:
             header = decode_header(os.pread(fd, ALIGNED_HEADER_SIZE, 0), max_payload=self.max_block_bytes)
             if st.st_size != header.stored_len:
                 raise CorruptBlock(f"file is {st.st_size} bytes, header promises {header.stored_len}")
@@ -699,19 +714,11 @@ class PosixTier(Tier):
         """The blocks of pack file ``fname`` (a regular file at the path its header's id names)
         whose records are whole, inside the file and not overlapping (:func:`packs.scan_pack`); a
         pack whose own header is bad is quarantined whole. Payload checksums are checked at load."""
-        try:
-            fd = os.open(fname, os.O_RDONLY | _SCAN_FLAGS, dir_fd=dirfd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                self._skip(Path(path), "symlink")
-            else:
-                log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+        opened = self._open_scanned(dirfd, path, fname)
+        if opened is None:
             return []
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._skip(Path(path), file_kind(st.st_mode))
-                return []
             found = scan_pack(fd, st.st_size, self.max_block_bytes)
             root, parts = self._split(Path(path))
             where, name = pack_place(found.pack_id)
@@ -836,11 +843,10 @@ class PosixTier(Tier):
     async def _settle(
         self, key: BlockKey, dest: IoVec, checked: bool, entry: Stamp, outcome: packs.Outcome
     ) -> BlockResult | None:
-        """The answer for one block's read from where ``entry`` put it (:meth:`_read_result`, or
-        :meth:`_packed_result` for a pack). A failed read whose key was stored again or deleted
-        while it ran is stale, not a fault: its old place may be gone (a block moved into or out of
-        a pack, its pack record retired), so the block is read again from where it is now, and
-        nothing is forgotten or quarantined for it."""
+        """The answer for one block's read from where ``entry`` put it (:meth:`_read_result`). A
+        failed read whose key was stored again or deleted while it ran is stale, not a fault: its
+        old place may be gone (a block moved into or out of a pack, its pack record retired), so
+        the block is read again from where it is now, and nothing is forgotten or quarantined."""
         if outcome is not True and outcome is not False:
             current = self._index.get(key)
             if current is not entry:
@@ -848,14 +854,16 @@ class PosixTier(Tier):
                     self._stats.misses += 1
                     return MISSING
                 return await (self.read_checked(key, dest) if checked else self.read_into(key, dest))
-        if isinstance(entry, PackedStamp):
-            return await self._packed_result(key, outcome, entry.size)
-        return await self._read_result(key, outcome, entry.size)
+        return await self._read_result(key, outcome, entry.size, packed=isinstance(entry, PackedStamp))
 
-    async def _read_result(self, key: BlockKey, outcome: _ReadOutcome, size: int) -> BlockResult | None:
+    async def _read_result(
+        self, key: BlockKey, outcome: _ReadOutcome, size: int, *, packed: bool = False
+    ) -> BlockResult | None:
         """What one block's read means for the caller and the tier (one place for the single-block
         and the batched reads): True read (and verified), False read but not matching in the
-        caller's memory (None: read it again through daemon memory), or the error it raised."""
+        caller's memory (None: read it again through daemon memory), or the error it raised.
+        A corrupt block in a pack (``packed``) is not moved (its pack holds others) but dies in the
+        index and on disk (its header zeroed): never served again."""
         if outcome is True:
             self._index.move_to_end(key)
             self._stats.hits += 1
@@ -864,14 +872,22 @@ class PosixTier(Tier):
         if outcome is False:
             return None
         if isinstance(outcome, FileNotFoundError):
-            self._forget(key)  # evicted or deleted under us
+            self._forget(key, tombstone=False)  # evicted or deleted under us
             self._stats.misses += 1
             return MISSING
         if isinstance(outcome, UnsupportedFormat):
             self._forget(key)  # not ours to read, nor to quarantine
             return failed(f"{self.name}: {outcome}")
         if isinstance(outcome, CorruptBlock):
-            await self._quarantine(key, str(outcome))
+            if packed:
+                self._forget(key)
+                await self._retire()
+                self._stats.corrupt += 1
+                log.error(
+                    "posix tier %s: block %s in a pack is corrupt, dropped: %s", self.name, key.hex(), outcome
+                )
+            else:
+                await self._quarantine(key, str(outcome))
             return failed(f"corrupt block in {self.name}: {outcome}")
         self._stats.errors += 1
         return failed(f"{self.name} read error: {outcome.strerror or outcome}")
@@ -1017,31 +1033,6 @@ class PosixTier(Tier):
                 finally:
                     os.close(fd)
         return out
-
-    async def _packed_result(self, key: BlockKey, outcome: packs.Outcome, size: int) -> BlockResult | None:
-        """:meth:`_read_result` for a block in a pack: a corrupt one is not moved (its pack holds
-        others) but dies in the index and on disk (its header zeroed): never served again."""
-        if outcome is True:
-            self._index.move_to_end(key)
-            self._stats.hits += 1
-            self._stats.read_bytes += size
-            return OK
-        if outcome is False:
-            return None
-        if isinstance(outcome, FileNotFoundError):
-            self._forget(key, tombstone=False)
-            self._stats.misses += 1
-            return MISSING
-        if isinstance(outcome, CorruptBlock):
-            self._forget(key)
-            await self._retire()
-            self._stats.corrupt += 1
-            log.error(
-                "posix tier %s: block %s in a pack is corrupt, dropped: %s", self.name, key.hex(), outcome
-            )
-            return failed(f"corrupt block in {self.name}: {outcome}")
-        self._stats.errors += 1
-        return failed(f"{self.name} read error: {outcome.strerror or outcome}")
 
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
         size = iov_len(src)
@@ -1283,7 +1274,7 @@ class PosixTier(Tier):
             if isinstance(packed, CorruptBlock) and not quarantine:
                 self._stats.corrupt += 1
                 return failed(f"corrupt block in {self.name}: {packed}")
-            return await self._packed_result(key, packed, entry.size) or failed("not read")
+            return await self._read_result(key, packed, entry.size, packed=True) or failed("not read")
         try:
             await self._run(self._read_file, self.path_of(key), key, scratch)
         except FileNotFoundError:
