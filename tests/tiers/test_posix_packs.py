@@ -366,3 +366,31 @@ def test_a_durable_packed_batch_costs_two_syncs_per_root(tmp_path: Path) -> None
     assert outs == datas
     assert not [p for p in tmp_path.rglob("*") if TMP_MARK in p.name]
     assert not list(tmp_path.rglob(f"*{SUFFIX}"))
+
+
+def test_eviction_empties_whole_packs_and_frees_their_files(tmp_path: Path) -> None:
+    """A capacity of 20 blocks and three packed batches of 10: the oldest batch is evicted, its pack
+    file goes with its last block, and what stays loads byte-exact; dead bytes count until then."""
+    keys = [BlockKey(NS, k) for k in index_keys(30)]
+    datas = [payload(i) for i in range(30)]
+
+    async def main() -> None:
+        t = PosixTier(roots=[tmp_path], durable=False, capacity=20 * SIZE, pack_max_block_bytes=SIZE)
+        await t.open()
+        for first in (0, 10, 20):
+            batch = [(keys[i], [memoryview(datas[i])]) for i in range(first, first + 10)]
+            assert all(r.ok for r in await t.write_many(batch))
+        stats = t.stats()
+        assert stats.blocks == 20 and stats.evictions == 10 and stats.extra["pack_files"] == 2
+        assert stats.bytes <= 20 * SIZE and stats.extra["pack_dead_bytes"] == 0
+        assert len(await asyncio.to_thread(lambda: list(tmp_path.rglob(f"*{packs.PACK_SUFFIX}")))) == 2
+        assert await t.lookup(keys[:10]) == [None] * 10
+        outs = [bytearray(SIZE) for _ in range(20)]
+        got = await t.read_many([(keys[10 + j], [memoryview(o)]) for j, o in enumerate(outs)])
+        assert all(r.ok for r in got) and [bytes(o) for o in outs] == datas[10:]
+        await t.delete(keys[10:15])  # half a pack: its bytes still count, as dead ones
+        stats = t.stats()
+        assert stats.extra["pack_dead_bytes"] == 5 * SIZE and stats.bytes == 15 * SIZE + 5 * SIZE
+        await t.close()
+
+    asyncio.run(main())
