@@ -144,7 +144,7 @@ def lookup_latency(workdir: Path, nkeys: int, samples_n: int) -> dict[str, float
 
 
 def posix_read(workdir: Path, n: int, size: int, repeat: int) -> dict[str, float]:
-    args = ["--store-pipeline", "Posix", "--no-durable"]
+    args = ["--store-pipeline", "Posix", "--no-durable", "--posix-pack-max-block-bytes", "0"]  # block files
     with (
         DaemonProcess(workdir / "posix", args=args) as d,
         UcmClient(d.target) as c,

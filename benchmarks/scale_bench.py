@@ -43,7 +43,8 @@ from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
-POSIX_ONLY = ["--store-pipeline", "Posix"]
+POSIX_ONLY = ["--store-pipeline", "Posix", "--posix-pack-max-block-bytes", "0"]
+"""One file per block (packs off): the restart baselines read every block file's header."""
 PERIODIC_OFF = ["--posix-snapshot-interval-s", "0"]
 PERIODIC_1S = ["--posix-snapshot-interval-s", "1"]
 NS = namespace_id(model="scale-bench", dtype="uint8")

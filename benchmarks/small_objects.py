@@ -9,15 +9,19 @@ For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:
   existing file makes ext4 flush it, ``auto_da_alloc``: a cost neither side should pay here);
 - **daemon dump**: a daemon with ``store_pipeline: Posix`` (durable or ``--no-durable``) dumping the
   same number of blocks from registered shared memory, one task, until Wait returns;
-- **plain load**: ``open`` + ``pread`` + ``close`` of every file the daemon wrote (page cache warm,
-  as it is for the daemon: these machines cannot drop caches);
+- **plain load**: ``open`` + ``pread`` + ``close`` of every file the plain process wrote in its first
+  round (page cache warm, as it is for the daemon's: these machines cannot drop caches);
 - **daemon load**: a Load of every block into shared memory.
+
+The daemon runs with ``posix_pack_max_block_bytes`` (``--pack-max-block-bytes``, default 64 KiB
+here; the daemon's own default is 0, off): blocks up to it are written into pack files, many to a
+file (:mod:`ucm_server.store.packs`). ``--also-without-packs`` adds rows with packs off.
 
 Target: daemon dump ≥ 1.0× plain dump, daemon load ≥ 0.8× plain load, and durable 64 KiB dumps
 ≥ 0.5× the non-durable ones. Rounds interleave plain and daemon, repeated; medians, with the spread
 (max/min of the daemon's rounds) to say how noisy the shared CPUs were.
 
-Run: ``python -m benchmarks.small_objects [--repeat 5] [--scale 1.0]`` (writes
+Run: ``python -m benchmarks.small_objects [--repeat 5] [--scale 1.0] [--pack-max-block-bytes N]`` (writes
 ``benchmarks/results/small_objects.md``).
 """
 
@@ -77,8 +81,7 @@ def _plain_load(files: list[Path], size: int, dest: memoryview) -> None:
     for i, f in enumerate(files):
         fd = os.open(f, os.O_RDONLY)
         try:
-            at = os.fstat(fd).st_size - size  # after the daemon's 128-byte or 4 KiB header
-            os.preadv(fd, [dest[i * size : (i + 1) * size]], at)
+            os.preadv(fd, [dest[i * size : (i + 1) * size]], 0)
         finally:
             os.close(fd)
 
@@ -89,10 +92,11 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int) -> dict[str, float]:
+def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int, packs: int) -> dict[str, float]:
     """Blocks per second of the four paths for one size and durability; medians of ``repeat`` rounds."""
-    args = ["--store-pipeline", "Posix"] + ([] if durable else ["--no-durable"])
-    tag = f"{size}-{'d' if durable else 'n'}"
+    args = ["--store-pipeline", "Posix", "--posix-pack-max-block-bytes", str(packs)]
+    args += [] if durable else ["--no-durable"]
+    tag = f"{size}-{'d' if durable else 'n'}-{packs}"
     with (
         DaemonProcess(workdir / f"daemon-{tag}", args=args) as d,
         UcmClient(d.target) as c,
@@ -119,8 +123,11 @@ def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int) -> dic
 
         dump("first")  # warm: the shard directories exist from now on (both sides)
         _plain_dump(plain_root, n, size, payload, durable, "first")
-        files = sorted((d.data_dir / "blocks").rglob("*.blk"))
+        files = sorted(plain_root.rglob("first*.blk"))
         assert len(files) == n, len(files)
+        stored = d.data_dir / "blocks"
+        packed = size <= packs
+        assert bool(list(stored.rglob("*.pack"))) == packed and bool(list(stored.rglob("*.blk"))) != packed
         times: dict[str, list[float]] = {"plain_dump": [], "dump": [], "plain_load": [], "load": []}
         for _ in range(repeat):
             r = f"r{next(rounds)}"
@@ -135,15 +142,18 @@ def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int) -> dic
     return rates
 
 
-def run(repeat: int, scale: float) -> list[dict[str, Any]]:
+def run(repeat: int, scale: float, packs: int, without: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ucm-small-", dir=os.environ.get("UCM_BENCH_DIR")) as tmp:
         for size, n in SIZES:
             for durable in (False, True):
-                count = max(16, int(n * scale))
-                r = measure(Path(tmp), size, count, durable, repeat)
-                rows.append({"size": size, "blocks": count, "durable": durable, **r})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                for limit in (packs, 0) if without and size <= packs else (packs,):
+                    count = max(16, int(n * scale))
+                    r = measure(Path(tmp), size, count, durable, repeat, limit)
+                    rows.append(
+                        {"size": size, "blocks": count, "durable": durable, "packs": size <= limit, **r}
+                    )
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -151,16 +161,18 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], packs: int) -> str:
     lines = [
-        "| block | durable | blocks | daemon dump /s | plain create+write+rename /s | dump ratio (≥ 1.0) "
-        "| daemon load /s | plain open+read /s | load ratio (≥ 0.8) | noise (max/min dump, load) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| block | durable | packs | blocks | daemon dump /s | plain create+write+rename /s "
+        "| dump ratio (≥ 1.0) | daemon load /s | plain open+read /s | load ratio (≥ 0.8) "
+        "| noise (max/min dump, load) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(r["size"], r["durable"]): r for r in rows}
+    by = {(r["size"], r["durable"]): r for r in rows if r.get("packs", True)}
     for r in rows:
         lines.append(
-            f"| {_size(r['size'])} | {'yes' if r['durable'] else 'no'} | {r['blocks']} "
+            f"| {_size(r['size'])} | {'yes' if r['durable'] else 'no'} | {'yes' if r.get('packs') else 'no'} "
+            f"| {r['blocks']} "
             f"| {r['dump']:,.0f} | {r['plain_dump']:,.0f} | {r['dump'] / r['plain_dump']:.2f}× "
             f"| {r['load']:,.0f} | {r['plain_load']:,.0f} | {r['load'] / r['plain_load']:.2f}× "
             f"| {r['dump_spread']:.2f}, {r['load_spread']:.2f} |"
@@ -170,12 +182,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         if (size, True) in by and (size, False) in by:
             ratio = by[(size, True)]["dump"] / by[(size, False)]["dump"]
             target = " (target ≥ 0.5)" if size == 65536 else ""
-            lines.append(f"- durable ÷ non-durable daemon dump, {_size(size)}: {ratio:.2f}×{target}")
+            lines.append(
+                f"- durable ÷ non-durable daemon dump (packs as above), {_size(size)}: {ratio:.2f}×{target}"
+            )
     lines.append("")
     lines.append(
         "Daemon: `store_pipeline: Posix`, one Dump/Load task of all blocks from/into registered shared "
-        "memory until Wait returns. Plain: one process, one file per object in 256 shard directories "
-        "(durable: fsync file, rename, fsync directory per object). Medians of interleaved rounds; "
+        f"memory until Wait returns; packs: `posix_pack_max_block_bytes: {packs}` (blocks up to it "
+        "written many to a pack file; the daemon's default is 0, one file per block). Plain: one "
+        "process, one file per object in 256 shard directories (durable: fsync file, rename, fsync "
+        "directory per object), loads reading its own files. Medians of interleaved rounds; "
         "`python -m benchmarks.small_objects`."
     )
     return "\n".join(lines)
@@ -185,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the block counts (e.g. 0.25)")
+    p.add_argument("--pack-max-block-bytes", type=int, default=64 << 10, help="the daemon's packing limit")
+    p.add_argument("--also-without-packs", action="store_true", help="rows with packs off too")
     args = p.parse_args(argv)
-    rows = run(args.repeat, args.scale)
-    text = table(rows)
+    rows = run(args.repeat, args.scale, args.pack_max_block_bytes, args.also_without_packs)
+    text = table(rows, args.pack_max_block_bytes)
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text + "\n")

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ucm-prof-") as tmp:
         work = Path(tmp)
         prof = work / "daemon.prof"
-        args = ["--store-pipeline", "Posix", "--no-durable"]
+        # One file per block: this script profiles the block-file read path (packs: small_objects).
+        args = ["--store-pipeline", "Posix", "--no-durable", "--posix-pack-max-block-bytes", "0"]
         d = (
             ProfiledDaemon(work / "d", prof, args=args)
             if a.cprofile

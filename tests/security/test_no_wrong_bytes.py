@@ -66,7 +66,10 @@ def _garbage_key(g: int) -> bytes:
 
 def _daemon(tmp_path: Path, pipeline: str) -> DaemonProcess:
     # A Cache of 8 blocks for 40 keys: most loads come from the Posix tier and are promoted.
+    # "+packs": the Posix tier writes a dump's blocks into pack files (posix_pack_max_block_bytes).
+    pipeline, packs = pipeline.removesuffix("+packs"), pipeline.endswith("+packs")
     args = ["--store-pipeline", pipeline, "--cache-capacity", f"{8 * BLOCK}", "--cache-page-size", "64KiB"]
+    args += ["--posix-pack-max-block-bytes", str(BLOCK)] if packs else []
     return DaemonProcess(tmp_path / "ucm", args=args, env={"UCM_DURABLE": "false"})
 
 
@@ -263,7 +266,7 @@ def _racer(
                 race.counts["scribbled"] += 1
 
 
-@pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+@pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix", "Cache|Posix+packs", "Posix+packs"])
 def test_racing_loads_never_return_wrong_bytes_nor_quarantine(
     tmp_path: Path, pipeline: str, private: SharedBuffer
 ) -> None:

@@ -64,11 +64,15 @@ class BlockIndex:
     # -- changes ----------------------------------------------------------------------------------------
     def add(self, key: BlockKey, size: int, stored_at: float) -> None:
         """Store or replace ``key`` as the most recently used block."""
+        self.put(key, self.stamp(size, stored_at))
+
+    def put(self, key: BlockKey, stamp: Stamp) -> None:
+        """:meth:`add` with a stamp of the caller's (a packed block's, see :mod:`ucm_server.store.packs`)."""
         old = self._od.pop(key, None)
         if old is not None:
             self.bytes -= old
-        self._od[key] = self.stamp(size, stored_at)
-        self.bytes += size
+        self._od[key] = stamp
+        self.bytes += stamp
         self.changes += 1
         if self.watch is not None:
             self.watch.stored(key)
@@ -76,11 +80,15 @@ class BlockIndex:
     def adopt(self, key: BlockKey, size: int, stored_at: float) -> bool:
         """Add a block found on disk as the least recently used one, unless the key is known
         (whatever was stored or read since start-up is newer); True if it was added."""
+        return self.adopt_stamp(key, self.stamp(size, stored_at))
+
+    def adopt_stamp(self, key: BlockKey, stamp: Stamp) -> bool:
+        """:meth:`adopt` with a stamp of the caller's."""
         if key in self._od:
             return False
-        self._od[key] = self.stamp(size, stored_at)
+        self._od[key] = stamp
         self._od.move_to_end(key, last=False)
-        self.bytes += size
+        self.bytes += stamp
         self.changes += 1
         if self.watch is not None:
             self.watch.stored(key)

@@ -54,6 +54,7 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
+from ucm_server.store.block_index import Stamp
 from ucm_server.store.confined import NotRegularFile
 from ucm_server.store.format import (
     HEADER_SIZE,
@@ -275,9 +276,10 @@ class DS3FSTier(PosixTier):
         self._checked[key] = time.monotonic()
         self._absent.pop(key, None)
 
-    def _forget(self, key: BlockKey) -> None:
-        super()._forget(key)
+    def _forget(self, key: BlockKey, *, tombstone: bool = True) -> Stamp | None:
+        stamp = super()._forget(key, tombstone=tombstone)
         self._checked.pop(key, None)
+        return stamp
 
     def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, Entry]:
         found: dict[BlockKey, Entry] = {}

@@ -37,6 +37,10 @@ nothing wrong is ever served; a missing file is forgotten on first read.
 Format (version 1, little endian), in columns so a million blocks load in C-level loops:
 ``b"UCMISNAP"``, u32 version, u32 key length (48), 16-byte epoch, u64 count; then ``count`` keys,
 ``count`` u64 sizes, ``count`` f64 store times (least recently used first); SHA-256 of all before.
+Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.packs`) adds
+two columns after the times: ``count`` u64 pack ids (0: a block file) and ``count`` u64 offsets of
+the block's record in its pack. This release reads both; a release that reads only version 1
+rejects a version-2 snapshot and re-reads the headers (it does not read packs either).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ from ucm_server.store.confined import open_regular
 
 MAGIC = b"UCMISNAP"
 VERSION = 1
+PACKED_VERSION = 2
+"""Version 1 plus each block's pack id and offset."""
 SNAPSHOT_NAME = "index.snapshot"
 MARKER_NAME = "index.clean"
 PERIODIC_MARKER = "index.periodic"
@@ -100,6 +106,10 @@ class Columns:
     keys: Sequence[bytes]
     sizes: Sequence[int]
     times: Sequence[float]
+    packs: Sequence[int] | None = None
+    """Each block's pack id (0: its own file); None: every block has its own file (version 1)."""
+    offsets: Sequence[int] | None = None
+    """Each packed block's record offset in its pack."""
 
 
 def write_snapshot(root: Path, blocks: Columns, *, durable: bool = True) -> None:
@@ -173,18 +183,24 @@ def _encode(blocks: Columns, epoch: bytes) -> list[bytes | bytearray]:
     """The file's parts (header, columns, SHA-256 of all before) for ``blocks`` under ``epoch``."""
     count = len(blocks.keys)
     keys, sizes, times = bytearray(), array("Q"), array("d")
+    packed = blocks.packs is not None and blocks.offsets is not None
+    ids, offsets = array("Q"), array("Q")
     for start in range(0, count, _STEP):  # C-level slices: another thread gets the GIL in between
         end = start + _STEP
         keys += b"".join(blocks.keys[start:end])
         sizes.extend(blocks.sizes[start:end])
         times.extend(blocks.times[start:end])
+        if blocks.packs is not None and blocks.offsets is not None:
+            ids.extend(blocks.packs[start:end])
+            offsets.extend(blocks.offsets[start:end])
     if len(keys) != count * KEY_BYTES:
         raise ValueError("every key must be 48 bytes")
+    columns: list[array[int] | array[float]] = [sizes, times, ids, offsets] if packed else [sizes, times]
     if sys.byteorder != "little":  # pragma: no cover (the format is little endian everywhere)
-        sizes.byteswap()
-        times.byteswap()
-    head = _HEAD.pack(MAGIC, VERSION, KEY_BYTES, epoch, count)
-    parts: list[bytes | bytearray] = [head, keys, sizes.tobytes(), times.tobytes()]
+        for column in columns:
+            column.byteswap()
+    head = _HEAD.pack(MAGIC, PACKED_VERSION if packed else VERSION, KEY_BYTES, epoch, count)
+    parts: list[bytes | bytearray] = [head, keys, *(column.tobytes() for column in columns)]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
@@ -203,30 +219,37 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSH
     magic, version, key_bytes, file_epoch, count = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise SnapshotRejected("not an index snapshot")
-    if version != VERSION or key_bytes != KEY_BYTES:
+    if version not in (VERSION, PACKED_VERSION) or key_bytes != KEY_BYTES:
         raise SnapshotRejected(
-            f"format version {version} (keys of {key_bytes} B); this release reads {VERSION}"
+            f"format version {version} (keys of {key_bytes} B); "
+            f"this release reads {VERSION} and {PACKED_VERSION}"
         )
     if file_epoch != epoch:
         raise SnapshotRejected("its epoch is not its marker's (stale or foreign)")
-    end = _HEAD.size + count * (KEY_BYTES + 16)
+    columns = 4 if version == PACKED_VERSION else 2
+    end = _HEAD.size + count * (KEY_BYTES + 8 * columns)
     if len(data) != end + _DIGEST:
         raise SnapshotRejected(f"{len(data)} bytes where {count} records need {end + _DIGEST} (torn)")
     if hashlib.sha256(memoryview(data)[:end]).digest() != data[end:]:
         raise SnapshotRejected("checksum mismatch (torn or edited)")
     at = _HEAD.size + count * KEY_BYTES
     keys = [data[o : o + KEY_BYTES] for o in range(_HEAD.size, at, KEY_BYTES)]
-    sizes, times = array("Q"), array("d")
+    sizes, times, ids, offsets = array("Q"), array("d"), array("Q"), array("Q")
     sizes.frombytes(data[at : at + 8 * count])
-    times.frombytes(data[at + 8 * count : end])
+    times.frombytes(data[at + 8 * count : at + 16 * count])
+    if columns == 4:
+        ids.frombytes(data[at + 16 * count : at + 24 * count])
+        offsets.frombytes(data[at + 24 * count : end])
     if sys.byteorder != "little":  # pragma: no cover
-        sizes.byteswap()
-        times.byteswap()
+        for column in (sizes, times, ids, offsets):
+            column.byteswap()
     if count and (min(sizes) < 1 or max(sizes) > max_size):
         raise SnapshotRejected(f"a record claims {min(sizes)} or {max(sizes)} bytes (forged)")
     if not all(map(math.isfinite, times)) or (count and (min(times) < 0 or max(times) > 1e11)):
         raise SnapshotRejected("a record's time is not a time (forged)")
-    return Columns(keys, sizes, times)  # arrays, not lists: no million short-lived number objects
+    if columns == 4:  # arrays, not lists: no million short-lived number objects
+        return Columns(keys, sizes, times, ids, offsets)
+    return Columns(keys, sizes, times)
 
 
 def _replace(root: Path, name: str, parts: Sequence[bytes | bytearray], *, durable: bool) -> None:

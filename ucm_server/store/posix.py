@@ -50,6 +50,10 @@ the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
 A file whose header or size is wrong, or whose header claims a payload above ``max_block_bytes``,
 is moved to ``<root>/.quarantine/`` and never served; so is one whose payload checksum fails on read.
 
+With ``pack_max_block_bytes`` set, the small blocks of a batch are written many to a file instead
+(:mod:`ucm_server.store.packs`: ``<root>/pack/<id[0:2]>/<id>.pack``, each block keeping its own
+header inside); the index then points such a block at its pack. Block files and packs coexist.
+
 Files on disk are data, not instructions (:mod:`ucm_server.store.confined`): below a root no symlink
 is followed (a symlinked directory fails that block's write or read, nothing is written outside the
 roots), only regular files are opened (a FIFO, socket, device or symlink where a block file should be
@@ -81,7 +85,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, Digest, Namespace
 from ucm_server.api.paths import make_private_dirs
-from ucm_server.store import index_snapshot
+from ucm_server.store import index_snapshot, packs
 from ucm_server.store.base import (
     DEFAULT_CONTEXT,
     DEFAULT_MAX_BLOCK_BYTES,
@@ -122,7 +126,22 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.packs import (
+    PACK_SUFFIX,
+    Pack,
+    PackedStamp,
+    PackTable,
+    Retire,
+    new_pack_id,
+    pack_parts,
+    pack_place,
+    read_members,
+    scan_pack,
+    tombstone,
+)
 from ucm_server.store.periodic_snapshots import PeriodicSnapshots
+from ucm_server.store.vector_io import preadv_all as _preadv_all
+from ucm_server.store.vector_io import pwritev_all as _pwritev_all
 from ucm_server.store.watch import IndexWatch
 
 log = logging.getLogger(__name__)
@@ -157,6 +176,10 @@ class PosixSettings:
     snapshot_interval_s: float = 60.0
     """Seconds between periodic index snapshots (written only if the index changed); 0: at
     shutdown only."""
+    pack_max_block_bytes: int = field(default=0, metadata={"size": True})
+    """Blocks of at most this many bytes are written into pack files when a dump batch has two or
+    more of them (:mod:`ucm_server.store.packs`: one file, one write and one rename per group of
+    blocks); 0: one file per block, always."""
 
 
 @dataclass(slots=True)
@@ -194,6 +217,7 @@ class PosixTier(Tier):
         index_wait_s: float = 0.2,
         direct_min_bytes: int = 256 << 10,
         snapshot_interval_s: float = 60.0,
+        pack_max_block_bytes: int = 0,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
     ) -> None:
@@ -204,7 +228,14 @@ class PosixTier(Tier):
             raise ValueError("PosixTier needs at least one root directory")
         if not snapshot_interval_s >= 0:
             raise ValueError(f"snapshot_interval_s: must be 0 (off) or more, got {snapshot_interval_s}")
+        if not 0 <= pack_max_block_bytes <= GROUP_BYTES:
+            raise ValueError(
+                f"pack_max_block_bytes: must be 0 (off) to {GROUP_BYTES} bytes, got {pack_max_block_bytes}"
+            )
         self.roots = [Path(r) for r in roots]
+        self.pack_max_block_bytes = pack_max_block_bytes
+        self._packs = PackTable()
+        """Pack files holding live blocks (:mod:`ucm_server.store.packs`)."""
         self.capacity = capacity
         self.durable = durable
         self.direct_io = direct_io
@@ -360,11 +391,12 @@ class PosixTier(Tier):
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
-            loaded, loaded_bytes, unsure = await self._run(self._load_snapshots, epochs)
+            loaded, loaded_bytes, unsure, found_packs = await self._run(self._load_snapshots, epochs)
             if loaded:
                 self._unseen = set(loaded)
                 self._adopted += self._index.install(loaded, loaded_bytes, self._touched)
                 self._from_snapshot = len(loaded)
+                self._register_loaded(found_packs)
             if not unsure:  # the index is what a snapshot on disk says: nothing new to write yet
                 self.snapshots.written_at_changes(self._index.changes)
             if self._from_snapshot:
@@ -405,21 +437,43 @@ class PosixTier(Tier):
             self._from_snapshot,
         )
 
-    def _merge(self, chunk: list[tuple[bytes, int, float]]) -> None:
+    def _merge(self, chunk: list[_Found]) -> None:
         """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
         one the index holds with another size (a snapshot that is wrong) takes the file's."""
         touched, index, unseen = self._touched, self._index, self._unseen
         if unseen is not None:
             unseen.difference_update([item[0] for item in chunk if item[1] >= 0])
-        for key, size, stored_at in chunk:
+        for item in chunk:
+            key, size, stored_at = item[0], item[1], item[2]
             if key in touched:
                 continue
-            if size < 0:  # a file found torn or unreadable by the sweep after a snapshot
-                index.pop(key)
+            if len(item) > 3:
+                self._merge_packed(_block_key(key), size, stored_at, item[3], item[4])
+            elif size < 0:  # a file found torn or unreadable by the sweep after a snapshot
+                if not isinstance(index.get(key), PackedStamp):
+                    self._unindex(key)
             elif index.adopt(_block_key(key), size, stored_at):
                 self._adopted += 1
-            elif index.get(key) != size:
-                index.correct(key, size, stored_at)
+            elif index.get(key) != size and not isinstance(index.get(key), PackedStamp):
+                index.correct(key, size, stored_at)  # (a packed block keeps its place in its pack)
+
+    def _merge_packed(self, key: BlockKey, size: int, stored_at: float, found: Pack, offset: int) -> None:
+        """Adopt a block found in a pack (event loop). The pack object is the table's when a snapshot
+        already named that pack; a block the index holds elsewhere keeps that place."""
+        pack = self._packs.packs.get(found.id, found)
+        current = self._index.get(key)
+        if isinstance(current, PackedStamp) and current.pack is pack:
+            i = pack.keys.index(key)
+            if pack.offsets[i] != offset or current != size:  # the snapshot was wrong: the file says
+                pack.offsets[i] = offset
+                self._index.put(key, pack.stamp(size, stored_at))
+            return
+        if current is not None:
+            return
+        pack.add(key, offset)
+        self._packs.register(pack)
+        self._index.adopt_stamp(key, pack.stamp(size, stored_at))
+        self._adopted += 1
 
     async def _drop_unseen(self) -> None:
         """Forget the blocks a snapshot listed whose files the sweep did not find (removed while the
@@ -429,7 +483,7 @@ class PosixTier(Tier):
         for start in range(0, len(gone), 8192):
             for key in gone[start : start + 8192]:
                 if key not in self._touched:
-                    self._index.pop(key)
+                    self._unindex(key)
             await asyncio.sleep(0)
         if gone:
             log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, len(gone))
@@ -443,12 +497,13 @@ class PosixTier(Tier):
 
     def _load_snapshots(
         self, epochs: list[bytes | None]
-    ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path]]:
-        """Every root's snapshot its marker vouches for, as one ordered map (worker thread), and
-        the roots without a usable one (their headers are read)."""
+    ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path], list[Pack]]:
+        """Every root's snapshot its marker vouches for, as one ordered map (worker thread), the
+        roots without a usable one (their headers are read), and the packs the snapshots name."""
         keys: list[bytes] = []
         stamps: list[Stamp] = []
         unsure: list[Path] = []
+        found: list[Pack] = []
         total = 0
         for root, epoch in zip(self.roots, epochs, strict=True):
             blocks = self._load_root(root, epoch)
@@ -456,9 +511,41 @@ class PosixTier(Tier):
                 unsure.append(root)
                 continue
             keys += blocks.keys
-            stamps += self._index.stamps_for(blocks.sizes, blocks.times)
+            mine = self._index.stamps_for(blocks.sizes, blocks.times)
+            if blocks.packs is not None and blocks.offsets is not None and any(blocks.packs):
+                found += self._packed_stamps(root, blocks, mine)
+            stamps += mine
             total += sum(blocks.sizes)
-        return BlockIndex.build(keys, stamps), total, unsure
+        return BlockIndex.build(keys, stamps), total, unsure, found
+
+    @staticmethod
+    def _packed_stamps(root: Path, blocks: index_snapshot.Columns, stamps: list[Stamp]) -> list[Pack]:
+        """Give the snapshot's packed blocks (``stamps``, in place) their packs' stamps; the packs."""
+        assert blocks.packs is not None and blocks.offsets is not None
+        found: dict[int, Pack] = {}
+        for n, pack_id in enumerate(blocks.packs):
+            if pack_id:
+                pack = found.get(pack_id)
+                if pack is None:
+                    pack = found[pack_id] = Pack(pack_id, root)
+                pack.add(blocks.keys[n], blocks.offsets[n])
+                stamps[n] = pack.stamp(blocks.sizes[n], blocks.times[n])
+        return list(found.values())
+
+    def _register_loaded(self, found: list[Pack]) -> None:
+        """Keep the packs a snapshot named with the blocks the index took from it (event loop): a
+        key stored or deleted since start-up, or listed twice, is not live there."""
+        for pack in found:
+            live = 0
+            for i, key in enumerate(pack.keys):
+                stamp = self._index.get(key) if key is not None else None
+                if isinstance(stamp, PackedStamp) and stamp.pack is pack and key not in pack.keys[:i]:
+                    live += 1
+                else:
+                    pack.keys[i] = None
+            pack.live = live
+            if live:
+                self._packs.register(pack)
 
     async def _write_periodic(self, keys: list[bytes], stamps: list[Stamp]) -> None:
         await self._run(lambda: self._write_snapshots(keys, stamps, periodic=True))
@@ -509,9 +596,9 @@ class PosixTier(Tier):
                 mine = by_root[self.root_of(_block_key(key))]
                 mine[0].append(key)
                 mine[1].append(stamp)
+        locs = self._packs.locations() if self._packs.packs else {}
         for root, (mine_keys, mine_stamps) in by_root.items():
-            blocks = index_snapshot.Columns(mine_keys, mine_stamps, [s.stored_at for s in mine_stamps])
-            write(root, blocks, durable=self.durable)
+            write(root, _snapshot_columns(mine_keys, mine_stamps, locs), durable=self.durable)
 
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
         """Read every block file's header under ``root`` (worker thread), by directory descriptor:
@@ -519,7 +606,7 @@ class PosixTier(Tier):
         start are interrupted writes and removed; newer ones are writes in flight. Found blocks go
         to :meth:`_merge` on the event loop, a chunk at a time."""
         top = os.fspath(root).rstrip("/")
-        chunk: list[tuple[bytes, int, float]] = []
+        chunk: list[_Found] = []
         rfd = os.open(top or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             self._scan_dir(rfd, top, 0, loop, chunk)
@@ -534,7 +621,7 @@ class PosixTier(Tier):
         path: str,
         depth: int,
         loop: asyncio.AbstractEventLoop,
-        chunk: list[tuple[bytes, int, float]],
+        chunk: list[_Found],
     ) -> None:
         subdirs: list[str] = []
         with os.scandir(dfd) as entries:
@@ -546,6 +633,10 @@ class PosixTier(Tier):
                 continue
             if TMP_MARK in name:
                 _drop_stale(dfd, name, self._opened_at)  # no write of this run began before open()
+                continue
+            if name.endswith(PACK_SUFFIX):
+                self._files_read += 1
+                chunk.extend(self._adopt_pack(dfd, f"{path}/{name}", name))
                 continue
             if not name.endswith(SUFFIX):
                 continue
@@ -569,9 +660,9 @@ class PosixTier(Tier):
             finally:
                 os.close(fd)
 
-    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
-        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
-        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
+    def _open_scanned(self, dirfd: int, path: str, fname: str) -> tuple[int, os.stat_result] | None:
+        """Regular file ``fname`` of ``dirfd`` opened for the start-up scan, with its ``fstat``; None
+        (counted, or logged) for a symlink, FIFO, device or a file that cannot be opened."""
         try:
             fd = os.open(fname, os.O_RDONLY | _SCAN_FLAGS, dir_fd=dirfd)
         except OSError as exc:
@@ -582,9 +673,24 @@ class PosixTier(Tier):
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._skip(Path(path), file_kind(st.st_mode))
-                return None
+        except OSError as exc:
+            os.close(fd)
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._skip(Path(path), file_kind(st.st_mode))
+            return None
+        return fd, st
+
+    def _adopt_file(self, dirfd: int, path: str, fname: str) -> tuple[bytes, int, float] | None:
+        """The block in regular file ``fname`` of ``dirfd`` if its header is whole, names the key
+        that lives at ``path`` and promises the file's size; else quarantined or skipped."""
+        opened = self._open_scanned(dirfd, path, fname)
+        if opened is None:
+            return None
+        fd, st = opened
+        try:
             header = decode_header(os.pread(fd, ALIGNED_HEADER_SIZE, 0), max_payload=self.max_block_bytes)
             if st.st_size != header.stored_len:
                 raise CorruptBlock(f"file is {st.st_size} bytes, header promises {header.stored_len}")
@@ -603,6 +709,41 @@ class PosixTier(Tier):
         finally:
             os.close(fd)
         return key, header.payload_len, header.created_ns / 1e9
+
+    def _adopt_pack(self, dirfd: int, path: str, fname: str) -> list[_Found]:
+        """The blocks of pack file ``fname`` (a regular file at the path its header's id names)
+        whose records are whole, inside the file and not overlapping (:func:`packs.scan_pack`); a
+        pack whose own header is bad is quarantined whole. Payload checksums are checked at load."""
+        opened = self._open_scanned(dirfd, path, fname)
+        if opened is None:
+            return []
+        fd, st = opened
+        try:
+            found = scan_pack(fd, st.st_size, self.max_block_bytes)
+            root, parts = self._split(Path(path))
+            where, name = pack_place(found.pack_id)
+            if parts != [*where, name]:
+                raise CorruptBlock(f"pack header names pack {found.pack_id:016x}, which does not live here")
+        except CorruptBlock as exc:
+            self._move_to_quarantine(Path(path), str(exc))
+            return []
+        except OSError as exc:
+            log.warning("posix tier %s: cannot read %s: %s", self.name, path, exc)
+            return []
+        finally:
+            os.close(fd)
+        if found.refused:
+            self._stats.extra["pack_refused"] = self._stats.extra.get("pack_refused", 0.0) + found.refused
+            log.error(
+                "posix tier %s: %d block(s) of pack %s not adopted (e.g. %s)",
+                self.name,
+                found.refused,
+                path,
+                found.reason,
+            )
+        pack = Pack(found.pack_id, root)
+        stored_at = found.created_ns / 1e9
+        return [(key, size, stored_at, pack, offset) for key, size, offset in found.blocks]
 
     def _unusable(self, path: str) -> tuple[bytes, int, float] | None:
         """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
@@ -672,12 +813,15 @@ class PosixTier(Tier):
         entry = await self._sized_entry(key, dest)
         if isinstance(entry, BlockResult):
             return entry
-        outcome: _ReadOutcome = True
-        try:
-            await self._run(self._read_file, self.path_of(key), key, dest)
-        except (OSError, CorruptBlock) as exc:
-            outcome = exc
-        result = await self._read_result(key, outcome, entry.size)
+        outcome: packs.Outcome = True
+        if isinstance(entry, PackedStamp):
+            (outcome,) = await self._read_packed([(key, dest, entry)], False)
+        else:
+            try:
+                await self._run(self._read_file, self.path_of(key), key, dest)
+            except (OSError, CorruptBlock) as exc:
+                outcome = exc
+        result = await self._settle(key, dest, False, entry, outcome)
         assert result is not None  # only a checked read answers "not matched"
         return result
 
@@ -687,16 +831,39 @@ class PosixTier(Tier):
         entry = await self._sized_entry(key, dest)
         if isinstance(entry, BlockResult):
             return entry
+        if isinstance(entry, PackedStamp):
+            (outcome,) = await self._read_packed([(key, dest, entry)], True)
+            return await self._settle(key, dest, True, entry, outcome)
         try:
             matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
         except (OSError, CorruptBlock) as exc:  # a corrupt header or length was read into daemon memory
-            return await self._read_result(key, exc, entry.size)
+            return await self._settle(key, dest, True, entry, exc)
         return await self._read_result(key, matched, entry.size)
 
-    async def _read_result(self, key: BlockKey, outcome: _ReadOutcome, size: int) -> BlockResult | None:
+    async def _settle(
+        self, key: BlockKey, dest: IoVec, checked: bool, entry: Stamp, outcome: packs.Outcome
+    ) -> BlockResult | None:
+        """The answer for one block's read from where ``entry`` put it (:meth:`_read_result`). A
+        failed read whose key was stored again or deleted while it ran is stale, not a fault: its
+        old place may be gone (a block moved into or out of a pack, its pack record retired), so
+        the block is read again from where it is now, and nothing is forgotten or quarantined."""
+        if outcome is not True and outcome is not False:
+            current = self._index.get(key)
+            if current is not entry:
+                if current is None:
+                    self._stats.misses += 1
+                    return MISSING
+                return await (self.read_checked(key, dest) if checked else self.read_into(key, dest))
+        return await self._read_result(key, outcome, entry.size, packed=isinstance(entry, PackedStamp))
+
+    async def _read_result(
+        self, key: BlockKey, outcome: _ReadOutcome, size: int, *, packed: bool = False
+    ) -> BlockResult | None:
         """What one block's read means for the caller and the tier (one place for the single-block
         and the batched reads): True read (and verified), False read but not matching in the
-        caller's memory (None: read it again through daemon memory), or the error it raised."""
+        caller's memory (None: read it again through daemon memory), or the error it raised.
+        A corrupt block in a pack (``packed``) is not moved (its pack holds others) but dies in the
+        index and on disk (its header zeroed): never served again."""
         if outcome is True:
             self._index.move_to_end(key)
             self._stats.hits += 1
@@ -705,14 +872,22 @@ class PosixTier(Tier):
         if outcome is False:
             return None
         if isinstance(outcome, FileNotFoundError):
-            self._forget(key)  # evicted or deleted under us
+            self._forget(key, tombstone=False)  # evicted or deleted under us
             self._stats.misses += 1
             return MISSING
         if isinstance(outcome, UnsupportedFormat):
             self._forget(key)  # not ours to read, nor to quarantine
             return failed(f"{self.name}: {outcome}")
         if isinstance(outcome, CorruptBlock):
-            await self._quarantine(key, str(outcome))
+            if packed:
+                self._forget(key)
+                await self._retire()
+                self._stats.corrupt += 1
+                log.error(
+                    "posix tier %s: block %s in a pack is corrupt, dropped: %s", self.name, key.hex(), outcome
+                )
+            else:
+                await self._quarantine(key, str(outcome))
             return failed(f"corrupt block in {self.name}: {outcome}")
         self._stats.errors += 1
         return failed(f"{self.name} read error: {outcome.strerror or outcome}")
@@ -741,7 +916,9 @@ class PosixTier(Tier):
         bytes in the caller's memory did not match)."""
         results: list[BlockResult | None] = [MISSING] * len(items)
         todo: list[int] = []
+        packed: list[tuple[int, PackedStamp]] = []
         sizes = [0] * len(items)
+        entries: list[Stamp | None] = [None] * len(items)
         index = self._index
         for i, (key, dest) in enumerate(items):
             # While re-adopting, a key not indexed yet is probed on disk (see _entry), as one-block reads do.
@@ -754,7 +931,13 @@ class PosixTier(Tier):
                 results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
             sizes[i] = want
-            todo.append(i)
+            entries[i] = entry
+            if isinstance(entry, PackedStamp):
+                packed.append((i, entry))
+            else:
+                todo.append(i)
+        if packed:
+            await self._read_batch_packed(items, packed, sizes, results, checked)
         todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         outcomes: list[_ReadOutcome] = await self._in_groups(
             self._read_group, [items[i] for i in todo], sizes, todo, checked, most=READ_GROUP_BLOCKS
@@ -767,10 +950,89 @@ class PosixTier(Tier):
                 nbytes += sizes[i]
                 results[i] = OK
             else:
-                results[i] = await self._read_result(items[i][0], outcome, sizes[i])
+                results[i] = await self._settle(items[i][0], items[i][1], checked, entries[i], outcome)  # type: ignore[arg-type]
         self._stats.hits += hits
         self._stats.read_bytes += nbytes
         return results
+
+    async def _read_batch_packed(
+        self,
+        items: Sequence[tuple[BlockKey, IoVec]],
+        packed: list[tuple[int, PackedStamp]],
+        sizes: list[int],
+        results: list[BlockResult | None],
+        checked: bool,
+    ) -> None:
+        """The packed blocks of :meth:`_read_batch` (item index and entry), their results set."""
+        outcomes = await self._read_packed(
+            [(items[i][0], items[i][1], stamp) for i, stamp in packed], checked
+        )
+        index = self._index
+        hits = nbytes = 0
+        for (i, stamp), got in zip(packed, outcomes, strict=True):
+            if got is True:
+                index.move_to_end(items[i][0])
+                hits += 1
+                nbytes += sizes[i]
+                results[i] = OK
+            else:
+                results[i] = await self._settle(items[i][0], items[i][1], checked, stamp, got)
+        self._stats.hits += hits
+        self._stats.read_bytes += nbytes
+
+    async def _read_packed(
+        self, reads: Sequence[tuple[BlockKey, IoVec, PackedStamp]], checked: bool
+    ) -> list[packs.Outcome]:
+        """Read blocks held in packs: per pack one open and one ``preadv`` per run of nearby records
+        (:func:`~ucm_server.store.packs.read_members`), packs in executor jobs of up to
+        :data:`READ_GROUP_BLOCKS` blocks. Outcomes in ``reads`` order."""
+        out: list[packs.Outcome] = [FileNotFoundError(errno.ENOENT, "not in its pack")] * len(reads)
+        by_pack: dict[int, tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]] = {}
+        for n, (key, dest, stamp) in enumerate(reads):
+            offset = stamp.pack.offset_of(key)
+            if offset is None:  # deleted since it was looked up
+                continue
+            slot = by_pack.setdefault(stamp.pack.id, (stamp.pack, [], []))
+            slot[1].append(n)
+            slot[2].append((offset, key, dest))
+        jobs: list[list[tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]]] = [[]]
+        count = 0
+        for slot in by_pack.values():
+            if count >= READ_GROUP_BLOCKS:
+                jobs.append([])
+                count = 0
+            jobs[-1].append(slot)
+            count += len(slot[1])
+        done = await bounded_gather(
+            self.max_concurrency, [self._run(self._read_pack_job, job, checked) for job in jobs if job]
+        )
+        for job, outcomes in zip([job for job in jobs if job], done, strict=True):
+            for (_, which, _), got in zip(job, outcomes, strict=True):
+                for n, outcome in zip(which, got, strict=True):
+                    out[n] = outcome
+        return out
+
+    def _read_pack_job(
+        self, job: list[tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]], checked: bool
+    ) -> list[list[packs.Outcome]]:
+        out: list[list[packs.Outcome]] = []
+        with DirCache() as dirs:
+            for pack, _, members in job:
+                parts, name = pack.place
+                try:
+                    fd, size = self._open_in(dirs, pack.root, parts, name)
+                except NotRegularFile as exc:
+                    self._skip(pack.root.joinpath(*parts, name), exc.kind)
+                    out.append([exc] * len(members))
+                    continue
+                except OSError as exc:
+                    out.append([exc] * len(members))
+                    continue
+                try:
+                    out.append(read_members(fd, size, members, self.max_block_bytes, checked))
+                finally:
+                    os.close(fd)
+        return out
 
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
         size = iov_len(src)
@@ -788,6 +1050,7 @@ class PosixTier(Tier):
         self._stats.write_bytes += size
         kind = "direct_writes" if direct else "buffered_writes"  # so an operator can see O_DIRECT at work
         self._stats.extra[kind] = self._stats.extra.get(kind, 0.0) + 1
+        await self._retire()
         return OK
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
@@ -823,10 +1086,21 @@ class PosixTier(Tier):
             todo = fits
         group = self.durable and _SYNCFS is not None
         todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
-        outcomes = await self._in_groups(self._stage_group, [items[i] for i in todo], sizes, todo, group)
+        packed = self._packable(items, sizes, todo)
+        in_packs = set(packed)
+        files = [i for i in todo if i not in in_packs] if packed else todo
+        file_outcomes, pack_outcomes = await asyncio.gather(
+            self._in_groups(self._stage_group, [items[i] for i in files], sizes, files, group),
+            self._in_groups(self._stage_packs, [items[i] for i in packed], sizes, packed, group),
+        )
+        by_item = dict(zip(files, file_outcomes, strict=True))
+        by_item.update(zip(packed, pack_outcomes, strict=True))
+        outcomes = [by_item[i] for i in todo]
         if group:
             staged = [(i, o) for i, o in zip(todo, outcomes, strict=True) if isinstance(o, _Staged)]
             outcomes = await self._commit_group(staged, outcomes, todo)
+        stale: list[Path] = []
+        now = time.time()
         for i, outcome in zip(todo, outcomes, strict=True):
             key = items[i][0]
             if isinstance(outcome, BaseException):
@@ -834,12 +1108,43 @@ class PosixTier(Tier):
                 text = outcome.strerror if isinstance(outcome, OSError) and outcome.strerror else outcome
                 results[i] = failed(f"{self.name} write error: {text}")
                 continue
-            self._forget(key)
-            self._remember(key, Entry(size=sizes[i], stored_at=time.time()))
+            old = self._forget(key)
+            if isinstance(outcome, _PackStaged):
+                pack = self._packs.register(outcome.pack)
+                self._index.put(key, pack.stamp(sizes[i], now))
+                if self._adopting:
+                    self._touched.add(key)
+                if old is not None and not isinstance(old, PackedStamp):  # its block file is older now
+                    stale += (
+                        [self.path_of(key), self.legacy_path_of(key)]
+                        if self.flat_layout
+                        else [self.path_of(key)]
+                    )
+                kind = "packed_writes"
+            else:
+                self._remember(key, Entry(size=sizes[i], stored_at=now))
+                kind = "direct_writes" if outcome.direct else "buffered_writes"
             self._stats.write_bytes += sizes[i]
-            kind = "direct_writes" if outcome.direct else "buffered_writes"
             self._stats.extra[kind] = self._stats.extra.get(kind, 0.0) + 1
+        if stale:
+            await self._run(self._unlink_all, stale)
+        await self._retire()
         return results
+
+    def _packable(
+        self, items: Sequence[tuple[BlockKey, IoVec]], sizes: list[int], todo: list[int]
+    ) -> list[int]:
+        """The blocks of a batch that go into packs: at most ``pack_max_block_bytes`` (not empty), a
+        key only once in the batch, and at least two of them (else one file each, as always)."""
+        limit = self.pack_max_block_bytes
+        if not limit:
+            return []
+        small = [i for i in todo if 0 < sizes[i] <= limit]
+        if len(small) < 2:
+            return []
+        counts = Counter(items[i][0] for i in small)
+        chosen = [i for i in small if counts[items[i][0]] == 1]
+        return chosen if len(chosen) >= 2 else []
 
     async def _in_groups(
         self,
@@ -881,11 +1186,12 @@ class PosixTier(Tier):
             if o.root in broken:
                 out[i] = broken[o.root]
         if staged:
-            await self._run(self._discard_temps, [o for _, o in staged if o.root in broken])
+            await self._run(self._discard_temps, _distinct(o for _, o in staged if o.root in broken))
         if renames:
-            done = await self._run(self._rename_staged, [o for _, o in renames])
-            for (i, _), r in zip(renames, done, strict=True):
-                out[i] = r
+            files = _distinct(o for _, o in renames)  # a pack's blocks share one staged file
+            done = dict(zip(map(id, files), await self._run(self._rename_staged, files), strict=True))
+            for i, o in renames:
+                out[i] = done[id(o)]
             renamed = sorted({o.root for i, o in renames if isinstance(out[i], _Staged)})
             for root, exc in (await self._run(self._sync_roots, renamed)).items():
                 for i, o in renames:
@@ -895,12 +1201,13 @@ class PosixTier(Tier):
 
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         present = [k for k in keys if k in self._index]
-        for k in present:
-            self._forget(k)
-        paths = [self.path_of(k) for k in present]
+        files = [k for k in present if not isinstance(self._forget(k), PackedStamp)]
+        paths = [self.path_of(k) for k in files]
         if self.flat_layout:  # and any copy an older release left (a read would find it next)
-            paths += [self.legacy_path_of(k) for k in present]
-        await self._run(self._unlink_all, paths)
+            paths += [self.legacy_path_of(k) for k in files]
+        if paths:
+            await self._run(self._unlink_all, paths)
+        await self._retire()
         return len(present)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
@@ -910,7 +1217,10 @@ class PosixTier(Tier):
 
     def stats(self) -> TierStats:
         s = self._stats
-        s.blocks, s.bytes = len(self._index), self._index.bytes
+        s.blocks, s.bytes = len(self._index), self._index.bytes + self._packs.dead_bytes
+        if self._packs.packs or self.pack_max_block_bytes:
+            s.extra["pack_files"] = float(len(self._packs.packs))
+            s.extra["pack_dead_bytes"] = float(self._packs.dead_bytes)
         for name in _INDEX_STATS:
             s.extra.pop(name, None)
         if self._phase:  # start-up progress, shown while it lasts: an operator sees re-adoption advance
@@ -940,6 +1250,8 @@ class PosixTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return None
+        if isinstance(entry, PackedStamp):
+            return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         try:
             header = await self._run(self._read_header, self.path_of(key), key)
         except (OSError, CorruptBlock):
@@ -957,6 +1269,12 @@ class PosixTier(Tier):
         if entry is None:
             return MISSING
         scratch = [memoryview(bytearray(entry.size))]
+        if isinstance(entry, PackedStamp):
+            (packed,) = await self._read_packed([(key, scratch, entry)], False)
+            if isinstance(packed, CorruptBlock) and not quarantine:
+                self._stats.corrupt += 1
+                return failed(f"corrupt block in {self.name}: {packed}")
+            return await self._read_result(key, packed, entry.size, packed=True) or failed("not read")
         try:
             await self._run(self._read_file, self.path_of(key), key, scratch)
         except FileNotFoundError:
@@ -1050,6 +1368,53 @@ class PosixTier(Tier):
                 unlink_at(dfd, tmp)
                 raise
         return _Staged(root=root, parts=parts, tmp=tmp, name=name, direct=direct), dfd
+
+    def _stage_packs(self, items: list[tuple[BlockKey, IoVec]], group: bool) -> list[_Outcome]:
+        """Write the blocks of one job as one pack file per root (:mod:`ucm_server.store.packs`):
+        one ``pwritev`` of every header and payload into a temporary file. With ``group`` it is left
+        for the group commit; otherwise fsynced (durable tiers), renamed, and its directory fsynced."""
+        by_root: dict[Path, list[int]] = {}
+        for n, (key, _) in enumerate(items):
+            by_root.setdefault(self.root_of(key), []).append(n)
+        outcomes: list[_Outcome] = [OSError(errno.EIO, "not written")] * len(items)
+        with DirCache(create=True, sync_created=self.durable and not group) as dirs:
+            for root, which in by_root.items():
+                try:
+                    staged: _Outcome = self._stage_pack(dirs, root, [items[n] for n in which], group)
+                except OSError as exc:
+                    staged = exc
+                for n in which:
+                    outcomes[n] = staged
+        return outcomes
+
+    def _stage_pack(
+        self, dirs: DirCache, root: Path, items: list[tuple[BlockKey, IoVec]], group: bool
+    ) -> _PackStaged:
+        pack = Pack(new_pack_id(), root)
+        parts, name = pack.place
+        dfd = dirs.get(root, parts)
+        segments, offsets = pack_parts(pack.id, items)
+        tmp = f"{name}{TMP_MARK}{self._tmp_tag}{next(self._tmp_seq):x}"
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+        )
+        try:
+            try:
+                _pwritev_all(fd, segments, 0)
+                if self.durable and not group:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not group:
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                if self.durable:
+                    os.fsync(dfd)
+        except BaseException:
+            unlink_at(dfd, tmp)
+            raise
+        for (key, _), offset in zip(items, offsets, strict=True):
+            pack.add(key, offset)
+        return _PackStaged(root=root, parts=parts, tmp=tmp, name=name, direct=False, pack=pack)
 
     def _sync_roots(self, roots: list[Path]) -> dict[Path, OSError]:
         """``syncfs`` of each root's filesystem; the roots that failed, with their error."""
@@ -1399,16 +1764,55 @@ class PosixTier(Tier):
         if self._adopting:
             self._touched.add(key)
 
-    def _forget(self, key: BlockKey) -> None:
-        self._index.pop(key)
+    def _forget(self, key: BlockKey, *, tombstone: bool = True) -> Stamp | None:
+        """Drop ``key`` from the index; a packed block dies in its pack (its header zeroed on disk at
+        the next :meth:`_retire` unless not ``tombstone``). The entry it had, if any."""
+        stamp = self._unindex(key, tombstone=tombstone)
         if self._adopting:
             self._touched.add(key)
+        return stamp
+
+    def _unindex(self, key: bytes, *, tombstone: bool = False) -> Stamp | None:
+        stamp = self._index.pop(key)
+        if isinstance(stamp, PackedStamp):
+            self._packs.kill(stamp, key, tombstone=tombstone)
+        return stamp
+
+    async def _retire(self) -> None:
+        """Do the disk work removals of packed blocks left: tombstones, and unlinks of emptied packs."""
+        if self._packs.pending:
+            await self._run(self._apply_retired, self._packs.take())
+
+    def _apply_retired(self, work: list[Retire]) -> None:
+        by_pack: dict[int, list[Retire]] = {}
+        for item in work:
+            by_pack.setdefault(id(item.pack), []).append(item)
+        with DirCache() as dirs:
+            for group in by_pack.values():
+                pack = group[0].pack
+                parts, name = pack.place
+                try:
+                    dfd = dirs.get(pack.root, parts)
+                    if any(item.offset is None for item in group):
+                        unlink_at(dfd, name)
+                        continue
+                    fd, _ = open_regular_sized(name, os.O_RDWR, dir_fd=dfd)
+                    try:
+                        for item in group:
+                            assert item.offset is not None
+                            tombstone(fd, item.offset, item.key)
+                    finally:
+                        os.close(fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # a symlink or FIFO planted there: nothing is followed
+                    log.warning("posix tier %s: pack %016x not updated: %s", self.name, pack.id, exc)
 
     async def _make_room(self, size: int) -> int:
         """Evict so ``size`` more bytes fit; returns how many of them do: all of them unless the
         retention rules keep what would have to go (pinned blocks are never evicted). The capacity
         stays soft under concurrent writers, as before: only pins make a write fail for room."""
-        over = self._index.bytes + size - self.capacity
+        over = self._index.bytes + self._packs.dead_bytes + size - self.capacity
         if over <= 0:
             return size
         freed = await self.evict(over)
@@ -1416,7 +1820,8 @@ class PosixTier(Tier):
 
     def _full(self, size: int) -> str:
         return (
-            f"{self.name} is full: {size} bytes needed, {max(0, self.capacity - self._index.bytes)} free "
+            f"{self.name} is full: {size} bytes needed, "
+            f"{max(0, self.capacity - self._index.bytes - self._packs.dead_bytes)} free "
             f"of {self.capacity} and the rest is pinned"
         )
 
@@ -1536,7 +1941,21 @@ class _Staged:
     direct: bool
 
 
+@dataclass(slots=True)
+class _PackStaged(_Staged):
+    """A pack file staged like a block file; every block in it has this one as its outcome."""
+
+    pack: Pack
+
+
+def _distinct(staged: Iterator[_Staged]) -> list[_Staged]:
+    """Each staged file once, in order (a pack's blocks share one)."""
+    return list({id(o): o for o in staged}.values())
+
+
 _Outcome = _Staged | OSError
+_Found = tuple[bytes, int, float] | tuple[bytes, int, float, Pack, int]
+"""A block the start-up scan found: key, size, store time, and for a packed one its pack and offset."""
 _ReadOutcome = bool | OSError | CorruptBlock
 """A batched read's result per block: read (checked: whether the bytes matched), or its error."""
 
@@ -1563,40 +1982,6 @@ def syncfs(fd: int) -> None:
     if _SYNCFS(fd) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-
-
-IOV_MAX = 1024
-"""Most segments one ``preadv``/``pwritev`` call takes (Linux ``IOV_MAX``)."""
-
-
-def _pwritev_all(fd: int, iov: IoVec, offset: int) -> None:
-    """``pwritev`` until every byte is written (it may write less than asked)."""
-    _vector_io(os.pwritev, fd, iov, offset, short="")
-
-
-def _preadv_all(fd: int, iov: IoVec, offset: int) -> None:
-    """``preadv`` until every byte is read; a file that ends first is corrupt."""
-    _vector_io(os.preadv, fd, iov, offset, short="file ended before the payload did")
-
-
-def _vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, short: str) -> None:
-    """Run ``call`` over ``iov`` at most :data:`IOV_MAX` segments at a time, resuming after short
-    transfers. Linear in the number of segments: a cursor moves along the list (a block may have
-    hundreds of thousands of segments; removing each from the front made it quadratic)."""
-    views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    i, count = 0, len(views)
-    while i < count:
-        n = call(fd, views[i : i + IOV_MAX], offset)
-        if n == 0:
-            if short:
-                raise CorruptBlock(short)
-            raise OSError(errno.EIO, "pwritev made no progress")
-        offset += n
-        while i < count and n >= views[i].nbytes:
-            n -= views[i].nbytes
-            i += 1
-        if i < count and n:
-            views[i] = views[i][n:]
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -1637,6 +2022,32 @@ def _read_fast(
         return matched
     _zero((view,))  # daemon memory: the block fails, none of its bytes stay
     return CorruptBlock("payload checksum mismatch")
+
+
+def _snapshot_columns(
+    keys: list[bytes], stamps: list[Stamp], locs: dict[bytes, tuple[int, int]]
+) -> index_snapshot.Columns:
+    """A root's snapshot columns; with packs (``locs``: key -> pack id, offset) the packed blocks'
+    places too, a packed block that died while the snapshot was taken left out."""
+    if not locs:
+        return index_snapshot.Columns(keys, stamps, [s.stored_at for s in stamps])
+    kept_keys: list[bytes] = []
+    kept: list[Stamp] = []
+    ids: list[int] = []
+    offsets: list[int] = []
+    for key, stamp in zip(keys, stamps, strict=True):
+        if isinstance(stamp, PackedStamp):
+            loc = locs.get(key)
+            if loc is None:
+                continue
+            ids.append(loc[0])
+            offsets.append(loc[1])
+        else:
+            ids.append(0)
+            offsets.append(0)
+        kept_keys.append(key)
+        kept.append(stamp)
+    return index_snapshot.Columns(kept_keys, kept, [s.stored_at for s in kept], ids, offsets)
 
 
 def _zero(dest: IoVec) -> None:
