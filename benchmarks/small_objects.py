@@ -9,8 +9,10 @@ For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:
   existing file makes ext4 flush it, ``auto_da_alloc``: a cost neither side should pay here);
 - **daemon dump**: a daemon with ``store_pipeline: Posix`` (durable or ``--no-durable``) dumping the
   same number of blocks from registered shared memory, one task, until Wait returns;
-- **plain load**: ``open`` + ``pread`` + ``close`` of every file the plain process wrote in its first
-  round (page cache warm, as it is for the daemon's: these machines cannot drop caches);
+- **plain load**: ``open`` + ``pread`` + ``close`` of one file per object, page cache warm as it is
+  for the daemon (these machines cannot drop caches): the daemon's own block files where it keeps one
+  per object (the same files and cache state), the plain process's first-round files where the
+  daemon packs them;
 - **daemon load**: a Load of every block into shared memory.
 
 The daemon runs with ``posix_pack_max_block_bytes`` (``--pack-max-block-bytes``, default 64 KiB
@@ -78,10 +80,11 @@ def _plain_dump(root: Path, n: int, size: int, payload: memoryview, durable: boo
 
 
 def _plain_load(files: list[Path], size: int, dest: memoryview) -> None:
+    """Read the last ``size`` bytes of each file (a daemon block file's payload follows its header)."""
     for i, f in enumerate(files):
         fd = os.open(f, os.O_RDONLY)
         try:
-            os.preadv(fd, [dest[i * size : (i + 1) * size]], 0)
+            os.preadv(fd, [dest[i * size : (i + 1) * size]], os.fstat(fd).st_size - size)
         finally:
             os.close(fd)
 
@@ -123,11 +126,13 @@ def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int, packs:
 
         dump("first")  # warm: the shard directories exist from now on (both sides)
         _plain_dump(plain_root, n, size, payload, durable, "first")
-        files = sorted(plain_root.rglob("first*.blk"))
-        assert len(files) == n, len(files)
         stored = d.data_dir / "blocks"
         packed = size <= packs
         assert bool(list(stored.rglob("*.pack"))) == packed and bool(list(stored.rglob("*.blk"))) != packed
+        # The same files the daemon reads where it keeps one per object (same cache state, same
+        # layout); the plain process's own where the daemon packs them.
+        files = sorted(plain_root.rglob("first*.blk") if packed else stored.rglob("*.blk"))
+        assert len(files) == n, len(files)
         times: dict[str, list[float]] = {"plain_dump": [], "dump": [], "plain_load": [], "load": []}
         for _ in range(repeat):
             r = f"r{next(rounds)}"
@@ -191,7 +196,8 @@ def table(rows: list[dict[str, Any]], packs: int) -> str:
         f"memory until Wait returns; packs: `posix_pack_max_block_bytes: {packs}` (blocks up to it "
         "written many to a pack file; the daemon's default is 0, one file per block). Plain: one "
         "process, one file per object in 256 shard directories (durable: fsync file, rename, fsync "
-        "directory per object), loads reading its own files. Medians of interleaved rounds; "
+        "directory per object), loads reading the daemon's block files (its own where the daemon "
+        "packs). Medians of interleaved rounds; "
         "`python -m benchmarks.small_objects`."
     )
     return "\n".join(lines)
