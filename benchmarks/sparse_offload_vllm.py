@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.requests} requests × {args.prompt_tokens} prompt tokens + {args.max_tokens} generated, "
             f"block {args.block}, {args.layers} layers "
             f"({'own' if args.independent_layers else 'layer 0'}'s q/k projections in each), "
-            f"ESA at {args.ratio:.0%} budget; *a / b* = without / with offload; "
+            f"ESA at {args.ratio:.0%} budget; *a / b* = without / with offload "
+            "(*pages on the path*, *load s*: offloaded, without / with the next-layer guess); "
             "*wall s*: the whole step loop on a shared 2-core machine (noisy).",
             "",
             "| KV blocks | blocks per request | max concurrent without offload | with offload | gain "
