@@ -66,7 +66,7 @@ class _Prefetch:
     layer: int
     task: concurrent.futures.Future[int]
     pages: list[tuple[str, int]]
-    """(request, logical block) of staging page ``PREFETCH_FIRST + i``."""
+    """(request, logical block) of staging page ``STAGING_BLOCKS + i``."""
 
 
 class ColdKVWorker:
@@ -217,10 +217,7 @@ class ColdKVWorker:
         if not pages:
             return
         ios = [
-            BlockIO(
-                cold_block_key(self._nonce, request_id, after, b),
-                (Segment(self._region, (STAGING_BLOCKS + i) * self.page_bytes, self.page_bytes),),
-            )
+            self._staged_io(cold_block_key(self._nonce, request_id, after, b), STAGING_BLOCKS + i)
             for i, (request_id, b) in enumerate(pages)
         ]
         self._prefetch = _Prefetch(after, self.client.load_nowait(self._namespace, ios), pages)
@@ -274,6 +271,10 @@ class ColdKVWorker:
                 cache[scratch].copy_(self._page(slot))
 
     # ------------------------------------------------------------ plumbing
+    def _staged_io(self, key: bytes, slot: int) -> BlockIO:
+        """Block ``key`` moved through staging page ``slot`` of the registered buffer."""
+        return BlockIO(key, (Segment(self._region, slot * self.page_bytes, self.page_bytes),))
+
     def _page(self, slot: int) -> torch.Tensor:
         raw = self._view[slot * self.page_bytes : (slot + 1) * self.page_bytes]
         return raw.view(self.dtype).view(self.page_shape)
@@ -285,10 +286,7 @@ class ColdKVWorker:
         A cold block that cannot be written or read back would make attention silently differ from
         the sparse result it replaces, so it is an error naming the block count and the reasons.
         """
-        ios = [
-            BlockIO(key, (Segment(self._region, slot * self.page_bytes, self.page_bytes),))
-            for slot, key in enumerate(keys)
-        ]
+        ios = [self._staged_io(key, slot) for slot, key in enumerate(keys)]
         submit = self.client.dump if op == "dump" else self.client.load
         start = time.perf_counter()
         task_id = submit(self._namespace, ios)

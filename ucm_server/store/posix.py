@@ -311,6 +311,12 @@ class PosixTier(Tier):
         root, parts, name = self._place(key, flat=False)
         return root.joinpath(*parts, name)
 
+    def file_paths_of(self, key: BlockKey) -> list[Path]:
+        """Every block file ``key`` may have: its path, and with the flat layout the one an older
+        release left one level deeper (a read would find that next, so removing a block removes both)."""
+        path = self.path_of(key)
+        return [path, self.legacy_path_of(key)] if self.flat_layout else [path]
+
     def _expected_path(self, header: BlockHeader) -> str:
         """Where a file with ``header`` must be found: the layout its format version names."""
         root, parts, name = self._place(header.key, flat=header.version >= FLAT_LAYOUT_VERSION)
@@ -1115,11 +1121,7 @@ class PosixTier(Tier):
                 if self._adopting:
                     self._touched.add(key)
                 if old is not None and not isinstance(old, PackedStamp):  # its block file is older now
-                    stale += (
-                        [self.path_of(key), self.legacy_path_of(key)]
-                        if self.flat_layout
-                        else [self.path_of(key)]
-                    )
+                    stale += self.file_paths_of(key)
                 kind = "packed_writes"
             else:
                 self._remember(key, Entry(size=sizes[i], stored_at=now))
@@ -1202,9 +1204,7 @@ class PosixTier(Tier):
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         present = [k for k in keys if k in self._index]
         files = [k for k in present if not isinstance(self._forget(k), PackedStamp)]
-        paths = [self.path_of(k) for k in files]
-        if self.flat_layout:  # and any copy an older release left (a read would find it next)
-            paths += [self.legacy_path_of(k) for k in files]
+        paths = [path for k in files for path in self.file_paths_of(k)]
         if paths:
             await self._run(self._unlink_all, paths)
         await self._retire()
