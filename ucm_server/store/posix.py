@@ -816,35 +816,34 @@ class PosixTier(Tier):
         return entry
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
-        entry = await self._sized_entry(key, dest)
-        if isinstance(entry, BlockResult):
-            return entry
-        outcome: packs.Outcome = True
-        if isinstance(entry, PackedStamp):
-            (outcome,) = await self._read_packed([(key, dest, entry)], False)
-        else:
-            try:
-                await self._run(self._read_file, self.path_of(key), key, dest)
-            except (OSError, CorruptBlock) as exc:
-                outcome = exc
-        result = await self._settle(key, dest, False, entry, outcome)
+        result = await self._read_one(key, dest, checked=False)
         assert result is not None  # only a checked read answers "not matched"
         return result
 
     async def read_checked(self, key: BlockKey, dest: IoVec) -> BlockResult | None:
         if not self.client_reads:
             return None
+        return await self._read_one(key, dest, checked=True)
+
+    async def _read_one(self, key: BlockKey, dest: IoVec, *, checked: bool) -> BlockResult | None:
+        """One block read from wherever its entry puts it (its file, or its pack's record);
+        ``checked``: straight into ``dest`` and verified there (None when it did not match)."""
         entry = await self._sized_entry(key, dest)
         if isinstance(entry, BlockResult):
             return entry
+        outcome: packs.Outcome
         if isinstance(entry, PackedStamp):
-            (outcome,) = await self._read_packed([(key, dest, entry)], True)
-            return await self._settle(key, dest, True, entry, outcome)
-        try:
-            matched = await self._run(self._read_file_checked, self.path_of(key), key, dest)
-        except (OSError, CorruptBlock) as exc:  # a corrupt header or length was read into daemon memory
-            return await self._settle(key, dest, True, entry, exc)
-        return await self._read_result(key, matched, entry.size)
+            (outcome,) = await self._read_packed([(key, dest, entry)], checked)
+        else:
+            try:
+                if checked:
+                    outcome = await self._run(self._read_file_checked, self.path_of(key), key, dest)
+                else:
+                    await self._run(self._read_file, self.path_of(key), key, dest)
+                    outcome = True
+            except (OSError, CorruptBlock) as exc:  # a corrupt header or length: read into daemon memory
+                outcome = exc
+        return await self._settle(key, dest, checked, entry, outcome)
 
     async def _settle(
         self, key: BlockKey, dest: IoVec, checked: bool, entry: Stamp, outcome: packs.Outcome
