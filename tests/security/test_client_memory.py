@@ -38,10 +38,10 @@ FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def _dev_shm(pid: int) -> list[str]:
-    """What process ``pid`` has under /dev/shm (other tests on the machine may add their own objects,
-    so only names carrying the pid as a whole token count; the old SharedBuffer named them
+    """What process ``pid`` has under /dev/shm. Other tests on the machine may add their own objects,
+    so only names carrying the pid as a whole token count (the old SharedBuffer named them
     ucm-<pid>-...). A bare substring test is not enough: vLLM's own objects carry a hex uuid, and
-    ``vllm_dist_db6b...c857717e...`` once "belonged" to pid 8577)."""
+    ``vllm_dist_db6b...c857717e...`` once "belonged" to pid 8577."""
     token = re.compile(rf"(?<![0-9A-Za-z]){pid}(?![0-9A-Za-z])")
     return [p.name for p in Path("/dev/shm").iterdir() if token.search(p.name)]
 
