@@ -336,10 +336,11 @@ def test_hung_master_fails_within_timeout_then_recovers_when_it_answers(tmp_path
         try:
             ks = keys(3)
             assert all(r.ok for r in await t.write_many([(k, [memoryview(b"h" * 2000)]) for k in ks]))
+            dests = [empty_like(2000) for _ in ks]
             m.pause()
             try:
                 started = time.monotonic()
-                reads = await t.read_many([(k, empty_like(2000)) for k in ks])
+                reads = await t.read_many(list(zip(ks, dests, strict=True)))
                 writes = await t.write_many([(k, [memoryview(b"i" * 2000)]) for k in ks])
                 sizes = await t.lookup(ks)
                 elapsed = time.monotonic() - started
@@ -348,8 +349,16 @@ def test_hung_master_fails_within_timeout_then_recovers_when_it_answers(tmp_path
             assert elapsed < 3 * 1.0 + 1.5, (
                 f"calls took {elapsed:.1f}s with timeout_s=1 against a hung master"
             )
-            assert [r.state for r in reads + writes] == [BlockState.FAILED] * 6
-            assert sizes == [None] * 3
+            # A write needs the master to place it, so it fails. Mooncake's client can serve a read
+            # (and an existence query) of a block it recently handled without asking the master
+            # (measured: 0 to 6 of 15 reads right after SIGSTOP came back OK); such a read must
+            # hold the block's whole, verified bytes, and every other read must fail, not hang.
+            assert [r.state for r in writes] == [BlockState.FAILED] * 3
+            for key, r, dest in zip(ks, reads, dests, strict=True):
+                assert r.state in (BlockState.FAILED, BlockState.OK), (key, r)
+                if r.ok:
+                    assert joined(dest) == b"h" * 2000
+            assert all(s in (None, 2000) for s in sizes), sizes
             deadline = time.monotonic() + 20
             while True:  # stalled engine calls finish once the master answers; their buffers come back
                 dest = empty_like(2000)
