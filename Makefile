@@ -44,8 +44,10 @@ install-test: $(VENV)/.test-installed
 services:
 	bash scripts/install_services.sh
 
+# The real-vLLM tests run beside the rest (two pytest processes; scripts/run_suite.py says why);
+# PYTEST_ARGS naming tests or a marker, or UCM_TEST_SERIAL=1, run one plain pytest.
 test: install-test services
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python scripts/run_suite.py $(PYTEST_ARGS)
 
 proto: install-test
 	$(BIN)/python scripts/gen_proto.py

@@ -77,6 +77,7 @@ def test_prefault_faults_the_whole_arena_in_and_keeps_written_bytes() -> None:
         assert (await t.write_from(key(1), [memoryview(data)])).ok  # while the prefault runs
         await asyncio.to_thread(_wait_prefaulted, t, 30)
         assert t.arena.prefaulted == capacity
+        assert t.stats().extra["prefault_pending_bytes"] == 0
         assert _rss() - before >= capacity * 0.9  # resident now, not on first use
         out = bytearray(len(data))
         assert (await t.read_into(key(1), [memoryview(out)])).ok and out == data
@@ -89,10 +90,13 @@ def test_close_during_prefault_stops_it() -> None:
     async def main() -> None:
         t = CacheTier(capacity=4 << 30, page_size=64 << 10, prefault=True)
         await t.open()
+        pending = t.stats().extra["prefault_pending_bytes"]  # 4 GiB take seconds to fault in
+        assert 0 < pending <= 4 << 30
         started = time.monotonic()
         await t.close()
         assert time.monotonic() - started < 5
         assert t.arena.prefaulted < 4 << 30
+        assert t.stats().extra["prefault_pending_bytes"] == 0  # stopped: nothing more will fault in
 
     asyncio.run(main())
 

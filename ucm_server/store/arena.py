@@ -134,6 +134,14 @@ class Arena:
             self._prefaulter = threading.Thread(target=self._fault_in, name="ucm-arena-prefault", daemon=True)
             self._prefaulter.start()
 
+    @property
+    def prefault_pending(self) -> int:
+        """Bytes the background prefault has still to fault in: 0 once it is done, gave up (a
+        kernel without ``MADV_POPULATE_WRITE``) or was never started. Its page faults are the
+        daemon's own work, at the lowest CPU priority, so on a busy host it can run for a while."""
+        running = self._prefaulter is not None and self._prefaulter.is_alive()
+        return self.capacity - self.prefaulted if running else 0
+
     def _fault_in(self) -> None:
         with contextlib.suppress(OSError):  # Linux: a thread id names one thread; lowest priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

@@ -301,6 +301,7 @@ class CacheTier(Tier):
             "leased_blocks": float(sum(1 for e in self._index.values() if e.leases)),
             "free_bytes": float(self.arena.free_pages * self.arena.page_size),
             "rejected_writes": float(self._rejected),
+            "prefault_pending_bytes": float(self.arena.prefault_pending),
         }
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
