@@ -7,14 +7,11 @@ from pathlib import Path
 
 import pytest
 from support.blocks import NS, blocks_in
+from support.daemon_stats import tiers_by_name
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.store.format import ALIGNED_HEADER_SIZE
 from ucm_server.testing.daemon import DaemonProcess
-
-
-def _tiers(c: UcmClient) -> dict[str, object]:
-    return {t.name: t for t in c.stats().tiers}
 
 
 @pytest.mark.parametrize("mode", ["write-back", "write-through"])
@@ -28,13 +25,13 @@ def test_evicted_blocks_are_served_from_posix(tmp_path: Path, mode: str) -> None
             for first in range(0, n, 8):  # 2 MiB per dump: each fits the cache, all of them do not
                 blocks = blocks_in(region, 8, size, first=first, offset=first * size)
                 assert c.wait(c.dump(NS, blocks, wait_durable=True), 60).ok
-            tiers = _tiers(c)
+            tiers = tiers_by_name(c)
             cache, posix = tiers["Cache"], tiers["Posix"]
             assert cache.evictions > 0 and cache.bytes <= 4 << 20  # type: ignore[attr-defined]
             assert posix.blocks == n  # type: ignore[attr-defined]
             assert c.wait(c.load(NS, blocks_in(c.register(dst), n, size)), 60).ok
             assert bytes(dst.buf) == bytes(src.buf)
-            assert _tiers(c)["Posix"].hits > 0  # type: ignore[attr-defined]
+            assert tiers_by_name(c)["Posix"].hits > 0  # type: ignore[attr-defined]
 
 
 def test_read_from_posix_is_promoted_into_cache(tmp_path: Path) -> None:
@@ -45,12 +42,12 @@ def test_read_from_posix_is_promoted_into_cache(tmp_path: Path) -> None:
         assert c.wait(c.dump(NS, blocks_in(c.register(buf), 4, size), wait_durable=True), 10).ok
     with d.start(), UcmClient(d.target) as c, SharedBuffer(4 * size) as buf:  # Cache empty, Posix not
         blocks = blocks_in(c.register(buf), 4, size)
-        assert _tiers(c)["Cache"].blocks == 0  # type: ignore[attr-defined]
+        assert tiers_by_name(c)["Cache"].blocks == 0  # type: ignore[attr-defined]
         assert c.wait(c.load(NS, blocks), 10).ok
-        assert _tiers(c)["Cache"].blocks == 4  # type: ignore[attr-defined]
-        hits_before = _tiers(c)["Posix"].hits  # type: ignore[attr-defined]
+        assert tiers_by_name(c)["Cache"].blocks == 4  # type: ignore[attr-defined]
+        hits_before = tiers_by_name(c)["Posix"].hits  # type: ignore[attr-defined]
         assert c.wait(c.load(NS, blocks), 10).ok
-        assert _tiers(c)["Posix"].hits == hits_before  # type: ignore[attr-defined]
+        assert tiers_by_name(c)["Posix"].hits == hits_before  # type: ignore[attr-defined]
 
 
 def test_posix_only_pipeline(tmp_path: Path) -> None:
@@ -84,6 +81,6 @@ def test_corrupted_block_file_is_reported_never_loaded(tmp_path: Path) -> None:
         result = c.wait(c.load(NS, blocks_in(c.register(out), 1, size)), 10)
         assert not result.ok
         assert "checksum" in result.reasons[0]
-        assert _tiers(c)["Posix"].corrupt == 1  # type: ignore[attr-defined]
+        assert tiers_by_name(c)["Posix"].corrupt == 1  # type: ignore[attr-defined]
         assert c.lookup(NS, [blocks_in(0, 1, size)[0].key]).present == [False]
         d.stop()

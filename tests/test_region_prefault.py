@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.blocks import NS, blocks_in
+from support.daemon_stats import tiers_by_name
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.region_prefault import fully_allocated
@@ -34,7 +35,7 @@ def _wait_for_cache_prefault(c: UcmClient) -> None:
     (a vLLM test beside this one) it ran into the window measured below, 32,789 faults with region
     prefault off. Wait until the daemon reports it done."""
     deadline = time.monotonic() + 120
-    while (pending := {t.name: t for t in c.stats().tiers}["Cache"].extra["prefault_pending_bytes"]) > 0:
+    while (pending := tiers_by_name(c)["Cache"].extra["prefault_pending_bytes"]) > 0:
         assert time.monotonic() < deadline, f"the Cache arena still has {pending:.0f} bytes to fault in"
         time.sleep(0.1)
 
