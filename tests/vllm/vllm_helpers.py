@@ -112,8 +112,8 @@ def vllm_request(req_id: str, prompt: list[int], block_size: int = 16) -> Any:
 def stored_blocks(target: str) -> int:
     """Blocks the daemon holds (``start_daemon`` writes through: every stored block is in Posix).
 
-    What a run stored, counted where it is: a vLLM process counts a dump in ``vllm:ucm_save_blocks``
-    only once it saw the dump end, which for its last prompt may be after its last step.
+    What a run stored, counted where it is, beside what the process says it stored
+    (``vllm:ucm_save_blocks``, counted once the process saw each dump end).
     """
     from ucm_client import UcmClient
 

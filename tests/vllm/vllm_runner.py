@@ -48,6 +48,24 @@ def _metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+def _drain(llm: Any, timeout_s: float = 60.0) -> bool:
+    """Step the engine until no finished request waits for its dump; whether any step was taken.
+
+    ``generate`` returns when the last output is done, but vLLM keeps a request whose blocks the
+    connector is still saving until a later step reports the save finished, and only that step
+    carries the save's stats. A serving engine takes that step with its next request; a test's
+    process takes it here, so the last prompt's ``vllm:ucm_save_*`` figures count on every run.
+    """
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    stepped = False
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        stepped = True
+        time.sleep(0.005)
+    return stepped
+
+
 def _kv_in_shm(llm: Any) -> dict[str, Any]:
     """Whether every attention layer's bound KV tensor lies inside the registered shared buffer."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -147,6 +165,8 @@ def main(spec_path: str, result_path: str) -> None:
         seconds.append(time.perf_counter() - started)
         outputs.append(list(result[0].outputs[0].token_ids))
         metrics.append(_metrics(llm))
+    if spec.get("connector") and _drain(llm):
+        metrics[-1] = _metrics(llm)  # the last prompt's dump, counted once it ended
     report: dict[str, Any] = {
         "outputs": outputs,
         "seconds": seconds,
