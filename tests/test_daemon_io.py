@@ -6,6 +6,7 @@ import os
 
 import pytest
 from support.blocks import NS, blocks_in
+from support.daemon_stats import tiers_by_name
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import UcmError
@@ -118,7 +119,7 @@ def test_dump_reaches_the_disk(client: UcmClient, shm: SharedBuffer, daemon: obj
     blocks = blocks_in(region, 4, 4096)
     assert client.wait(client.dump(NS, blocks, wait_durable=durable), 10).ok
     if durable:  # completed only once fsynced in Posix
-        assert {t.name: t.blocks for t in client.stats().tiers}["Posix"] == 4
+        assert tiers_by_name(client)["Posix"].blocks == 4
 
 
 def test_lookup_keys_with_zero_bytes_packed_and_unpacked(client: UcmClient, shm: SharedBuffer) -> None:

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from support.daemon_stats import tiers_by_name
+
 from ucm_server.testing.daemon import DaemonProcess
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -118,4 +120,4 @@ def stored_blocks(target: str) -> int:
     from ucm_client import UcmClient
 
     with UcmClient(target, client_name="pytest-stored") as client:
-        return int({tier.name: tier.blocks for tier in client.stats().tiers}["Posix"])
+        return int(tiers_by_name(client)["Posix"].blocks)
