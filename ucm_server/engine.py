@@ -54,6 +54,7 @@ from ucm_server.regions import (
     check_disjoint,
     check_segments,
     host_iovecs,
+    single_segment_iovecs,
 )
 from ucm_server.reply_budget import ReplyBudget
 from ucm_server.retention import FILE_NAME as RETENTION_FILE
@@ -522,10 +523,12 @@ class Engine:
     ) -> list[IoVec]:
         """Every segment checked, overlapping Load destinations refused, one iovec per block (no
         event-loop state: may run in a worker thread)."""
-        blocks = check_segments(columns, counts, found, self.config.max_block_bytes)
+        iovs = single_segment_iovecs(columns, found, self.config.max_block_bytes)
+        if iovs is None:
+            iovs = host_iovecs(check_segments(columns, counts, found, self.config.max_block_bytes))
         if kind is TaskKind.LOAD:
             check_disjoint(columns, counts)
-        return host_iovecs(blocks)
+        return iovs
 
     async def _off_loop(self, nsegments: int, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` inline for a small request, in a worker thread for a large one."""
@@ -614,6 +617,8 @@ class Engine:
             wanted = [prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds)]
         else:
             wanted = lengths
+        if sizes == wanted:  # every block stored, at the size named (one C-level compare)
+            return
         for i, (have, want) in enumerate(zip(sizes, wanted, strict=False)):
             if have is not None and have != want:
                 raise InvalidArgument(f"block {i}: stored block is {have} bytes, the request names {want}")
@@ -682,8 +687,7 @@ class Engine:
                 results = await self.pipeline.read_many(items, report=report)
             else:
                 results = await self.pipeline.write_many(items, durable=durable)
-            for i, r in enumerate(results, start):
-                task.record(i, r, sizes[i])
+            task.record_many(start, results, sizes[start:stop])
             if self.quota.enabled:  # per-tenant quotas, chunk by chunk
                 await self.quota.account(task.kind, _done(items, results))
 

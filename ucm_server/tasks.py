@@ -15,11 +15,11 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ucm_protocol.errors import NotFound, PermissionDenied
-from ucm_server.store.base import BlockResult, BlockState
+from ucm_server.store.base import OK, BlockResult, BlockState
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,18 @@ class Task:
         if result.ok:
             self.bytes_done += nbytes
 
+    def record_many(self, start: int, results: list[BlockResult], sizes: Sequence[int]) -> None:
+        """:meth:`record` for blocks ``start`` onwards (``sizes``: theirs). When every one is OK, the
+        usual case, one slice of states and one sum instead of a call per block (a chunk of 256
+        small blocks paid ~0.3 µs a block here)."""
+        count = len(results)
+        if results.count(OK) == count:  # identity first: C-level for the shared OK result
+            self.states[start : start + count] = _OK_STATES * count
+            self.bytes_done += sum(sizes[:count])
+            return
+        for i, r in enumerate(results):
+            self.record(start + i, r, sizes[i])
+
     def finish(self) -> None:
         for i, s in enumerate(self.states):
             if s == BlockState.PENDING:
@@ -77,6 +89,7 @@ class Task:
 
 
 TaskBody = Callable[[Task], Awaitable[None]]
+_OK_STATES = bytes([BlockState.OK])
 
 
 class TaskManager:

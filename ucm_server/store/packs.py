@@ -156,6 +156,17 @@ class Pack:
         except ValueError:
             return None
 
+    def offsets_of(self, keys: Sequence[bytes]) -> list[int | None]:
+        """:meth:`offset_of` for many keys: a load of many blocks of one pack finds each through one
+        position map built here (a linear search per key cost ~0.5 µs a block in a 64-block pack)."""
+        if len(keys) < 4:
+            return [self.offset_of(k) for k in keys]
+        count = len(self.keys)
+        # Built from the end, so that a key listed twice maps to its first place, as index() finds.
+        where = dict(zip(reversed(self.keys), range(count - 1, -1, -1), strict=True))
+        offsets = self.offsets
+        return [None if (i := where.get(k)) is None else offsets[i] for k in keys]
+
     def kill(self, key: bytes) -> int | None:
         """Mark ``key`` dead here; its record's offset, or None if it was not live here."""
         try:

@@ -30,7 +30,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -303,7 +303,8 @@ class Pipeline:
         Blocks a prefetch is promoting are waited for, then read from memory, not read twice.
         ``report``: a Load's progress word; called only when the top tier copies the whole batch
         segment by segment from memory (``Leasing.read_in_order``), otherwise never."""
-        await self.promotions.wait_for([k for k, _ in items])
+        if self.promotions.inflight:
+            await self.promotions.wait_for([k for k, _ in items])
         started = self.begin_read()
         try:
             if report is not None and self.leasing is not None:
@@ -344,6 +345,8 @@ class Pipeline:
                 got = await tier.read_many(batch)
             else:
                 got = await self._read_staged(depth, batch, started)
+            if len(todo) == len(items) and not (depth > 0 and owned) and got.count(OK) == len(got):
+                return list(got)  # all found in one tier, nothing to promote: no per-block pass
             todo_next: list[int] = []
             promote: list[int] = []
             for i, r in zip(todo, got, strict=True):
@@ -374,6 +377,8 @@ class Pipeline:
         todo: Sequence[int] = range(len(batch))
         if depth == 0:
             first = await self.tiers[0].read_checked_many(batch)
+            if first.count(OK) == len(first):  # the usual case: every block read and checked
+                return cast(list[BlockResult], first)
             todo = [i for i, r in enumerate(first) if r is None]
             for i, r in enumerate(first):
                 if r is not None:

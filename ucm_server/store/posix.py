@@ -992,17 +992,21 @@ class PosixTier(Tier):
         (:func:`~ucm_server.store.packs.read_members`), packs in executor jobs of up to
         :data:`READ_GROUP_BLOCKS` blocks. Outcomes in ``reads`` order."""
         out: list[packs.Outcome] = [FileNotFoundError(errno.ENOENT, "not in its pack")] * len(reads)
-        by_pack: dict[int, tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]] = {}
-        for n, (key, dest, stamp) in enumerate(reads):
-            offset = stamp.pack.offset_of(key)
-            if offset is None:  # deleted since it was looked up
-                continue
-            slot = by_pack.setdefault(stamp.pack.id, (stamp.pack, [], []))
-            slot[1].append(n)
-            slot[2].append((offset, key, dest))
+        wanted: dict[Pack, list[int]] = {}
+        for n, (_, _, stamp) in enumerate(reads):
+            wanted.setdefault(stamp.pack, []).append(n)
+        by_pack: list[tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]] = []
+        for pack, which in wanted.items():
+            slot: tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]] = (pack, [], [])
+            for n, offset in zip(which, pack.offsets_of([reads[n][0] for n in which]), strict=True):
+                if offset is not None:  # (None: deleted since it was looked up)
+                    slot[1].append(n)
+                    slot[2].append((offset, reads[n][0], reads[n][1]))
+            if slot[1]:
+                by_pack.append(slot)
         jobs: list[list[tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]]] = [[]]
         count = 0
-        for slot in by_pack.values():
+        for slot in by_pack:
             if count >= READ_GROUP_BLOCKS:
                 jobs.append([])
                 count = 0

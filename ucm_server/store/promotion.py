@@ -48,6 +48,12 @@ class Promotions:
         self._pipeline = pipeline
         self._inflight: dict[BlockKey, asyncio.Future[None]] = {}
 
+    @property
+    def inflight(self) -> bool:
+        """Some prefetch is promoting blocks now (a read that finds none skips :meth:`wait_for`'s
+        list of its keys)."""
+        return bool(self._inflight)
+
     async def wait_for(self, keys: Sequence[BlockKey]) -> None:
         """Return once no prefetch of any of ``keys`` is in flight (at once when none is)."""
         if not self._inflight:
