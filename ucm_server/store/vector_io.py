@@ -33,39 +33,28 @@ def vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, sho
 
     The usual call (at most :data:`IOV_MAX` segments, all moved at once) costs one system call and
     one C-level byte count: no per-segment Python, which a pack's run of small records would pay."""
+    moved = 0
     if len(iov) <= IOV_MAX:
         total = sum(map(_NBYTES, iov))
         if not total:
             return
-        n = call(fd, iov, offset)
-        if n == total:
+        moved = call(fd, iov, offset)
+        if moved == total:
             return
-        offset += n
-        iov = _skip(iov, n)
     views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in iov if v.nbytes]
-    i, count = 0, len(views)
-    while i < count:
+    i, count, n = 0, len(views), moved
+    offset += moved
+    while True:  # the cursor passes what the last call moved, then the next call moves the rest
+        while i < count and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if i < count and n:
+            views[i] = views[i][n:]
+        if i >= count:
+            return
         n = call(fd, views[i : i + IOV_MAX], offset)
         if n == 0:
             if short:
                 raise CorruptBlock(short)
             raise OSError(errno.EIO, "pwritev made no progress")
         offset += n
-        while i < count and n >= views[i].nbytes:
-            n -= views[i].nbytes
-            i += 1
-        if i < count and n:
-            views[i] = views[i][n:]
-
-
-def _skip(iov: IoVec, n: int) -> list[memoryview]:
-    """What is left of ``iov`` after its first ``n`` bytes moved (a short first transfer)."""
-    rest: list[memoryview] = []
-    for v in iov:
-        if n >= v.nbytes:
-            n -= v.nbytes
-            continue
-        flat = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-        rest.append(flat[n:] if n else flat)
-        n = 0
-    return rest
