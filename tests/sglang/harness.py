@@ -62,8 +62,8 @@ class ErrorLog(logging.Handler):
 
 
 ERRORS = ErrorLog()
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 logging.getLogger().addHandler(ERRORS)
-logging.getLogger().setLevel(logging.INFO)
 
 
 class Stack:
@@ -139,8 +139,7 @@ class Stack:
         hit = self.controller.prefetch_hit_queue.get(timeout=timeout)
         assert hit is op
         out: dict[str, Any] = {"hit_tokens": int(op.storage_hit_count), "completed_tokens": 0, "pages": []}
-        if op.storage_hit_count == 0:
-            self._drain_acks(op, timeout)
+        if op.storage_hit_count == 0:  # nothing to read: SGLang's scheduler revokes it, no transfer runs
             out["seconds"] = time.monotonic() - started
             return out
         indices = self.host.alloc(op.storage_hit_count)
