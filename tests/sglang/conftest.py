@@ -30,7 +30,9 @@ def sglang_python() -> Path:
 def require_sglang() -> Path:
     python = sglang_python()
     if not python.exists():
-        pytest.skip(f"no SGLang venv at {python.parent.parent}: `make test` builds it (scripts/setup_sglang.sh)")
+        pytest.skip(
+            f"no SGLang venv at {python.parent.parent}: `make test` builds it (scripts/setup_sglang.sh)"
+        )
     return python
 
 
@@ -113,4 +115,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.sglang)
-

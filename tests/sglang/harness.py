@@ -31,9 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "standins"))
 
-import torch  # noqa: E402
-
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
+import torch
+from sglang.srt.runtime_context import get_parallel
 
 get_parallel().override_permanently(
     tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
@@ -45,7 +44,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
-BACKEND = {"backend_name": "ucm", "module_path": "ucm_client.sglang.backend", "class_name": "UcmHiCacheStorage"}
+BACKEND = {
+    "backend_name": "ucm",
+    "module_path": "ucm_client.sglang.backend",
+    "class_name": "UcmHiCacheStorage",
+}
 
 
 class ErrorLog(logging.Handler):
@@ -62,7 +65,9 @@ class ErrorLog(logging.Handler):
 
 
 ERRORS = ErrorLog()
-logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.basicConfig(
+    level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+)
 logging.getLogger().addHandler(ERRORS)
 
 
@@ -123,7 +128,11 @@ class Stack:
 
     def pages(self, indices: torch.Tensor) -> list[bytes]:
         return [
-            self.host.get_data_page(int(indices[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            self.host.get_data_page(int(indices[i]), flat=True)
+            .contiguous()
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
             for i in range(0, len(indices), self.page)
         ]
 
@@ -132,7 +141,9 @@ class Stack:
         op = self.controller.ack_backup_queue.get(timeout=timeout)
         return int(op.completed_tokens)
 
-    def prefetch(self, tokens: list[int], *, kill_pid: int = 0, kill_after_s: float = 0.0, timeout: float = 60) -> dict[str, Any]:
+    def prefetch(
+        self, tokens: list[int], *, kill_pid: int = 0, kill_after_s: float = 0.0, timeout: float = 60
+    ) -> dict[str, Any]:
         """SGLang's prefetch of ``tokens``; the hit, what arrived, and the bytes of what arrived."""
         started = time.monotonic()
         op = self.controller.prefetch("req", tokens)
@@ -188,8 +199,13 @@ def op_build(a: dict[str, Any]) -> dict[str, Any]:
         return {"built": False, "error": type(exc).__name__, "message": str(exc)}
     STACKS[a["name"]] = stack
     b = stack.backend
-    return {"built": True, "zero_copy": b.shared is not None, "not_shared": b.not_shared,
-            "namespace": b.namespace.hex(), "daemon_down": b.link.is_down}
+    return {
+        "built": True,
+        "zero_copy": b.shared is not None,
+        "not_shared": b.not_shared,
+        "namespace": b.namespace.hex(),
+        "daemon_down": b.link.is_down,
+    }
 
 
 def op_store(a: dict[str, Any]) -> dict[str, Any]:
@@ -210,8 +226,14 @@ def op_expected(a: dict[str, Any]) -> dict[str, Any]:
 def op_fetch(a: dict[str, Any]) -> dict[str, Any]:
     stack = STACKS[a["name"]]
     before = len(ERRORS.records)
-    out = stack.prefetch(list(a["tokens"]), kill_pid=int(a.get("kill_pid", 0)), kill_after_s=float(a.get("kill_after_s", 0)))
-    threads = [stack.controller.prefetch_thread, stack.controller.prefetch_io_aux_thread, stack.controller.backup_thread]
+    out = stack.prefetch(
+        list(a["tokens"]), kill_pid=int(a.get("kill_pid", 0)), kill_after_s=float(a.get("kill_after_s", 0))
+    )
+    threads = [
+        stack.controller.prefetch_thread,
+        stack.controller.prefetch_io_aux_thread,
+        stack.controller.backup_thread,
+    ]
     out["errors_logged"] = ERRORS.records[before:]
     out["threads_alive"] = all(t.is_alive() for t in threads)
     out["daemon_down"] = stack.backend.link.is_down
@@ -236,8 +258,14 @@ def op_close(a: dict[str, Any]) -> dict[str, Any]:
     return {"closed": True}
 
 
-OPS = {"build": op_build, "store": op_store, "expected": op_expected, "fetch": op_fetch, "call": op_call,
-       "close": op_close}
+OPS = {
+    "build": op_build,
+    "store": op_store,
+    "expected": op_expected,
+    "fetch": op_fetch,
+    "call": op_call,
+    "close": op_close,
+}
 
 
 def main() -> None:

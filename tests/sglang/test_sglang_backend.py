@@ -110,9 +110,16 @@ def test_a_second_sglang_process_finds_the_first_ones_pages(
         # Another model name is another namespace: nothing of the first server's is found.
         build(second, "other-model", sgl_daemon.target, layout="layer_first", model="another-model")
         assert second("fetch", name="other-model", tokens=prompt)["hit_tokens"] == 0
-        assert built["namespace"] == harness("build", name="again", page_size=PAGE,
-                                             extra={"target": sgl_daemon.target},
-                                             layout="layer_first")["namespace"]
+        assert (
+            built["namespace"]
+            == harness(
+                "build",
+                name="again",
+                page_size=PAGE,
+                extra={"target": sgl_daemon.target},
+                layout="layer_first",
+            )["namespace"]
+        )
     finally:
         second.close()
     harness("close", name="first")
@@ -160,8 +167,13 @@ def test_a_read_slower_than_load_timeout_is_cancelled_and_reported_missing(
 ) -> None:
     daemon = slow_daemon(tmp_path, 1.5)
     with daemon:
-        build(harness, "s", daemon.target, layout="layer_first",
-              extra={"load_timeout_s": 0.5, "prefetch_on_lookup": False, "save_timeout_s": 60})
+        build(
+            harness,
+            "s",
+            daemon.target,
+            layout="layer_first",
+            extra={"load_timeout_s": 0.5, "prefetch_on_lookup": False, "save_timeout_s": 60},
+        )
         prompt = tokens(30000, pages=2)
         assert harness("store", name="s", tokens=prompt, seed=9)["stored_tokens"] == len(prompt)
         slow = harness("fetch", name="s", tokens=prompt)
@@ -187,21 +199,28 @@ def test_bad_keys_and_host_indices_are_named(harness: Harness, sgl_daemon: Daemo
     assert not_str["raised"] == "InvalidArgument" and "key 0 is a int" in not_str["message"]
 
     size = 2 * 256 + PAGE  # the host pool: twice the device pool, plus SGLang's padding page
-    outside = harness("call", name="bad", method="batch_set_v1", args=[[good]],
-                      host_indices=list(range(size, size + PAGE)))
+    outside = harness(
+        "call", name="bad", method="batch_set_v1", args=[[good]], host_indices=list(range(size, size + PAGE))
+    )
     assert outside["raised"] == "ValueError"
     assert "out of the host pool" in outside["message"] and f"0..{size - 1}" in outside["message"]
-    negative = harness("call", name="bad", method="batch_get_v1", args=[[good]], host_indices=[-4, -3, -2, -1])
+    negative = harness(
+        "call", name="bad", method="batch_get_v1", args=[[good]], host_indices=[-4, -3, -2, -1]
+    )
     assert negative["raised"] == "ValueError" and "out of the host pool" in negative["message"]
     torn = harness("call", name="bad", method="batch_get_v1", args=[[good]], host_indices=[8, 9, 10, 12])
     assert torn["raised"] == "ValueError" and "whole pages" in torn["message"]
-    count = harness("call", name="bad", method="batch_set_v1", args=[[good, good]], host_indices=[8, 9, 10, 11])
+    count = harness(
+        "call", name="bad", method="batch_set_v1", args=[[good, good]], host_indices=[8, 9, 10, 11]
+    )
     assert count["raised"] == "ValueError" and "4 token indices for 2 keys" in count["message"]
     harness("close", name="bad")
 
 
 def test_an_unsupported_layout_fails_start_up_naming_it(harness: Harness, sgl_daemon: DaemonProcess) -> None:
-    built = harness("build", name="ph", page_size=PAGE, layout="page_head", extra={"target": sgl_daemon.target})
+    built = harness(
+        "build", name="ph", page_size=PAGE, layout="page_head", extra={"target": sgl_daemon.target}
+    )
     assert not built["built"]
     assert "'page_head'" in built["message"]
     assert "layer_first, page_first, page_first_direct" in built["message"]
@@ -217,7 +236,9 @@ def test_an_unsupported_layout_fails_start_up_naming_it(harness: Harness, sgl_da
         ({"zero_copy": "maybe"}, "zero_copy"),
     ],
 )
-def test_bad_settings_fail_start_up_naming_the_key(harness: Harness, extra: dict[str, Any], named: str) -> None:
+def test_bad_settings_fail_start_up_naming_the_key(
+    harness: Harness, extra: dict[str, Any], named: str
+) -> None:
     built = harness("build", name="cfg", page_size=PAGE, layout="page_first", extra=extra)
     assert not built["built"]
     assert built["error"] in ("ValueError", "ConfigError"), built

@@ -43,7 +43,7 @@ logger = logging.getLogger(LOGGER_NAME)
 T = TypeVar("T")
 
 
-class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+class UcmHiCacheStorage(HiCacheStorage):
     """One SGLang rank's pages in ``ucm-server``, under this rank's namespace."""
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
@@ -142,8 +142,12 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             timeout = self.config.save_timeout_s
         result = client.wait(task, timeout, cancel_on_timeout=True)
         if not result.done:
-            logger.warning("UCM: a %s of %d pages took over %g s; cancelled", "read" if load else "write",
-                           len(blocks), timeout)
+            logger.warning(
+                "UCM: a %s of %d pages took over %g s; cancelled",
+                "read" if load else "write",
+                len(blocks),
+                timeout,
+            )
         return [s is BlockState.OK for s in result.states] if result.done else [False] * len(blocks)
 
     def _pool_pages(self, keys: list[str], host_indices: Any) -> tuple[list[bytes], np.ndarray[Any, Any]]:
@@ -288,10 +292,9 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 raise InvalidArgument(f"{name}[{i}] is not a CPU tensor")
-            if t.numel() * t.element_size() != self.pages.page_bytes:
-                raise InvalidArgument(
-                    f"{name}[{i}] holds {t.numel() * t.element_size()} bytes; a page is {self.pages.page_bytes}"
-                )
+            size = t.numel() * t.element_size()
+            if size != self.pages.page_bytes:
+                raise InvalidArgument(f"{name}[{i}] holds {size} bytes; a page is {self.pages.page_bytes}")
         return list(tensors)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:

@@ -113,9 +113,9 @@ def _check_target(target: str | None) -> None:
     )
 
 
-def load_config(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> (
-    tuple[SGLangStorageConfig, Retention | None]
-):
+def load_config(
+    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[SGLangStorageConfig, Retention | None]:
     """The backend's settings from SGLang's extra config (and the environment for what it leaves out),
     with the parsed retention; ``ConfigError`` naming the key at fault."""
     env = os.environ if environ is None else environ

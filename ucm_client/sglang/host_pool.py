@@ -24,6 +24,7 @@ import ctypes
 import mmap
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,11 +39,20 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FIXED = 0x10
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_CUDA_REGISTERED = "_sglang_cuda_host_registered_ranges"
+"""Where SGLang records the ranges it pinned with ``cudaHostRegister`` (on the pool tensor)."""
 
 
 class LayoutError(ValueError):
@@ -78,7 +88,9 @@ def page_template(host_pool: Any) -> PageTemplate:
     ptrs0, sizes0 = _meta(host_pool, 0)
     ptrs1, sizes1 = _meta(host_pool, page_size)
     if sizes0 != sizes1 or len(ptrs0) != len(ptrs1):
-        raise LayoutError(f"host pool layout {host_pool.layout!r}: pages differ in shape ({sizes0} vs {sizes1})")
+        raise LayoutError(
+            f"host pool layout {host_pool.layout!r}: pages differ in shape ({sizes0} vs {sizes1})"
+        )
     starts = np.array(ptrs0, dtype=np.int64) - base
     steps = np.array(ptrs1, dtype=np.int64) - np.array(ptrs0, dtype=np.int64)
     if (steps % page_size).any():
@@ -113,7 +125,9 @@ class PoolPages:
                 "has no single KV buffer"
             )
         if kv.device.type != "cpu" or not kv.is_contiguous():
-            raise LayoutError(f"the host KV pool must be one contiguous CPU tensor (got {kv.device}, {kv.stride()})")
+            raise LayoutError(
+                f"the host KV pool must be one contiguous CPU tensor (got {kv.device}, {kv.stride()})"
+            )
         self.host_pool = host_pool
         self.layout = layout
         self.page_size = int(host_pool.page_size)
@@ -122,7 +136,7 @@ class PoolPages:
         self.base = int(kv.data_ptr())
         self.nbytes = int(kv.numel() * kv.element_size())
         self.template = page_template(host_pool)
-        flat = host_pool.get_dummy_flat_data_page()
+        flat = host_pool.get_data_page(0, flat=True)  # a view: no allocation (nor pinning)
         self.flat_page_bytes = int(flat.numel() * flat.element_size())
         if self.template.page_bytes != self.flat_page_bytes:
             raise LayoutError(
@@ -164,7 +178,9 @@ class PoolPages:
         if bool((first % self.page_size).ne(0).any()) or bool(
             (idx - first[:, None]).ne(torch.arange(self.page_size)).any()
         ):
-            raise ValueError("host_indices do not name whole pages (each page: page_size consecutive indices)")
+            raise ValueError(
+                "host_indices do not name whole pages (each page: page_size consecutive indices)"
+            )
         return first.numpy().astype(np.int64)
 
     def ranges(self, page_starts: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -175,7 +191,7 @@ class PoolPages:
 
 def _mapping_of(address: int) -> tuple[int, int] | None:
     """The ``[start, end)`` of the mapping holding ``address`` in this process, from /proc/self/maps."""
-    with open("/proc/self/maps") as maps:
+    with Path("/proc/self/maps").open() as maps:
         for line in maps:
             span = line.split(" ", 1)[0]
             lo, hi = (int(x, 16) for x in span.split("-"))
@@ -188,10 +204,11 @@ def share_in_place(pages: PoolPages) -> SharedBuffer | str:
     """Put the pool's memory in a new ``SharedBuffer`` at the same addresses; or say why not.
 
     Only a pool that is exactly one mapping of its own is replaced (SGLang's ``alloc_mmap``), and only
-    one not pinned for CUDA. Costs one copy of the pool (it may hold L2 pages already, when storage
+    one SGLang did not pin with ``cudaHostRegister`` (a ``pin_memory`` pool on a host without CUDA
+    was not pinned at all). Costs one copy of the pool (it may hold L2 pages already, when storage
     is attached at run time) and, for that moment, the pool's size in extra memory.
     """
-    if getattr(pages.host_pool, "pin_memory", False):
+    if getattr(pages.host_pool.kv_buffer, _CUDA_REGISTERED, None):
         return "the host pool is pinned for CUDA (its registration covers the pages it was allocated with)"
     length = -(-pages.nbytes // PAGE) * PAGE
     if pages.base % PAGE:

@@ -45,7 +45,9 @@ def page_keys(keys: list[str]) -> list[bytes]:
         try:
             out.append(bytes.fromhex(key))
         except ValueError:
-            raise InvalidArgument(f"key {i} ({key[:16]}...) is not hexadecimal (an SGLang page hash)") from None
+            raise InvalidArgument(
+                f"key {i} ({key[:16]}...) is not hexadecimal (an SGLang page hash)"
+            ) from None
     return out
 
 

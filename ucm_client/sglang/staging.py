@@ -41,7 +41,9 @@ class Slots:
     def slot(self, slot: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
         return self.bytes[slot * self.page_bytes : (slot + 1) * self.page_bytes]
 
-    def gather(self, pool: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], lengths: Sequence[int]) -> None:
+    def gather(
+        self, pool: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], lengths: Sequence[int]
+    ) -> None:
         """Copy pages (``offsets``: pages x ranges into ``pool``) into slots 0, 1, ..."""
         for slot, row in enumerate(offsets.tolist()):
             at = slot * self.page_bytes
@@ -49,7 +51,9 @@ class Slots:
                 self.bytes[at : at + length] = pool[start : start + length]
                 at += length
 
-    def scatter(self, pool: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], lengths: Sequence[int]) -> None:
+    def scatter(
+        self, pool: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], lengths: Sequence[int]
+    ) -> None:
         """Copy slots 0, 1, ... back into the pages ``offsets`` name."""
         for slot, row in enumerate(offsets.tolist()):
             at = slot * self.page_bytes
