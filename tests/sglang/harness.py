@@ -96,8 +96,9 @@ class Stack:
             end_layer=layers,
             write_back_staging=self.device.hicache_write_back_staging,
         )
-        extra = {**BACKEND, **a.get("extra", {})}
-        if a.get("v1", True):
+        storage = a.get("storage_backend", "dynamic")  # "file": SGLang's own HiCacheFile (benchmark)
+        extra = {**(BACKEND if storage == "dynamic" else {}), **a.get("extra", {})}
+        if a.get("v1", True) and storage == "dynamic":
             extra["interface_v1"] = 1
         self.controller = HiCacheController(
             self.allocator,
@@ -105,7 +106,7 @@ class Stack:
             self.page,
             None,
             threading.Event(),
-            storage_backend="dynamic",
+            storage_backend=storage,
             storage_backend_extra_config=extra,
             model_name=a.get("model", "tiny-test-model"),
         )
@@ -142,7 +143,13 @@ class Stack:
         return int(op.completed_tokens)
 
     def prefetch(
-        self, tokens: list[int], *, kill_pid: int = 0, kill_after_s: float = 0.0, timeout: float = 60
+        self,
+        tokens: list[int],
+        *,
+        kill_pid: int = 0,
+        kill_after_s: float = 0.0,
+        timeout: float = 60,
+        keep: bool = False,
     ) -> dict[str, Any]:
         """SGLang's prefetch of ``tokens``; the hit, what arrived, and the bytes of what arrived."""
         started = time.monotonic()
@@ -160,9 +167,12 @@ class Stack:
             time.sleep(kill_after_s)
             os.kill(kill_pid, signal.SIGKILL)
         completed = self._drain_acks(op, timeout)
-        out["completed_tokens"] = completed
-        out["pages"] = [p.hex() for p in self.pages(indices[:completed])]
         out["seconds"] = time.monotonic() - started
+        out["completed_tokens"] = completed
+        if keep:  # the caller uses the pages (and frees them)
+            out["indices"] = indices
+            return out
+        out["pages"] = [p.hex() for p in self.pages(indices[:completed])]
         self.host.free(indices)
         return out
 
