@@ -59,8 +59,11 @@ versions_ok() {
 
 if [[ -f "${STAMP}" ]] && [[ "$(cat "${STAMP}")" == "${STAMP_TEXT}" ]] && versions_ok; then
     log "already installed in ${VENV} (sglang $(installed_version sglang), torch $(installed_version torch))"
-    # UCM's own files may have moved (a new checkout): the editable install is cheap to refresh.
-    "${VPY}" -m pip install --quiet --disable-pip-version-check --no-deps -e "${REPO_ROOT}"
+    # UCM itself: editable, from this checkout (a venv copied from another checkout is pointed here).
+    where="$(cd /tmp && "${VPY}" -c 'import ucm_client, os; print(os.path.dirname(os.path.dirname(ucm_client.__file__)))' 2>/dev/null || true)"
+    if [[ "${where}" != "${REPO_ROOT}" ]]; then
+        "${VPY}" -m pip install --quiet --disable-pip-version-check --no-deps -e "${REPO_ROOT}"
+    fi
     exit 0
 fi
 
@@ -107,6 +110,7 @@ for req in metadata.requires("sglang") or []:
         print(req)
 EOF
 log "installing $(wc -l <"${REQS}") of sglang's declared dependencies (not: ${EXCLUDED_DEPS})"
+log "pip will report the ones left out as missing and torch as the wrong version: expected and harmless"
 # Re-state the torch pin so the resolver never swaps the CPU build for another one.
 "${PIP[@]}" install -r "${REQS}" "torch==${TORCH_VERSION}" || die "pip install of sglang's dependencies failed"
 
