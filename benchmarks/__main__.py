@@ -31,6 +31,7 @@ BENCHMARKS = {
     "eviction": ["benchmarks.eviction_bench"],
     "encryption": ["benchmarks.encryption_bench"],
     "codec": ["benchmarks.codec_bench"],
+    "sglang": ["benchmarks.sglang_bench"],
 }
 
 
