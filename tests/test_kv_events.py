@@ -71,15 +71,18 @@ def test_wire_is_byte_identical_to_vllms_encoder() -> None:
     assert encode_batch(12.5, [Removed(removed, "STORAGE")]) != encode_batch(12.5, [Removed(removed, "CPU")])
 
 
+def events_args(pub: str, replay: str, *more: str) -> list[str]:
+    """A daemon with a 16-block Cache publishing on ``pub`` with replay on ``replay``."""
+    return [
+        "--cache-capacity", f"{16 * BLOCK}", "--cache-page-size", f"{BLOCK}",
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay, *more,
+    ]  # fmt: skip
+
+
 @pytest.fixture
 def events_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, str]]:
     pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
-    args = [
-        "--cache-capacity", f"{16 * BLOCK}", "--cache-page-size", f"{BLOCK}",
-        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
-        "--kv-events-node", "node-a",
-    ]  # fmt: skip
-    with DaemonProcess(tmp_path / "ucm", args=args) as d:
+    with DaemonProcess(tmp_path / "ucm", args=events_args(pub, replay, "--kv-events-node", "node-a")) as d:
         yield d, pub, replay
 
 
@@ -268,12 +271,7 @@ def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Pat
     subscriber that stayed connected matches ``ucm-admin ls`` within the heartbeat interval and a
     reconnect. Without heartbeats (the negative control) it keeps the dead Cache's blocks."""
     pub, replay = f"ipc://{tmp_path}/ev.pub", f"ipc://{tmp_path}/ev.replay"
-    args = [
-        "--cache-capacity", f"{16 * BLOCK}", "--cache-page-size", f"{BLOCK}",
-        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay,
-        "--kv-events-heartbeat-s", "0",
-    ]  # fmt: skip
-    d = DaemonProcess(tmp_path / "ucm", args=args)
+    d = DaemonProcess(tmp_path / "ucm", args=events_args(pub, replay, "--kv-events-heartbeat-s", "0"))
     ctx: zmq.Context[Any] = zmq.Context()
     sub = NodeSubscriber(ctx, pub, replay)
     try:

@@ -34,6 +34,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
 _CLIENT_ENV = {
     "UCM_CONFIG_FILE",
+    "UCM_SERVER_CONFIG",  # which file --config defaults to (ucm_protocol.paths.SERVER_CONFIG_ENV)
     "UCM_LOG_LEVEL",
     "UCM_TOKEN",
     "UCM_TARGET",
