@@ -37,6 +37,14 @@ BENCHMARKS = {
 }
 
 
+def as_section(table: str) -> str:
+    """A results file as it goes into a document: its heading lines become bold lines, so a table's own
+    title never becomes a top-level heading in the middle of the page that shows it."""
+    return "\n".join(
+        f"**{line.lstrip('#').strip()}**" if line.startswith("#") else line for line in table.splitlines()
+    )
+
+
 def update_docs() -> list[str]:
     """Copy each ``benchmarks/results/<name>.md`` between its markers, in whichever document has them."""
     done = []
@@ -47,7 +55,7 @@ def update_docs() -> list[str]:
             if begin in text and end in text:
                 head, rest = text.split(begin, 1)
                 _, tail = rest.split(end, 1)
-                text = f"{head}{begin}\n{result.read_text().strip()}\n{end}{tail}"
+                text = f"{head}{begin}\n{as_section(result.read_text().strip())}\n{end}{tail}"
                 done.append(result.stem)
         if text != original:
             doc.write_text(text)
