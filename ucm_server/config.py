@@ -1,7 +1,7 @@
 """The daemon's configuration: one typed dataclass, loaded from defaults < YAML < ``UCM_*`` env < flags.
 
 Every field documents itself (``help`` metadata), which is what ``ucm-server --help``, ``--print-config``
-and the README's configuration reference are generated from. Unknown keys and bad values stop
+and docs/configuration.md are generated from. Unknown keys and bad values stop
 start-up with a :class:`ConfigError` that names the key and where it came from; nothing is silently
 ignored.
 
