@@ -38,7 +38,10 @@ __all__ = [
     "BlendSpec",
     "Chooser",
     "ChunkKV",
+    "DeviationInputs",
+    "Scorer",
     "blend",
+    "kv_deviation",
     "prefill",
     "top_deviation",
 ]
@@ -129,6 +132,46 @@ Chooser = Callable[[torch.Tensor, int], torch.Tensor]
 """``(deviation of the candidates, how many to keep)`` → indices into the candidates."""
 
 
+@dataclass(frozen=True, slots=True)
+class DeviationInputs:
+    """What a filtering layer knows when it scores the reused tokens still recomputed (*candidates*).
+
+    ``fresh_*``/``reused_*`` are the candidates' K/V ``[C, kv_heads, D]`` computed in this prompt and
+    taken from the cache (keys moved to their new positions). ``queries`` ``[A, heads, D]`` are the
+    fresh queries of every active row (candidates first, the suffix last) at ``query_positions``;
+    ``keys``/``values`` ``[N, kv_heads, D]`` are this layer's K/V of the whole prompt as attention will
+    see them (fresh for active rows, reused for the rest) at ``key_positions``; ``candidates`` index
+    them. Scorers that weigh a deviation by the attention paid to the token need these.
+    """
+
+    layer: int
+    candidates: torch.Tensor
+    fresh_keys: torch.Tensor
+    fresh_values: torch.Tensor
+    reused_keys: torch.Tensor
+    reused_values: torch.Tensor
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_positions: torch.Tensor
+
+
+Scorer = Callable[[DeviationInputs], torch.Tensor]
+"""How much each candidate's reused KV is off: higher is recomputed first; ``[C]``."""
+
+
+def kv_deviation(x: DeviationInputs) -> torch.Tensor:
+    """The default score: L2 distance of the fresh from the reused K plus that of V, over all KV heads.
+
+    Measured against the alternatives (V or K alone, per-head normalised distances, distances weighted
+    by the attention each token receives from the recomputed rows and the question) over model shapes
+    Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none of them was better on
+    every shape, and this one was within noise of the best on each.
+    """
+    return (x.fresh_keys - x.reused_keys).norm(dim=(1, 2)) + (x.fresh_values - x.reused_values).norm(dim=(1, 2))
+
+
 def top_deviation(deviation: torch.Tensor, count: int) -> torch.Tensor:
     """The default chooser: the ``count`` most deviating candidates."""
     return torch.topk(deviation, count).indices
@@ -154,6 +197,7 @@ def blend(
     suffix_ids: torch.Tensor,
     spec: BlendSpec,
     *,
+    scorer: Scorer = kv_deviation,
     chooser: Chooser = top_deviation,
 ) -> BlendResult:
     """Prefill ``chunks + suffix`` reusing the chunks' cached KV, recomputing only what ``spec`` allows.
@@ -161,8 +205,9 @@ def blend(
     Layers before ``check_layer`` run for every token. From ``check_layer`` on, only *active* rows
     (the tokens still recomputed, plus the suffix) run; their fresh K/V replace the reused ones, and
     on each of the ``filter_layers`` filtering layers the active reused tokens are narrowed to those
-    whose fresh K/V deviate most from the reused K/V. ``chooser`` replaces that choice (tests pass a
-    random one as the negative control).
+    whose fresh K/V deviate most from the reused K/V. ``scorer`` replaces how deviation is measured
+    (the benchmark compares alternatives), ``chooser`` how the scored tokens are picked (tests and the
+    benchmark pass a random one as the negative control).
     """
     if suffix_ids.numel() == 0:
         raise ValueError("blend needs a non-empty suffix (the new tokens that follow the chunks)")
@@ -199,9 +244,21 @@ def blend(
         step = layer - spec.check_layer
         if 0 <= step < spec.filter_layers:
             cand = active[:-n_suffix]  # reused tokens still recomputed (active is sorted, suffix last)
-            deviation = (k_new[:-n_suffix] - k_old[cand]).norm(dim=(1, 2)) + (
-                v_new[:-n_suffix] - v_old[cand]
-            ).norm(dim=(1, 2))
+            deviation = scorer(
+                DeviationInputs(
+                    layer=layer,
+                    candidates=cand,
+                    fresh_keys=k_new[:-n_suffix],
+                    fresh_values=v_new[:-n_suffix],
+                    reused_keys=k_old[cand],
+                    reused_values=v_old[cand],
+                    queries=q,
+                    query_positions=positions[active],
+                    keys=k,
+                    values=v,
+                    key_positions=positions,
+                )
+            )
             count = min(spec.kept(step, n_reused), cand.numel())
             chosen = chooser(deviation, count).sort().values if count else torch.zeros(0, dtype=torch.long)
             rows = torch.cat([chosen, torch.arange(cand.numel(), active.numel())])
