@@ -211,6 +211,10 @@ def blend(
     """
     if suffix_ids.numel() == 0:
         raise ValueError("blend needs a non-empty suffix (the new tokens that follow the chunks)")
+    if not chunks:
+        raise ValueError("blend needs at least one cached chunk; with none, run a plain prefill")
+    for i, chunk in enumerate(chunks):
+        _check_chunk(i, chunk, model.num_layers)
     if spec.check_layer + spec.filter_layers > model.num_layers:
         raise ValueError(
             f"check_layer {spec.check_layer} + filter_layers {spec.filter_layers} exceed the model's "
@@ -259,6 +263,11 @@ def blend(
                     key_positions=positions,
                 )
             )
+            if deviation.shape != cand.shape:
+                raise ValueError(
+                    f"scorer returned shape {tuple(deviation.shape)} at layer {layer}; expected one score per "
+                    f"candidate, ({cand.numel()},)"
+                )
             count = min(spec.kept(step, n_reused), cand.numel())
             chosen = chooser(deviation, count).sort().values if count else torch.zeros(0, dtype=torch.long)
             rows = torch.cat([chosen, torch.arange(cand.numel(), active.numel())])
@@ -266,6 +275,23 @@ def blend(
         attn = causal_attention(q, positions[active], k, v, positions, scale=_scale(q))
         hidden = model.finish_layer(layer, hidden, attn)
     return BlendResult(model.logits(hidden[-1:])[0], active[:-n_suffix], n_reused)
+
+
+def _check_chunk(index: int, chunk: ChunkKV, num_layers: int) -> None:
+    """A cached chunk must hold one K and one V per layer, each with a row per token."""
+    n = chunk.token_ids.numel()
+    if n == 0:
+        raise ValueError(f"chunk {index} has no tokens")
+    if len(chunk.keys) != num_layers or len(chunk.values) != num_layers:
+        raise ValueError(
+            f"chunk {index} holds K/V for {len(chunk.keys)}/{len(chunk.values)} layers; the model has {num_layers} "
+            "(KV cached by another model?)"
+        )
+    for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(
+                f"chunk {index} layer {layer}: K has {k.shape[0]} rows and V {v.shape[0]} for {n} tokens"
+            )
 
 
 def _scale(q: torch.Tensor) -> float:
