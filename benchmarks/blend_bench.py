@@ -26,7 +26,6 @@ Run: ``python -m benchmarks.blend_bench`` (writes ``benchmarks/results/blend.md`
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -44,15 +43,41 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "sparse.md"
 BEGIN, END = "<!-- blend-bench:begin -->", "<!-- blend-bench:end -->"
 
 SHAPES = (
-    DecoderShape("gqa6-peaky", layers=6, heads=8, kv_heads=2, head_dim=32, hidden=256, ffn=512, sharpness=4.0),
     DecoderShape(
-        "mha10-local", layers=10, heads=4, kv_heads=4, head_dim=32, hidden=128, ffn=384, sharpness=2.0, locality=0.8
+        "gqa6-peaky", layers=6, heads=8, kv_heads=2, head_dim=32, hidden=256, ffn=512, sharpness=4.0
     ),
     DecoderShape(
-        "mqa4-sharp", layers=4, heads=12, kv_heads=1, head_dim=16, hidden=192, ffn=512, sharpness=8.0, match=0.5
+        "mha10-local",
+        layers=10,
+        heads=4,
+        kv_heads=4,
+        head_dim=32,
+        hidden=128,
+        ffn=384,
+        sharpness=2.0,
+        locality=0.8,
     ),
     DecoderShape(
-        "gqa12-flat", layers=12, heads=16, kv_heads=4, head_dim=16, hidden=256, ffn=512, sharpness=1.0, locality=0.5
+        "mqa4-sharp",
+        layers=4,
+        heads=12,
+        kv_heads=1,
+        head_dim=16,
+        hidden=192,
+        ffn=512,
+        sharpness=8.0,
+        match=0.5,
+    ),
+    DecoderShape(
+        "gqa12-flat",
+        layers=12,
+        heads=16,
+        kv_heads=4,
+        head_dim=16,
+        hidden=256,
+        ffn=512,
+        sharpness=1.0,
+        locality=0.5,
     ),
 )
 RATIOS = (0.15, 0.30)
@@ -82,7 +107,9 @@ class Setting:
         return f"{self.scorer}, check {self.check_layer}, filter {self.filter_layers}"
 
     def spec(self, ratio: float) -> BlendSpec:
-        return BlendSpec(recompute_ratio=ratio, check_layer=self.check_layer, filter_layers=self.filter_layers)
+        return BlendSpec(
+            recompute_ratio=ratio, check_layer=self.check_layer, filter_layers=self.filter_layers
+        )
 
     def fits(self, shape: DecoderShape) -> bool:
         return self.check_layer + self.filter_layers <= shape.layers
@@ -101,7 +128,9 @@ def samples(shape: DecoderShape, work: Workload) -> Iterator[Sample]:
         model = RandomDecoder(shape, seed)
         for prompt in range(work.prompts):
             gen = torch.Generator().manual_seed(10_000 * seed + prompt)
-            ids = [torch.randint(0, shape.vocab, (work.chunk_len,), generator=gen) for _ in range(work.chunks)]
+            ids = [
+                torch.randint(0, shape.vocab, (work.chunk_len,), generator=gen) for _ in range(work.chunks)
+            ]
             question = torch.randint(0, shape.vocab, (work.question_len,), generator=gen)
             full, _ = prefill(model, torch.cat([*ids, question]))
             yield Sample(model, [prefill(model, chunk)[1] for chunk in ids], question, full)
@@ -161,7 +190,9 @@ def mean_ci(values: Sequence[float], resamples: int = 4000) -> tuple[float, floa
     return float(x.mean()), *_bootstrap(x[idx].mean(dim=1))
 
 
-def gain_ci(method: Sequence[float], random: Sequence[float], resamples: int = 4000) -> tuple[float, float, float]:
+def gain_ci(
+    method: Sequence[float], random: Sequence[float], resamples: int = 4000
+) -> tuple[float, float, float]:
     """``1 - mean(method) / mean(random)`` and its 95% interval, resampling the paired samples together."""
     m, r = torch.tensor(method, dtype=torch.float64), torch.tensor(random, dtype=torch.float64)
     idx = torch.randint(0, m.numel(), (resamples, m.numel()), generator=torch.Generator().manual_seed(1))
@@ -200,7 +231,8 @@ def main_table(shapes: Sequence[DecoderShape], work: Workload, setting: Setting)
                 misses.append(f"{shape.name} at {ratio:.0%}: gain {gain[0]:.2f}")
             cost = recompute_cost(setting.spec(ratio), shape.layers, reused)
             lines.append(
-                f"| {shape.name} | {ratio:.0%} | {_fmt(mean_ci(cell.method))} | {_fmt(mean_ci(cell.random))} | "
+                f"| {shape.name} | {ratio:.0%} | {_fmt(mean_ci(cell.method))} | "
+                f"{_fmt(mean_ci(cell.random))} | "
                 f"{_fmt(gain, 2)} | {mean_ci(refs['none'])[0]:.3f} | {max(refs['full']):.1e} | {cost:.0%} |"
             )
         print(f"  {shape.name}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -257,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=defaults.prompts, help="prompts per model seed")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(defaults.seeds), help="model seeds")
     parser.add_argument("--draws", type=int, default=defaults.draws, help="random draws averaged per sample")
-    parser.add_argument("--variants", action="store_true", help="also compare scorers, check and filter layers")
+    parser.add_argument(
+        "--variants", action="store_true", help="also compare scorers, check and filter layers"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; leave results and docs alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -271,8 +305,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Blend default ({setting.label}) against a random selection of the same size, last-token logit "
         f"error relative to a full prefill; mean [95% bootstrap interval] over {len(work.seeds)} model seeds "
         f"× {work.prompts} prompts = {samples_n} samples per cell, random = mean of {work.draws} draws per "
-        f"sample. Prompt: {work.chunks} cached chunks × {work.chunk_len} tokens + a {work.question_len}-token "
-        "question. *gain* = 1 − Blend / random (target ≥ 0.20). *layer steps recomputed*: the reused tokens' "
+        f"sample. Prompt: {work.chunks} cached chunks × {work.chunk_len} tokens + a "
+        f"{work.question_len}-token question. *gain* = 1 − Blend / random (target ≥ 0.20). "
+        "*layer steps recomputed*: the reused tokens' "
         "share of layer steps that run (the random control runs the same).",
         "",
         table,

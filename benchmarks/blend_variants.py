@@ -14,24 +14,39 @@ import torch
 
 from ucm_client.sparse.blend import DeviationInputs, Scorer, kv_deviation
 
-__all__ = ["SCORERS", "attention_weighted", "key_only", "per_head_normalised", "question_weighted", "value_only"]
+__all__ = [
+    "SCORERS",
+    "attention_weighted",
+    "key_only",
+    "per_head_normalised",
+    "question_weighted",
+    "value_only",
+]
+
+
+def _per_head(fresh: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:
+    """L2 distance per token and KV head: ``[C, kv_heads]``."""
+    out: torch.Tensor = torch.linalg.vector_norm(fresh - reused, dim=-1)
+    return out
 
 
 def value_only(x: DeviationInputs) -> torch.Tensor:
-    return (x.fresh_values - x.reused_values).norm(dim=(1, 2))
+    out: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
+    return out
 
 
 def key_only(x: DeviationInputs) -> torch.Tensor:
-    return (x.fresh_keys - x.reused_keys).norm(dim=(1, 2))
+    out: torch.Tensor = torch.linalg.vector_norm(x.fresh_keys - x.reused_keys, dim=(1, 2))
+    return out
 
 
 def per_head_normalised(x: DeviationInputs) -> torch.Tensor:
     """Each KV head's K and V distance divided by that head's mean reused norm, then summed."""
-    k_scale = x.reused_keys.norm(dim=-1).mean(0).clamp_min(1e-12)
-    v_scale = x.reused_values.norm(dim=-1).mean(0).clamp_min(1e-12)
-    dk = (x.fresh_keys - x.reused_keys).norm(dim=-1) / k_scale
-    dv = (x.fresh_values - x.reused_values).norm(dim=-1) / v_scale
-    return (dk + dv).sum(-1)
+    k_scale = torch.linalg.vector_norm(x.reused_keys, dim=-1).mean(0).clamp_min(1e-12)
+    v_scale = torch.linalg.vector_norm(x.reused_values, dim=-1).mean(0).clamp_min(1e-12)
+    dk = _per_head(x.fresh_keys, x.reused_keys) / k_scale
+    dv = _per_head(x.fresh_values, x.reused_values) / v_scale
+    return torch.sum(dk + dv, dim=-1)
 
 
 def _received(x: DeviationInputs, rows: slice) -> torch.Tensor:
@@ -46,8 +61,8 @@ def _received(x: DeviationInputs, rows: slice) -> torch.Tensor:
 
 
 def _weighted(x: DeviationInputs, rows: slice) -> torch.Tensor:
-    per_head = (x.fresh_keys - x.reused_keys).norm(dim=-1) + (x.fresh_values - x.reused_values).norm(dim=-1)
-    return (_received(x, rows) * per_head).sum(-1)
+    per_head = _per_head(x.fresh_keys, x.reused_keys) + _per_head(x.fresh_values, x.reused_values)
+    return torch.sum(_received(x, rows) * per_head, dim=-1)
 
 
 def attention_weighted(x: DeviationInputs) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from tests.support.tiny_llama import build_tiny_llama
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.blend import Blend, BlendSpec, blend, prefill
+from ucm_client.sparse.blend import Blend, BlendSpec, DeviationInputs, blend, prefill
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.rope import apply_rope
 
@@ -291,7 +291,9 @@ def planted() -> PlantedSteps:
     return PlantedSteps()
 
 
-def _planted_case(model: PlantedSteps, seed: int) -> tuple[list[Any], torch.Tensor, torch.Tensor, torch.Tensor]:
+def _planted_case(
+    model: PlantedSteps, seed: int
+) -> tuple[list[Any], torch.Tensor, torch.Tensor, torch.Tensor]:
     ids, question, bridges = _planted_prompt(seed)
     full, _ = prefill(model, torch.cat([*ids, question]))
     return [prefill(model, x)[1] for x in ids], question, full, bridges
@@ -316,7 +318,12 @@ def test_planted_bridges_are_selected_and_beat_random(planted: PlantedSteps, rat
         ours = _rel(res.last_logits, full)
         assert ours < 1e-5, ours  # every deviating token recomputed: the rest are exact as cached
         control = [
-            _rel(blend(planted, chunks, question, BlendSpec(recompute_ratio=ratio), chooser=_random_chooser(d)).last_logits, full)
+            _rel(
+                blend(
+                    planted, chunks, question, BlendSpec(recompute_ratio=ratio), chooser=_random_chooser(d)
+                ).last_logits,
+                full,
+            )
             for d in range(4)
         ]
         assert sum(control) / len(control) > 0.1, control  # a random draw leaves bridges stale
@@ -325,7 +332,7 @@ def test_planted_bridges_are_selected_and_beat_random(planted: PlantedSteps, rat
 def test_planted_selection_without_rope_correction_is_misled(planted: PlantedSteps) -> None:
     # Keys left at their cached positions deviate by their rotation, most in the last chunk: the
     # selection then spends its budget there and misses bridges in the middle chunk.
-    chunks, question, full, bridges = _planted_case(planted, 0)
+    chunks, question, _, bridges = _planted_case(planted, 0)
     spec = BlendSpec(recompute_ratio=0.15, rope_correction=False)
     res = blend(planted, chunks, question, spec)
     assert set(bridges[bridges < 128].tolist()) - set(res.recomputed.tolist())
@@ -335,11 +342,12 @@ def test_scorer_sees_the_candidates_and_a_wrong_shape_is_named(planted: PlantedS
     chunks, question, _, bridges = _planted_case(planted, 1)
     seen: list[tuple[int, int]] = []
 
-    def value_only(x: Any) -> torch.Tensor:
+    def value_only(x: DeviationInputs) -> torch.Tensor:
         assert x.fresh_values.shape == x.reused_values.shape == (x.candidates.numel(), 1, 8)
         assert x.queries.shape[0] == x.candidates.numel() + question.numel()
         seen.append((x.layer, x.candidates.numel()))
-        return (x.fresh_values - x.reused_values).norm(dim=(1, 2))
+        out: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
+        return out
 
     res = blend(planted, chunks, question, BlendSpec(recompute_ratio=0.15), scorer=value_only)
     assert seen == [(1, 192), (2, math.ceil(0.15**0.5 * 192))]

@@ -169,7 +169,9 @@ def kv_deviation(x: DeviationInputs) -> torch.Tensor:
     Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none of them was better on
     every shape, and this one was within noise of the best on each.
     """
-    return (x.fresh_keys - x.reused_keys).norm(dim=(1, 2)) + (x.fresh_values - x.reused_values).norm(dim=(1, 2))
+    keys: torch.Tensor = torch.linalg.vector_norm(x.fresh_keys - x.reused_keys, dim=(1, 2))
+    values: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
+    return keys + values
 
 
 def top_deviation(deviation: torch.Tensor, count: int) -> torch.Tensor:
@@ -265,8 +267,8 @@ def blend(
             )
             if deviation.shape != cand.shape:
                 raise ValueError(
-                    f"scorer returned shape {tuple(deviation.shape)} at layer {layer}; expected one score per "
-                    f"candidate, ({cand.numel()},)"
+                    f"scorer returned shape {tuple(deviation.shape)} at layer {layer}; expected one "
+                    f"score per candidate, ({cand.numel()},)"
                 )
             count = min(spec.kept(step, n_reused), cand.numel())
             chosen = chooser(deviation, count).sort().values if count else torch.zeros(0, dtype=torch.long)
@@ -284,8 +286,8 @@ def _check_chunk(index: int, chunk: ChunkKV, num_layers: int) -> None:
         raise ValueError(f"chunk {index} has no tokens")
     if len(chunk.keys) != num_layers or len(chunk.values) != num_layers:
         raise ValueError(
-            f"chunk {index} holds K/V for {len(chunk.keys)}/{len(chunk.values)} layers; the model has {num_layers} "
-            "(KV cached by another model?)"
+            f"chunk {index} holds K/V for {len(chunk.keys)}/{len(chunk.values)} layers; the model has "
+            f"{num_layers} (KV cached by another model?)"
         )
     for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
         if k.shape[0] != n or v.shape[0] != n:
