@@ -260,7 +260,12 @@ def variants_table(shapes: Sequence[DecoderShape], work: Workload) -> str:
         for shape in shapes:
             for ratio in RATIOS:
                 cell = results[shape.name].get((setting, ratio))
-                row.append("—" if cell is None else f"{gain_ci(cell.method, cell.random)[0]:+.2f}")
+                if cell is None:
+                    row.append("—")
+                    continue
+                cost = recompute_cost(setting.spec(ratio), shape.layers, work.chunks * work.chunk_len)
+                gain = gain_ci(cell.method, cell.random)[0]
+                row.append(f"{gain:+.2f} ({mean_ci(cell.method)[0]:.3f}, {cost:.0%})")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -321,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if variants:
         parts += [
             "",
-            "Gain over random for other settings (same samples; — where the model has too few layers):",
+            "Other settings on the same samples: gain over random on the same schedule (Blend's error, "
+            "layer steps recomputed); — where the model has too few layers:",
             "",
             variants,
         ]
