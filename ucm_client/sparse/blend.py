@@ -108,9 +108,10 @@ class BlendSpec:
     """Layers over which the selection narrows (CacheBlend's gradual filtering): at the ``j``-th of
     them ``recompute_ratio ** ((j + 1) / filter_layers)`` of the reused tokens stay, each time the
     most deviating among those still recomputed, so the last one keeps ``recompute_ratio``.
-    3, not 2: on four random-weight shapes Blend was not tuned on, three filtering layers gave a lower
-    error than two at the same number of recomputed layer steps (two at a higher ratio), and the lead
-    over a random selection of the same schedule grew on every shape (``docs/sparse.md``, Blend)."""
+    3, not 2: on random-weight shapes Blend was not tuned on, three filtering layers gave a lower error
+    than two at the same number of recomputed layer steps (two at a higher ratio) on three of four
+    shapes and the same on the fourth, and a larger lead over a random selection of the same schedule
+    (``docs/sparse.md``, Blend)."""
     rope_correction: bool = True
     """Rotate reused keys to their new positions (off only to measure what it is worth)."""
 
@@ -168,9 +169,9 @@ def kv_deviation(x: DeviationInputs) -> torch.Tensor:
     """The default score: L2 distance of the fresh from the reused K plus that of V, over all KV heads.
 
     Measured against the alternatives (V or K alone, per-head normalised distances, distances weighted
-    by the attention each token receives from the recomputed rows and the question) over model shapes
-    Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none of them was better on
-    every shape, and this one was within noise of the best on each.
+    by the attention each token receives from the recomputed rows or from the question) over model
+    shapes Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none was better on every
+    shape (weighting by received attention helped the peakiest shape and hurt the most local one).
     """
     keys: torch.Tensor = torch.linalg.vector_norm(x.fresh_keys - x.reused_keys, dim=(1, 2))
     values: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
