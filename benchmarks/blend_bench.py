@@ -158,7 +158,7 @@ class Cell:
 
 
 def measure(
-    shape: DecoderShape, work: Workload, settings: Sequence[Setting]
+    shape: DecoderShape, work: Workload, settings: Sequence[Setting], ratios: Sequence[float] = RATIOS
 ) -> tuple[dict[tuple[Setting, float], Cell], dict[str, list[float]]]:
     cells: dict[tuple[Setting, float], Cell] = {}
     refs: dict[str, list[float]] = {"none": [], "full": []}
@@ -169,7 +169,7 @@ def measure(
         for setting in settings:
             if not setting.fits(shape):
                 continue
-            for ratio in RATIOS:
+            for ratio in ratios:
                 spec = setting.spec(ratio)
                 cell = cells.setdefault((setting, ratio), Cell([], []))
                 cell.method.append(_error(sample, spec, SCORERS[setting.scorer]))
