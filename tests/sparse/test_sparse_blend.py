@@ -405,6 +405,11 @@ def test_bad_blend_inputs_are_refused(planted: PlantedSteps) -> None:
     short = type(chunks[1])(chunks[1].token_ids, chunks[1].keys[:2], chunks[1].values[:2])
     with pytest.raises(ValueError, match=r"chunk 1 holds K/V for 2/2 layers; the model has 4"):
         blend(planted, [chunks[0], short], question, spec)
+    empty = type(chunks[2])(
+        chunks[2].token_ids[:0], tuple(k[:0] for k in chunks[2].keys), tuple(v[:0] for v in chunks[2].values)
+    )
+    with pytest.raises(ValueError, match=r"chunk 2 has no tokens"):
+        blend(planted, [chunks[0], chunks[1], empty], question, spec)
     torn = type(chunks[2])(chunks[2].token_ids[:-1], chunks[2].keys, chunks[2].values)
     with pytest.raises(ValueError, match=r"chunk 1 layer 0: K has 64 rows and V 64 for 63 tokens"):
         blend(planted, [chunks[0], torn], question, spec)
