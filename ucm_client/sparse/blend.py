@@ -108,10 +108,9 @@ class BlendSpec:
     """Layers over which the selection narrows (CacheBlend's gradual filtering): at the ``j``-th of
     them ``recompute_ratio ** ((j + 1) / filter_layers)`` of the reused tokens stay, each time the
     most deviating among those still recomputed, so the last one keeps ``recompute_ratio``.
-    3, not 2: on random-weight shapes Blend was not tuned on, three filtering layers gave a lower error
-    than two at the same number of recomputed layer steps (two at a higher ratio) on three of four
-    shapes and the same on the fourth, and a larger lead over a random selection of the same schedule
-    (``docs/sparse.md``, Blend)."""
+    3, not 2: on random-weight shapes Blend was not tuned on, three filtering layers gave a lower or
+    equal error than two at the same number of recomputed layer steps (two at a higher ratio), and a
+    larger or equal lead over a random selection of the same schedule (``docs/sparse.md``, Blend)."""
     rope_correction: bool = True
     """Rotate reused keys to their new positions (off only to measure what it is worth)."""
 
@@ -171,7 +170,7 @@ def kv_deviation(x: DeviationInputs) -> torch.Tensor:
     Measured against the alternatives (V or K alone, per-head normalised distances, distances weighted
     by the attention each token receives from the recomputed rows or from the question) over model
     shapes Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none was better on every
-    shape (weighting by received attention helped the peakiest shape and hurt the most local one).
+    shape (weighting by the attention a token receives helped some shapes and hurt others).
     """
     keys: torch.Tensor = torch.linalg.vector_norm(x.fresh_keys - x.reused_keys, dim=(1, 2))
     values: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
