@@ -21,7 +21,7 @@ The default run's seeds (201-203) were not used to choose anything: the scorers 
 explored on seeds 0-1 and the default filtering depth chosen on seeds 101-103.
 
 Run: ``python -m benchmarks.blend_bench`` (writes ``benchmarks/results/blend.md`` and the Blend section of
-``docs/sparse.md``; about 5 minutes on 2 cores; ``--variants`` about 30 more).
+``docs/sparse.md``; about 3 minutes on a busy 2-core box; ``--variants`` about 10 more).
 """
 
 from __future__ import annotations
