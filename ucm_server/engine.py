@@ -27,14 +27,14 @@ from ucm_protocol.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
-    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
-from ucm_protocol.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
+from ucm_protocol.keys import BlockKey, Namespace, check_digests, make_keys
 from ucm_protocol.text import printable
 from ucm_server import __version__
 from ucm_server.auth import Authenticator, current_principal
+from ucm_server.authz import Authorizer, store_namespace
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
 from ucm_server.expiry import Expiry
@@ -124,7 +124,7 @@ class Engine:
             prefaulter=RegionPrefaulter(config.region_prefault),
         )
         self.handovers = HandoverTable(config.max_pending_handovers)
-        self.upkeep = Upkeep(self.pipeline, self._keys)
+        self.upkeep = Upkeep(self.pipeline, self._store_keys)
         self.gpu = GpuService(self.pipeline, self.executor, mode=config.gpu)  # cupy only on first use
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.reply_budget = ReplyBudget(config.reply_bytes)
@@ -143,6 +143,8 @@ class Engine:
         if authenticator is not None:
             quotas = {t: p.quota for t, p in authenticator.tenants.items() if t}
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
+        self.authz = Authorizer(authenticator, tcp_anonymous=config.tcp_anonymous, owners=ledger)
+        """Who may call what and which namespaces a call reaches (:mod:`ucm_server.authz`)."""
         self._encrypt(authenticator, ledger)
         self._compress()
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
@@ -173,7 +175,7 @@ class Engine:
         if not keyed or ledger is None:
             raise ConfigError("encrypt_tiers is set, but no tenant in auth_tokens_file has a key_file")
         keys = {t: read_key_file(Path(path), t) for t, path in keyed.items()}
-        keyring = TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys))
+        keyring = TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys), self.authz.may_open)
         self.pipeline.wrap(names, lambda tier: EncryptedTier(tier, keyring, self.executor))
         log.info("encryption at rest: %s, for %d tenant(s)", ", ".join(names), len(keyed))
 
@@ -228,6 +230,7 @@ class Engine:
     @ledger.setter
     def ledger(self, ledger: TenantLedger | None) -> None:
         self.quota.ledger = ledger
+        self.authz.owners = ledger
 
     async def close(self, grace_s: float = 10.0) -> None:
         opening = self._quota_opening
@@ -296,8 +299,7 @@ class Engine:
             raise FailedPrecondition(
                 f"session {session_id[:8]} is not attached (daemon restarted?); attach again"
             )
-        if s.tenant != current_principal.get().tenant:
-            raise PermissionDenied(f"session {session_id[:8]} belongs to another tenant")
+        self.authz.check_session(s.tenant, session_id)
         return s
 
     # -- regions --------------------------------------------------------------------------------------
@@ -389,8 +391,9 @@ class Engine:
 
     # -- lookups and deletes --------------------------------------------------------------------------
     def _scope(self, namespace: bytes) -> Namespace:
-        """The caller's namespace as stored: checked, then made private to the caller's tenant."""
-        return current_principal.get().scope(check_namespace(namespace))
+        """The caller's namespace as stored: checked, made private to the caller's tenant, never
+        another tenant's (:meth:`Authorizer.namespace`)."""
+        return self.authz.namespace(namespace)
 
     def _check_batch(self, digests: Sequence[bytes]) -> None:
         if len(digests) > self.config.max_batch_blocks:
@@ -401,6 +404,11 @@ class Engine:
     def _keys(self, namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
         self._check_batch(digests)
         return make_keys(self._scope(namespace), digests)
+
+    def _store_keys(self, namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
+        """Keys as an Admin call names them: as stored (the batch limit still holds)."""
+        self._check_batch(digests)
+        return make_keys(store_namespace(namespace), digests)
 
     async def lookup(
         self, namespace: bytes, digests: Sequence[bytes], *, checked: bool = False

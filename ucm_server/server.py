@@ -145,11 +145,7 @@ class Daemon:
         )
         self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
-            interceptors=[
-                ErrorMappingInterceptor(
-                    self.engine.metrics, self.authenticator, tcp_anonymous=config.tcp_anonymous
-                )
-            ],
+            interceptors=[ErrorMappingInterceptor(self.engine.metrics, self.engine.authz)],
             options=[
                 *channel_options(),
                 ("grpc.so_reuseport", 0),

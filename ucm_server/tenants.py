@@ -226,17 +226,29 @@ class TenantKeyring:
     """Each namespace's at-rest key: its owner's (the ledger says who owns it; a namespace is
     claimed before its first block is written), ``None`` for namespaces of tenants without one."""
 
-    def __init__(self, ledger: TenantLedger, keys: dict[str, TenantKey], sealed: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        ledger: TenantLedger,
+        keys: dict[str, TenantKey],
+        sealed: Iterable[str] = (),
+        may_open: Callable[[str], bool] = lambda owner: True,
+    ) -> None:
         """``sealed``: tenants whose blocks were ever encrypted here; those without a key now are
-        locked (their blocks sealed, reported missing, never read or written in clear)."""
+        locked (their blocks sealed, reported missing, never read or written in clear).
+        ``may_open(owner)``: whether the task asking may use ``owner``'s key at all
+        (:meth:`ucm_server.authz.Authorizer.may_open`); where not, the blocks are locked to it."""
         self.ledger = ledger
         self.keys = dict(keys)
+        self.may_open = may_open
         for tenant in sealed:
             self.keys.setdefault(tenant, LOCKED)
 
     def key_for(self, namespace: bytes) -> TenantKey | None:
         tenant = self.ledger.owner_of(namespace)
-        return self.keys.get(tenant) if tenant else None
+        if not tenant:
+            return None
+        key = self.keys.get(tenant)
+        return key if key is None or self.may_open(tenant) else LOCKED
 
 
 SEALED_FILE = "sealed_tenants.json"

@@ -1,9 +1,10 @@
 """Operator upkeep: list, inspect, evict and verify (with repair) the blocks the tiers hold.
 
 One job, apart from the data path: what ``ucm-admin ls/inspect/evict/verify`` asks of the daemon. It
-reads the tiers directly (an operator looks at each tier, not at the pipeline's merged view) and takes
-the engine's key check as a callable, so the batch limit and tenant scoping of keys stay where the
-data path defines them.
+reads the tiers directly (an operator looks at each tier, not at the pipeline's merged view) and names
+blocks as they are stored (:func:`ucm_server.authz.store_namespace`: an operator's names are the
+ones ``ucm-admin ls`` shows); it takes the engine's key check as a callable, so the batch limit stays
+where the data path defines it. It answers names, sizes and figures, never a block's bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ucm_server.store.base import BlockInfo, Tier
 from ucm_server.store.pipeline import Pipeline
 
 KeyCheck = Callable[[bytes, Sequence[bytes]], list[BlockKey]]
-"""``(namespace, digests) -> keys``: the engine's batch limit, checks and tenant scoping."""
+"""``(namespace, digests) -> keys``: the engine's batch limit and checks, namespaces as stored."""
 
 
 class Upkeep:

@@ -30,11 +30,6 @@ def session_of(context: aio.ServicerContext) -> str | None:
     return None
 
 
-def is_local(context: aio.ServicerContext) -> bool:
-    """Whether the call came over the Unix socket (grpc names such peers ``unix:...``)."""
-    return str(context.peer() or "").startswith("unix:")
-
-
 def task_status(task: Task) -> pb.TaskStatus:
     return pb.TaskStatus(
         task_id=task.task_id,
@@ -79,10 +74,6 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
-        if not is_local(context):
-            raise PermissionDenied(
-                "memory registration needs a local Unix-socket client; over TCP use GetBlocks/PutBlocks"
-            )
         if request.cuda_ipc_handle:  # GPU memory shared by CUDA IPC (ucm_server.gpu)
             gpu = await self.engine.register_cuda_region(
                 session_of(context),
