@@ -149,7 +149,9 @@ class Engine:
         self._compress()
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
         self.pipeline.set_rules(self.retention)
-        self.quota = Quota(ledger, self.pipeline, self.retention)
+        self.quota = Quota(
+            ledger, self.pipeline, self.retention, pin_reserve=config.pin_reserve, pin_share=config.pin_share
+        )
         self.expiry = Expiry(self.pipeline, self.retention, self.quota)
         self._quota_opening: asyncio.Task[None] | None = None
 
@@ -457,6 +459,10 @@ class Engine:
         if change.pin:
             self.quota.check_pins(keys, sizes)
         await self.retention.change(stored, change, time.time())
+        if change.pin:
+            self.quota.pinned(keys, sizes)
+        elif change.pin is False:
+            self.quota.unpinned(stored)
         return RetentionAnswer(len(stored), len(keys) - len(stored), gaps)
 
     # -- tasks ----------------------------------------------------------------------------------------
@@ -506,7 +512,7 @@ class Engine:
             iovs = await self._off_loop(len(region_ids), self._host_plan, kind, columns, block_counts, found)
             self._still_valid(session, used)
             if kind is TaskKind.DUMP:
-                self.quota.refuse_oversized(map(iov_len, iovs))
+                self.quota.admit_write(keys, map(iov_len, iovs))
         except BaseException:
             self.regions.unpin(used)
             raise
@@ -642,7 +648,7 @@ class Engine:
             plan = await self._off_loop(nseg, self._gpu_plan, kind, session, columns, counts)
             self._still_valid(session, held)
             if kind is TaskKind.DUMP:
-                self.quota.refuse_oversized(block.nbytes for block in plan.blocks)
+                self.quota.admit_write(keys, [block.nbytes for block in plan.blocks])
             self.regions.pin(plan.regions)
         finally:
             self.regions.unpin(held)
@@ -750,7 +756,7 @@ class Engine:
             raise InvalidArgument(
                 f"block is {len(data)} bytes, more than max_block_bytes {self.config.max_block_bytes}"
             )
-        self.quota.refuse_oversized([len(data)])
+        self.quota.admit_write([key], [len(data)])
         await self.quota.claim([key])
         item = (key, [memoryview(data)])
         (r,) = await self.pipeline.write_many([item], owned=True)

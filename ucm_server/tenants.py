@@ -105,13 +105,6 @@ class TenantLedger:
         blocks = self._blocks.get(tenant) if tenant else None
         return blocks.get(key, 0) if blocks is not None else 0
 
-    def pinned_bytes(self, tenant: str, pinned: Iterable[bytes]) -> int:
-        """Bytes of ``tenant``'s blocks among ``pinned`` (they count against its quota like any)."""
-        blocks = self._blocks.get(tenant)
-        if not blocks:
-            return 0
-        return sum(blocks.get(key, 0) for key in pinned)  # type: ignore[call-overload]
-
     def stored(self, key: BlockKey, size: int) -> list[BlockKey]:
         """Account a stored block; returns the owner's blocks to evict to get back under quota:
         least recently used first, pinned blocks never; the block just stored only when the

@@ -489,6 +489,11 @@ class Tier(abc.ABC):
         Default: tiers without a policy free nothing."""
         return 0
 
+    def footprint(self, size: int) -> int:
+        """Bytes of the tier's capacity a block of ``size`` bytes takes (what a pin holds of it).
+        Default: its size; a tier that allocates in pages says so."""
+        return size
+
     def use_rules(self, rules: EvictionRules) -> None:
         """Evict under ``rules`` from now on (a wrapper passes them to the tier it wraps)."""
         self.rules = rules

@@ -287,6 +287,10 @@ class CacheTier(Tier):
             if namespace is None or entry.key.namespace == namespace:
                 yield BlockInfo(key=entry.key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
 
+    def footprint(self, size: int) -> int:
+        """Whole pages."""
+        return self.arena.pages_for(size) * self.arena.page_size
+
     async def info(self, key: BlockKey) -> BlockInfo | None:
         entry = self._index.get(key)
         if entry is None:
