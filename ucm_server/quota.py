@@ -1,15 +1,16 @@
 """Per-tenant quota accounting, once for every path that stores or reads blocks.
 
-The host data path (per chunk), the GPU data path (when its task ends) and ``PutBlocks`` all go
-through these few calls, at the same points as before they shared them:
+The host and GPU movers (chunk by chunk) and ``PutBlocks`` all go through these few calls, at the same
+points:
 
 * :meth:`Quota.claim` before a write's regions are found and pinned — the namespace is recorded as
   the tenant's (durably, off the event loop) before any block of it is written;
 * :meth:`Quota.admit_write` once the request is validated and before anything is copied — a block
   larger than the whole quota could never be kept (the block just written is never the one evicted),
   and a pinned block rewritten larger takes more of its owner's pin budget;
-* :meth:`Quota.account` after blocks are moved — a load refreshes them, a dump counts them and evicts
-  the tenant's least-recently-used blocks over its quota (never another tenant's);
+* :meth:`Quota.settle` after blocks are moved (every mover tells it each chunk) — a load refreshes
+  them, a dump counts them and evicts the tenant's least-recently-used blocks over its quota (never
+  another tenant's);
 * :meth:`Quota.check_pins` / :meth:`Quota.pinned` / :meth:`Quota.forgot` for pins, which count
   against their owner's budget for every principal, tenants or not (:mod:`ucm_server.pin_budget`).
 
@@ -28,7 +29,7 @@ from ucm_protocol.text import printable
 from ucm_server.auth import current_principal
 from ucm_server.pin_budget import PinBook, bounded_tiers
 from ucm_server.retention import RetentionTable
-from ucm_server.store.base import BlockInfo
+from ucm_server.store.base import BlockInfo, BlockResult
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import TaskKind
 from ucm_server.tenants import TenantLedger
@@ -170,15 +171,26 @@ class Quota:
         if self.ledger is not None:
             self.ledger.forgot(keys)
 
-    async def account(self, kind: TaskKind, done: Sequence[tuple[BlockKey, int]]) -> None:
-        """``done``: (key, bytes) of the blocks a task moved. A load refreshes them; a dump counts them
-        and evicts the tenant's oldest blocks beyond its quota."""
+    async def settle(
+        self,
+        kind: TaskKind,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        results: Sequence[BlockResult],
+    ) -> None:
+        """What a chunk of a task (or a PutBlocks block) moved, told by every mover alike: a load
+        refreshes its blocks; a dump counts them and evicts the tenant's oldest blocks beyond its
+        quota (never another tenant's, never a pinned one)."""
         if self.ledger is None:
             return
+        done = [key for key, r in zip(keys, results, strict=True) if r.ok]
         if kind is TaskKind.LOAD:
-            self.ledger.touched([key for key, _ in done])
+            self.ledger.touched(done)
             return
-        victims = [v for key, size in done for v in self.ledger.stored(key, size)]
+        stored = (
+            v for k, n, r in zip(keys, sizes, results, strict=True) if r.ok for v in self.ledger.stored(k, n)
+        )
+        victims = list(stored)
         if victims:
             await self.pipeline.delete(victims)
             owner = self.ledger.owner(victims[0]) or ""

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
 from ucm_server.journal import JournalFile, read_regular, remember_names
-from ucm_server.store.encrypted import LOCKED, TenantKey
+from ucm_server.store.encrypted import LOCKED, TenantKey, read_key_file
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +245,36 @@ class TenantKeyring:
 
 
 SEALED_FILE = "sealed_tenants.json"
+
+
+def tenant_keyring(
+    encrypt_tiers: Sequence[str],
+    data_dir: Path,
+    key_files: Mapping[str, str],
+    ledger: TenantLedger | None,
+    may_open: Callable[[str], bool],
+) -> TenantKeyring | None:
+    """The tenants' at-rest keys for the ``encrypt_tiers`` (``None`` when none are named), read now:
+    a bad key file stops start-up naming the file, never showing the key. ``key_files``: tenant ->
+    path. Start-up also stops where blocks would be stored in clear, or sealed ones left unreadable."""
+    sealed_file = data_dir / SEALED_FILE
+    if not encrypt_tiers and sealed_file.exists():
+        raise ConfigError(
+            f"encrypt_tiers is empty, but {sealed_file} lists tenants whose blocks are encrypted at "
+            "rest: name the tiers again (or delete those blocks and the file)"
+        )
+    if key_files and not encrypt_tiers:
+        raise ConfigError(
+            f"auth_tokens_file gives tenant {sorted(key_files)[0]!r} a key_file, but encrypt_tiers is empty: "
+            "its blocks would be stored in clear (name the tiers to encrypt)"
+        )
+    if not encrypt_tiers:
+        return None
+    if not key_files or ledger is None:
+        raise ConfigError("encrypt_tiers is set, but no tenant in auth_tokens_file has a key_file")
+    keys = {t: read_key_file(Path(path), t) for t, path in key_files.items()}
+    log.info("at-rest keys for %d tenant(s)", len(keys))
+    return TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys), may_open)
 
 
 def remember_sealed(path: Path, keyed: Iterable[str]) -> set[str]:

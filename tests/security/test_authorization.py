@@ -524,6 +524,18 @@ TOKENS = {
 }
 
 
+def _sealed_tokens(directory: Path) -> Path:
+    """The tokens file of :data:`TOKENS`, alice with a key file of her own (her blocks sealed)."""
+    key_file = directory / "alice.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    entries = [
+        (token, tenant, {"key_file": str(key_file)} if tenant == "alice" else extra)
+        for token, tenant, extra in TOKENS.values()
+    ]
+    return tokens_file(directory / "tokens.yaml", entries)
+
+
 def _tokened_world(daemon: DaemonProcess) -> World:
     unix = grpc.insecure_channel(daemon.target)
     callers = {name: Caller(name, unix, token=token) for name, (token, _, _) in TOKENS.items()}
@@ -556,12 +568,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
                     UNOWNED[digest] = put(w.callers["local"], digest, NS_UNOWNED)
         finally:
             _close(w)
-    key_file = tmp / "alice.key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    entries = [(token, tenant, extra) for token, tenant, extra in TOKENS.values()]
-    entries[0] = (*entries[0][:2], {"key_file": str(key_file)})
-    tokens = tokens_file(tmp / "tokens.yaml", entries)
+    tokens = _sealed_tokens(tmp)
     args = [*common, "--auth-tokens-file", str(tokens), "--encrypt-tiers", "Posix"]
     with DaemonProcess(tmp / "ucm", args=args) as d:
         w = _tokened_world(d)
@@ -607,12 +614,7 @@ def test_a_sealed_tenants_blocks_reach_nobody_else_in_plaintext(tmp_path: Path) 
     as it is stored, by every data call, while the block is in the Cache and once only its sealed
     copy on disk is left: nobody gets a byte of it. Admin calls show the block (name, size,
     tiers), never its bytes. Alice herself reads it back (the negative control)."""
-    key_file = tmp_path / "alice.key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    entries = [(token, tenant, extra) for token, tenant, extra in TOKENS.values()]
-    entries[0] = (*entries[0][:2], {"key_file": str(key_file)})
-    tokens = tokens_file(tmp_path / "tokens.yaml", entries)
+    tokens = _sealed_tokens(tmp_path)
     args = ["--auth-tokens-file", str(tokens), "--encrypt-tiers", "Posix", "--cache-capacity", "64MiB"]
     digest = key_digest("sealed", 0)
     stolen = alice_namespace(NS)

@@ -59,7 +59,7 @@ class EventsSettings:
 
 class KvEventPublisher:
     """Publishes the ledger's transitions; attach it to the tiers before they open (every tier must be
-    :class:`~ucm_server.store.watch.Watchable`: :meth:`Pipeline.make_watchable` sees to it)."""
+    :class:`~ucm_server.store.watch.Watchable`: the store assembly's observation layer sees to it)."""
 
     def __init__(self, settings: EventsSettings, tiers: Sequence[Tier]) -> None:
         self.settings = settings
@@ -77,7 +77,7 @@ class KvEventPublisher:
         self.dropped = 0
         for tier in tiers:
             if not isinstance(tier, Watchable):
-                raise TypeError(f"tier {tier.name!r}: no watchable index (Pipeline.make_watchable wraps it)")
+                raise TypeError(f"tier {tier.name!r}: no watchable index (the store assembly wraps it)")
             tier.watch_index(self.ledger.watch(tier))
 
     @property
@@ -186,11 +186,10 @@ class KvEventPublisher:
 
 def kv_event_publisher(config: ServerConfig, pipeline: Pipeline) -> KvEventPublisher | None:
     """The daemon's publisher when ``kv_events_endpoint`` is set (watching every tier of
-    ``pipeline``, tiers without a watchable index through :class:`~ucm_server.store.observed.
-    ObservedTier`), else None. Call it before the pipeline opens."""
+    ``pipeline``, which the store assembly built with tiers without a watchable index wrapped in
+    :class:`~ucm_server.store.observed.ObservedTier`), else None. Call it before the pipeline opens."""
     if not config.kv_events_endpoint:
         return None
-    pipeline.make_watchable()
     settings = EventsSettings(
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,

@@ -32,12 +32,10 @@ from ucm_server.store.base import (
     Tier,
     TierContext,
     TierStats,
-    copy_all,
-    copy_in_order,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.watch import IndexWatch
 
