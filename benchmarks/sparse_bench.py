@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     first_rows = [
         "",
-        "First sparse decode step per layer (issue #14 item 5): block features built during prefill "
+        "First sparse decode step per layer: block features built during prefill "
         "(the worker features each layer's blocks after its attention wrote them) vs built by the first "
         "retrieval. Best of 2, ms.",
         "",

@@ -1,7 +1,7 @@
 """The daemon's configuration: one typed dataclass, loaded from defaults < YAML < ``UCM_*`` env < flags.
 
 Every field documents itself (``help`` metadata), which is what ``ucm-server --help``, ``--print-config``
-and the README's configuration reference are generated from. Unknown keys and bad values stop
+and docs/configuration.md are generated from. Unknown keys and bad values stop
 start-up with a :class:`ConfigError` that names the key and where it came from; nothing is silently
 ignored.
 
@@ -34,6 +34,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
 _CLIENT_ENV = {
     "UCM_CONFIG_FILE",
+    "UCM_SERVER_CONFIG",  # which file --config defaults to (ucm_protocol.paths.SERVER_CONFIG_ENV)
     "UCM_LOG_LEVEL",
     "UCM_TOKEN",
     "UCM_TARGET",
@@ -370,16 +371,61 @@ class ServerConfig:
         default="",
         metadata=_help(
             "Publish what every tier holds as vLLM KV events (BlockStored / BlockRemoved / "
-            "AllBlocksCleared, msgpack over ZeroMQ PUB) on this address: tcp://*:5557 or ipc:///path "
-            "binds, tcp://host:port connects; empty = off."
+            "AllBlocksCleared, msgpack over ZeroMQ PUB) on this address: local = "
+            "ipc://<socket directory>/kv-events.pub (only the daemon's uid can connect), "
+            "ipc:///path or tcp://*:5557 binds, tcp://host:port connects; empty = off. Who sees "
+            "which tenant's events: docs/security.md."
         ),
     )
     kv_events_replay_endpoint: str = field(
         default="",
         metadata=_help(
             "ZeroMQ ROUTER address for replay: missed batches from the ring, or a snapshot of the "
-            "whole index for a subscriber that joins late or fell too far behind; empty = off."
+            "whole index for a subscriber that joins late or fell too far behind; local = "
+            "ipc://<socket directory>/kv-events.replay; empty = off."
         ),
+    )
+    kv_events_heartbeat_s: float = field(
+        default=1.0,
+        metadata=_help(
+            "Every this many seconds without a batch, the last batch's number is sent again with no "
+            "events, so a subscriber that missed batches (a daemon restarted while it stayed "
+            "connected) sees the gap and repairs it through the replay socket; 0 = off."
+        ),
+    )
+    kv_events_curve_secret_key_file: str = field(
+        default="",
+        metadata=_help(
+            "The daemon's ZeroMQ CURVE secret key (a 0600 file of 40 Z85 characters, python -m "
+            "ucm_server.kv_events.keygen makes one): the event sockets then encrypt and admit only "
+            "the subscribers of kv_events_subscribers_file, each seeing its own tenant's events."
+        ),
+    )
+    kv_events_subscribers_file: str = field(
+        default="",
+        metadata=_help(
+            "YAML list of the subscribers' CURVE public keys and what each sees "
+            "(subscribers: [{public_key: ..., tenant: NAME}] or {public_key: ..., all: true}); "
+            "needs kv_events_curve_secret_key_file."
+        ),
+    )
+    kv_events_allow_open_tcp: bool = field(
+        default=False,
+        metadata=_help(
+            "Let a KV event endpoint bind every interface (tcp://*:PORT) without CURVE: anyone who "
+            "reaches the port reads the block hashes of the namespaces no tenant owns. Off: refused."
+        ),
+    )
+    kv_events_persistent_medium: str = field(
+        default="STORAGE",
+        metadata=_help(
+            "The medium KV events name for a persistent tier of this node (Posix): vLLM's "
+            "STORAGE; DISK is what earlier releases sent."
+        ),
+    )
+    kv_events_shared_medium: str = field(
+        default="SHARED",
+        metadata=_help("The medium KV events name for a tier other nodes write too (DS3FS, Mooncake, S3)."),
     )
     kv_events_topic: str = field(
         default="",
@@ -558,8 +604,27 @@ class ServerConfig:
             _check_host_port("metrics_address", self.metrics_address)
         for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, key)
-            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(f"{key}: {value!r} is not a ZeroMQ address (tcp://, ipc:// or inproc://)")
+            if value and value != "local" and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    f"{key}: {value!r} is not a ZeroMQ address (local, tcp://, ipc:// or inproc://)"
+                )
+        if self.kv_events_heartbeat_s < 0:
+            raise ConfigError(
+                f"kv_events_heartbeat_s: must be 0 (off) or more, got {self.kv_events_heartbeat_s}"
+            )
+        if self.kv_events_subscribers_file and not self.kv_events_curve_secret_key_file:
+            raise ConfigError(
+                "kv_events_subscribers_file: subscribers are told apart by their CURVE keys: set "
+                "kv_events_curve_secret_key_file too"
+            )
+        if self.kv_events_curve_secret_key_file and not self.kv_events_subscribers_file:
+            raise ConfigError(
+                "kv_events_curve_secret_key_file: set kv_events_subscribers_file too (whose keys may "
+                "subscribe, and to which tenant's events)"
+            )
+        for key in ("kv_events_persistent_medium", "kv_events_shared_medium"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key}: must not be empty")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("kv_events_replay_endpoint: set kv_events_endpoint too (replay of what?)")
         if self.kv_events_buffer_batches < 1:

@@ -157,7 +157,12 @@ class Daemon:
         self.tcp_port: int | None = None
         self._locks: list[int] = []
         self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
-        self.kv_events = kv_event_publisher(config, self.engine.pipeline)
+        self.kv_events = kv_event_publisher(  # checks its settings; binds nothing until start()
+            config,
+            self.engine.pipeline,
+            {t for t in self.authenticator.tenants if t} if self.authenticator is not None else None,
+            lambda ns: self.engine.ledger.owner_of(ns) if self.engine.ledger is not None else None,
+        )
 
     async def start(self) -> None:
         cfg = self.config
@@ -168,8 +173,6 @@ class Daemon:
                 self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
             except OSError as exc:
                 raise ConfigError(f"metrics_address {cfg.metrics_address}: {exc.strerror}") from exc
-        if self.kv_events is not None:  # before the tiers open: the re-adopted index is announced
-            self.kv_events.start()
         await self.engine.open()
         ucm_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.engine), self.server)
         ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
@@ -180,6 +183,8 @@ class Daemon:
         )
 
         _prepare_socket(cfg.socket)
+        if self.kv_events is not None:  # after the socket checks; what the tiers re-adopted is announced
+            self.kv_events.start()
         old_umask = os.umask(0o177)  # the socket is created 0600
         try:
             self.server.add_insecure_port(f"unix://{cfg.socket}")

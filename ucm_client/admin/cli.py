@@ -47,7 +47,8 @@ examples:
   ucm-admin watch --interval 2
   ucm-admin --socket /run/ucm/ucm.sock doctor
 
-target: --target, else --socket, else the socket of --config FILE, else $UCM_TARGET, else $UCM_SOCKET,
+target: --target, else --socket, else the socket of --config FILE, else $UCM_TARGET, else the socket of
+$UCM_SERVER_CONFIG (ucm-server's default config file; the image sets it), else $UCM_SOCKET,
 else $XDG_RUNTIME_DIR/ucm/ucm.sock, else /tmp/ucm-<uid>/ucm.sock (the same default as ucm-server).
 Set UCM_ADMIN_DEBUG=1 to see a traceback for unexpected errors.
 
