@@ -20,6 +20,7 @@ import yaml
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.kv_events.ledger import Ledger
+from ucm_server.store.assembly import observation
 from ucm_server.store.base import Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.observed import ObservedTier
@@ -54,9 +55,8 @@ def test_wrapped_tier_reports_what_its_calls_find(tmp_path: Path) -> None:
     async def scenario() -> None:
         posix = PosixTier("Posix", roots=[tmp_path / "blocks"])
         plain = LatencyInjectingTier(posix)  # a tier without a watchable index, like a plugin's
-        pipeline = Pipeline([CacheTier("Cache", capacity=1 << 20), plain])
         assert isinstance(posix, Watchable) and not isinstance(plain, Watchable)
-        pipeline.make_watchable()
+        pipeline = Pipeline([CacheTier("Cache", capacity=1 << 20), observation(plain)])
         tier = pipeline.tiers[1]
         assert isinstance(tier, ObservedTier) and tier.inner is plain and tier.kind == "LatencyInjecting"
         assert pipeline.tier("Posix") is tier and isinstance(pipeline.top, CacheTier)

@@ -90,10 +90,16 @@ def test_pinned_blocks_survive_pressure_in_cache_and_posix(small: DaemonProcess)
         assert client.lookup(NS, pinned).hits == 0
 
 
-def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evicted(
-    small: DaemonProcess,
-) -> None:
-    with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
+def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evicted(tmp_path: Path) -> None:
+    # Pins take whole tiers only where the operator lets them (no reserve, no per-principal share;
+    # a Cache as large as the Posix tier, as every pin counts against every bounded tier): see
+    # tests/security/test_pin_fairness.py for the defaults, which keep room for everyone else.
+    args = [*SMALL, "--cache-capacity", "2MiB", "--pin-reserve", "0", "--pin-share", "1"]
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as small,
+        UcmClient(small.target) as client,
+        SharedBuffer(8 * BLOCK) as buf,
+    ):
         keys: list[bytes] = []
         for first in range(0, 32, 8):
             keys += keys_of(dump(client, buf, first, 8))

@@ -302,6 +302,22 @@ class ServerConfig:
             "refused with RESOURCE_EXHAUSTED until some finish."
         ),
     )
+    pin_reserve: float = field(
+        default=0.25,
+        metadata=_help(
+            "Share of each bounded tier (Cache; Posix with posix_capacity) that pins can never "
+            "take, all principals together: a pin past it is refused with RESOURCE_EXHAUSTED, so "
+            "other principals' blocks always find room by evicting unpinned ones. 0 to 0.99."
+        ),
+    )
+    pin_share: float = field(
+        default=0.5,
+        metadata=_help(
+            "Share of each bounded tier one principal without a quota may pin (a tenant without "
+            "quota, a token without a tenant, the local clients of a daemon without tokens); a "
+            "tenant with a quota pins within its quota. 0 to 1."
+        ),
+    )
     shared_lookup_ttl_s: float = field(
         default=2.0,
         metadata=_help(
@@ -545,6 +561,10 @@ class ServerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0 <= self.pin_reserve < 1:
+            raise ConfigError(f"pin_reserve: expected a share in [0, 1), got {self.pin_reserve}")
+        if not 0 <= self.pin_share <= 1:
+            raise ConfigError(f"pin_share: expected a share in [0, 1], got {self.pin_share}")
         if not 0 <= self.writeback_wait_s <= 60:
             raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
         if self.writeback_max_bytes < 0:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from ucm_server.gpu.region import GpuRegion
+from ucm_server.gpu_region import GpuRegion
 from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.store.base import IoVec
 

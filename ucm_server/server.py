@@ -145,11 +145,7 @@ class Daemon:
         )
         self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
-            interceptors=[
-                ErrorMappingInterceptor(
-                    self.engine.metrics, self.authenticator, tcp_anonymous=config.tcp_anonymous
-                )
-            ],
+            interceptors=[ErrorMappingInterceptor(self.engine.metrics, self.engine.authz)],
             options=[
                 *channel_options(),
                 ("grpc.so_reuseport", 0),
@@ -240,8 +236,7 @@ class Daemon:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         log.info("shutting down: finishing running tasks (up to %.0fs)", grace_s)
         await self.health.enter_graceful_shutdown()
-        self.engine.closing = True
-        await self.engine.tasks.shutdown(grace_s)
+        await self.engine.stop_serving(grace_s)
         await self.server.stop(1.0)
         await self.fds.close()
         await self.engine.close(grace_s)

@@ -24,6 +24,16 @@ class TierFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionFigures:
+    """One attached session as ``Admin.Stats`` lists it (its client name escaped and capped)."""
+
+    client_name: str
+    pid: int
+    tenant: str
+    attached_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     version: str
     uptime_s: float

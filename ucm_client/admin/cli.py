@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Pin blocks: never evicted (by capacity or quota) until unpinned.",
         "Pins hold in every tier whose eviction this daemon decides (Cache, Posix); tiers that cannot\n"
         "hold one (shared tiers) are named on stderr, or the pin is refused with --require-all-tiers.\n"
-        "Pinned bytes count against the owning tenant's quota; a pin past it is refused.",
+        "Pinned bytes count against the owner's quota (pin_share of a tier without one), and pins\n"
+        "leave pin_reserve of each tier unpinned; a pin past either is refused.",
         "  ucm-admin pin 3f2a...e1/9c0d...77\n"
         "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
     )

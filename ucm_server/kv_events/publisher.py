@@ -68,7 +68,7 @@ class EventsSettings:
 
 class KvEventPublisher:
     """Publishes each audience's transitions; attach it to the tiers before they open (every tier must
-    be :class:`~ucm_server.store.watch.Watchable`: :meth:`Pipeline.make_watchable` sees to it)."""
+    be :class:`~ucm_server.store.watch.Watchable`: the store assembly's observation layer sees to it)."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class KvEventPublisher:
         self.dropped = 0
         for tier in tiers:
             if not isinstance(tier, Watchable):
-                raise TypeError(f"tier {tier.name!r}: no watchable index (Pipeline.make_watchable wraps it)")
+                raise TypeError(f"tier {tier.name!r}: no watchable index (the store assembly wraps it)")
             tier.watch_index(self._watch(tier))
 
     def _watch(self, tier: Tier) -> TierWatch:
@@ -293,14 +293,14 @@ def kv_event_publisher(
     owner_of: Callable[[bytes], str | None] = lambda namespace: None,
 ) -> KvEventPublisher | None:
     """The daemon's publisher when ``kv_events_endpoint`` is set (watching every tier of
-    ``pipeline``, tiers without a watchable index through :class:`~ucm_server.store.observed.
-    ObservedTier`), else None. Call it before the pipeline opens: it checks the settings (a bad key
-    or subscribers file, an open TCP bind) but binds nothing until :meth:`KvEventPublisher.start`.
-    ``tenants``: those of ``auth_tokens_file``; ``owner_of``: a namespace's tenant (None: none)."""
+    ``pipeline``, which the store assembly built with tiers without a watchable index wrapped in
+    :class:`~ucm_server.store.observed.ObservedTier`), else None. Call it before the pipeline opens:
+    it checks the settings (a bad key or subscribers file, an open TCP bind) but binds nothing until
+    :meth:`KvEventPublisher.start`. ``tenants``: those of ``auth_tokens_file``; ``owner_of``: a
+    namespace's tenant (None: none)."""
     if not config.kv_events_endpoint:
         return None
     plan = plan_access(config, tenants)
-    pipeline.make_watchable()
     settings = EventsSettings(
         topic=config.kv_events_topic_name,
         hash_format=config.kv_events_hash_format,

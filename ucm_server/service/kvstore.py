@@ -17,7 +17,7 @@ from ucm_protocol.errors import InvalidArgument, PermissionDenied
 from ucm_protocol.keys import PackedDigests
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_protocol.wire import SESSION_METADATA, WAIT_CAP_S
+from ucm_protocol.wire import SESSION_METADATA
 from ucm_server.engine import Engine
 from ucm_server.retention import Change
 from ucm_server.tasks import Task, TaskKind
@@ -28,11 +28,6 @@ def session_of(context: aio.ServicerContext) -> str | None:
         if key == SESSION_METADATA:
             return str(value)
     return None
-
-
-def is_local(context: aio.ServicerContext) -> bool:
-    """Whether the call came over the Unix socket (grpc names such peers ``unix:...``)."""
-    return str(context.peer() or "").startswith("unix:")
 
 
 def task_status(task: Task) -> pb.TaskStatus:
@@ -57,7 +52,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
         session = self.engine.attach(
             request.client_name, request.pid, task_events=request.task_events, peer=context.peer() or ""
         )
-        interval = self.engine.config.heartbeat_interval_s
+        interval = self.engine.heartbeat_interval_s
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,
@@ -65,7 +60,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 server_version=self.engine.version,
             )
             while True:  # a heartbeat every interval, or sooner with the statuses of tasks that ended
-                finished, stopped = await self.engine.task_events.next(session.session_id, interval)
+                finished, stopped = await self.engine.session_events(session.session_id)
                 yield pb.SessionEvent(
                     session_id=session.session_id,
                     heartbeat_interval_s=interval,
@@ -79,10 +74,6 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
-        if not is_local(context):
-            raise PermissionDenied(
-                "memory registration needs a local Unix-socket client; over TCP use GetBlocks/PutBlocks"
-            )
         if request.cuda_ipc_handle:  # GPU memory shared by CUDA IPC (ucm_server.gpu)
             gpu = await self.engine.register_cuda_region(
                 session_of(context),
@@ -159,16 +150,16 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return pb.TaskHandle(task_id=task.task_id)
 
     async def Wait(self, request: pb.WaitRequest, context: aio.ServicerContext) -> pb.TaskStatus:
-        task = self.engine.task(session_of(context), request.task_id)
-        timeout = max(0.0, min(request.timeout_s, WAIT_CAP_S))
-        return task_status(await self.engine.tasks.wait(task, timeout, request.cancel_on_timeout))
+        task = await self.engine.wait(
+            session_of(context), request.task_id, request.timeout_s, request.cancel_on_timeout
+        )
+        return task_status(task)
 
     async def Check(self, request: pb.TaskHandle, context: aio.ServicerContext) -> pb.TaskStatus:
         return task_status(self.engine.task(session_of(context), request.task_id))
 
     async def Cancel(self, request: pb.CancelRequest, context: aio.ServicerContext) -> pb.TaskStatus:
-        task = self.engine.task(session_of(context), request.task_id)
-        return task_status(await self.engine.tasks.cancel(task))
+        return task_status(await self.engine.cancel(session_of(context), request.task_id))
 
     async def Delete(self, request: pb.DeleteRequest, context: aio.ServicerContext) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=await self.engine.delete(request.namespace, request.keys))

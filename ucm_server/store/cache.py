@@ -32,12 +32,10 @@ from ucm_server.store.base import (
     Tier,
     TierContext,
     TierStats,
-    copy_all,
-    copy_in_order,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.watch import IndexWatch
 
@@ -286,6 +284,10 @@ class CacheTier(Tier):
         for entry in list(self._index.values()):
             if namespace is None or entry.key.namespace == namespace:
                 yield BlockInfo(key=entry.key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
+
+    def footprint(self, size: int) -> int:
+        """Whole pages."""
+        return self.arena.pages_for(size) * self.arena.page_size
 
     async def info(self, key: BlockKey) -> BlockInfo | None:
         entry = self._index.get(key)

@@ -26,10 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
@@ -46,25 +45,14 @@ from ucm_server.store.base import (
     iov_len,
 )
 from ucm_server.store.leasing import Leasing, leasing_of
-from ucm_server.store.observed import ObservedTier
 from ucm_server.store.promotion import Promotions
 from ucm_server.store.staging import StagingPool, copy_pairs
-from ucm_server.store.watch import Watchable
-from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures
+from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class _Flush:
-    key: BlockKey
-    lease: Lease
-    done: asyncio.Future[BlockResult]
-    nbytes: int
-    """Backlog bytes this job holds (whole Cache pages), given back when it ends."""
 
 
 class Pipeline:
@@ -81,39 +69,33 @@ class Pipeline:
         writeback_wait_s: float = 1.0,
         writeback_overflow: Overflow = "write-through",
         flush_batch: int = 4,
+        rules: EvictionRules | None = None,
     ) -> None:
         """``writeback_max_bytes``: Cache bytes that may await write-down at once (0: half the
         Cache); a dump waits up to ``writeback_wait_s`` for room, then ``writeback_overflow``
         decides (:mod:`ucm_server.store.writeback`). A flusher writes up to ``flush_batch`` queued
-        blocks in one batch."""
+        blocks in one batch. ``rules``: the daemon's retention rules, which every tier's eviction
+        follows where it can (pins, priorities)."""
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
+        if rules is not None:
+            for t in self.tiers:
+                t.use_rules(rules)
         self.top = self.tiers[0]
         self.leasing: Leasing | None = leasing_of(self.top)
         """The top tier when it can lease (the Cache): write-back, promotion in place, GPU copies."""
         self.write_back = write_back and self.leasing is not None and len(self.tiers) > 1
-        self._nflushers = flushers
         self.staging = staging or StagingPool()
         self._executor = executor
         capacity = self.leasing.arena.capacity if self.leasing is not None else 0
         self.backlog = Backlog(writeback_max_bytes or max(capacity // 2, 1))
         self.writeback_wait_s = writeback_wait_s
         self.writeback_overflow: Overflow = writeback_overflow
-        self._flush_batch = max(1, flush_batch)
-        self._jobs: deque[_Flush] = deque()
-        self._queued: dict[BlockKey, list[_Flush]] = {}  # jobs not yet taken by a flusher, by key
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closing = False
-        self._flushers: list[asyncio.Task[None]] = []
-        self._pending = 0
+        self.queue = WriteBackQueue(self.backlog, self._write_down, flushers=flushers, batch=flush_batch)
+        """The blocks awaiting their write-down, and the flushers writing them."""
         self._skipped = 0
         self._through = 0
-        self._written_down = 0
-        self._flush_failed = 0
-        self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
         # What shared tiers answered recently (size or None, until when): vLLM's scheduler asks about
         # the same prefix again and again, and a remote lookup costs milliseconds to seconds.
         self.shared_lookup_ttl_s = shared_lookup_ttl_s
@@ -131,13 +113,13 @@ class Pipeline:
 
     @property
     def pending_writeback(self) -> int:
-        return self._pending
+        return self.queue.pending
 
     def writeback_figures(self) -> WriteBackFigures:
         """The write-back queue now (no await: the metrics scrape thread calls it through the snapshot)."""
         b = self.backlog
         return WriteBackFigures(
-            queue_depth=self._pending,
+            queue_depth=self.queue.pending,
             bytes_pending=max(b.used, 0),
             max_bytes=b.limit if self.write_back else 0,
             waiting=b.waiting,
@@ -145,22 +127,9 @@ class Pipeline:
             backpressure_wait_s=b.wait_s,
             skipped=self._skipped,
             written_through=self._through,
-            written=self._written_down,
-            failed=self._flush_failed,
+            written=self.queue.written,
+            failed=self.queue.failed,
         )
-
-    def wrap(self, names: Iterable[str], wrap: Callable[[Tier], Tier]) -> None:
-        """Replace the tiers called ``names`` (below the top) by ``wrap(tier)``; before :meth:`open`."""
-        for name in names:
-            i = self.tiers.index(self.tier(name))
-            if i == 0:
-                raise ValueError(f"the top tier {name!r} cannot be wrapped")
-            self.tiers[i] = wrap(self.tiers[i])
-
-    def set_rules(self, rules: EvictionRules) -> None:
-        """Every tier evicts under the daemon's retention rules from now on (where it can)."""
-        for t in self.tiers:
-            t.use_rules(rules)
 
     def pin_gaps(self) -> list[str]:
         """``"<tier>: why"`` for each tier whose eviction does not hold this daemon's pins."""
@@ -172,36 +141,22 @@ class Pipeline:
                 return t
         raise KeyError(name)
 
-    def make_watchable(self) -> None:
-        """Make every tier :class:`~ucm_server.store.watch.Watchable` (KV events): a tier without a
-        watchable index (Mooncake, S3, a third-party tier) is replaced by an
-        :class:`~ucm_server.store.observed.ObservedTier` wrapping it, which reports what this daemon
-        learns of the tier from its calls. Call it before :meth:`open`."""
-        for i, tier in enumerate(self.tiers):
-            if not isinstance(tier, Watchable):
-                self.tiers[i] = ObservedTier(tier)
-        self.top = self.tiers[0]
-
     async def open(self) -> None:
         for t in self.tiers:
             await t.open()
         if self.write_back:
-            self._flushers = [asyncio.create_task(self._flusher()) for _ in range(self._nflushers)]
+            self.queue.start()
 
     async def close(self) -> None:
         """Finish every pending write-back, then close the tiers (bottom first)."""
-        await self.drain()
-        self._closing = True
-        self._wake.set()
-        await asyncio.gather(*self._flushers, return_exceptions=True)
+        await self.queue.stop()
         for t in reversed(self.tiers):
             await t.close()
         self.staging.close()
 
     async def drain(self) -> None:
         """Wait until every queued write-back has ended."""
-        while self._pending:
-            await self._idle.wait()
+        await self.queue.drain()
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -526,7 +481,7 @@ class Pipeline:
                     continue
                 nbytes = self._cache_bytes(lease.size)
                 room -= nbytes
-                fut = self._enqueue(key, lease, nbytes)
+                fut = self.queue.enqueue(key, lease, nbytes)
                 if durable:
                     waits.append((i, fut))
             if room:  # taken for blocks the top tier refused
@@ -548,8 +503,8 @@ class Pipeline:
                     await self.top.delete(refused)
                 for i in direct:  # and an older write-back must not land below after this one:
                     if top_results[i].ok:  # superseded in the Cache, queued ones end now
-                        self._drop_queued(items[i][0])
-                    await self._settle(items[i][0])  # those under way are waited for
+                        self.queue.drop_queued(items[i][0])
+                    await self.queue.settle(items[i][0])  # those under way are waited for
                 lower = await self._write_direct(items, direct, held, owned)
                 # What the lower tiers say decides: stored there is stored (even if the top refused it),
                 # and a write-through that fails below has failed.
@@ -585,8 +540,8 @@ class Pipeline:
         it already under way), and queued write-backs of older versions are dropped."""
         self._skipped += len(keys)
         for key in keys:
-            self._drop_queued(key)
-            await self._settle(key)
+            self.queue.drop_queued(key)
+            await self.queue.settle(key)
         for tier in self.tiers[1:]:
             sizes = await tier.lookup(keys)
             present = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
@@ -673,7 +628,7 @@ class Pipeline:
         if room is None:  # write-through, or a saturated node whose policy is write-through
             try:
                 for i, _ in leases:  # an older write-back must not land below after this one
-                    await self._settle(keys[i])
+                    await self.queue.settle(keys[i])
                 lower = await self._write_down([(keys[i], lease.iov) for i, lease in leases])
             finally:
                 for _, lease in leases:
@@ -683,7 +638,7 @@ class Pipeline:
             return results
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         for i, lease in leases:
-            fut = self._enqueue(keys[i], lease, self._cache_bytes(lease.size))
+            fut = self.queue.enqueue(keys[i], lease, self._cache_bytes(lease.size))
             if durable:
                 waits.append((i, fut))
         for i, fut in waits:
@@ -701,111 +656,6 @@ class Pipeline:
                     results[i] = failed(f"{tier.name}: {r.reason}")
         return results
 
-    async def _settle(self, key: BlockKey, before: asyncio.Future[BlockResult] | None = None) -> None:
-        """Wait for the write-backs of ``key`` queued earlier (all of them, or those before ``before``)."""
-        pending = self._inflight.get(key)
-        if not pending:
-            return
-        earlier = pending[: pending.index(before)] if before in pending else list(pending)
-        if earlier:
-            await asyncio.gather(*(asyncio.shield(f) for f in earlier))
-
-    def _enqueue(self, key: BlockKey, lease: Lease, nbytes: int) -> asyncio.Future[BlockResult]:
-        """Queue one block's write-back; it holds ``lease`` and ``nbytes`` of the backlog until done."""
-        self._drop_queued(key)
-        fut: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
-        job = _Flush(key, lease, fut, nbytes)
-        self._inflight.setdefault(key, []).append(fut)
-        self._queued.setdefault(key, []).append(job)
-        self._jobs.append(job)
-        self._pending += 1
-        self._idle.clear()
-        self._wake.set()
-        return fut
-
-    def _drop_queued(self, key: BlockKey) -> None:
-        """Queued write-backs of older versions of ``key`` (superseded in the Cache) end now, as a
-        flusher would end them, instead of holding backlog room until their turn comes."""
-        jobs = self._queued.get(key)
-        if not jobs:
-            return
-        keep = []
-        for job in jobs:
-            if job.lease.superseded:
-                self._jobs.remove(job)
-                self._finish(job, OK)
-            else:
-                keep.append(job)
-        if keep:
-            self._queued[key] = keep
-        else:
-            del self._queued[key]
-
-    def _take_batch(self) -> list[_Flush]:
-        """Up to ``flush_batch`` jobs from the front of the queue, distinct keys (one key's
-        versions land in order: a second version waits for the next batch)."""
-        batch: list[_Flush] = []
-        keys: set[BlockKey] = set()
-        while self._jobs and len(batch) < self._flush_batch:
-            job = self._jobs[0]
-            if job.key in keys:
-                break
-            self._jobs.popleft()
-            keys.add(job.key)
-            queued = self._queued.get(job.key)
-            if queued is not None:
-                queued.remove(job)
-                if not queued:
-                    del self._queued[job.key]
-            batch.append(job)
-        return batch
-
-    def _finish(self, job: _Flush, r: BlockResult) -> None:
-        job.lease.release()
-        self.backlog.give(job.nbytes)
-        self._pending -= 1
-        waiting = self._inflight.get(job.key, [])
-        if job.done in waiting:
-            waiting.remove(job.done)
-        if not waiting:
-            self._inflight.pop(job.key, None)
-        if not job.done.done():
-            job.done.set_result(r)
-        if not self._pending:
-            self._idle.set()
-
-    async def _flusher(self) -> None:
-        while True:
-            if not self._jobs:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch = self._take_batch()
-            results: dict[int, BlockResult] = {}
-            interrupted: BlockResult = failed("write-back interrupted")
-            try:
-                for job in batch:
-                    await self._settle(job.key, before=job.done)  # one key's versions land in order
-                live = [job for job in batch if not job.lease.superseded]  # else the newer state wins
-                if live:
-                    got = await self._write_down([(job.key, job.lease.iov) for job in live])
-                    for job, r in zip(live, got, strict=True):
-                        results[id(job)] = r
-                        if r.ok:
-                            self._written_down += 1
-                        else:
-                            self._flush_failed += 1
-                            log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
-                interrupted = OK  # superseded jobs
-            except Exception as exc:  # a tier bug must not kill the flusher
-                log.exception("write-back of %d blocks crashed", len(batch))
-                interrupted = failed(f"write-back error: {exc}")
-            finally:
-                for job in batch:
-                    self._finish(job, results.get(id(job), interrupted))
-
     # -- other operations -------------------------------------------------------------------------------
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         # The top tier first, so queued write-backs see their block superseded and skip; then wait
@@ -814,7 +664,7 @@ class Pipeline:
         self._stamp(keys)
         await self.top.delete(keys)
         for k in keys:
-            await self._settle(k)
+            await self.queue.settle(k)
         for t in self.tiers[1:]:
             await t.delete(keys)
         return sum(s is not None for s in present)
