@@ -17,7 +17,7 @@ from support.blocks import NS
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.format import FLAT_LAYOUT_VERSION, encode_header, payload_checksum
-from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix import PosixTier, Profile
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 4096
@@ -109,11 +109,8 @@ def previous_release_sizes(root: Path, n: int) -> list[int | None]:
     """Blocks 0 .. ``n - 1`` as a release without index snapshots sees them: its start-up scan (kept
     as the DS3FS path) over ``root``, checked to quarantine and skip nothing."""
 
-    class PreviousRelease(PosixTier):
-        index_snapshots = False
-
     async def read() -> list[int | None]:
-        tier = PreviousRelease(roots=[root])
+        tier = PosixTier(roots=[root], profile=Profile(index_snapshots=False))
         await tier.open()
         sizes = await tier.lookup([BlockKey(NS, k) for k in index_keys(n)])
         stats = tier.stats()

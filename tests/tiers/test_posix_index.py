@@ -37,8 +37,8 @@ from support.posix_store import (
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.block_index import BlockIndex
-from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
+from ucm_server.store.posix.block_index import BlockIndex
+from ucm_server.store.posix.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
 from ucm_server.testing.daemon import DaemonProcess
 
 

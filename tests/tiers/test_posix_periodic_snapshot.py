@@ -42,8 +42,8 @@ from support.posix_store import (
 )
 
 from ucm_client import UcmClient, key_digest
-from ucm_server.store import index_snapshot
-from ucm_server.store.index_snapshot import PERIODIC_MARKER, PERIODIC_PREFIX
+from ucm_server.store.posix import index_snapshot
+from ucm_server.store.posix.index_snapshot import PERIODIC_MARKER, PERIODIC_PREFIX
 from ucm_server.testing.daemon import DaemonProcess
 
 MAX_BLOCK = 1 << 30

@@ -37,7 +37,7 @@ nothing wrong is ever served; a missing file is forgotten on first read.
 Format (version 1, little endian), in columns so a million blocks load in C-level loops:
 ``b"UCMISNAP"``, u32 version, u32 key length (48), 16-byte epoch, u64 count; then ``count`` keys,
 ``count`` u64 sizes, ``count`` f64 store times (least recently used first); SHA-256 of all before.
-Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.packs`) adds
+Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.posix.packs`) adds
 two columns after the times: ``count`` u64 pack ids (0: a block file) and ``count`` u64 offsets of
 the block's record in its pack. This release reads both; a release that reads only version 1
 rejects a version-2 snapshot and re-reads the headers (it does not read packs either).
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ucm_server.api.paths import fsync_dir
-from ucm_server.store.confined import open_regular
+from ucm_server.store.posix.confined import open_regular
 
 MAGIC = b"UCMISNAP"
 VERSION = 1
@@ -160,7 +160,7 @@ def read_periodic(root: Path, max_size: int) -> Columns:
 def _read_regular(root: Path, name: str, *, limit: int = -1) -> bytes:
     """Up to ``limit`` bytes (all: -1) of ``root/name`` if it is a regular file: files under the
     data directory are not trusted, so no symlink is followed and a FIFO is refused, not waited on
-    (``OSError``: ``FileNotFoundError``, :class:`~ucm_server.store.confined.NotRegularFile`, ...)."""
+    (``OSError``: ``FileNotFoundError``, :class:`~ucm_server.store.posix.confined.NotRegularFile`, ...)."""
     dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fd = open_regular(name, os.O_RDONLY, dir_fd=dfd, shown=str(root / name))
