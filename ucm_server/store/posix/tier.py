@@ -128,6 +128,9 @@ class PosixTier(Tier):
             index_wait_s=index_wait_s,
         )
         self.snapshots = self.recovery.snapshots
+        self._reserved = 0
+        """Bytes of writes in flight that room was made for (:meth:`_make_room`)."""
+        self._room_waiters: list[asyncio.Future[None]] = []
 
     @classmethod
     def from_settings(
@@ -375,13 +378,17 @@ class PosixTier(Tier):
         size = iov_len(src)
         if self.capacity and size > self.capacity:
             return failed(f"block of {size} bytes exceeds {self.name} capacity {self.capacity}")
-        if self.capacity and await self._make_room(size) < size:
+        reserved = await self._make_room(size) if self.capacity else 0
+        if reserved < size and self.capacity:
+            self._release(reserved)
             return failed(self._full(size))
         try:
             direct = await self._run(files.write_file, self.disk, key, src)
         except OSError as exc:
             self._stats.errors += 1
             return failed(f"{self.name} write error: {exc.strerror or exc}")
+        finally:
+            self._release(reserved)  # the block is indexed below, with no await in between
         self._forget(key)
         self._remember(key, Entry(size=size, stored_at=time.time()))
         self._stats.write_bytes += size
@@ -408,30 +415,26 @@ class PosixTier(Tier):
                 results[i] = failed(f"block of {size} bytes exceeds {self.name} capacity {self.capacity}")
             else:
                 todo.append(i)
+        reserved = 0
         if self.capacity and todo:
-            room = await self._make_room(min(self.capacity, sum(sizes[i] for i in todo)))
-            fits: list[int] = []
-            for i in todo:
-                if sizes[i] <= room:
-                    room -= sizes[i]
-                    fits.append(i)
-                else:
-                    results[i] = failed(self._full(sizes[i]))
-            todo = fits
+            todo, reserved = await self._admit(sizes, todo, results)
         group = self.durable and group_commit.SYNCFS is not None
         todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         packed = self._packable(items, sizes, todo)
         in_packs = set(packed)
         singles = [i for i in todo if i not in in_packs] if packed else todo
-        file_outcomes, pack_outcomes = await asyncio.gather(
-            self._stage(group_commit.stage_group, [items[i] for i in singles], group),
-            self._stage(group_commit.stage_packs, [items[i] for i in packed], group),
-        )
-        by_item = dict(zip(singles, file_outcomes, strict=True))
-        by_item.update(zip(packed, pack_outcomes, strict=True))
-        outcomes = [by_item[i] for i in todo]
-        if group:
-            outcomes = await group_commit.commit(self._run, self.disk, outcomes)
+        try:
+            file_outcomes, pack_outcomes = await asyncio.gather(
+                self._stage(group_commit.stage_group, [items[i] for i in singles], group),
+                self._stage(group_commit.stage_packs, [items[i] for i in packed], group),
+            )
+            by_item = dict(zip(singles, file_outcomes, strict=True))
+            by_item.update(zip(packed, pack_outcomes, strict=True))
+            outcomes = [by_item[i] for i in todo]
+            if group:
+                outcomes = await group_commit.commit(self._run, self.disk, outcomes)
+        finally:
+            self._release(reserved)  # the blocks are indexed below, with no await in between
         stale: list[Path] = []
         now = time.time()
         for i, outcome in zip(todo, outcomes, strict=True):
@@ -615,21 +618,62 @@ class PosixTier(Tier):
         if self._packs.pending:
             await self._run(files.apply_retired, self.disk, self._packs.take())
 
+    # -- capacity -------------------------------------------------------------------------------------
+    async def _admit(
+        self, sizes: list[int], todo: list[int], results: list[BlockResult]
+    ) -> tuple[list[int], int]:
+        """The blocks of ``todo`` there is room for, in order, and the bytes reserved for them
+        (:meth:`_make_room`); each block that does not fit is answered "full"."""
+        room = await self._make_room(min(self.capacity, sum(sizes[i] for i in todo)))
+        fits: list[int] = []
+        for i in todo:
+            if sizes[i] <= room:
+                room -= sizes[i]
+                fits.append(i)
+            else:
+                results[i] = failed(self._full(sizes[i]))
+        self._release(room)  # what no block of the batch took
+        return fits, sum(sizes[i] for i in fits)
+
     async def _make_room(self, size: int) -> int:
-        """Evict so ``size`` more bytes fit; returns how many of them do: all of them unless the
-        retention rules keep what would have to go (pinned blocks are never evicted). The capacity
-        stays soft under concurrent writers, as before: only pins make a write fail for room."""
-        over = self._index.bytes + self._packs.dead_bytes + size - self.capacity
-        if over <= 0:
-            return size
-        freed = await self.evict(over)
-        return size if freed >= over else max(0, size - (over - freed))
+        """Reserve room for ``size`` more bytes, evicting what must go; returns how many of them got
+        room: all of them unless the retention rules keep what would have to go (pinned blocks are
+        never evicted). Reserved bytes count as held until the writer gives them back
+        (:meth:`_release`), which it does as its blocks enter the index (or fail): concurrent
+        writers each make room beside what the others will add, so what the tier holds never
+        exceeds its capacity. Room that other writes in flight have reserved is waited for (their
+        blocks can be evicted once they land), not refused."""
+        while True:
+            self._reserved += size
+            over = self._index.bytes + self._packs.dead_bytes + self._reserved - self.capacity
+            if over <= 0:
+                return size
+            freed = await self.evict(over)
+            if freed >= over:
+                return size
+            if self._reserved > size:  # others' writes hold the rest: wait for one to land
+                self._release(size)
+                landed = asyncio.get_running_loop().create_future()
+                self._room_waiters.append(landed)
+                await landed
+                continue
+            short = min(size, over - freed)
+            self._release(short)
+            return size - short
+
+    def _release(self, nbytes: int) -> None:
+        """Give back reserved room; writers waiting for room look again."""
+        self._reserved -= nbytes
+        waiters, self._room_waiters = self._room_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _full(self, size: int) -> str:
+        held = self._index.bytes + self._packs.dead_bytes + self._reserved
         return (
-            f"{self.name} is full: {size} bytes needed, "
-            f"{max(0, self.capacity - self._index.bytes - self._packs.dead_bytes)} free "
-            f"of {self.capacity} and the rest is pinned"
+            f"{self.name} is full: {size} bytes needed, {max(0, self.capacity - held)} free "
+            f"of {self.capacity} and the rest is pinned or being written"
         )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
