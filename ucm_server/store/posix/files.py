@@ -403,17 +403,21 @@ def read_pack_job(disk: Disk, job: list[PackRead], checked: bool) -> list[list[O
     return out
 
 
-def probe_file(disk: Disk, key: BlockKey) -> tuple[int, float] | None:
-    """Size and store time of ``key``'s block file if its header is whole and names it (a corrupt
-    one is quarantined); None if there is none, or not one this release reads."""
-    try:
-        header = read_header(disk, disk.layout.path_of(key), key)
-    except (UnsupportedFormat, FileNotFoundError, NotRegularFile):
-        return None
-    except CorruptBlock as exc:
-        quarantine_key(disk, key, str(exc))
-        return None
-    return header.payload_len, header.created_ns / 1e9
+def probe_files(disk: Disk, keys: list[BlockKey]) -> list[tuple[int, float] | None]:
+    """Size and store time of each key's block file if its header is whole and names it (a corrupt
+    one is quarantined); None where there is none, not one this release reads, or it cannot be read."""
+    found: list[tuple[int, float] | None] = []
+    for key in keys:
+        try:
+            header = read_header(disk, disk.layout.path_of(key), key)
+        except CorruptBlock as exc:
+            quarantine_key(disk, key, str(exc))
+            found.append(None)
+        except (UnsupportedFormat, OSError):  # absent, not a regular file, unreadable
+            found.append(None)
+        else:
+            found.append((header.payload_len, header.created_ns / 1e9))
+    return found
 
 
 # -- writes -----------------------------------------------------------------------------------------

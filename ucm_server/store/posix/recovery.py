@@ -8,7 +8,7 @@ the snapshot it left (:mod:`ucm_server.store.posix.index_snapshot`, trusted only
 clean-shutdown marker); after a crash from the newest periodic snapshot (``snapshot_interval_s``:
 :mod:`ucm_server.store.posix.periodic_snapshots`), swept against the files as every snapshot is; with
 neither the tier re-adopts its files by reading every header (not every payload). Until that ends a
-block not indexed yet is looked for on disk when asked for (:meth:`Recovery.probe`), and the tier's
+block not indexed yet is looked for on disk when asked for (the tier's Lookups and Loads), and the tier's
 stats show the progress (``index_adopting``, ``index_adopted``, ``index_files_read``).
 
 A file whose header or size is wrong, or whose header claims a payload above ``max_block_bytes``,
@@ -81,8 +81,11 @@ class Recovery:
         unindex: Callable[[bytes], object],
         snapshot_interval_s: float,
         index_wait_s: float,
+        capacity: int = 0,
     ) -> None:
+        """``capacity``: the tier's; a snapshot listing more bytes (or more blocks) is not believed."""
         self.disk, self.index, self.packs = disk, index, packs
+        self.capacity = capacity
         self.name = disk.name
         self.roots = disk.layout.roots
         self._run = run
@@ -341,7 +344,7 @@ class Recovery:
         try:
             if epoch is None:
                 raise index_snapshot.SnapshotRejected("no clean-shutdown marker")
-            blocks = index_snapshot.read_snapshot(root, epoch, limit)
+            blocks = index_snapshot.read_snapshot(root, epoch, limit, capacity=self.capacity)
         except index_snapshot.SnapshotRejected as exc:
             why.append(str(exc))
         else:
@@ -353,7 +356,7 @@ class Recovery:
             return blocks
         if self.snapshots.interval_s:
             try:
-                blocks = index_snapshot.read_periodic(root, limit)
+                blocks = index_snapshot.read_periodic(root, limit, capacity=self.capacity)
             except index_snapshot.SnapshotRejected as exc:
                 why.append(str(exc))
             else:

@@ -126,6 +126,7 @@ class PosixTier(Tier):
             unindex=self._unindex,
             snapshot_interval_s=snapshot_interval_s,
             index_wait_s=index_wait_s,
+            capacity=capacity,
         )
         self.snapshots = self.recovery.snapshots
         self._reserved = 0
@@ -193,12 +194,21 @@ class PosixTier(Tier):
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
-        return self._index.lookup(keys)
+        found = self._index.lookup(keys)
+        if self._index.adopting and None in found:  # not indexed yet, perhaps: ask the files
+            await self._probe([key for key, size in zip(keys, found, strict=True) if size is None])
+            found = self._index.lookup(keys)
+        return found
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
         if self.shared:  # a subclass on a shared mount looks beyond its own index (see its lookup)
             return await super().lookup_digests(namespace, digests)
-        return self._index.lookup_digests(namespace, digests)
+        found = self._index.lookup_digests(namespace, digests)
+        if self._index.adopting and None in found:  # not indexed yet, perhaps: ask the files
+            unknown = [BlockKey(namespace, digests[n]) for n, size in enumerate(found) if size is None]
+            await self._probe(unknown)
+            found = self._index.lookup_digests(namespace, digests)
+        return found
 
     # -- reads ----------------------------------------------------------------------------------------
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
@@ -243,11 +253,11 @@ class PosixTier(Tier):
         for on disk (:meth:`_probe`), so a Load never waits for the scan."""
         entries: dict[int, Stamp] = {}
         index = self._index
+        if index.adopting:
+            await self._probe([items[i][0] for i in todo if items[i][0] not in index])
         for i in todo:
             key, dest = items[i]
             entry = index.get(key)
-            if entry is None and index.adopting:
-                entry = await self._probe(key)
             if entry is None:
                 self._stats.misses += 1
                 results[i] = MISSING
@@ -323,19 +333,20 @@ class PosixTier(Tier):
         self._stats.read_bytes += nbytes
         return again
 
-    async def _probe(self, key: BlockKey) -> Stamp | None:
-        """``key``'s block looked for on disk while the index is re-adopted (its header checked),
-        and adopted if found; a key stored or deleted since start-up is what the index says."""
+    async def _probe(self, keys: list[BlockKey]) -> None:
+        """While the index is re-adopted, the blocks of ``keys`` it lacks are looked for on disk
+        (their headers checked) and adopted where found, so a Lookup or a Load never waits for the
+        scan, nor finds a stored block missing; a key stored or deleted since start-up is what the
+        index says."""
         touched = self._index.touched
-        if touched is None or key in touched:
-            return self._index.get(key)
-        try:
-            found = await self._run(files.probe_file, self.disk, key)
-        except OSError:
-            return None
-        if found is not None and key not in touched:
-            self._index.adopt(key, *found)
-        return self._index.get(key)
+        keys = [key for key in keys if touched is not None and key not in touched]
+        if not keys:
+            return
+        found = await self._run(files.probe_files, self.disk, keys)
+        touched = self._index.touched
+        for key, hit in zip(keys, found, strict=True):
+            if hit is not None and touched is not None and key not in touched:
+                self._index.adopt(key, *hit)
 
     async def _read_result(
         self, key: BlockKey, outcome: Outcome, size: int, *, packed: bool = False
