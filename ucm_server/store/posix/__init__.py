@@ -1,7 +1,7 @@
 """The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
 
 :class:`PosixTier` (:mod:`.tier`) is the async face over blocking file work written as module
-functions (:mod:`.files`, :mod:`.group_commit`); :mod:`.layout`, :mod:`.recovery` (with
+functions (:mod:`.files`, :mod:`.group_commit`); :mod:`.layout`, :mod:`.room`, :mod:`.recovery` (with
 :mod:`.index_snapshot` and :mod:`.periodic_snapshots`), :mod:`.packs`, :mod:`.block_index` and
 :mod:`.confined` each hold one job. These names are what the rest of UCM uses.
 """

@@ -7,6 +7,7 @@ of the package, each one job:
 - :mod:`~ucm_server.store.posix.layout`: where a block lives (and where older releases put it);
 - :mod:`~ucm_server.store.posix.files`: reading, writing, removing and quarantining block files;
 - :mod:`~ucm_server.store.posix.group_commit`: a batch written as staged files and one commit;
+- :mod:`~ucm_server.store.posix.room`: the capacity as a bound (room reserved before a write);
 - :mod:`~ucm_server.store.posix.recovery`: the index after a start (snapshots, then the files);
 - :mod:`~ucm_server.store.posix.packs`: many small blocks in one file;
 - :mod:`~ucm_server.store.posix.block_index`, :mod:`~ucm_server.store.posix.confined`: the index,
@@ -55,6 +56,7 @@ from ucm_server.store.posix.group_commit import GROUP_BLOCKS, GROUP_BYTES, PackS
 from ucm_server.store.posix.layout import Layout, block_key
 from ucm_server.store.posix.packs import Outcome, PackedStamp, PackTable, read_jobs
 from ucm_server.store.posix.recovery import INDEX_STATS, Recovery
+from ucm_server.store.posix.room import Room
 from ucm_server.store.posix.settings import DEFAULT_PROFILE, Entry, PosixSettings, Profile
 from ucm_server.store.watch import IndexWatch
 
@@ -129,9 +131,8 @@ class PosixTier(Tier):
             capacity=capacity,
         )
         self.snapshots = self.recovery.snapshots
-        self._reserved = 0
-        """Bytes of writes in flight that room was made for (:meth:`_make_room`)."""
-        self._room_waiters: list[asyncio.Future[None]] = []
+        self.room = Room(capacity, lambda: self._index.bytes + self._packs.dead_bytes, self.evict)
+        """The capacity as a bound: room reserved by each write before it writes."""
 
     @classmethod
     def from_settings(
@@ -389,17 +390,17 @@ class PosixTier(Tier):
         size = iov_len(src)
         if self.capacity and size > self.capacity:
             return failed(f"block of {size} bytes exceeds {self.name} capacity {self.capacity}")
-        reserved = await self._make_room(size) if self.capacity else 0
+        reserved = await self.room.reserve(size) if self.capacity else 0
         if reserved < size and self.capacity:
-            self._release(reserved)
-            return failed(self._full(size))
+            self.room.release(reserved)
+            return failed(self.room.full(self.name, size))
         try:
             direct = await self._run(files.write_file, self.disk, key, src)
         except OSError as exc:
             self._stats.errors += 1
             return failed(f"{self.name} write error: {exc.strerror or exc}")
         finally:
-            self._release(reserved)  # the block is indexed below, with no await in between
+            self.room.release(reserved)  # the block is indexed below, with no await in between
         self._forget(key)
         self._remember(key, Entry(size=size, stored_at=time.time()))
         self._stats.write_bytes += size
@@ -428,7 +429,10 @@ class PosixTier(Tier):
                 todo.append(i)
         reserved = 0
         if self.capacity and todo:
-            todo, reserved = await self._admit(sizes, todo, results)
+            fits, reserved = await self.room.admit(sizes, todo)
+            for i in set(todo).difference(fits):
+                results[i] = failed(self.room.full(self.name, sizes[i]))
+            todo = fits
         group = self.durable and group_commit.SYNCFS is not None
         todo.sort(key=lambda i: items[i][0])  # by namespace and key: a job's blocks share few directories
         packed = self._packable(items, sizes, todo)
@@ -445,7 +449,7 @@ class PosixTier(Tier):
             if group:
                 outcomes = await group_commit.commit(self._run, self.disk, outcomes)
         finally:
-            self._release(reserved)  # the blocks are indexed below, with no await in between
+            self.room.release(reserved)  # the blocks are indexed below, with no await in between
         stale: list[Path] = []
         now = time.time()
         for i, outcome in zip(todo, outcomes, strict=True):
@@ -628,64 +632,6 @@ class PosixTier(Tier):
         """Do the disk work removals of packed blocks left: tombstones, and unlinks of emptied packs."""
         if self._packs.pending:
             await self._run(files.apply_retired, self.disk, self._packs.take())
-
-    # -- capacity -------------------------------------------------------------------------------------
-    async def _admit(
-        self, sizes: list[int], todo: list[int], results: list[BlockResult]
-    ) -> tuple[list[int], int]:
-        """The blocks of ``todo`` there is room for, in order, and the bytes reserved for them
-        (:meth:`_make_room`); each block that does not fit is answered "full"."""
-        room = await self._make_room(min(self.capacity, sum(sizes[i] for i in todo)))
-        fits: list[int] = []
-        for i in todo:
-            if sizes[i] <= room:
-                room -= sizes[i]
-                fits.append(i)
-            else:
-                results[i] = failed(self._full(sizes[i]))
-        self._release(room)  # what no block of the batch took
-        return fits, sum(sizes[i] for i in fits)
-
-    async def _make_room(self, size: int) -> int:
-        """Reserve room for ``size`` more bytes, evicting what must go; returns how many of them got
-        room: all of them unless the retention rules keep what would have to go (pinned blocks are
-        never evicted). Reserved bytes count as held until the writer gives them back
-        (:meth:`_release`), which it does as its blocks enter the index (or fail): concurrent
-        writers each make room beside what the others will add, so what the tier holds never
-        exceeds its capacity. Room that other writes in flight have reserved is waited for (their
-        blocks can be evicted once they land), not refused."""
-        while True:
-            self._reserved += size
-            over = self._index.bytes + self._packs.dead_bytes + self._reserved - self.capacity
-            if over <= 0:
-                return size
-            freed = await self.evict(over)
-            if freed >= over:
-                return size
-            if self._reserved > size:  # others' writes hold the rest: wait for one to land
-                self._release(size)
-                landed = asyncio.get_running_loop().create_future()
-                self._room_waiters.append(landed)
-                await landed
-                continue
-            short = min(size, over - freed)
-            self._release(short)
-            return size - short
-
-    def _release(self, nbytes: int) -> None:
-        """Give back reserved room; writers waiting for room look again."""
-        self._reserved -= nbytes
-        waiters, self._room_waiters = self._room_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _full(self, size: int) -> str:
-        held = self._index.bytes + self._packs.dead_bytes + self._reserved
-        return (
-            f"{self.name} is full: {size} bytes needed, {max(0, self.capacity - held)} free "
-            f"of {self.capacity} and the rest is pinned or being written"
-        )
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the executor (bounded by the profile's ``timeout_s``, if any)."""
