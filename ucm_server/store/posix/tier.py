@@ -287,7 +287,9 @@ class PosixTier(Tier):
             for a, b in groups
         ]
         jobs += [self._run(files.read_pack_job, self.disk, job, checked) for job in pack_jobs]
-        done: list[Any] = await bounded_gather(self.max_concurrency, jobs)
+        done: list[Any] = (
+            [await jobs[0]] if len(jobs) == 1 else await bounded_gather(self.max_concurrency, jobs)
+        )
         outcomes: dict[int, Outcome] = {
             i: FileNotFoundError(errno.ENOENT, "not in its pack") for i, _ in packed
         }
