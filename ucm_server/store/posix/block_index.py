@@ -13,7 +13,7 @@ Because a stamp *is* the size, a Lookup answers with one C-level ``map`` over th
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, PackedDigests
@@ -137,6 +137,15 @@ class BlockIndex:
         except KeyError:
             pass
 
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """:meth:`move_to_end` of many keys (a load's blocks), in one C-level pass unless one of them
+        was removed meanwhile."""
+        try:
+            deque(map(self._od.move_to_end, keys), maxlen=0)
+        except KeyError:
+            for key in keys:
+                self.move_to_end(key)
+
     def clear(self) -> None:
         self._od.clear()
         self._stamps.clear()
@@ -229,6 +238,10 @@ class BlockIndex:
         if self.watch is not None:
             self.watch.stored_many(loaded.keys())
         return len(loaded) - before
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Stamp | None]:
+        """:meth:`get` of many keys, in one C-level ``map``."""
+        return list(map(self._od.get, keys))
 
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         return list(map(self._od.get, keys))

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -252,22 +252,23 @@ class PosixTier(Tier):
         """The index's entry of each block ``todo`` names whose destination has its size; the others
         answered (missing, or a length mismatch). While re-adopting, a key not indexed yet is looked
         for on disk (:meth:`_probe`), so a Load never waits for the scan."""
-        entries: dict[int, Stamp] = {}
         index = self._index
         if index.adopting:
             await self._probe([items[i][0] for i in todo if items[i][0] not in index])
-        for i in todo:
-            key, dest = items[i]
-            entry = index.get(key)
+        asked = list(map(items.__getitem__, todo))
+        found = index.get_many([key for key, _ in asked])
+        wants: list[int | None] = [dest[0].nbytes if len(dest) == 1 else iov_len(dest) for _, dest in asked]
+        if found == wants:  # every block indexed, every destination its size (a stamp is the size)
+            return dict(zip(todo, cast(list[Stamp], found), strict=True))
+        entries: dict[int, Stamp] = {}
+        for i, entry, want in zip(todo, found, wants, strict=True):
             if entry is None:
                 self._stats.misses += 1
                 results[i] = MISSING
-                continue
-            want = dest[0].nbytes if len(dest) == 1 else iov_len(dest)
-            if want != entry:  # a stamp is the block's size
-                results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
-                continue
-            entries[i] = entry
+            elif want != entry:
+                results[i] = failed(f"length mismatch: block is {entry} bytes, destination {want}")
+            else:
+                entries[i] = entry
         return entries
 
     async def _fetch(
@@ -290,14 +291,15 @@ class PosixTier(Tier):
         done: list[Any] = (
             [await jobs[0]] if len(jobs) == 1 else await bounded_gather(self.max_concurrency, jobs)
         )
-        outcomes: dict[int, Outcome] = {
-            i: FileNotFoundError(errno.ENOENT, "not in its pack") for i, _ in packed
-        }
+        outcomes: dict[int, Outcome] = {}
         for (a, b), got in zip(groups, done, strict=False):
             outcomes.update(zip(singles[a:b], got, strict=True))
         for job, got in zip(pack_jobs, done[len(groups) :], strict=True):
             for (_, which, _), read in zip(job, got, strict=True):
-                outcomes.update((packed[n][0], outcome) for n, outcome in zip(which, read, strict=True))
+                outcomes.update(zip([packed[n][0] for n in which], read, strict=True))
+        if len(outcomes) < len(entries):  # packed blocks no longer in their packs (deleted meanwhile)
+            for i in entries.keys() - outcomes.keys():
+                outcomes[i] = FileNotFoundError(errno.ENOENT, "not in its pack")
         return outcomes
 
     async def _answer(
@@ -312,15 +314,18 @@ class PosixTier(Tier):
         be gone: a block moved into or out of a pack, its pack record retired), so nothing is
         forgotten or quarantined for it."""
         index = self._index
+        ok = [i for i, outcome in outcomes.items() if outcome is True]  # the common case, in C-level steps
+        index.touch([items[i][0] for i in ok])
+        for i in ok:
+            results[i] = OK
+        self._stats.hits += len(ok)
+        self._stats.read_bytes += sum([entries[i] for i in ok])
+        if len(ok) == len(entries):
+            return []
         again: list[int] = []
-        hits = nbytes = 0
         for i, entry in entries.items():
             key, outcome = items[i][0], outcomes[i]
-            if outcome is True:  # the common case without a coroutine per block (_read_result's first)
-                index.move_to_end(key)
-                hits += 1
-                nbytes += entry.size
-                results[i] = OK
+            if outcome is True:
                 continue
             if outcome is not False and index.get(key) is not entry:
                 if key in index:
@@ -332,8 +337,6 @@ class PosixTier(Tier):
             results[i] = await self._read_result(
                 key, outcome, entry.size, packed=isinstance(entry, PackedStamp)
             )
-        self._stats.hits += hits
-        self._stats.read_bytes += nbytes
         return again
 
     async def _probe(self, keys: list[BlockKey]) -> None:
