@@ -1,4 +1,4 @@
-"""Where a Posix-tier Load of many small blocks spends its time, layer by layer (issue #13, item 2).
+"""Where a Posix-tier Load of many small blocks spends its time, layer by layer.
 
 Measures, for one block size, the per-block cost of the same Load at four depths, all in one run on
 the files one daemon wrote (page cache warm):
@@ -13,7 +13,8 @@ the files one daemon wrote (page cache warm):
   this script writes (as the plain process of the benchmark does).
 
 With ``--cprofile`` the daemon runs under :mod:`cProfile` (its event-loop thread; the executor's
-file work shows as ``groups``) and the top functions by own time are printed.
+file work shows as ``groups``) and the top functions by own time are printed (``PROFILE_SORT=cumtime``
+sorts by cumulative time, ``PROFILE_FILTER=ucm_`` lists only functions whose file matches).
 
 Run: ``python scripts/profile_posix_load.py --size 4096 --blocks 4096 [--packs] [--cprofile]``.
 """
@@ -161,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             await tier.open()
             await tier.indexed()
             loop = asyncio.get_running_loop()
-            entries = [tier._index.get(k) for k, _ in items]
-            packed = [(k, dest, e) for (k, dest), e in zip(items, entries, strict=True) if isinstance(e, PackedStamp)]
+            stamps = [tier._index.get(k) for k, _ in items]
+            packed = [
+                (k, dest, e) for (k, dest), e in zip(items, stamps, strict=True) if isinstance(e, PackedStamp)
+            ]
             assert len(packed) == (n if a.packs else 0)
             jobs = read_jobs(packed, 256)
 
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  daemon CPU, thread {name:30s} {used / loads * 1e6:8.2f} µs per block")
         if a.cprofile:
             stats = pstats.Stats(str(prof))
-            stats.sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(os.environ.get("PROFILE_FILTER", ""), 35)
+            order, only = os.environ.get("PROFILE_SORT", "tottime"), os.environ.get("PROFILE_FILTER", "")
+            stats.sort_stats(order).print_stats(only, 35)
     return 0
 
 

@@ -98,7 +98,7 @@ def test_kill_9_during_group_committed_batches_loses_nothing_acknowledged(
     else Lookup reports loads intact, and no temporary file is left behind. ``packs``: the batches
     are written as pack files (``posix_pack_max_block_bytes``), committed the same way."""
     n, size, batch = 2048, 4096, 256
-    packing = ["--posix-pack-max-block-bytes", "65536"] if packs else []
+    packing = ["--posix-pack-max-block-bytes", "65536" if packs else "0"]
     d = DaemonProcess(tmp_path / "ucm", args=["--store-pipeline", "Posix", *packing])
     digests: list[bytes] = []
     with SharedBuffer(n * size) as src:

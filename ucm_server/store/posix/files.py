@@ -64,7 +64,7 @@ from ucm_server.store.posix.confined import (
     parent_dir,
 )
 from ucm_server.store.posix.layout import QUARANTINE, TMP_MARK, Layout, block_name
-from ucm_server.store.posix.packs import Outcome, PackRead, RecordReads, Retire, tombstone
+from ucm_server.store.posix.packs import Outcome, Pack, PackRead, RecordReads, Retire, tombstone
 from ucm_server.store.vector_io import preadv_all, pwritev_all
 
 log = logging.getLogger(__name__)
@@ -346,6 +346,17 @@ def read_header(disk: Disk, path: Path, key: BlockKey | None = None) -> BlockHea
     fd = open_block_file(disk, path, key)
     try:
         return read_block_header(fd, expect=key, max_payload=disk.max_block_bytes)
+    finally:
+        os.close(fd)
+
+
+def read_packed_header(disk: Disk, pack: Pack, offset: int, key: BlockKey) -> BlockHeader:
+    """The checked header of ``key``'s record at ``offset`` of ``pack`` (confined open, as every read)."""
+    parts, name = pack.place
+    with DirCache() as dirs:
+        fd, _ = open_in(dirs, pack.root, parts, name)
+    try:
+        return decode_header(os.pread(fd, HEADER_SIZE, offset), expect=key, max_payload=disk.max_block_bytes)
     finally:
         os.close(fd)
 

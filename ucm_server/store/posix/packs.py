@@ -1,4 +1,4 @@
-"""Pack files: many small blocks of one dump group in one file (issue #13, item 2).
+"""Pack files: many small blocks of one dump group in one file.
 
 One file per block costs a create, a write and a rename per block, and the Python between them
 (~10-17 µs a block measured): a 4 KiB dump could not reach a plain process's file rate that way.
@@ -121,7 +121,8 @@ def decode_head(raw: bytes, file_size: int) -> tuple[int, int, list[tuple[int, i
 
 
 class PackedStamp(Stamp):
-    """The index's entry for a block in a pack: its size (the ``int``), ``stored_at``, and ``pack``."""
+    """The index's entry for a block in a pack: its size (the ``int``), ``stored_at``, ``pack``, and
+    that pack's id as ``pack_id`` (a block file's stamp says 0)."""
 
     pack: Pack
 
@@ -153,6 +154,7 @@ class Pack:
             found = self._stamps[(size, second)] = PackedStamp(size)
             found.stored_at = float(second)
             found.pack = self
+            found.pack_id = self.id
         return found
 
     def offset_of(self, key: bytes) -> int | None:
@@ -232,13 +234,13 @@ class PackTable:
         pending, self.pending = self.pending, []
         return pending
 
-    def locations(self) -> dict[bytes, tuple[int, int]]:
-        """Every live packed key's ``(pack id, offset)`` (for a snapshot; any thread)."""
-        found: dict[bytes, tuple[int, int]] = {}
+    def offsets(self) -> dict[bytes | None, int]:
+        """Every live packed key's record offset in its pack (for a snapshot; any thread: a C-level
+        update per pack; a dead block's None key maps to something, and is never asked for)."""
+        found: dict[bytes | None, int] = {}
         for pack in list(self.packs.values()):
-            for key, offset in zip(list(pack.keys), list(pack.offsets), strict=False):
-                if key is not None:
-                    found[key] = (pack.id, offset)
+            found.update(zip(pack.keys, pack.offsets, strict=False))
+        found.pop(None, None)
         return found
 
 

@@ -21,14 +21,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import logging
+import operator
 import os
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.api.paths import make_private_dirs
@@ -97,12 +101,16 @@ class Recovery:
         self.adopted = 0
         self.files_read = 0
         self.from_snapshot = 0
+        self._loaded_rows = 0
+        """Records the snapshots held (more than the blocks loaded only where a key was listed twice)."""
         self.opened_at = 0.0
         self.phase = ""
         """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
-        self._unseen: set[bytes] | None = None
-        """Keys a snapshot listed that the sweep after it has not found on disk yet: dropped when
-        the sweep ends (their files were removed while the daemon was down)."""
+        self._listed: list[bytes] = []
+        """The keys the snapshots listed, while the sweep after them runs."""
+        self._seen: set[bytes] | None = None
+        """Keys the sweep after a snapshot found on disk so far: the listed ones it did not find
+        are dropped when it ends (their files were removed while the daemon was down)."""
         self.snapshots = PeriodicSnapshots(
             disk.name, snapshot_interval_s, index, lambda: self.complete, self._write_periodic
         )
@@ -190,10 +198,12 @@ class Recovery:
         try:
             loaded, loaded_bytes, unsure, found_packs = await self._run(self.load_snapshots, epochs)
             if loaded:
-                self._unseen = set(loaded)
+                self._listed, self._seen = list(loaded), set()
+                listed_once = len(self._listed) == self._loaded_rows
+                displaced = self._displaced(loaded)
                 self.adopted += self.index.install(loaded, loaded_bytes)
                 self.from_snapshot = len(loaded)
-                self._register_loaded(found_packs)
+                self._register_loaded(found_packs, displaced, listed_once)
             if not unsure:  # the index is what a snapshot on disk says: nothing new to write yet
                 self.snapshots.written_at_changes(self.index.changes)
             if self.from_snapshot:
@@ -219,7 +229,7 @@ class Recovery:
             self.disk.stats.errors += 1
             log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
         finally:
-            self._unseen = None
+            self._listed, self._seen = [], None
             self.phase = ""
             self.disk.scanning = False
             self.index.end_adopting()
@@ -237,9 +247,9 @@ class Recovery:
     def _merge(self, chunk: list[Found]) -> None:
         """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
         one the index holds with another size (a snapshot that is wrong) takes the file's."""
-        touched, index, unseen = self.index.touched or set(), self.index, self._unseen
-        if unseen is not None:
-            unseen.difference_update([item[0] for item in chunk if item[1] >= 0])
+        touched, index, seen = self.index.touched or set(), self.index, self._seen
+        if seen is not None:
+            seen.update([item[0] for item in chunk if item[1] >= 0])
         for item in chunk:
             key, size, stored_at = item[0], item[1], item[2]
             if key in touched:
@@ -275,20 +285,42 @@ class Recovery:
     async def _drop_unseen(self) -> None:
         """Forget the blocks a snapshot listed whose files the sweep did not find (removed while the
         daemon was down, or since the snapshot), unless stored or deleted since start-up."""
-        unseen, self._unseen = self._unseen or set(), None
+        listed, seen, self._listed, self._seen = self._listed, self._seen or set(), [], None
         touched = self.index.touched or set()
-        gone = [key for key in unseen.difference(touched) if key in self.index]
-        for start in range(0, len(gone), 8192):
-            for key in gone[start : start + 8192]:
-                if key not in touched:
+        gone = 0
+        for start in range(0, len(listed), 65536):
+            for key in [key for key in listed[start : start + 65536] if key not in seen]:
+                if key not in touched and key in self.index:
                     self._unindex(key)
+                    gone += 1
             await asyncio.sleep(0)
         if gone:
-            log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, len(gone))
+            log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, gone)
 
-    def _register_loaded(self, found: list[Pack]) -> None:
+    def _displaced(self, loaded: OrderedDict[bytes, Stamp]) -> list[tuple[bytes, PackedStamp]]:
+        """The packed blocks of ``loaded`` that were stored again or deleted since start-up (event
+        loop, before :meth:`BlockIndex.install` drops them): not live in their packs."""
+        found = [(key, loaded.get(key)) for key in self.index.touched or ()]
+        return [(key, stamp) for key, stamp in found if isinstance(stamp, PackedStamp)]
+
+    def _register_loaded(
+        self, found: list[Pack], displaced: list[tuple[bytes, PackedStamp]], listed_once: bool
+    ) -> None:
         """Keep the packs a snapshot named with the blocks the index took from it (event loop): a
-        key stored or deleted since start-up, or listed twice, is not live there."""
+        key stored or deleted since start-up (``displaced``), or listed twice, is not live there.
+        Every key listed once (``listed_once``): the packs are as built, but for the displaced."""
+        if not listed_once:
+            self._register_slowly(found)
+            return
+        for key, stamp in displaced:
+            stamp.pack.kill(key)
+        for pack in found:
+            if pack.live:
+                self.packs.register(pack)
+
+    def _register_slowly(self, found: list[Pack]) -> None:
+        """:meth:`_register_loaded` of a snapshot that lists a key more than once (never written so
+        by this daemon): each key live only where the index holds it now, and only once."""
         for pack in found:
             live = 0
             for i, key in enumerate(pack.keys):
@@ -316,7 +348,8 @@ class Recovery:
         self, epochs: list[bytes | None]
     ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path], list[Pack]]:
         """Every root's snapshot its marker vouches for, as one ordered map, the roots without a
-        usable one (their headers are read), and the packs the snapshots name."""
+        usable one (their headers are read), and the packs the snapshots name. Built in a few
+        array operations and C-level calls per root, not a Python step per block."""
         keys: list[bytes] = []
         stamps: list[Stamp] = []
         unsure: list[Path] = []
@@ -327,13 +360,23 @@ class Recovery:
             if blocks is None:
                 unsure.append(root)
                 continue
+            sizes, times = (
+                np.asarray(blocks.sizes, dtype=np.uint64),
+                np.asarray(blocks.times, dtype=np.float64),
+            )
+            mine, pairs = self.index.stamps_for(sizes, times)
+            if blocks.packs is not None and blocks.offsets is not None:
+                ids = np.asarray(blocks.packs, dtype=np.uint64)
+                if ids.any():
+                    found += _packed_stamps(root, blocks.keys, ids, np.asarray(blocks.offsets), pairs, mine)
             keys += blocks.keys
-            mine = self.index.stamps_for(blocks.sizes, blocks.times)
-            if blocks.packs is not None and blocks.offsets is not None and any(blocks.packs):
-                found += _packed_stamps(root, blocks, mine)
-            stamps += mine
-            total += sum(blocks.sizes)
-        return BlockIndex.build(keys, stamps), total, unsure, found
+            stamps += mine.tolist()
+            total += int(sizes.sum(dtype=np.uint64))
+        self._loaded_rows = len(keys)
+        loaded = BlockIndex.build(keys, stamps)
+        if len(loaded) != len(keys):  # a key listed twice (not by this daemon): counted once
+            total = sum(loaded.values())
+        return loaded, total, unsure, found
 
     def _load_root(self, root: Path, epoch: bytes | None) -> index_snapshot.Columns | None:
         """The snapshot of ``root`` to start from: the clean one its marker vouches for (then made
@@ -381,9 +424,9 @@ class Recovery:
                 mine = by_root[self.disk.layout.root_of(key)]
                 mine[0].append(key)
                 mine[1].append(stamp)
-        locs = self.packs.locations() if self.packs.packs else {}
+        places = self.packs.offsets() if self.packs.packs else None
         for root, (mine_keys, mine_stamps) in by_root.items():
-            write(root, _snapshot_columns(mine_keys, mine_stamps, locs), durable=self.disk.durable)
+            write(root, _snapshot_columns(mine_keys, mine_stamps, places), durable=self.disk.durable)
 
     # -- the scan (worker threads) ------------------------------------------------------------------
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
@@ -578,44 +621,72 @@ def check_file(disk: Disk, path: Path) -> tuple[BlockKey, int, float] | None:
     return header.key, header.payload_len, header.created_ns / 1e9
 
 
-def _packed_stamps(root: Path, blocks: index_snapshot.Columns, stamps: list[Stamp]) -> list[Pack]:
-    """Give the snapshot's packed blocks (``stamps``, in place) their packs' stamps; the packs."""
-    assert blocks.packs is not None and blocks.offsets is not None
-    found: dict[int, Pack] = {}
-    for n, pack_id in enumerate(blocks.packs):
-        if pack_id:
-            pack = found.get(pack_id)
-            if pack is None:
-                pack = found[pack_id] = Pack(pack_id, root)
-            pack.add(blocks.keys[n], blocks.offsets[n])
-            stamps[n] = pack.stamp(blocks.sizes[n], blocks.times[n])
-    return list(found.values())
+def _packed_stamps(
+    root: Path,
+    keys: Sequence[bytes],
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    pairs: tuple[np.ndarray, list[tuple[int, int]]],
+    stamps: np.ndarray,
+) -> list[Pack]:
+    """The packs a snapshot of ``root`` names (``ids``: each block's pack id, 0 for a block file),
+    each with its blocks' keys and record offsets, and their blocks' stamps in ``stamps`` (an object
+    array, changed in place) replaced by their packs' (one per pack, size and second; ``pairs``: each
+    block's (size, second) index and the pairs, from :meth:`BlockIndex.stamps_for`). Array
+    operations over all blocks, then a few C-level steps per pack."""
+    rows = np.flatnonzero(ids)
+    order = rows[np.argsort(ids[rows], kind="stable")]  # grouped by pack, in LRU order within each
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    bounds = [*starts.tolist(), len(order)]
+    pair_of, pair_values = pairs
+    pack_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
+    # Runs of one pack and one (size, second): usually one run a pack (a dump's blocks share both).
+    codes = pack_of.astype(np.int64) * len(pair_values) + pair_of[order]
+    first = np.r_[True, codes[1:] != codes[:-1]]
+    triples, triple_of = codes[first].tolist(), np.cumsum(first) - 1
+    every = np.empty(len(keys), dtype=object)
+    every[:] = keys
+    ordered: list[bytes | None] = every[order].tolist()
+    places = offsets[order].astype("<u8").tobytes()
+    packs: list[Pack] = []
+    for n, pack_id in enumerate(sorted_ids[starts].tolist()):
+        a, b = bounds[n], bounds[n + 1]
+        pack = Pack(pack_id, root)
+        pack.keys = ordered[a:b]
+        pack.offsets.frombytes(places[a * 8 : b * 8])
+        pack.live = b - a
+        packs.append(pack)
+    made = np.empty(len(triples), dtype=object)
+    for n, triple in enumerate(triples):  # a pack's stamp() shares one stamp per (size, second)
+        size, second = pair_values[triple % len(pair_values)]
+        made[n] = packs[triple // len(pair_values)].stamp(size, second)
+    stamps[order] = made[triple_of]
+    return packs
 
 
 def _snapshot_columns(
-    keys: list[bytes], stamps: list[Stamp], locs: dict[bytes, tuple[int, int]]
+    keys: list[bytes], stamps: list[Stamp], places: dict[bytes | None, int] | None
 ) -> index_snapshot.Columns:
-    """A root's snapshot columns; with packs (``locs``: key -> pack id, offset) the packed blocks'
-    places too, a packed block that died while the snapshot was taken left out."""
-    if not locs:
-        return index_snapshot.Columns(keys, stamps, [s.stored_at for s in stamps])
-    kept_keys: list[bytes] = []
-    kept: list[Stamp] = []
-    ids: list[int] = []
-    offsets: list[int] = []
-    for key, stamp in zip(keys, stamps, strict=True):
-        if isinstance(stamp, PackedStamp):
-            loc = locs.get(key)
-            if loc is None:
-                continue
-            ids.append(loc[0])
-            offsets.append(loc[1])
-        else:
-            ids.append(0)
-            offsets.append(0)
-        kept_keys.append(key)
-        kept.append(stamp)
-    return index_snapshot.Columns(kept_keys, kept, [s.stored_at for s in kept], ids, offsets)
+    """A root's snapshot columns; with packs (``places``: each live packed key's record offset) the
+    packed blocks' pack ids and offsets too, a packed block that died while the snapshot was
+    taken left out. C-level maps over the keys and stamps, no Python step per block."""
+    times = list(map(_STORED_AT, stamps))
+    if places is None:
+        return index_snapshot.Columns(keys, stamps, times)
+    ids = np.array(list(map(_PACK_ID, stamps)), dtype=np.uint64)
+    offsets = np.array(list(map(places.get, keys, itertools.repeat(-1))), dtype=np.int64)
+    dead = (ids != 0) & (offsets < 0)
+    offsets[ids == 0] = 0
+    if dead.any():
+        kept = np.flatnonzero(~dead).tolist()
+        keys, stamps, times = [keys[i] for i in kept], [stamps[i] for i in kept], [times[i] for i in kept]
+        ids, offsets = ids[~dead], offsets[~dead]
+    return index_snapshot.Columns(keys, stamps, times, ids, offsets.astype(np.uint64))
+
+
+_STORED_AT = operator.attrgetter("stored_at")
+_PACK_ID = operator.attrgetter("pack_id")
 
 
 def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:

@@ -57,7 +57,13 @@ from ucm_server.store.posix.layout import Layout, block_key
 from ucm_server.store.posix.packs import Outcome, PackedStamp, PackTable, read_jobs
 from ucm_server.store.posix.recovery import INDEX_STATS, Recovery
 from ucm_server.store.posix.room import Room
-from ucm_server.store.posix.settings import DEFAULT_PROFILE, Entry, PosixSettings, Profile
+from ucm_server.store.posix.settings import (
+    DEFAULT_PACK_MAX_BLOCK_BYTES,
+    DEFAULT_PROFILE,
+    Entry,
+    PosixSettings,
+    Profile,
+)
 from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")
@@ -90,7 +96,7 @@ class PosixTier(Tier):
         index_wait_s: float = 0.2,
         direct_min_bytes: int = 256 << 10,
         snapshot_interval_s: float = 60.0,
-        pack_max_block_bytes: int = 0,
+        pack_max_block_bytes: int = DEFAULT_PACK_MAX_BLOCK_BYTES,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
         profile: Profile = DEFAULT_PROFILE,
@@ -570,10 +576,14 @@ class PosixTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return None
-        if isinstance(entry, PackedStamp):
-            return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         try:
-            header = await self._run(files.read_header, self.disk, self.layout.path_of(key), key)
+            if isinstance(entry, PackedStamp):
+                offset = entry.pack.offset_of(key)
+                if offset is None:
+                    raise FileNotFoundError(errno.ENOENT, "not in its pack")
+                header = await self._run(files.read_packed_header, self.disk, entry.pack, offset, key)
+            else:
+                header = await self._run(files.read_header, self.disk, self.layout.path_of(key), key)
         except (OSError, CorruptBlock):
             return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         return BlockInfo(
