@@ -42,27 +42,67 @@ def find_block(root: Path, namespace: bytes, digest: bytes) -> StoredBlock:
     ns, key = bytes(namespace).hex(), bytes(digest).hex()
     for path in (root / ns / key[:2] / f"{key}{SUFFIX}", root / ns / key[:2] / key[2:4] / f"{key}{SUFFIX}"):
         if path.is_file():
-            with path.open("rb") as f:
-                header = decode_header(f.read(ALIGNED_HEADER_SIZE))
-            return StoredBlock(path, 0, header.header_len, header.payload_len)
+            return _in_file(path)
+    for block, found in _records(root):
+        if found == bytes(namespace) + bytes(digest):
+            return block
+    raise FileNotFoundError(f"block {ns}/{key} is stored nowhere under {root}")
+
+
+def stored_copies(root: Path, digest: bytes) -> list[StoredBlock]:
+    """Every stored block whose key ends in ``digest``, in any namespace (one per namespace stored)."""
+    files = [_in_file(p) for p in root.rglob(f"{bytes(digest).hex()}{SUFFIX}") if QUARANTINE not in p.parts]
+    return files + [block for block, key in _records(root) if key.endswith(bytes(digest))]
+
+
+def all_stored(root: Path) -> list[StoredBlock]:
+    """Every block under the Posix root ``root``: block files outside the quarantine directory, and
+    live records of pack files."""
+    files = [_in_file(p) for p in sorted(root.rglob(f"*{SUFFIX}")) if QUARANTINE not in p.parts]
+    return files + [block for block, _ in _records(root)]
+
+
+def stored_blocks(root: Path) -> int:
+    """How many blocks are on disk under the Posix root ``root`` (see :func:`all_stored`)."""
+    return len(all_stored(root))
+
+
+def read_payload(block: StoredBlock) -> bytes:
+    with block.path.open("rb") as f:
+        f.seek(block.payload_at)
+        return f.read(block.payload_len)
+
+
+def flip_payload_byte(block: StoredBlock, index: int = -1, mask: int = 0x01, count: int = 1) -> None:
+    """XOR ``count`` bytes of the block's payload from byte ``index`` (negative: from its end) with
+    ``mask``, in place."""
+    at = block.payload_at + (index % block.payload_len)
+    with block.path.open("r+b") as f:
+        f.seek(at)
+        data = f.read(count)
+        f.seek(at)
+        f.write(bytes(b ^ mask for b in data))
+
+
+def _in_file(path: Path) -> StoredBlock:
+    with path.open("rb") as f:
+        header = decode_header(f.read(ALIGNED_HEADER_SIZE))
+    return StoredBlock(path, 0, header.header_len, header.payload_len)
+
+
+def _records(root: Path) -> list[tuple[StoredBlock, bytes]]:
+    """Every live record of the pack files under ``root``, with the key its header names."""
+    found = []
     for pack in sorted((root / PACK_DIR).rglob(f"*{PACK_SUFFIX}")):
         raw = pack.read_bytes()
         _, _, entries = decode_head(raw, len(raw))
         for offset, length in entries:
             head = raw[offset : offset + HEADER_SIZE]
-            if head != bytes(HEADER_SIZE) and decode_header(head).key == bytes(namespace) + bytes(digest):
-                return StoredBlock(pack, offset, offset + HEADER_SIZE, length)
-    raise FileNotFoundError(f"block {ns}/{key} is stored nowhere under {root}")
-
-
-def flip_payload_byte(block: StoredBlock, index: int = -1, mask: int = 0x01) -> None:
-    """XOR byte ``index`` of the block's payload (negative: from its end) with ``mask``, in place."""
-    at = block.payload_at + (index % block.payload_len)
-    with block.path.open("r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ mask]))
+            if head != bytes(HEADER_SIZE):
+                found.append(
+                    (StoredBlock(pack, offset, offset + HEADER_SIZE, length), bytes(decode_header(head).key))
+                )
+    return found
 
 
 def remove_block(block: StoredBlock) -> None:
@@ -74,18 +114,6 @@ def remove_block(block: StoredBlock) -> None:
     with block.path.open("r+b") as f:
         f.seek(block.header_at)
         f.write(bytes(HEADER_SIZE))
-
-
-def stored_blocks(root: Path) -> int:
-    """How many blocks are on disk under the Posix root ``root``: block files outside the
-    quarantine directory, and live records of pack files."""
-    files = sum(1 for p in root.rglob(f"*{SUFFIX}") if QUARANTINE not in p.parts)
-    records = 0
-    for pack in (root / PACK_DIR).rglob(f"*{PACK_SUFFIX}"):
-        raw = pack.read_bytes()
-        _, _, entries = decode_head(raw, len(raw))
-        records += sum(1 for offset, _ in entries if raw[offset : offset + HEADER_SIZE] != bytes(HEADER_SIZE))
-    return files + records
 
 
 def write_older_snapshot(

@@ -113,6 +113,15 @@ class BlockIndex:
             self.bytes += size - old
             self.changes += 1
 
+    def replace(self, key: bytes, stamp: Stamp) -> None:
+        """Give a present key another entry where it stands in the LRU order (adoption found the
+        block in another place than a snapshot said): not a change adoption keeps it from making."""
+        old = self._od.get(key)
+        if old is not None:
+            self._od[key] = stamp
+            self.bytes += stamp - old
+            self.changes += 1
+
     def forget(self, key: bytes) -> Stamp | None:
         """:meth:`pop` of a block removed now (deleted, evicted, found gone or bad): adoption, if it
         runs, must not bring it back."""

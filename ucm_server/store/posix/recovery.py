@@ -21,14 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import itertools
 import logging
-import operator
 import os
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,14 @@ import numpy as np
 from ucm_protocol.keys import BlockKey
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.store.format import ALIGNED_HEADER_SIZE, CorruptBlock, UnsupportedFormat, decode_header
-from ucm_server.store.posix import index_snapshot
+from ucm_server.store.posix import index_snapshot, snapshot_columns
 from ucm_server.store.posix.block_index import BlockIndex, Stamp
 from ucm_server.store.posix.confined import NotRegularFile, file_kind
 from ucm_server.store.posix.files import (
     Disk,
     move_to_quarantine,
     read_header,
+    read_packed_header,
     report_skipped,
     skip,
 )
@@ -108,6 +107,9 @@ class Recovery:
         """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
         self._listed: list[bytes] = []
         """The keys the snapshots listed, while the sweep after them runs."""
+        self._elsewhere: dict[bytes, list[Found]] = {}
+        """Blocks the scan found in another place than the one the index holds (a file and a pack
+        record, two packs): settled when it ends, the newest place that still holds the block wins."""
         self._seen: set[bytes] | None = None
         """Keys the sweep after a snapshot found on disk so far: the listed ones it did not find
         are dropped when it ends (their files were removed while the daemon was down)."""
@@ -224,12 +226,13 @@ class Recovery:
                 if root not in unsure and not self._stop:
                     await self._run(self._scan_root, root, loop)
             if not self._stop:
+                await self._settle_elsewhere()
                 await self._drop_unseen()
         except OSError as exc:
             self.disk.stats.errors += 1
             log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
         finally:
-            self._listed, self._seen = [], None
+            self._listed, self._seen, self._elsewhere = [], None, {}
             self.phase = ""
             self.disk.scanning = False
             self.index.end_adopting()
@@ -261,12 +264,14 @@ class Recovery:
                     self._unindex(key)
             elif index.adopt(block_key(key), size, stored_at):
                 self.adopted += 1
-            elif index.get(key) != size and not isinstance(index.get(key), PackedStamp):
-                index.correct(key, size, stored_at)  # (a packed block keeps its place in its pack)
+            elif isinstance(index.get(key), PackedStamp):  # a file of a block the index holds in a pack
+                self._elsewhere.setdefault(key, []).append(item)
+            elif index.get(key) != size:
+                index.correct(key, size, stored_at)
 
     def _merge_packed(self, key: BlockKey, size: int, stored_at: float, found: Pack, offset: int) -> None:
         """Adopt a block found in a pack (event loop). The pack object is the table's when a snapshot
-        already named that pack; a block the index holds elsewhere keeps that place."""
+        already named that pack; a block the index holds elsewhere is settled when the scan ends."""
         pack = self.packs.packs.get(found.id, found)
         current = self.index.get(key)
         if isinstance(current, PackedStamp) and current.pack is pack:
@@ -276,11 +281,43 @@ class Recovery:
                 self.index.put(key, pack.stamp(size, stored_at), adopted=True)
             return
         if current is not None:
+            self._elsewhere.setdefault(key, []).append((key, size, stored_at, found, offset))
             return
         pack.add(key, offset)
         self.packs.register(pack)
         self.index.adopt_stamp(key, pack.stamp(size, stored_at))
         self.adopted += 1
+
+    async def _settle_elsewhere(self) -> None:
+        """For each block found in another place than the index holds: the index's place is read
+        (its header, in a worker thread); if it no longer holds the block (a stale snapshot: the
+        block was written again into a pack or a file since, and its old place removed) or another
+        place is newer (a crash between a rewrite and the removal of the old copy), the index
+        takes the newest place found, where the block stands in the LRU order."""
+        touched = self.index.touched or set()
+        conflicts = {k: found for k, found in self._elsewhere.items() if k not in touched and k in self.index}
+        self._elsewhere = {}
+        if not conflicts:
+            return
+        here = await self._run(_places_hold, self.disk, [(k, self.index.get(k)) for k in conflicts])
+        moved = 0
+        for (key, found), held_at in zip(conflicts.items(), here, strict=True):
+            newest = max(found, key=lambda item: item[2])
+            if key in (self.index.touched or ()) or (held_at is not None and held_at >= newest[2]):
+                continue
+            old = self.index.get(key)
+            if isinstance(old, PackedStamp):
+                self.packs.kill(old, key, tombstone=False)
+            if len(newest) > 3:
+                pack = self.packs.register(self.packs.packs.get(newest[3].id, newest[3]))
+                if pack.offset_of(key) is None:
+                    pack.add(key, newest[4])
+                self.index.replace(key, pack.stamp(newest[1], newest[2]))
+            else:
+                self.index.replace(key, self.index.stamp(newest[1], newest[2]))
+            moved += 1
+        if moved:
+            log.info("posix tier %s: %d blocks found where a snapshot did not place them", self.name, moved)
 
     async def _drop_unseen(self) -> None:
         """Forget the blocks a snapshot listed whose files the sweep did not find (removed while the
@@ -360,18 +397,11 @@ class Recovery:
             if blocks is None:
                 unsure.append(root)
                 continue
-            sizes, times = (
-                np.asarray(blocks.sizes, dtype=np.uint64),
-                np.asarray(blocks.times, dtype=np.float64),
-            )
-            mine, pairs = self.index.stamps_for(sizes, times)
-            if blocks.packs is not None and blocks.offsets is not None:
-                ids = np.asarray(blocks.packs, dtype=np.uint64)
-                if ids.any():
-                    found += _packed_stamps(root, blocks.keys, ids, np.asarray(blocks.offsets), pairs, mine)
+            mine, packed = snapshot_columns.stamps_of(self.index, root, blocks)
             keys += blocks.keys
-            stamps += mine.tolist()
-            total += int(sizes.sum(dtype=np.uint64))
+            stamps += mine
+            found += packed
+            total += int(np.asarray(blocks.sizes, dtype=np.uint64).sum(dtype=np.uint64))
         self._loaded_rows = len(keys)
         loaded = BlockIndex.build(keys, stamps)
         if len(loaded) != len(keys):  # a key listed twice (not by this daemon): counted once
@@ -426,7 +456,9 @@ class Recovery:
                 mine[1].append(stamp)
         places = self.packs.offsets() if self.packs.packs else None
         for root, (mine_keys, mine_stamps) in by_root.items():
-            write(root, _snapshot_columns(mine_keys, mine_stamps, places), durable=self.disk.durable)
+            write(
+                root, snapshot_columns.columns_of(mine_keys, mine_stamps, places), durable=self.disk.durable
+            )
 
     # -- the scan (worker threads) ------------------------------------------------------------------
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
@@ -577,6 +609,26 @@ class Recovery:
         return None if key is None else (key, -1, 0.0)
 
 
+def _places_hold(disk: Disk, entries: list[tuple[bytes, Stamp | None]]) -> list[float | None]:
+    """For each key, when the block in the place its index entry names was stored (its header's
+    time), or None where that place no longer holds it (gone, another key's, torn)."""
+    out: list[float | None] = []
+    for key, stamp in entries:
+        try:
+            if isinstance(stamp, PackedStamp):
+                offset = stamp.pack.offset_of(key)
+                if offset is None:
+                    raise FileNotFoundError(key.hex())
+                header = read_packed_header(disk, stamp.pack, offset, block_key(key))
+            else:
+                header = read_header(disk, disk.layout.path_of(block_key(key)), block_key(key))
+        except (OSError, CorruptBlock):
+            out.append(None)
+        else:
+            out.append(header.created_ns / 1e9)
+    return out
+
+
 def scan_tree(disk: Disk, temp_grace_s: float) -> list[tuple[BlockKey, int, float]]:
     """Every block file under the roots whose header checks out (key, size, store time); corrupt
     ones quarantined, temporary files older than ``temp_grace_s`` removed (interrupted writes)."""
@@ -619,74 +671,6 @@ def check_file(disk: Disk, path: Path) -> tuple[BlockKey, int, float] | None:
         log.warning("posix tier %s: cannot read %s: %s", disk.name, path, exc)
         return None
     return header.key, header.payload_len, header.created_ns / 1e9
-
-
-def _packed_stamps(
-    root: Path,
-    keys: Sequence[bytes],
-    ids: np.ndarray,
-    offsets: np.ndarray,
-    pairs: tuple[np.ndarray, list[tuple[int, int]]],
-    stamps: np.ndarray,
-) -> list[Pack]:
-    """The packs a snapshot of ``root`` names (``ids``: each block's pack id, 0 for a block file),
-    each with its blocks' keys and record offsets, and their blocks' stamps in ``stamps`` (an object
-    array, changed in place) replaced by their packs' (one per pack, size and second; ``pairs``: each
-    block's (size, second) index and the pairs, from :meth:`BlockIndex.stamps_for`). Array
-    operations over all blocks, then a few C-level steps per pack."""
-    rows = np.flatnonzero(ids)
-    order = rows[np.argsort(ids[rows], kind="stable")]  # grouped by pack, in LRU order within each
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    bounds = [*starts.tolist(), len(order)]
-    pair_of, pair_values = pairs
-    pack_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
-    # Runs of one pack and one (size, second): usually one run a pack (a dump's blocks share both).
-    codes = pack_of.astype(np.int64) * len(pair_values) + pair_of[order]
-    first = np.r_[True, codes[1:] != codes[:-1]]
-    triples, triple_of = codes[first].tolist(), np.cumsum(first) - 1
-    every = np.empty(len(keys), dtype=object)
-    every[:] = keys
-    ordered: list[bytes | None] = every[order].tolist()
-    places = offsets[order].astype("<u8").tobytes()
-    packs: list[Pack] = []
-    for n, pack_id in enumerate(sorted_ids[starts].tolist()):
-        a, b = bounds[n], bounds[n + 1]
-        pack = Pack(pack_id, root)
-        pack.keys = ordered[a:b]
-        pack.offsets.frombytes(places[a * 8 : b * 8])
-        pack.live = b - a
-        packs.append(pack)
-    made = np.empty(len(triples), dtype=object)
-    for n, triple in enumerate(triples):  # a pack's stamp() shares one stamp per (size, second)
-        size, second = pair_values[triple % len(pair_values)]
-        made[n] = packs[triple // len(pair_values)].stamp(size, second)
-    stamps[order] = made[triple_of]
-    return packs
-
-
-def _snapshot_columns(
-    keys: list[bytes], stamps: list[Stamp], places: dict[bytes | None, int] | None
-) -> index_snapshot.Columns:
-    """A root's snapshot columns; with packs (``places``: each live packed key's record offset) the
-    packed blocks' pack ids and offsets too, a packed block that died while the snapshot was
-    taken left out. C-level maps over the keys and stamps, no Python step per block."""
-    times = list(map(_STORED_AT, stamps))
-    if places is None:
-        return index_snapshot.Columns(keys, stamps, times)
-    ids = np.array(list(map(_PACK_ID, stamps)), dtype=np.uint64)
-    offsets = np.array(list(map(places.get, keys, itertools.repeat(-1))), dtype=np.int64)
-    dead = (ids != 0) & (offsets < 0)
-    offsets[ids == 0] = 0
-    if dead.any():
-        kept = np.flatnonzero(~dead).tolist()
-        keys, stamps, times = [keys[i] for i in kept], [stamps[i] for i in kept], [times[i] for i in kept]
-        ids, offsets = ids[~dead], offsets[~dead]
-    return index_snapshot.Columns(keys, stamps, times, ids, offsets.astype(np.uint64))
-
-
-_STORED_AT = operator.attrgetter("stored_at")
-_PACK_ID = operator.attrgetter("pack_id")
 
 
 def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:

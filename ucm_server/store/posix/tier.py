@@ -1,4 +1,4 @@
-"""The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
+"""The Posix tier: blocks in files under a sharded directory tree, durable and self-checking.
 
 :class:`PosixTier` is the async face: it keeps the in-memory index (what is stored, in LRU order)
 and decides, while the blocking work on files runs in its executor as module functions. The rooms
@@ -9,7 +9,8 @@ of the package, each one job:
 - :mod:`~ucm_server.store.posix.group_commit`: a batch written as staged files and one commit;
 - :mod:`~ucm_server.store.posix.room`: the capacity as a bound (room reserved before a write);
 - :mod:`~ucm_server.store.posix.recovery`: the index after a start (snapshots, then the files);
-- :mod:`~ucm_server.store.posix.packs`: many small blocks in one file;
+- :mod:`~ucm_server.store.posix.packs`: many small blocks in one file (blocks up to
+  ``pack_max_block_bytes``, 64 KiB by default, written together);
 - :mod:`~ucm_server.store.posix.block_index`, :mod:`~ucm_server.store.posix.confined`: the index,
   and file access that never follows what is planted in the tree.
 
