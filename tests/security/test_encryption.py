@@ -173,25 +173,52 @@ def test_a_wrong_or_missing_key_makes_blocks_missing_not_garbage(
             assert _load(bob, theirs) == (True, PLAIN)
 
 
+NOBODY = 65534
 BAD_KEYS = {
     "short": (b"\x01" * 31, 0o600, "expected 32 bytes or 64 hex digits"),
     "bad hex": (b"zz" * 32, 0o600, "expected 32 bytes or 64 hex digits"),
     "world readable": (os.urandom(32), 0o644, "readable by others"),
+    "group writable": (os.urandom(32), 0o620, "writable by group or others"),
+    "owned by another user": (os.urandom(32), 0o600, f"owned by uid {NOBODY}, not by the daemon's uid"),
+    "in a directory others can write": (os.urandom(32), 0o600, "is writable by group or others"),
+    "in a directory of another user": (os.urandom(32), 0o600, f"is owned by uid {NOBODY}"),
 }
+NEEDS_ROOT = {"owned by another user", "in a directory of another user"}
 
 
 @pytest.mark.parametrize("case", list(BAD_KEYS))
 def test_a_bad_key_file_stops_start_up_naming_the_file(tmp_path: Path, case: str) -> None:
+    """Whoever can write the key file or its directory chooses the tenant's key: such a file (and a
+    short, malformed or readable one) stops start-up naming the file, never showing the key."""
+    if case in NEEDS_ROOT and os.geteuid() != 0:
+        pytest.skip("giving a file to another uid (os.chown) needs root; CI runs as root")
     content, mode, words = BAD_KEYS[case]
-    bad = tmp_path / "alice.key"
+    where = tmp_path / "keys"
+    where.mkdir(mode=0o700)
+    bad = where / "alice.key"
     bad.write_bytes(content)
     bad.chmod(mode)
+    if case == "owned by another user":
+        os.chown(bad, NOBODY, NOBODY)
+    elif case == "in a directory others can write":
+        where.chmod(0o1777)  # even sticky, like /tmp: another user could have put the file there
+    elif case == "in a directory of another user":
+        os.chown(where, NOBODY, NOBODY)
     d = _daemon(tmp_path, bad, _key_file(tmp_path / "bob.key", KEY_B))
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
     proc = subprocess.run(d.command(), capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stderr
-    assert f"key_file {bad}" in proc.stderr and words in proc.stderr
+    assert f"key_file {bad}" in proc.stderr and words in proc.stderr, proc.stderr
     assert content.hex() not in proc.stderr and "Traceback" not in proc.stderr
+    # Negative control: the same key, fixed, starts.
+    where.chmod(0o700)
+    os.chown(where, os.geteuid(), os.getegid())
+    os.chown(bad, os.geteuid(), os.getegid())
+    if case in ("short", "bad hex"):
+        return
+    bad.chmod(0o600)
+    with _daemon(tmp_path, bad, _key_file(tmp_path / "bob.key", KEY_B)) as d:
+        assert d.healthy()
 
 
 def test_turning_encryption_off_over_sealed_blocks_is_refused(
