@@ -3,10 +3,10 @@
 Two tenants with their own key files, ``encrypt_tiers: Posix``: a tenant's block round-trips through
 the disk (Cache evicted) while its file holds no byte of the plaintext; the default tenant's block
 is stored in clear beside it (the negative control). Then as an attacker with the disk would: an
-envelope moved under another tenant's block name (its outer header rewritten so the tier's own
-checks pass) fails authentication and is never served; a restart with another key, or without the
-key, makes the tenant's blocks missing, never garbage. Bad key files stop start-up naming the file,
-never showing the key; the key appears in no log.
+envelope moved under another block's name, another tenant's or the same tenant's (its outer header
+rewritten so the tier's own checks pass), fails authentication and is never served; a restart with
+another key, or without the key, makes the tenant's blocks missing, never garbage. Bad key files stop
+start-up naming the file, never showing the key; the key appears in no log.
 """
 
 from __future__ import annotations
@@ -119,31 +119,40 @@ def test_encrypted_blocks_round_trip_and_hold_no_plaintext_on_disk(
         assert KEY_A.hex() not in log and KEY_B.hex() not in log
 
 
-def test_an_envelope_moved_under_another_tenants_block_is_never_served(
-    tmp_path: Path, keys: tuple[Path, Path]
+def _move_envelope(d: DaemonProcess, source: bytes, target: bytes) -> None:
+    """As an attacker with the disk: copy ``source``'s block file over ``target``'s and fix the outer
+    header to name ``target`` (no secret is needed: the tier's own header and checksum then pass)."""
+    files = _files(d)
+    (source_key,) = [k for k in files if k.endswith(source)]
+    (target_key,) = [k for k in files if k.endswith(target)]
+    raw = files[source_key].read_bytes()
+    old = decode_header(raw[:HEADER_SIZE])
+    header = encode_header(
+        decode_header(files[target_key].read_bytes()[:HEADER_SIZE]).key,
+        old.payload_len,
+        old.checksum,
+        old.created_ns,
+        header_len=old.header_len,
+    )
+    files[target_key].write_bytes(header + raw[old.header_len :])
+
+
+@pytest.mark.parametrize("victim", ["another tenant", "the same tenant"])
+def test_an_envelope_moved_under_another_block_is_never_served(
+    tmp_path: Path, keys: tuple[Path, Path], victim: str
 ) -> None:
+    """The envelope binds the block's own namespace and key: moved under another tenant's block, or
+    under another block of the same tenant (same key, same namespace), it fails authentication."""
     with _daemon(tmp_path, *keys) as d:
         with UcmClient(d.target, token=ALICE) as alice, UcmClient(d.target, token=BOB) as bob:
-            a = _dump(alice, PLAIN)
-            b = _dump(bob, os.urandom(BLOCK), first=1)
-            files = _files(d)
-            (a_key,) = [k for k in files if k.endswith(a)]
-            (b_key,) = [k for k in files if k.endswith(b)]
-            # The attacker copies alice's file over bob's and fixes the outer header to name bob's
-            # block (it has no secret: the tier's own header and checksum then pass).
-            raw = files[a_key].read_bytes()
-            old = decode_header(raw[:HEADER_SIZE])
-            header = encode_header(
-                decode_header(files[b_key].read_bytes()[:HEADER_SIZE]).key,
-                old.payload_len,
-                old.checksum,
-                old.created_ns,
-                header_len=old.header_len,
-            )
-            files[b_key].write_bytes(header + raw[old.header_len :])
+            owner, reader = (alice, bob) if victim == "another tenant" else (alice, alice)
+            a = _dump(owner, PLAIN)
+            other = os.urandom(BLOCK)
+            b = _dump(reader, other, first=1)
+            _move_envelope(d, a, b)
             _evict_cache(d)
-            ok, data = _load(bob, b)
-            assert not ok and data == bytes(BLOCK), "a swapped envelope was served"
+            ok, data = _load(reader, b)
+            assert not ok and data == bytes(BLOCK), f"an envelope moved under {victim}'s block was served"
             assert PLAIN[:64] not in data
             assert _load(alice, a) == (True, PLAIN)  # negative control: the original still opens
 
