@@ -158,6 +158,17 @@ def test_every_error_during_restarts_is_a_ucm_error(tmp_path: Path) -> None:
     assert d.proc is None
 
 
+def _until_aged_out(c: UcmClient, task_id: int) -> None:
+    """Until the task's pushed result has come and been dropped again (the client keeps only the
+    newest ``kept_results``): what the tests below are about. A fixed sleep instead let them pass on a
+    slow machine with the result still kept, answered at once for the wrong reason."""
+    finished = c.aio._finished  # the client's table of pushed results (no public view of it)
+    deadline = time.monotonic() + 30
+    while finished.peek(task_id) is not None or task_id in finished._running:
+        assert time.monotonic() < deadline, f"task {task_id}'s result never aged out"
+        time.sleep(0.02)
+
+
 def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProcess) -> None:
     """The first of many tasks, its pushed result long dropped: wait(30 s) answers in well under it."""
     with UcmClient(daemon.target) as c, SharedBuffer(4 * SIZE) as buf:
@@ -167,7 +178,7 @@ def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProc
         first = c.dump(NS, blocks_in(region, 2, SIZE))
         later = [c.prefetch(NS, [blocks_in(region, 1, SIZE, first=1000 + i)[0].key]) for i in range(200)]
         assert c.wait(later[-1], 10).done
-        time.sleep(0.2)  # let the last pushed events arrive: the first result is long gone now
+        _until_aged_out(c, first)
         started = time.monotonic()
         result = c.wait(first, 30)
         took = time.monotonic() - started
@@ -186,7 +197,7 @@ def test_wait_after_4096_results_with_the_default_retention(daemon: DaemonProces
         first = c.prefetch(NS, [b"\x01" * 32])
         ids = [c.prefetch(NS, [b"\x02" * 32]) for _ in range(4200)]
         assert c.wait(ids[-1], 30).done
-        time.sleep(0.2)
+        _until_aged_out(c, first)
         started = time.monotonic()
         result = c.wait(first, 30)
         assert time.monotonic() - started < 3
