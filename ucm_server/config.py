@@ -331,6 +331,15 @@ class ServerConfig:
             "descriptor for up to 60 s); one process may hold a quarter of them."
         ),
     )
+    max_retention_rules: int = field(
+        default=1_000_000,
+        metadata=_help(
+            "Most blocks with a retention rule (pin, TTL or priority) the daemon holds, all clients "
+            "together; a change that would add more is refused with RESOURCE_EXHAUSTED. retention.json "
+            "and the daemon's memory stay proportional to the rules in force (about 150 bytes each on "
+            "disk)."
+        ),
+    )
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
@@ -496,6 +505,7 @@ class ServerConfig:
             "max_session_regions",
             "max_session_region_bytes",
             "max_pending_handovers",
+            "max_retention_rules",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -145,7 +145,9 @@ class Engine:
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self._encrypt(authenticator, ledger)
         self._compress()
-        self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
+        self.retention = RetentionTable(
+            config.data_dir / RETENTION_FILE, self.executor, max_rules=config.max_retention_rules
+        )
         self.pipeline.set_rules(self.retention)
         self.quota = Quota(ledger, self.pipeline, self.retention)
         self.expiry = Expiry(self.pipeline, self.retention, self.quota)
