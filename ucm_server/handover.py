@@ -51,6 +51,7 @@ from ucm_protocol.fdpass import (
     PeerCredentials,
     peer_credentials,
 )
+from ucm_server.client_memory import ALLOCATE, unallocated
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ def _fs_magic(fd: int) -> int | None:
 
 
 def check_memfd(fd: int, declared: int) -> int:
-    """Refuse anything but shmem memory sealed against shrinking and at least ``declared`` bytes;
-    return its size."""
+    """Refuse anything but shmem memory sealed against shrinking, at least ``declared`` bytes and
+    fully allocated (pages the daemon touched first would be charged to it); return its size."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument(
@@ -122,6 +123,8 @@ def check_memfd(fd: int, declared: int) -> int:
         raise InvalidArgument(f"declared size must be positive, got {declared}")
     if st.st_size < declared:
         raise InvalidArgument(f"the memfd holds {st.st_size} bytes, less than the declared {declared}")
+    if (why := unallocated(st)) is not None:
+        raise InvalidArgument(f"the memfd has holes: {why}; {ALLOCATE}")
     return int(st.st_size)
 
 
