@@ -37,14 +37,22 @@ def raise_limit() -> int:
 
 
 class DescriptorBudget:
-    """Descriptors that client actions may make the daemon hold, all kinds together (any thread)."""
+    """Descriptors that client actions may make the daemon hold (any thread). Parts of it can be
+    carved out for one use (:meth:`carve`), so no other use can take them."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, capacity: int, *, limit: int, reserved: int) -> None:
         self.limit = limit
-        self.reserved = max(RESERVED_MIN, limit // 4)
-        self.capacity = max(0, limit - self.reserved)
+        self.reserved = reserved
+        self.capacity = max(0, capacity)
         self._used = 0
         self._lock = threading.Lock()
+        self._parent: DescriptorBudget | None = None
+
+    @classmethod
+    def for_limit(cls, limit: int) -> DescriptorBudget:
+        """The share of ``limit`` that clients may make the daemon hold (the rest is its reserve)."""
+        reserved = max(RESERVED_MIN, limit // 4)
+        return cls(limit - reserved, limit=limit, reserved=reserved)
 
     @property
     def used(self) -> int:
@@ -66,11 +74,28 @@ class DescriptorBudget:
         with self._lock:
             self._used = max(0, self._used - n)
 
+    def carve(self, n: int) -> DescriptorBudget:
+        """A budget of ``n`` (or what is left, if less) that this one no longer counts as its own."""
+        with self._lock:
+            n = max(0, min(n, self.capacity - self._used))
+            self.capacity -= n
+        part = DescriptorBudget(n, limit=self.limit, reserved=self.reserved)
+        part._parent = self
+        return part
+
+    def close(self) -> None:
+        """A carved part goes back to the budget it came from (its user is done with it)."""
+        parent, self._parent = self._parent, None
+        if parent is not None:
+            with parent._lock:
+                parent.capacity += self.capacity
+            self.capacity = 0
+
     def describe(self) -> str:
         """For refusals: what the budget is and where it comes from."""
         return (
-            f"{self.capacity} descriptors for what clients hand over (the limit RLIMIT_NOFILE {self.limit} "
-            f"less {self.reserved} kept for the daemon's own work)"
+            f"{self.capacity} descriptors for this (of the limit RLIMIT_NOFILE {self.limit}, "
+            f"{self.reserved} are kept for the daemon's own work)"
         )
 
 
@@ -83,5 +108,5 @@ def process_budget() -> DescriptorBudget:
     global _process
     with _process_lock:
         if _process is None:
-            _process = DescriptorBudget(raise_limit())
+            _process = DescriptorBudget.for_limit(raise_limit())
         return _process

@@ -11,7 +11,7 @@ The memory must be fully allocated by the client when registered and stay so: th
 descriptor per memfd and checks it before and after every task that copies through it
 (:mod:`ucm_server.client_memory`); memory found with holes is refused, its regions dropped and its
 pages released, so no client can make the daemon allocate (and be charged for) the client's memory.
-The descriptors kept are bounded: at most a quarter of the daemon's descriptor share per session
+The descriptors kept are bounded: at most 1/16 of the daemon's share for them per session
 (:mod:`ucm_server.descriptors`).
 
 Every segment is checked against its region before anything is copied; a bad one fails the whole
@@ -52,6 +52,9 @@ from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.store.base import IoVec
 
 log = logging.getLogger(__name__)
+
+SESSION_SHARE = 16
+"""One session may hold at most this fraction (1/16) of the descriptors kept for client memfds."""
 
 
 @dataclass(slots=True, eq=False)  # identity: regions are pinned in sets
@@ -243,17 +246,19 @@ class RegionTable:
         return region
 
     def _keep(self, session_id: str, fd: int, st: os.stat_result, *, uid: int, pid: int) -> ClientMemory:
-        """A descriptor of the memfd of its own, out of the budget (a quarter of it per session)."""
+        """A descriptor of the memfd of its own, out of the budget (1/:data:`SESSION_SHARE` of it per
+        session, so a few sessions cannot take it all)."""
         mine = self._memories_of.get(session_id, 0)
-        share = max(1, self.budget.capacity // 4)
+        share = max(1, self.budget.capacity // SESSION_SHARE)
         if mine >= share:
             raise ResourceExhausted(
-                f"session {session_id[:8]} has {mine} distinct memfds registered, a quarter of the daemon's "
-                f"{self.budget.describe()}; register regions of fewer, larger buffers"
+                f"session {session_id[:8]} has {mine} distinct memfds registered, its share "
+                f"(1/{SESSION_SHARE}) of the daemon's {self.budget.describe()}; register regions of "
+                "fewer, larger buffers"
             )
         if not self.budget.take():
             raise ResourceExhausted(
-                f"the daemon holds {self.budget.used} descriptors for clients, all of its "
+                f"the daemon holds {self.budget.used} memfds of clients' regions, all of its "
                 f"{self.budget.describe()}; unregister memory no longer used, or raise the daemon's "
                 "descriptor limit"
             )
