@@ -32,6 +32,7 @@ import pytest
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_protocol.fdpass import fd_socket_path
+from ucm_server.peer_share import PeerShares
 from ucm_server.testing.daemon import DaemonProcess
 
 _ATTACKER = textwrap.dedent(
@@ -236,3 +237,25 @@ def test_a_well_behaved_client_registers_within_a_second_under_attack(
     # A quarter of the 1,024 descriptors stays the daemon's own, whatever the attackers send.
     assert most_fds <= 1024 - 256, f"the daemon had {most_fds} descriptors open under {names}"
     assert daemon.healthy()
+
+
+def test_who_gives_way_in_a_full_table() -> None:
+    """The rule on its own, with peers a single daemon test cannot make (other uids): the uid
+    holding the most gives way first, then the process holding the most within it, oldest first;
+    a peer holding no more than the newcomer never does."""
+    shares: PeerShares[str] = PeerShares()
+    for i in range(3):
+        shares.add(f"root-a{i}", 0, 100)  # root, one process, 3 entries
+    shares.add("root-b0", 0, 101)
+    shares.add("user-c0", 1000, 200)
+    shares.add("user-c1", 1000, 200)
+    assert shares.victim(1000, 300) == "root-a0"  # uid 0 holds 4, uid 1000 only 2
+    assert shares.victim(0, 101) == "root-a0"  # same uid: the process holding 3 gives way to one holding 1
+    assert shares.victim(0, 100) is None  # the heaviest process of the heaviest uid gives way to no one
+    shares.remove("root-a0")
+    shares.remove("root-a1")  # uid 0: a2 (pid 100), b0 (pid 101); uid 1000: c0, c1 (pid 200)
+    assert shares.victim(1000, 200) is None  # nobody holds more than this newcomer's uid and process
+    assert shares.victim(1000, 300) == "user-c0"  # uids even: its own uid's heaviest process gives way
+    assert shares.victim(0, 102) == "user-c0"  # likewise for a newcomer of the other uid
+    assert shares.oldest_of(1000, 200) == "user-c0" and shares.oldest_of(5, 5) is None
+    assert shares.of_process(0, 100) == 1 and len(shares) == 4
