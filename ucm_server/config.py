@@ -328,7 +328,7 @@ class ServerConfig:
         default=256,
         metadata=_help(
             "Most memfds handed over on the fd socket and not yet registered (each holds a file "
-            "descriptor for up to 10 s); one process may hold 1/16 of them, and when all are taken a "
+            "descriptor for up to 10 s); one process may hold a quarter of them, and when all are taken a "
             "newcomer takes the place of the oldest of the process (or uid) holding the most."
         ),
     )

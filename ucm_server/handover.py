@@ -19,7 +19,7 @@ The socket is shared by every local process, so it is fair (:mod:`ucm_server.pee
   the oldest connection of the peer (uid, then pid) holding the most;
 - a request must arrive whole within :data:`HANDSHAKE_S` (a client sends it at once); at most two
   descriptors are received per connection, and a connection that sends a second one is refused then;
-- a process may have 1/16 of ``max_pending_handovers`` pending; a newcomer to a full table takes
+- a process may have a quarter of ``max_pending_handovers`` pending; a newcomer to a full table takes
   the place of the oldest handover of the peer holding the most, so nobody is locked out until
   tokens expire (:data:`TTL_S`);
 - every descriptor those hold comes out of a part of the daemon's descriptor budget carved out for
@@ -76,8 +76,10 @@ HANDSHAKE_S = 1.0
 """How long a connection may take to send its request, and to take the reply."""
 MAX_CONNECTIONS = 64
 CONNECTIONS_PER_PROCESS = 4
-PENDING_SHARE = 16
-"""A process may have 1/16 of max_pending_handovers pending (at least 2)."""
+PENDING_SHARE = 4
+"""A process may have a quarter of max_pending_handovers pending (at least 2). A full table locks no
+one out (the heaviest peer gives way), so the share need not be small: a process whose registrations
+were refused leaves its tokens behind until they expire and still has room."""
 FDS_RECEIVED = 2
 """Descriptors taken in per connection at most: one too many is refused (the kernel closes more)."""
 FDS_PER_CONNECTION = 1 + FDS_RECEIVED
@@ -179,7 +181,7 @@ class HandoverTable:
             if mine >= self.max_per_pid:
                 raise ResourceExhausted(
                     f"process {peer.pid} has {mine} memory handovers pending registration, the limit "
-                    f"per process (1/{PENDING_SHARE} of max_pending_handovers = {self.max_pending}); call "
+                    f"per process (a quarter of max_pending_handovers = {self.max_pending}); call "
                     "RegisterRegion with the tokens already received"
                 )
             while len(self._pending) >= self.max_pending or not self.budget.take():

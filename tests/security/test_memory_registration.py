@@ -432,7 +432,7 @@ def test_fd_socket_checks_the_peer_uid(tmp_path: Path) -> None:
 
 
 def test_pending_handovers_are_bounded(tmp_path: Path) -> None:
-    """8 pending in all, 2 per process (1/16 of 8, at least 2): a process past its share is refused
+    """8 pending in all, 2 per process (a quarter of 8): a process past its share is refused
     with RESOURCE_EXHAUSTED, and the daemon never holds more descriptors than that. A full table
     locks nobody out: a newcomer takes the place of the oldest handover of a process holding the
     most, whose token then fails clearly."""
