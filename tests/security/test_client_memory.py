@@ -274,3 +274,19 @@ def test_client_exits_mid_task(slow: DaemonProcess, state: str) -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert "STARTED" in proc.stdout, proc.stderr
     _round_trip_works(slow, tag + "-after")
+
+
+def test_the_vllm_kv_memory_is_allocated_in_full_before_it_is_handed_over() -> None:
+    """Both ways the vLLM connector puts its KV cache in shared memory, the allocation answered from
+    a SharedBuffer and an existing cache moved into one, give the daemon memory with no holes (the
+    daemon refuses any other)."""
+    torch = pytest.importorskip("torch", reason="the vLLM KV memory is torch tensors")
+    from ucm_client.vllm.kv_memory import ShmAllocation, adopt
+
+    with ShmAllocation() as mode:
+        torch.zeros(8 << 20, dtype=torch.int8, device="cpu")
+    assert mode.buffer is not None
+    moved, _ = adopt({"layer.0": torch.ones(4 << 20, dtype=torch.int8)}, [])
+    for buf in (mode.buffer, moved):
+        st = os.fstat(buf.fileno())
+        assert st.st_blocks * 512 >= st.st_size == buf.size, (st.st_blocks, st.st_size)
