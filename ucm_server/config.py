@@ -345,7 +345,17 @@ class ServerConfig:
         default=256,
         metadata=_help(
             "Most memfds handed over on the fd socket and not yet registered (each holds a file "
-            "descriptor for up to 60 s); one process may hold a quarter of them."
+            "descriptor for up to 10 s); one process may hold a quarter of them, and when all are taken a "
+            "newcomer takes the place of the oldest of the process (or uid) holding the most."
+        ),
+    )
+    max_retention_rules: int = field(
+        default=1_000_000,
+        metadata=_help(
+            "Most blocks with a retention rule (pin, TTL or priority) the daemon holds, all clients "
+            "together; a change that would add more is refused with RESOURCE_EXHAUSTED. retention.json "
+            "and the daemon's memory stay proportional to the rules in force (about 150 bytes each on "
+            "disk)."
         ),
     )
     task_retention_s: float = field(
@@ -558,6 +568,7 @@ class ServerConfig:
             "max_session_regions",
             "max_session_region_bytes",
             "max_pending_handovers",
+            "max_retention_rules",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -71,7 +71,9 @@ class Engine:
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self.authz = Authorizer(authenticator, tcp_anonymous=config.tcp_anonymous, owners=ledger)
         """Who may call what and which namespaces a call reaches (:mod:`ucm_server.authz`)."""
-        self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
+        self.retention = RetentionTable(
+            config.data_dir / RETENTION_FILE, self.executor, max_rules=config.max_retention_rules
+        )
         key_files = {t: p.key_file for t, p in tenants.items() if t and p.key_file}
         keyring = tenant_keyring(
             config.encrypted_tiers, config.data_dir, key_files, ledger, self.authz.may_open
