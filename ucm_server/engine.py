@@ -33,7 +33,7 @@ from ucm_protocol.errors import (
 )
 from ucm_protocol.keys import BlockKey, Namespace, check_digests, check_namespace, make_keys
 from ucm_protocol.text import printable
-from ucm_server import __version__
+from ucm_server import __version__, tracing
 from ucm_server.auth import Authenticator, current_principal
 from ucm_server.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunk_bounds  # noqa: F401 (names kept here)
 from ucm_server.config import ServerConfig
@@ -145,6 +145,7 @@ class Engine:
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self._encrypt(authenticator, ledger)
         self._compress()
+        tracing.trace_tiers(self.pipeline)  # outermost wrapper, when tracing is on
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
         self.pipeline.set_rules(self.retention)
         self.quota = Quota(ledger, self.pipeline, self.retention)
