@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
 from ucm_client.types import (
@@ -88,7 +89,7 @@ class UcmClient:
         if self._closed:
             coro.close()
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return asyncio.run_coroutine_threadsafe(tracing.carry(coro), self._loop)  # the caller's trace too
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -157,7 +158,7 @@ class UcmClient:
         try:
             resp = self._stub.Lookup(
                 request,
-                metadata=self._async._auth_metadata(),
+                metadata=(*self._async._auth_metadata(), *tracing.outgoing()),
                 timeout=self._async.rpc_timeout_s,
             )
         except grpc.RpcError as exc:

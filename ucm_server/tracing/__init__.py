@@ -96,10 +96,9 @@ def start(settings: TracingSettings) -> DaemonTracing | None:
         )
         return None
     from ucm_server import __version__
-    from ucm_server.tracing.daemon import DaemonTracing
 
     exporter, batch = _test_exporter if _test_exporter is not None else (None, True)
-    provider = otel.build_provider(
+    provider = otel.build_provider(  # first: without the packages, this says what to install
         service_name="ucm-server",
         version=__version__,
         endpoint=settings.tracing_endpoint,
@@ -107,6 +106,8 @@ def start(settings: TracingSettings) -> DaemonTracing | None:
         exporter=exporter,
         batch=batch,
     )
+    from ucm_server.tracing.daemon import DaemonTracing
+
     _active = DaemonTracing(provider)
     log.info(
         "tracing: OTLP/HTTP to %s, recording %g of untraced calls (and every call a traced client makes)",
