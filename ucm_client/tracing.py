@@ -20,6 +20,7 @@ The hooks the connector calls are :func:`scheduler_lookup`, :func:`job_started`,
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 from collections import OrderedDict
@@ -110,6 +111,7 @@ def configure(config: TracingConfig, *, service_name: str = "ucm-connector") -> 
         sample_ratio=config.tracing_sample_ratio,
     )
     enable(provider, owned=True)
+    atexit.register(disable)  # a process that ends exports the spans its batch still holds
     return True
 
 
