@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from ucm_protocol import otel
 from ucm_protocol import tracing as names
 from ucm_protocol.errors import ConfigError
+from ucm_protocol.otel import TracingSettings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -63,18 +64,7 @@ _combined: tuple[object, tuple[str, ...]] | None = None
 _NULL = contextlib.nullcontext()
 
 
-class TracingConfig(Protocol):
-    """What :func:`configure` reads (``ConnectorConfig`` has all of it)."""
-
-    @property
-    def tracing_exporter(self) -> str: ...
-    @property
-    def tracing_endpoint(self) -> str | None: ...
-    @property
-    def tracing_sample_ratio(self) -> float: ...
-
-
-def check_settings(config: TracingConfig) -> None:
+def check_settings(config: TracingSettings) -> None:
     """Bad tracing settings of the connector, named (``ConfigError``)."""
     if config.tracing_exporter not in names.CONNECTOR_EXPORTERS:
         raise ConfigError(
@@ -91,7 +81,7 @@ def check_settings(config: TracingConfig) -> None:
     otel.check_sample_ratio("tracing_sample_ratio", config.tracing_sample_ratio)
 
 
-def configure(config: TracingConfig, *, service_name: str = "ucm-connector") -> bool:
+def configure(config: TracingSettings, *, service_name: str = "ucm-connector") -> bool:
     """Turn tracing on as the connector's settings say (once per process); True when on."""
     check_settings(config)
     if config.tracing_exporter == "off" or _tracer is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from ucm_protocol.errors import ConfigError
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENDPOINT_ENV",
+    "TracingSettings",
     "build_provider",
     "check_endpoint",
     "check_sample_ratio",
@@ -48,6 +49,17 @@ INSTALL_HINT = (
     "the OpenTelemetry packages are not installed (pip install opentelemetry-sdk "
     "opentelemetry-exporter-otlp-proto-http, as `pip install ucm` does)"
 )
+
+
+class TracingSettings(Protocol):
+    """The tracing settings the daemon's config and the connector's both have."""
+
+    @property
+    def tracing_exporter(self) -> str: ...
+    @property
+    def tracing_endpoint(self) -> str | None: ...
+    @property
+    def tracing_sample_ratio(self) -> float: ...
 
 
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -25,11 +25,13 @@ and :func:`start` / :func:`stop` (the daemon's start and shutdown).
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ucm_protocol import otel
+from ucm_protocol.otel import TracingSettings
 from ucm_protocol.tracing import EXPORTERS
 
 if TYPE_CHECKING:
@@ -55,17 +57,6 @@ T = TypeVar("T")
 
 _active: DaemonTracing | None = None
 _test_exporter: tuple[Any, bool] | None = None
-
-
-class TracingSettings(Protocol):
-    """What tracing reads of the daemon's config (``ServerConfig`` has all of it)."""
-
-    @property
-    def tracing_exporter(self) -> str: ...
-    @property
-    def tracing_endpoint(self) -> str: ...
-    @property
-    def tracing_sample_ratio(self) -> float: ...
 
 
 def check_settings(settings: TracingSettings) -> None:
@@ -101,7 +92,7 @@ def start(settings: TracingSettings) -> DaemonTracing | None:
     provider = otel.build_provider(  # first: without the packages, this says what to install
         service_name="ucm-server",
         version=__version__,
-        endpoint=settings.tracing_endpoint,
+        endpoint=settings.tracing_endpoint or "",
         sample_ratio=settings.tracing_sample_ratio,
         exporter=exporter,
         batch=batch,
@@ -139,11 +130,11 @@ def interceptors() -> list[aio.ServerInterceptor]:
     return [] if _active is None else [_active.interceptor()]
 
 
-def task_body(kind: str, body: Callable[[T], Awaitable[None]]) -> Callable[[T], Awaitable[None]]:
-    """``body`` of a task of ``kind`` (``load``, ``dump``...), run inside its span when tracing is on.
-    Call it where the task is submitted (the caller's context is taken there)."""
+def task_body(kind: enum.Enum, body: Callable[[T], Awaitable[None]]) -> Callable[[T], Awaitable[None]]:
+    """``body`` of a task of ``kind`` (``TaskKind.LOAD``...), run inside its span when tracing is
+    on. Call it where the task is submitted (the caller's context is taken there)."""
     tracing = _active
-    return body if tracing is None else tracing.task_body(kind, body)
+    return body if tracing is None else tracing.task_body(kind.name.lower(), body)
 
 
 def trace_tiers(pipeline: Pipeline) -> None:

@@ -4,7 +4,7 @@ It sits outermost (before the error-mapping interceptor), so its span covers aut
 the status code a domain error became. The caller's W3C context (``traceparent``, ``tracestate``,
 ``baggage`` metadata) is extracted once per call, made the span's parent and kept in
 :data:`~ucm_server.tracing.daemon.caller_context` for a task the call starts. Polls and streams an
-untraced client makes all the time (``Attach``, ``Check``, the ``Admin`` calls a monitor sends)
+untraced client makes all the time (``Attach``, ``Check``, ``Wait``, a monitor's ``Admin`` calls)
 are traced only when their caller sends a context; the health and reflection services never.
 
 What a call's answer says goes onto its span: a Lookup's blocks, hits, misses and hit prefix, the
@@ -29,7 +29,7 @@ from ucm_server.tracing.daemon import caller_context
 __all__ = ["TracingInterceptor"]
 
 _SERVICES = ("/ucm.v1.KVStore/", "/ucm.v1.Admin/")
-_QUIET = ("/ucm.v1.KVStore/Attach", "/ucm.v1.KVStore/Check", "/ucm.v1.Admin/")
+_QUIET = ("/ucm.v1.KVStore/Attach", "/ucm.v1.KVStore/Check", "/ucm.v1.KVStore/Wait", "/ucm.v1.Admin/")
 """Traced only when the caller sends its context (session streams, polls, monitoring)."""
 
 
