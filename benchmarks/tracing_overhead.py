@@ -107,7 +107,8 @@ with tempfile.TemporaryDirectory(prefix="ucm-trace-bench-") as tmp:
             for _ in range(samples):
                 for k, fn in calls.items():
                     t0 = time.perf_counter(); fn(); lat[k].append(time.perf_counter() - t0)
-        dump(); dump(); load()
+        for _ in range(3):  # warm: the arena's and the regions' pages faulted in on every side
+            dump(); load()
         times = {"memcpy": [], "dump": [], "load": []}
         for _ in range(repeat):
             memcpy = lambda: np.copyto(b, a)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--block-bytes", type=int, default=1 << 20)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--lookup-keys", type=int, default=2048)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tracing_overhead.md")

@@ -2,18 +2,16 @@
 
 Only :func:`ucm_server.tracing.start` builds a :class:`DaemonTracing` (and so imports OpenTelemetry).
 The RPC spans are the interceptor's (:mod:`ucm_server.tracing.rpc`); the caller's context it
-extracted is in :data:`caller_context` for the handler's task, which is where a task is submitted.
+extracted is in its ``caller_context`` for the handler's task, which is where a task is submitted.
 """
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from opentelemetry import baggage, trace
-from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
@@ -21,18 +19,15 @@ from ucm_protocol import tracing as names
 from ucm_protocol.states import BlockState
 from ucm_server import __version__
 from ucm_server.store.traced import TracedTier, served
+from ucm_server.tracing.rpc import TracingInterceptor, caller_context
 
 if TYPE_CHECKING:
     from grpc import aio
 
     from ucm_server.store.pipeline import Pipeline
 
-__all__ = ["DaemonTracing", "caller_context"]
+__all__ = ["DaemonTracing"]
 
-caller_context: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
-    "ucm_caller_context", default=None
-)
-"""The context the caller sent with this call (W3C ``traceparent``), for spans that hang off it."""
 
 T = TypeVar("T")
 
@@ -56,8 +51,6 @@ class DaemonTracing:
         self.provider.shutdown()  # exports what the batch processor still holds
 
     def interceptor(self) -> aio.ServerInterceptor:
-        from ucm_server.tracing.rpc import TracingInterceptor
-
         return TracingInterceptor(self.tracer)
 
     def trace_tiers(self, pipeline: Pipeline) -> None:

@@ -3,7 +3,7 @@
 It sits outermost (before the error-mapping interceptor), so its span covers authentication and
 the status code a domain error became. The caller's W3C context (``traceparent``, ``tracestate``,
 ``baggage`` metadata) is extracted once per call, made the span's parent and kept in
-:data:`~ucm_server.tracing.daemon.caller_context` for a task the call starts. Polls and streams an
+:data:`caller_context` for a task the call starts. Polls and streams an
 untraced client makes all the time (``Attach``, ``Check``, ``Wait``, a monitor's ``Admin`` calls)
 are traced only when their caller sends a context; the health and reflection services never.
 
@@ -14,19 +14,26 @@ task id a Load, Dump or Prefetch started, the blocks a Delete removed.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 from grpc import aio
 from opentelemetry import baggage, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from ucm_protocol import tracing as names
 from ucm_protocol.otel import extract_context
-from ucm_server.tracing.daemon import caller_context
 
-__all__ = ["TracingInterceptor"]
+__all__ = ["TracingInterceptor", "caller_context"]
+
+caller_context: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "ucm_caller_context", default=None
+)
+"""The context the caller sent with this call (W3C ``traceparent``), for spans that hang off it: a
+task the call submits (:mod:`ucm_server.tracing.daemon`)."""
 
 _SERVICES = ("/ucm.v1.KVStore/", "/ucm.v1.Admin/")
 _QUIET = ("/ucm.v1.KVStore/Attach", "/ucm.v1.KVStore/Check", "/ucm.v1.KVStore/Wait", "/ucm.v1.Admin/")
