@@ -117,6 +117,36 @@ with tempfile.TemporaryDirectory(prefix="ucm-trace-bench-") as tmp:
         assert bytes(dst.buf[: 1 << 20]) == bytes(src.buf[: 1 << 20])
 out.update({f"{k}_p50_ms": statistics.median(v) * 1e3 for k, v in lat.items()})
 out.update({f"{k}_gbps": n * size / statistics.median(v) / 1e9 for k, v in times.items()})
+if variant == "off":  # what the hooks cost while tracing is off, per call, by the clock (no noise floor)
+    import asyncio, timeit
+    from ucm_client import tracing as client_hooks
+    from ucm_server import tracing as daemon_hooks
+    from ucm_server.tasks import TaskKind
+
+    async def body(task):
+        return None
+
+    def connector_job():  # a transfer's hooks in the worker: start, submit in its context, end
+        client_hooks.job_started(None, parts=1, is_async=False)
+        with client_hooks.job_context(None):
+            pass
+        client_hooks.job_ended(None, good=1, count=1, nbytes=1)
+
+    def carried():
+        coro = body(None)
+        client_hooks.carry(coro).close()
+
+    hooks = {
+        "outgoing": client_hooks.outgoing,
+        "carry": carried,
+        "connector_job": connector_job,
+        "task_body": lambda: daemon_hooks.task_body(TaskKind.LOAD, body),
+    }
+    for name, fn in hooks.items():
+        calls = 100_000
+        out[f"hook_{name}_ns"] = min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e9
+    nocarry = min(timeit.repeat(lambda: body(None).close(), number=100_000, repeat=5)) / 100_000 * 1e9
+    out["hook_carry_ns"] -= nocarry  # the coroutine itself is made either way
 if variant == "on":
     provider.shutdown()
 if receiver is not None:
@@ -182,6 +212,21 @@ def table(medians: dict[str, dict[str, float]], rounds: int, ref: str) -> str:
         + " | ".join(f"{medians[v].get('spans_received', 0):.0f}" for v in VARIANTS)
         + " |"
     )
+    off = medians["off"]
+    per_load = sum(off[f"hook_{h}_ns"] for h in ("outgoing", "carry", "connector_job", "task_body"))
+    lines += [
+        "",
+        "**What tracing's hooks cost while it is off, per call (min of 5 × 100,000 calls, `off` runs)**",
+        "",
+        "| hook | ns per call |",
+        "|---|---|",
+        f"| `ucm_client.tracing.outgoing()` (each call's metadata) | {off['hook_outgoing_ns']:.0f} |",
+        f"| `ucm_client.tracing.carry()` (each blocking call) | {off['hook_carry_ns']:.0f} |",
+        f"| a connector transfer's hooks (start, context, end) | {off['hook_connector_job_ns']:.0f} |",
+        f"| `ucm_server.tracing.task_body()` (each task) | {off['hook_task_body_ns']:.0f} |",
+        f"| all of them once (one Load from the connector) | {per_load:.0f} "
+        f"({per_load / (off['lookup_p50_ms'] * 1e6) * 100:.3f}% of one Lookup's p50) |",
+    ]
     return "\n".join(lines)
 
 
