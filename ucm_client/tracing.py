@@ -66,19 +66,12 @@ _NULL = contextlib.nullcontext()
 
 def check_settings(config: TracingSettings) -> None:
     """Bad tracing settings of the connector, named (``ConfigError``)."""
-    if config.tracing_exporter not in names.CONNECTOR_EXPORTERS:
+    otel.check_settings(config, names.CONNECTOR_EXPORTERS)
+    if config.tracing_endpoint and config.tracing_exporter != "otlp":
         raise ConfigError(
-            f"tracing_exporter: unknown exporter {config.tracing_exporter!r}; "
-            f"known: {', '.join(names.CONNECTOR_EXPORTERS)}"
+            f"tracing_endpoint is set, but tracing_exporter is {config.tracing_exporter!r}: "
+            "only tracing_exporter: otlp sends there"
         )
-    if config.tracing_endpoint:
-        otel.check_endpoint("tracing_endpoint", config.tracing_endpoint)
-        if config.tracing_exporter != "otlp":
-            raise ConfigError(
-                f"tracing_endpoint is set, but tracing_exporter is {config.tracing_exporter!r}: "
-                "only tracing_exporter: otlp sends there"
-            )
-    otel.check_sample_ratio("tracing_sample_ratio", config.tracing_sample_ratio)
 
 
 def configure(config: TracingSettings, *, service_name: str = "ucm-connector") -> bool:

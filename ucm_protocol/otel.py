@@ -35,6 +35,7 @@ __all__ = [
     "build_provider",
     "check_endpoint",
     "check_sample_ratio",
+    "check_settings",
     "endpoint_from_env",
     "extract_context",
     "inject_metadata",
@@ -60,6 +61,18 @@ class TracingSettings(Protocol):
     def tracing_endpoint(self) -> str | None: ...
     @property
     def tracing_sample_ratio(self) -> float: ...
+
+
+def check_settings(settings: TracingSettings, exporters: Iterable[str]) -> None:
+    """The tracing settings both sides have, checked at start-up with the key named."""
+    known = tuple(exporters)
+    if settings.tracing_exporter not in known:
+        raise ConfigError(
+            f"tracing_exporter: unknown exporter {settings.tracing_exporter!r}; known: {', '.join(known)}"
+        )
+    if settings.tracing_endpoint:
+        check_endpoint("tracing_endpoint", settings.tracing_endpoint)
+    check_sample_ratio("tracing_sample_ratio", settings.tracing_sample_ratio)
 
 
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:

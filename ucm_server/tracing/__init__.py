@@ -61,15 +61,7 @@ _test_exporter: tuple[Any, bool] | None = None
 
 def check_settings(settings: TracingSettings) -> None:
     """Refuse bad tracing settings at start-up, naming the key (``ConfigError``)."""
-    from ucm_protocol.errors import ConfigError
-
-    if settings.tracing_exporter not in EXPORTERS:
-        raise ConfigError(
-            f"tracing_exporter: unknown exporter {settings.tracing_exporter!r}; known: {', '.join(EXPORTERS)}"
-        )
-    if settings.tracing_endpoint:
-        otel.check_endpoint("tracing_endpoint", settings.tracing_endpoint)
-    otel.check_sample_ratio("tracing_sample_ratio", settings.tracing_sample_ratio)
+    otel.check_settings(settings, EXPORTERS)
 
 
 def start(settings: TracingSettings) -> DaemonTracing | None:
