@@ -33,6 +33,7 @@ BENCHMARKS = {
     "eviction": ["benchmarks.eviction_bench"],
     "encryption": ["benchmarks.encryption_bench"],
     "codec": ["benchmarks.codec_bench"],
+    "tracing_overhead": ["benchmarks.tracing_overhead"],
     "sglang": ["benchmarks.sglang_bench"],
 }
 

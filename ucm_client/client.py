@@ -32,6 +32,7 @@ import grpc
 from grpc import aio
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.errors import ArgumentTypeError, RegionLost
@@ -291,7 +292,8 @@ class AsyncUcmClient:
         return bearer_metadata(self._token)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
+        # tracing.outgoing(): the caller's trace context (W3C traceparent), empty while tracing is off
+        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata(), *tracing.outgoing())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
         """Run one RPC; map errors; on a lost daemon or session reconnect once and retry.

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
 from ucm_client.client_loop import close_at_exit, shared_loop
@@ -79,7 +80,7 @@ class UcmClient:
         if self._closed:
             coro.close()
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        call = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        call = asyncio.run_coroutine_threadsafe(tracing.carry(coro), self._loop)  # the caller's trace too
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
         return call
@@ -149,7 +150,7 @@ class UcmClient:
         try:
             resp = self._stub.Lookup(
                 request,
-                metadata=self._async._auth_metadata(),
+                metadata=(*self._async._auth_metadata(), *tracing.outgoing()),
                 timeout=self._async.rpc_timeout_s,
             )
         except grpc.RpcError as exc:

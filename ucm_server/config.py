@@ -27,6 +27,7 @@ from ucm_server.api.paths import default_data_dir, default_socket_path
 from ucm_server.store.codec import CODECS
 from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
+from ucm_server.tracing import check_settings as check_tracing
 
 __all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
 
@@ -463,6 +464,27 @@ class ServerConfig:
             "first GPU client; on = at start-up, failing if there is no cupy or no device; off = refuse them."
         ),
     )
+    tracing_exporter: Literal["off", "otlp"] = field(
+        default="off",
+        metadata=_help(
+            "OpenTelemetry traces of the daemon's calls, tasks and tier reads and writes: off, or otlp "
+            "(OTLP over HTTP/protobuf to tracing_endpoint). Off costs nothing (docs/operations.md, Tracing)."
+        ),
+    )
+    tracing_endpoint: str = field(
+        default="",
+        metadata=_help(
+            "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty = "
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4318."
+        ),
+    )
+    tracing_sample_ratio: float = field(
+        default=1.0,
+        metadata=_help(
+            "Fraction (0 to 1) of calls from untraced clients that are recorded; a call whose caller "
+            "records its trace (a connector with tracing on) is always recorded."
+        ),
+    )
 
     # -- derived ----------------------------------------------------------------------------------------
     @property
@@ -642,6 +664,7 @@ class ServerConfig:
             raise ConfigError(
                 f"kv_events_buffer_batches: must be 1 or more, got {self.kv_events_buffer_batches}"
             )
+        check_tracing(self)
         unknown = set(self.tier_settings) - set(tiers)
         if unknown:
             raise ConfigError(

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
-from ucm_server import __version__
+from ucm_server import __version__, tracing
 from ucm_server.auth import Authenticator
 from ucm_server.authz import Authorizer
 from ucm_server.blocks import BlockLimits, Blocks, LookupAnswer, RetentionAnswer
@@ -78,7 +78,9 @@ class Engine:
         keyring = tenant_keyring(
             config.encrypted_tiers, config.data_dir, key_files, ledger, self.authz.may_open
         )
-        self.pipeline: Pipeline = assemble(config, self.executor, keyring, self.retention)
+        self.pipeline: Pipeline = assemble(
+            config, self.executor, keyring, self.retention, outermost=tracing.tier_wrapper()
+        )
         self.quota = Quota(
             ledger, self.pipeline, self.retention, pin_reserve=config.pin_reserve, pin_share=config.pin_share
         )

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ucm_protocol.errors import NotFound, PermissionDenied
+from ucm_server import tracing
 from ucm_server.store.base import OK, BlockResult, BlockState
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class TaskManager:
         once when the task ends, also when it was cancelled while queued and ``body`` never ran: a
         release inside ``body`` was skipped then, and the client's memory stayed mapped for good."""
         self._reap()
+        body = tracing.task_body(kind, body)  # inside its span when tracing is on (a child of the caller's)
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
         self._active[session_id] = self._active.get(session_id, 0) + 1

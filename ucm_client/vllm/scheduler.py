@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm_client import UcmClient
+from ucm_client import UcmClient, tracing
 from ucm_client.errors import UcmError
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.disagg import PdRole
@@ -256,7 +256,10 @@ class UcmScheduler:
             return 0, False
         if state.stored_blocks is None:
             keys = self._keys(state)
-            stored = self._lookup(keys, request.num_tokens)
+            trace_headers = getattr(request, "trace_headers", None)
+            with tracing.scheduler_lookup(request.request_id, trace_headers, len(keys)) as found:
+                stored = self._lookup(keys, request.num_tokens)
+                found(stored)
             if self._pd.must_wait(request, stored, len(keys)):  # a prefill's saves not all visible yet
                 return None, False
             state.stored_blocks = stored

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ucm_client import BlockIO, UcmClient
+from ucm_client import BlockIO, UcmClient, tracing
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.errors import UcmError, Unavailable
 from ucm_client.load_progress import LOAD_PROGRESS_DONE
@@ -75,12 +75,14 @@ class _SaveState:
 def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
     """Several requests' blocks of one KV cache group as one transfer (one daemon task per step or layer)."""
     transfers = list(transfers)
-    return BlockTransfer(
+    combined = BlockTransfer(
         req_id,
         tuple(b for t in transfers for b in t.block_ids),
         tuple(k for t in transfers for k in t.keys),
         group=transfers[0].group if transfers else 0,
     )
+    tracing.combined_from(combined, transfers)  # its span names every request in it
+    return combined
 
 
 def _by_group(transfers: Iterable[BlockTransfer]) -> list[list[BlockTransfer]]:
@@ -287,7 +289,10 @@ class UcmWorker:
     def _new_job(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         now = time.monotonic()
         timeout = self._config.load_timeout_s if load else self._config.save_timeout_s
-        return TransferJob(transfer, load, now, now + timeout)
+        job = TransferJob(transfer, load, now, now + timeout)
+        parts = len(self._layers) if self._layerwise else 1
+        tracing.job_started(job, parts=parts, is_async=transfer.is_async)  # its span, when tracing is on
+        return job
 
     def _start(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         """A job with every part submitted now: whole blocks, or all layers at once (layerwise)."""
@@ -324,9 +329,11 @@ class UcmWorker:
                 words = kv.progress if layer is None and isinstance(kv, SharedMemoryKV) else None
                 part.word = words.take() if words is not None and self._segment_of else None
                 progress = words.segment(part.word) if words is not None and part.word is not None else None
-                part.submitted = client.load_nowait(namespace, blocks, progress=progress)
+                with tracing.job_context(job):  # the daemon's task joins the job's trace
+                    part.submitted = client.load_nowait(namespace, blocks, progress=progress)
                 return part
-            part.submitted = client.dump_nowait(namespace, blocks)  # answered like a load's
+            with tracing.job_context(job):
+                part.submitted = client.dump_nowait(namespace, blocks)  # answered like a load's
         except UcmError as exc:
             self._refused(job, part, exc)
         return part
@@ -387,6 +394,7 @@ class UcmWorker:
         job.accounted = True
         good = sum(job.block_ok())
         nbytes, seconds = good * job.block_bytes, time.monotonic() - job.started
+        tracing.job_ended(job, good=good, count=job.count, nbytes=nbytes)
         if job.load:
             self._stats.add(
                 load_blocks=good, load_bytes=nbytes, load_seconds=seconds, load_failed_blocks=job.count - good

@@ -18,8 +18,9 @@ layer            what it does (inner first)
 ===============  ==================================================================================
 
 A write passes the layers outermost first (observation, codec, encryption, then the tier), a read
-comes back the other way. The top tier (the Cache) is never wrapped: it is memory, and the pipeline
-leases its pages.
+comes back the other way. The top tier (the Cache) gets none of these layers: it is memory, and the
+pipeline leases its pages. One wrapper may go around every tier, the top one included, outside all
+layers: tracing's (``outermost``), which leases through to the Cache unchanged.
 """
 
 from __future__ import annotations
@@ -95,14 +96,19 @@ def assemble(
     executor: Executor,
     keyring: Keyring | None = None,
     rules: EvictionRules | None = None,
+    outermost: Callable[[Tier], Tier] | None = None,
 ) -> Pipeline:
     """The daemon's pipeline: its tiers, each in its layers, under the pipeline's settings.
     ``keyring``: the tenants' keys, needed when ``encrypt_tiers`` names a tier; ``rules``: the
-    retention rules the tiers evict under."""
+    retention rules the tiers evict under; ``outermost``: a wrapper around every tier, the top one
+    included, outside every layer (tracing: its span then times the whole call)."""
     context = TierContext(executor=executor, max_block_bytes=config.max_block_bytes)
     tiers = [build_tier(name, config.tier_settings_for(name), context) for name in config.tiers]
+    tiers = tiers[:1] + layered(tiers[1:], config, executor, keyring)
+    if outermost is not None:
+        tiers = [outermost(tier) for tier in tiers]
     return Pipeline(
-        tiers[:1] + layered(tiers[1:], config, executor, keyring),
+        tiers,
         write_back=config.write_mode == "write-back",
         flushers=max(2, config.io_threads // 2),
         shared_lookup_ttl_s=config.shared_lookup_ttl_s,
