@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ class Spec:
     dump_blocks: int
     min_backlog: int
     gap_s: float
+    rounds: int
+    settle_s: float
+    warmup: int
 
 
 @dataclass(slots=True)
@@ -90,14 +94,18 @@ def prewrite(client: UcmClient, target: str, spec: Spec, nsets: int) -> None:
         client.unregister(region)
     with grpc.insecure_channel(target) as channel:
         rpc.AdminStub(channel).Evict(pb.EvictRequest(tier="Cache", all=True), timeout=60)
+    deadline = time.monotonic() + 300
+    while client.stats().tiers[0].extra.get("prefault_pending_bytes", 0) > 0:  # the arena faulted in
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Cache arena was not faulted in after 300 s")
+        time.sleep(0.1)
 
 
-def run_probes(client: UcmClient, spec: Spec, first: int, phase: Phase) -> None:
+def run_probes(client: UcmClient, spec: Spec, first: int, count: int, phase: Phase) -> None:
     size = spec.block_size
     with SharedBuffer(PROBE_BLOCKS * size) as buf:
         region = client.register(buf)
-        for n in range(spec.probes):
-            probe = first + n
+        for probe in range(first, first + count):
             blocks = [
                 BlockIO(_probe_key(probe, i), (Segment(region, i * size, size),)) for i in range(PROBE_BLOCKS)
             ]
@@ -111,8 +119,9 @@ def run_probes(client: UcmClient, spec: Spec, first: int, phase: Phase) -> None:
         client.unregister(region)
 
 
-def dumper_main(target: str, worker: int, spec: Spec, stop: Any, out: Any) -> None:
-    """One client dumping fresh blocks until ``stop``; reports blocks stored and dump seconds."""
+def dumper_main(target: str, worker: int, spec: Spec, go: Any, stop: Any, out: Any) -> None:
+    """One client dumping fresh blocks while ``go`` is set, until ``stop``; reports blocks stored,
+    dumps and the seconds they took."""
     size, n = spec.block_size, spec.dump_blocks
     stored = dumps = 0
     waited = 0.0
@@ -121,6 +130,8 @@ def dumper_main(target: str, worker: int, spec: Spec, stop: Any, out: Any) -> No
         region = c.register(buf)
         batch = 0
         while not stop.is_set():
+            if not go.wait(0.05):
+                continue
             blocks = [
                 BlockIO(key_digest("io-classes-dump", worker, batch, i), (Segment(region, i * size, size),))
                 for i in range(n)
@@ -140,31 +151,53 @@ class Background:
     dumps: int = 0
     dump_seconds: float = 0.0
     written_down: int = 0
-    wall_s: float = 0.0
+    busy_s: float = 0.0
+    """Seconds the dumpers ran, all rounds together."""
 
 
-def busy_phase(client: UcmClient, target: str, spec: Spec, phase: Phase) -> Background:
+def _until(what: str, done: Callable[[], bool], procs: list[Any], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting until {what}")
+        if any(p.exitcode is not None for p in procs):
+            raise RuntimeError("a dumper exited early")
+        time.sleep(0.05)
+
+
+def measure(client: UcmClient, target: str, spec: Spec, idle: Phase, busy: Phase) -> Background:
+    """``spec.rounds`` rounds of idle probes (dumpers paused, backlog drained), then busy probes
+    (dumpers running, backlog at least ``spec.min_backlog``): a machine whose speed drifts during
+    the run (other work on it) slows both phases alike."""
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=dumper_main, args=(target, w, spec, stop, out), daemon=True)
+        ctx.Process(target=dumper_main, args=(target, w, spec, go, stop, out), daemon=True)
         for w in range(spec.dumpers)
     ]
-    before = _writeback(client).get("written", 0)
-    started = time.monotonic()
     for p in procs:
         p.start()
     bg = Background()
+    before = _writeback(client).get("written", 0)
+    per_round = spec.probes // spec.rounds
+    run_probes(client, spec, 2 * spec.probes, spec.warmup, Phase("warm-up"))  # first-use costs, not counted
     try:
-        deadline = time.monotonic() + 300
-        while _writeback(client).get("bytes_pending", 0) < spec.min_backlog:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the write-back backlog never reached {spec.min_backlog} bytes")
-            if any(p.exitcode is not None for p in procs):
-                raise RuntimeError("a dumper exited early")
-            time.sleep(0.05)
-        run_probes(client, spec, spec.probes, phase)
+        for n in range(spec.rounds):
+            _until("the backlog drained", lambda: not _writeback(client).get("queue_depth", 0), procs)
+            time.sleep(spec.settle_s)  # the dumpers' last calls answered, the machine quiet again
+            run_probes(client, spec, 2 * n * per_round, per_round, idle)
+            go.set()
+            started = time.monotonic()
+            _until(
+                f"the backlog held {spec.min_backlog} bytes",
+                lambda: _writeback(client).get("bytes_pending", 0) >= spec.min_backlog,
+                procs,
+            )
+            run_probes(client, spec, (2 * n + 1) * per_round, per_round, busy)
+            go.clear()
+            bg.busy_s += time.monotonic() - started
     finally:
+        go.clear()
         stop.set()
         for _ in procs:
             _, stored, dumps, waited = out.get(timeout=600)
@@ -173,7 +206,6 @@ def busy_phase(client: UcmClient, target: str, spec: Spec, phase: Phase) -> Back
             bg.dump_seconds += waited
         for p in procs:
             p.join(30)
-    bg.wall_s = time.monotonic() - started
     bg.written_down = int(_writeback(client).get("written", 0) - before)
     return bg
 
@@ -187,7 +219,8 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
         "",
         f"`{command}`: one daemon (Cache | Posix, write-back, durable), {os.cpu_count()} CPUs shared "
         f"with other work. A probe loads {PROBE_BLOCKS} blocks of {mib:g} MiB that sit in the Posix "
-        f"tier only (never read before), {spec.probes} probes per phase. Busy: {spec.dumpers} clients "
+        f"tier only (never read before), {spec.probes} probes per phase in {spec.rounds} rounds of "
+        f"idle (nothing else runs, the backlog drained) then busy. Busy: {spec.dumpers} clients "
         f"dump {spec.dump_blocks}-block batches of fresh blocks throughout, and the write-back backlog "
         f"holds {low:.2f} GiB at least (median {mid:.2f} GiB) when a probe starts.",
         "",
@@ -202,8 +235,8 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
     gib = bg.stored_blocks * spec.block_size / 2**30
     rows += [
         "",
-        f"Background work meanwhile ({bg.wall_s:.0f} s): the dumpers stored {gib:.1f} GiB "
-        f"({bg.stored_blocks * spec.block_size / 2**20 / bg.wall_s:.0f} MiB/s, mean dump "
+        f"Background work in the busy phases ({bg.busy_s:.0f} s): the dumpers stored {gib:.1f} GiB "
+        f"({bg.stored_blocks * spec.block_size / 2**20 / bg.busy_s:.0f} MiB/s, mean dump "
         f"{1000 * bg.dump_seconds / max(bg.dumps, 1):.0f} ms) and write-back wrote down "
         f"{bg.written_down * spec.block_size / 2**30:.1f} GiB.",
     ]
@@ -213,17 +246,31 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-size", type=int, default=1 << 20)
-    p.add_argument("--probes", type=int, default=40, help="Loads per phase.")
+    p.add_argument("--probes", type=int, default=60, help="Loads per phase, all rounds together.")
+    p.add_argument("--rounds", type=int, default=4, help="Idle-then-busy rounds.")
+    p.add_argument("--warmup", type=int, default=5, help="Loads before the first round, not counted.")
     p.add_argument("--dumpers", type=int, default=8)
     p.add_argument("--dump-blocks", type=int, default=16, help="Blocks per dump.")
     p.add_argument("--min-backlog", type=int, default=1 << 30, help="Write-back bytes pending when busy.")
     p.add_argument("--cache-capacity", default="3GiB")
     p.add_argument("--writeback-max-bytes", default="1536MiB")
     p.add_argument("--gap-s", type=float, default=0.05, help="Pause between probes.")
+    p.add_argument("--settle-s", type=float, default=1.0, help="Pause before the idle probes of a round.")
     p.add_argument("--daemon-arg", action="append", default=[], help="Extra ucm-server argument.")
+    p.add_argument("--samples", action="store_true", help="Print every probe's latency (stderr).")
     p.add_argument("--no-write", action="store_true", help="Do not write benchmarks/results/io_classes.md.")
     args = p.parse_args(argv)
-    spec = Spec(args.block_size, args.probes, args.dumpers, args.dump_blocks, args.min_backlog, args.gap_s)
+    spec = Spec(
+        args.block_size,
+        args.probes - args.probes % args.rounds,
+        args.dumpers,
+        args.dump_blocks,
+        args.min_backlog,
+        args.gap_s,
+        args.rounds,
+        args.settle_s,
+        args.warmup,
+    )
     daemon_args = [
         "--cache-capacity",
         args.cache_capacity,
@@ -236,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ucm-io-classes-", dir=os.environ.get("UCM_BENCH_DIR")) as tmp:
         with DaemonProcess(Path(tmp) / "ucm", args=daemon_args) as daemon:
             with UcmClient(daemon.target, client_name="io-classes-probe") as client:
-                prewrite(client, daemon.target, spec, 2 * spec.probes)
-                idle = Phase("idle")
-                run_probes(client, spec, 0, idle)
-                busy = Phase("busy")
-                bg = busy_phase(client, daemon.target, spec, busy)
+                prewrite(client, daemon.target, spec, 2 * spec.probes + spec.warmup)
+                idle, busy = Phase("idle"), Phase("busy")
+                bg = measure(client, daemon.target, spec, idle, busy)
+    if args.samples:
+        for ph in (idle, busy):
+            print(ph.name, "ms:", " ".join(f"{1000 * x:.0f}" for x in ph.seconds), file=sys.stderr)
     text = table(spec, idle, busy, bg, argv if argv is not None else sys.argv[1:])
     publish("io_classes", text, write=not args.no_write)
     return 0

@@ -17,7 +17,6 @@ import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -63,6 +62,7 @@ from ucm_server.snapshot import EngineSnapshot, TierFigures
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
 from ucm_server.store.compressed import CompressedTier
 from ucm_server.store.encrypted import EncryptedTier, read_key_file
+from ucm_server.store.io_classes import ClassedExecutor
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.registry import build_pipeline
 from ucm_server.task_events import TaskEvents
@@ -116,7 +116,7 @@ class Engine:
         authenticator: Authenticator | None = None,
     ) -> None:
         self.config = config
-        self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
+        self.executor = ClassedExecutor(config.io_threads, thread_name_prefix="ucm-io")  # loads first
         self.pipeline = pipeline or build_pipeline(config, self.executor)
         self.regions = RegionTable(
             max_regions=config.max_session_regions,

@@ -45,6 +45,7 @@ from ucm_server.store.base import (
     failed,
     iov_len,
 )
+from ucm_server.store.io_classes import IoClass, current_class
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.observed import ObservedTier
 from ucm_server.store.promotion import Promotions
@@ -775,6 +776,7 @@ class Pipeline:
             self._idle.set()
 
     async def _flusher(self) -> None:
+        current_class.set(IoClass.BACKGROUND)  # nobody waits for a write-back: loads go first
         while True:
             if not self._jobs:
                 if self._closing:
