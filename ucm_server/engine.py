@@ -44,6 +44,7 @@ from ucm_server.handover import HandoverTable
 from ucm_server.journal import remember_names
 from ucm_server.load_progress import ProgressWord, progress_word
 from ucm_server.metrics import Metrics
+from ucm_server.pressure import StorePressure
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.regions import (
@@ -59,6 +60,7 @@ from ucm_server.reply_budget import ReplyBudget
 from ucm_server.retention import FILE_NAME as RETENTION_FILE
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.snapshot import EngineSnapshot, TierFigures
+from ucm_server.store.admitting import install_admission
 from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, TierStats, iov_len
 from ucm_server.store.compressed import CompressedTier
 from ucm_server.store.encrypted import EncryptedTier, read_key_file
@@ -136,6 +138,7 @@ class Engine:
         self.tasks.on_finish.append(self._observe)
         self.task_events = TaskEvents()
         self.tasks.on_finish.append(self.task_events.publish)
+        self.pressure = StorePressure(self.pipeline, self.task_events.poke)  # told to every session
         self.started = time.monotonic()
         self.lookups = self.lookup_keys = self.lookup_hits = 0
         self.closing = False
@@ -145,6 +148,7 @@ class Engine:
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self._encrypt(authenticator, ledger)
         self._compress()
+        self.pipeline.admission = install_admission(self.pipeline, config)  # outermost: after the codecs
         self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
         self.pipeline.set_rules(self.retention)
         self.quota = Quota(ledger, self.pipeline, self.retention)
@@ -212,6 +216,7 @@ class Engine:
         else:
             await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
         self.expiry.start()  # TTLs: expired blocks leave every tier (once the tiers are indexed)
+        self.pressure.start()
 
     async def _open_quota(self) -> None:
         """Rebuild the tenants' usage once every tier has indexed what survived the restart (until
@@ -236,6 +241,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await opening
         await self.expiry.stop()
+        await self.pressure.stop()
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()

@@ -1237,6 +1237,10 @@ class PosixTier(Tier):
         s.extra.update(self.snapshots.figures())
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
 
+    def eviction_candidates(self) -> Iterator[bytes]:
+        """Keys in the order :meth:`evict` would take them (an admission policy's victims)."""
+        return (key for key, _ in self.eviction_order(self._index.oldest(), self._index.get))
+
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
         freed = 0
