@@ -781,6 +781,8 @@ class Engine:
             expired_blocks=self.expiry.expired,
             reply_bytes_held=self.reply_budget.held,
             reply_waits=self.reply_budget.waits,
+            store_saturated=self.pressure.saturated,
+            door_admission=self.pipeline.admission.door_extra() if self.pipeline.admission else {},
         )
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:

@@ -137,6 +137,10 @@ class AdmittingTier(TierWrapper):
         assert isinstance(self.inner, Watchable)
         self.inner.watch_index(watch)
 
+    async def close(self) -> None:
+        await self.admission.close()  # no write-down of a re-admitted block starts any more
+        await self.inner.close()
+
     def stats(self) -> TierStats:
         s = self.inner.stats()
         s.extra = {**s.extra, **self.figures.as_extra()}
@@ -420,6 +424,11 @@ class Admission:
     def door_extra(self) -> dict[str, float]:
         """The door's figures as the top tier's ``extra`` entries (``admission_*``)."""
         return self.door_figures.as_extra() if self.door is not None else {}
+
+    async def settle(self) -> None:
+        """Wait until the write-downs of re-admitted blocks started so far have ended."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
         """Stop the write-downs of re-admitted blocks still under way (they were never promised)."""
