@@ -35,10 +35,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from benchmarks.eviction_bench import Trace, _digest
+from benchmarks.eviction_bench import Trace, _digest, add_trace_arguments, serve
 from benchmarks.eviction_bench import make_trace as shared_prefix_trace
 from benchmarks.results_file import publish
-from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.keys import Namespace
 from ucm_server.store.admission import AdmissionPolicy, Flags, Hashes, key_hashes
 from ucm_server.store.admitting import install_admission
 from ucm_server.store.cache import CacheTier
@@ -110,24 +110,14 @@ async def replay(trace: Trace, policies: Policies, args: argparse.Namespace, roo
     pipeline.admission = admission
     await pipeline.open()
     figures = Figures(policies)
-    data = memoryview(bytes(block))
     try:
         for digests, shared in trace.requests:
-            keys = [BlockKey(NS, d) for d in digests]
-            sizes, _ = await pipeline.lookup_presence(NS, digests)
-            hit = next((i for i, s in enumerate(sizes) if s is None), len(keys))  # the stored prefix
-            in_cache = sum(s is not None for s in await cache.lookup(keys[:hit]))
-            if hit:
-                outs = [[memoryview(bytearray(block))] for _ in range(hit)]
-                results = await pipeline.read_many(list(zip(keys[:hit], outs, strict=True)), owned=True)
-                hit = next((i for i, r in enumerate(results) if not r.ok), hit)
-            if hit < len(keys):
-                await pipeline.write_many([(k, [data]) for k in keys[hit:]], owned=True)
+            hit, in_cache = await serve(pipeline, cache, NS, digests)
             if admission is not None:
                 await admission.settle()  # blocks admitted at this use are written down now
-            figures.blocks += len(keys)
+            figures.blocks += len(digests)
             figures.store_hits += hit
-            figures.cache_hits += min(in_cache, hit)
+            figures.cache_hits += in_cache
             figures.shared_blocks += shared
             figures.shared_hits += min(hit, shared)
         figures.disk_bytes = posix.stats().write_bytes
@@ -208,23 +198,13 @@ def table(results: dict[str, list[Figures]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--prefixes", type=int, default=400)
-    p.add_argument("--zipf", type=float, default=1.0)
-    p.add_argument("--prefix-blocks", type=int, default=8)
-    p.add_argument("--question-blocks", type=int, default=1)
-    p.add_argument("--one-off", type=float, default=0.3, help="Share of one-off requests.")
-    p.add_argument("--one-off-blocks", type=int, default=48)
+    add_trace_arguments(p)
     p.add_argument("--system-prompts", type=int, default=8)
     p.add_argument("--system-blocks", type=int, default=4)
     p.add_argument("--turns", type=float, default=3.0, help="Mean turns of a session.")
     p.add_argument("--turn-blocks", type=int, default=4)
     p.add_argument("--active", type=int, default=64, help="Sessions in progress at once.")
-    p.add_argument("--cache-blocks", type=int, default=512)
-    p.add_argument("--disk-blocks", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--window-keys", type=int, default=1 << 16)
-    p.add_argument("--seed", type=int, default=18)
     p.add_argument("--no-write", action="store_true", help="Do not write benchmarks/results/admission.md.")
     args = p.parse_args(argv)
     traces = {"shared prefixes": shared_prefix_trace(args), "multi-turn sessions": session_trace(args)}

@@ -374,52 +374,21 @@ class Admission:
     def _victims(self, tier: Tier, sizes: Sequence[int]) -> Hashes:
         """Per candidate, the hash of the block ``tier`` would evict to store it (none while it has
         room; none when the tier cannot name its victims)."""
-        out = np.full(len(sizes), NO_VICTIM, dtype=np.uint64)
         s = tier.stats()
-        free = s.capacity_bytes - s.bytes if s.capacity_bytes else None
         source = _candidates_of(tier)
-        if free is None or source is None:
-            return out
-        order = source.eviction_candidates()
-        victims: list[bytes] = []
-        where: list[int] = []
-        for i, size in enumerate(sizes):
-            if free >= max(size, 1):
-                free -= size
-                continue
-            victim = next(order, None)
-            if victim is None:
-                break
-            victims.append(victim)
-            where.append(i)
-        if victims:
-            out[where] = key_hashes(victims)
-        return out
+        if not s.capacity_bytes or source is None:
+            return np.full(len(sizes), NO_VICTIM, dtype=np.uint64)
+        needs = [max(size, 1) for size in sizes]
+        return _victims_in_order(needs, s.capacity_bytes - s.bytes, source.eviction_candidates())
 
     def _cache_victims(self, sizes: Sequence[int]) -> Hashes:
         """:meth:`_victims` for the Cache at the door: its free pages, then its eviction policy's order."""
-        out = np.full(len(sizes), NO_VICTIM, dtype=np.uint64)
         leasing, policy = self.host.leasing, getattr(self.host.top, "policy", None)
         if leasing is None or policy is None:
-            return out
+            return np.full(len(sizes), NO_VICTIM, dtype=np.uint64)
         arena = leasing.arena
-        free = arena.free_pages
-        order = iter(policy.order())
-        victims: list[bytes] = []
-        where: list[int] = []
-        for i, size in enumerate(sizes):
-            need = arena.pages_for(size)
-            if free >= need:
-                free -= need
-                continue
-            victim = next(order, None)
-            if victim is None:
-                break
-            victims.append(victim)
-            where.append(i)
-        if victims:
-            out[where] = key_hashes(victims)
-        return out
+        needs = [arena.pages_for(size) for size in sizes]
+        return _victims_in_order(needs, arena.free_pages, iter(policy.order()))
 
     def door_extra(self) -> dict[str, float]:
         """The door's figures as the top tier's ``extra`` entries (``admission_*``)."""
@@ -437,6 +406,26 @@ class Admission:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _victims_in_order(needs: Sequence[int], free: int, order: Iterator[bytes]) -> Hashes:
+    """Candidates needing ``needs`` (bytes or pages) of a tier with ``free`` of them: each one that
+    does not fit gets the next key of the tier's eviction ``order`` as its victim (hashed)."""
+    out = np.full(len(needs), NO_VICTIM, dtype=np.uint64)
+    victims: list[bytes] = []
+    where: list[int] = []
+    for i, need in enumerate(needs):
+        if free >= need:
+            free -= need
+            continue
+        victim = next(order, None)
+        if victim is None:
+            break
+        victims.append(victim)
+        where.append(i)
+    if victims:
+        out[where] = key_hashes(victims)
+    return out
 
 
 def _candidates_of(tier: Tier) -> EvictionCandidates | None:
