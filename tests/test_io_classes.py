@@ -124,6 +124,19 @@ class TestClassedExecutor:
         finally:
             pool.shutdown()
 
+    def test_jobs_submitted_together_run_together(self) -> None:
+        """Two jobs submitted back to back while one thread idles: the second gets a thread of its
+        own (the idle one is told once), so two jobs that wait for each other both finish."""
+        pool = ClassedExecutor(4)
+        try:
+            pool.submit(lambda: None).result(WAIT_S)  # one thread, idle now
+            time.sleep(0.05)
+            both = threading.Barrier(2, timeout=WAIT_S)
+            first, second = pool.submit(both.wait), pool.submit(both.wait)
+            assert {first.result(WAIT_S), second.result(WAIT_S)} == {0, 1}
+        finally:
+            pool.shutdown()
+
     def test_errors_and_shutdown_behave_as_a_thread_pool(self) -> None:
         pool = ClassedExecutor(2)
         failing = pool.submit(lambda: 1 // 0)

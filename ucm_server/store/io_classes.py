@@ -168,6 +168,8 @@ class ClassedExecutor(Executor):
         self._figures: dict[IoClass, ClassFigures] = {c: ClassFigures() for c in CLASSES}
         self._threads: list[threading.Thread] = []
         self._idle = 0
+        self._wakeups = 0
+        """Idle threads told to look for work that have not woken yet: an idle thread is counted once."""
         self._shutdown = False
 
     # -- Executor ----------------------------------------------------------------------------------
@@ -184,7 +186,8 @@ class ClassedExecutor(Executor):
             job.queued_at = _now()
             self._queues[cls].append(job)
             self._figures[cls].submitted += 1
-            if self._idle:
+            if self._idle > self._wakeups:
+                self._wakeups += 1
                 self._ready.notify()
             elif len(self._threads) < self.shares.places:
                 self._start_thread()
@@ -238,6 +241,7 @@ class ClassedExecutor(Executor):
                     self._idle += 1
                     self._ready.wait()
                     self._idle -= 1
+                    self._wakeups = max(self._wakeups - 1, 0)
                     job = self._pick()
                 self._running[job.cls] += 1
                 self._figures[job.cls].wait_s += _now() - job.queued_at
