@@ -177,16 +177,36 @@ class UcmClient:
         :meth:`AsyncUcmClient.load`."""
         return self._submit(self._async.load(namespace, blocks, progress=progress))
 
-    def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+    def dump(
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
+    ) -> int:
+        """Store blocks from registered memory (see :meth:`AsyncUcmClient.dump`); returns the task id."""
+        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+        return self._run(dump)
 
     def dump_nowait(
-        self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
     ) -> concurrent.futures.Future[int]:
         """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
         refused it, lands in the future), in order with this client's other calls. The vLLM
         connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
-        return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+        return self._submit(dump)
+
+    @property
+    def store_saturated(self) -> bool:
+        """The daemon says it cannot keep up with dumps now (:attr:`AsyncUcmClient.store_saturated`)."""
+        return self._async.store_saturated
 
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))

@@ -24,6 +24,7 @@ from typing import Any, Literal, get_type_hints
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.admission import policy_class
 from ucm_server.store.codec import CODECS
 from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
@@ -154,6 +155,45 @@ class ServerConfig:
             "Replacement Cache: blocks read again are kept apart from one-off ones, so a burst of long "
             "unique prompts does not flush shared prefixes; see benchmarks/eviction_bench.py). Pins and "
             "priorities apply on top of either."
+        ),
+    )
+    admission_daemon: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy at the daemon's door (a dumped block is stored at all): always, "
+            "second-use (only a block used again within admission_window_s: a one-off prompt is never "
+            "stored, a shared prefix from its second dump on) or tinylfu (only when its estimated "
+            "frequency beats that of the Cache block it would evict), or package.module:Class. A "
+            "refused block's Dump still reports it OK. See docs/operations.md, Admission."
+        ),
+    )
+    admission_local: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy from the Cache to the local tiers below it (Posix): always, second-use "
+            "(a block is written to disk only once it is looked up or read again within "
+            "admission_window_s; until then it lives in the Cache only), tinylfu (only when there is "
+            "room or its estimated frequency beats that of the block the tier would evict), or "
+            "package.module:Class. Fewer bytes written: less disk wear, and one-off prompts no "
+            "longer evict shared prefixes (benchmarks/admission_bench.py)."
+        ),
+    )
+    admission_shared: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy to the shared tiers (DS3FS, Mooncake, S3): the choices of "
+            "admission_local. A block reaches a tier only through the one above it."
+        ),
+    )
+    admission_window_s: float = field(
+        default=3600.0,
+        metadata=_help("How long admission policies remember a use of a block (second-use's window)."),
+    )
+    admission_window_keys: int = field(
+        default=1 << 20,
+        metadata=_help(
+            "Distinct blocks an admission window holds before it turns over early; sizes the policies' "
+            "filters (about 16 bytes per block for second-use, 12 for tinylfu, per boundary)."
         ),
     )
     region_prefault: bool = field(
@@ -598,6 +638,13 @@ class ServerConfig:
             raise ConfigError(f"pin_reserve: expected a share in [0, 1), got {self.pin_reserve}")
         if not 0 <= self.pin_share <= 1:
             raise ConfigError(f"pin_share: expected a share in [0, 1], got {self.pin_share}")
+        for name in ("admission_daemon", "admission_local", "admission_shared"):
+            policy_class(getattr(self, name), name)  # a clear error naming the setting and the choices
+        if not self.admission_window_s > 0 or self.admission_window_keys <= 0:
+            raise ConfigError(
+                f"admission_window_s / admission_window_keys: must be positive, got "
+                f"{self.admission_window_s} / {self.admission_window_keys}"
+            )
         if not 0 <= self.writeback_wait_s <= 60:
             raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
         if self.writeback_max_bytes < 0:

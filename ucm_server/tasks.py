@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ucm_protocol.errors import NotFound, PermissionDenied
 from ucm_server import tracing
 from ucm_server.store.base import OK, BlockResult, BlockState
+from ucm_server.store.io_classes import ClassedSlots, class_of_task, io_class
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class TaskManager:
         self._tasks: dict[int, Task] = {}
         self._runners: dict[int, asyncio.Task[None]] = {}
         self._ids = itertools.count(1)
-        self._slots = asyncio.Semaphore(max_running)
+        self._slots = ClassedSlots(max_running)  # a Load never waits for a slot behind queued dumps
         self._queued = 0
         self._active: dict[str, int] = {}  # running or queued tasks per session (the per-session cap)
         self.on_finish: list[Callable[[Task], None]] = []
@@ -140,10 +141,11 @@ class TaskManager:
     async def _run(self, task: Task, body: TaskBody, release: Callable[[Task], None] | None) -> None:
         self._queued += 1
         try:
-            async with self._slots:
-                self._queued -= 1
-                if not task.cancel_requested:
-                    await body(task)
+            with io_class(class_of_task(task.kind.name)):  # its disk and copy work, in the pools' order
+                async with self._slots.hold():
+                    self._queued -= 1
+                    if not task.cancel_requested:
+                        await body(task)
         except Exception as exc:  # a failure is data: every unfinished block fails with the reason
             log.exception("task %d failed", task.task_id)
             for i, s in enumerate(task.states):

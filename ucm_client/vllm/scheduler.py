@@ -364,6 +364,10 @@ class UcmScheduler:
         start = max(state.saved_blocks, state.stored_blocks or 0)
         if full <= start:
             return
+        if state.retention is not None and state.retention.store is False:  # {"ucm": {"store": false}}
+            self._stats.add(save_declined_blocks=full - start)
+            state.saved_blocks = full
+            return
         for group, table in enumerate(state.block_ids):
             pairs = [
                 (table[i], keys[i]) for i in range(start, min(full, len(table))) if table[i] != NULL_BLOCK_ID
@@ -379,7 +383,7 @@ class UcmScheduler:
         """Hold the blocks of a request with saves until the workers report them stored."""
         state = self._requests.pop(request.request_id, None)
         self._pd.forget(request.request_id)
-        if state is not None and state.retention is not None:
+        if state is not None and state.retention is not None and state.retention.retains:
             stored = max(state.saved_blocks, state.stored_blocks or 0)
             keys = self._keys(state)[:stored]
             saved = request.request_id in self._saved

@@ -161,6 +161,9 @@ class UcmWorker:
         self._layer_marks: list[tuple[int, StreamMark | None]] = []
         """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
         self._load_errors: set[int] = set()
+        self._pressure_step: UcmConnectorMetadata | None = None
+        self._pressure = False
+        """Whether the step ``_pressure_step`` skips its saves (see ``_saturated``)."""
         self._stats = UcmConnectorStats()
         self._loads_started: UcmConnectorMetadata | None = None
         """This step's metadata when ``handle_preemptions`` already submitted its loads."""
@@ -543,6 +546,9 @@ class UcmWorker:
         if not self._writer:
             self._skip_replica_saves(meta.saves)
             return
+        if meta.saves and self._saturated(meta):
+            self._skip_saturated_saves(meta.saves)
+            return
         if self._layerwise:
             self._seal_layer_saves()
             return
@@ -562,7 +568,7 @@ class UcmWorker:
         it, and the host is not stalled to get there.
         """
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves or not self._writer:
+        if layer is None or not meta.saves or not self._writer or self._saturated(meta):
             return
         job = self._layer_save_job(meta)
         if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
@@ -601,6 +607,21 @@ class UcmWorker:
         job.parts = [part or self._submit_part(job, layer) for layer, part in enumerate(job.parts)]
         self._layer_save = None
         self._track_save(job, meta.saves)
+
+    def _saturated(self, meta: UcmConnectorMetadata) -> bool:
+        """The daemon said it cannot keep up with dumps (``store_saturated``, read off the session
+        stream and the last Load/Dump answer: no call); decided once per step."""
+        if self._pressure_step is not meta:
+            client = None if self._io_off else self._link.client()
+            self._pressure_step, self._pressure = meta, client is not None and client.store_saturated
+        return self._pressure
+
+    def _skip_saturated_saves(self, transfers: Iterable[BlockTransfer]) -> None:
+        """A saturated daemon: this step's saves are skipped, never waited for (counted); their
+        requests are reported saved at once, so vLLM frees their blocks as usual."""
+        for transfer in transfers:
+            self._saves.setdefault(transfer.req_id, _SaveState())
+            self._stats.add(save_skipped_blocks=len(transfer.block_ids))
 
     def _skip_replica_saves(self, transfers: Iterable[BlockTransfer]) -> None:
         """A replica rank (MLA, TP rank > 0) dumps nothing: rank 0 stores the same bytes. Its requests

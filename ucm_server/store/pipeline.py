@@ -32,6 +32,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_server.store.admitting import cache_only
 from ucm_server.store.base import (
     MISSING,
     OK,
@@ -50,6 +51,7 @@ from ucm_server.store.staging import StagingPool, copy_pairs
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
+    from ucm_server.store.admitting import Admission
     from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,8 @@ class Pipeline:
         self._written: dict[BlockKey, int] = {}
         self._reading: Counter[int] = Counter()
         self.promotions = Promotions(self)
+        self.admission: Admission | None = None
+        """The tier boundaries' admission policies (:func:`ucm_server.store.admitting.install_admission`)."""
 
     @property
     def spec(self) -> str:
@@ -190,9 +194,12 @@ class Pipeline:
         )
         # The common all-hit case stays in C end to end: ``all`` (a truth test per size, a third of
         # the cost of comparing each with None) decides it, stored sizes being > 0; a 0 falls back.
-        if all(sizes) or None not in sizes:
-            return sizes, True
-        return await self._fill(sizes, order[1:], ask), False
+        complete = bool(all(sizes) or None not in sizes)
+        if not complete:
+            sizes = await self._fill(sizes, order[1:], ask)
+        if self.admission is not None:  # the blocks found are used again (ucm_server.store.admitting)
+            self.admission.looked_up(namespace, digests, sizes)
+        return sizes, complete
 
     def _lookup_order(self) -> list[Tier]:
         return sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
@@ -262,13 +269,16 @@ class Pipeline:
             await self.promotions.wait_for([k for k, _ in items])
         started = self.begin_read()
         try:
+            got = None
             if report is not None and self.leasing is not None:
                 got = await self.leasing.read_in_order(items, report)
-                if got is not None:
-                    return got
-            return await self._read_many(items, started, owned)
+            if got is None:
+                got = await self._read_many(items, started, owned)
         finally:
             self.end_read(started)
+        if self.admission is not None:  # the blocks read are used again (ucm_server.store.admitting)
+            self.admission.read([k for k, _ in items], got)
+        return got
 
     def begin_read(self) -> int:
         """Mark a read that may promote as begun; returns its stamp (see :meth:`unwritten_since`)."""
@@ -439,6 +449,13 @@ class Pipeline:
         self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False, owned: bool = False
     ) -> list[BlockResult]:
         """Store a batch from ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
+        if self.admission is not None:  # the admission policy at the daemon's door
+            return await self.admission.write(items, durable, lambda some: self._store(some, durable, owned))
+        return await self._store(items, durable, owned)
+
+    async def _store(
+        self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
+    ) -> list[BlockResult]:
         if not owned and self.leasing is None:  # no Cache copy: checksum a copy of ours
             return await self._staged_writes(items, lambda mine: self._write_many(mine, durable, True))
         return await self._write_many(items, durable, owned)
@@ -451,7 +468,9 @@ class Pipeline:
             return await self.top.write_many(items)
         # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks
         # awaiting write-down; None: the node is saturated and writeback_overflow decides.
-        room = await self._admit([iov_len(src) for _, src in items], durable) if self.write_back else None
+        keep = cache_only.get() and not durable  # the client asked to keep this dump in the Cache only
+        want_room = self.write_back and not keep
+        room = await self._admit([iov_len(src) for _, src in items], durable) if want_room else None
         try:
             top_results = await self.top.write_many(items)
         except BaseException:
@@ -462,14 +481,14 @@ class Pipeline:
         direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         skipped: list[BlockKey] = []
-        if self.write_back:
+        if self.write_back or (keep and self.leasing is not None):
             assert self.leasing is not None
             for i, r in enumerate(top_results):
                 if not r.ok:
                     continue
                 key = items[i][0]
-                if room is None:  # saturated: never for a durable dump (it waits for room)
-                    if self.writeback_overflow == "write-through":
+                if room is None:  # saturated (never for a durable dump: it waits for room), or kept
+                    if self.writeback_overflow == "write-through" and not keep:
                         direct.append(i)
                         self._through += 1
                     else:
@@ -514,7 +533,7 @@ class Pipeline:
             for lease in held.values():
                 lease.release()
         if skipped:
-            await self._skip(skipped)
+            await self._skip(skipped, saturated=not keep)
         for i, fut in waits:
             r = await asyncio.shield(fut)
             if not r.ok:
@@ -534,11 +553,12 @@ class Pipeline:
         ok = await self.backlog.take(nbytes, None if durable else self.writeback_wait_s)
         return nbytes if ok else None
 
-    async def _skip(self, keys: Sequence[BlockKey]) -> None:
+    async def _skip(self, keys: Sequence[BlockKey], *, saturated: bool = True) -> None:
         """Blocks admitted to the Cache only (``cache-only`` on a saturated node): an older version
         below must not come back once the Cache evicts this one, so it goes (after any write-back of
         it already under way), and queued write-backs of older versions are dropped."""
-        self._skipped += len(keys)
+        if saturated:
+            self._skipped += len(keys)
         for key in keys:
             self.queue.drop_queued(key)
             await self.queue.settle(key)
@@ -610,6 +630,13 @@ class Pipeline:
                 results[i] = failed("the block left the Cache before it could be written down")
             else:
                 leases.append((i, lease))
+        if cache_only.get() and not durable:  # the client asked to keep this dump in the Cache only
+            for _, lease in leases:
+                lease.release()
+            await self._skip([keys[i] for i, _ in leases], saturated=False)
+            return results
+        if durable and self.admission is not None:  # every admission boundary takes it
+            self.admission.insist(keys)
         room: int | None = None
         if self.write_back:
             try:
