@@ -24,10 +24,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.blocks import NS, blocks_in
+from support.blocks import NS, dump_random
 from support.tokens import tokens_file
 
-from ucm_client import SharedBuffer, UcmClient, key_digest
+from ucm_client import UcmClient, key_digest
 from ucm_client.errors import ResourceExhausted
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
@@ -55,19 +55,7 @@ def tenants(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 def _store(client: UcmClient, first: int, count: int) -> dict[bytes, bytes]:
     """``count`` blocks keyed ``first...``, durable (in the Posix tier too); their keys and bytes."""
-    stored: dict[bytes, bytes] = {}
-    with SharedBuffer(8 * BLOCK) as buf:
-        region = client.register(buf)
-        for start in range(0, count, 8):
-            n = min(8, count - start)
-            data = os.urandom(n * BLOCK)
-            buf.buf[: n * BLOCK] = data
-            batch = blocks_in(region, n, BLOCK, first=first + start)
-            result = client.wait(client.dump(NS, batch, wait_durable=True), 30)
-            assert result.ok, result
-            stored.update((b.key, data[j * BLOCK : (j + 1) * BLOCK]) for j, b in enumerate(batch))
-        client.unregister(region)
-    return stored
+    return dump_random(client, first, count, BLOCK)
 
 
 def _pin_all_it_can(client: UcmClient, keys: list[bytes]) -> tuple[list[bytes], str]:

@@ -407,8 +407,8 @@ class CacheTier(Tier):
         return key in self._index
 
     def keeps(self, key: bytes) -> bool:
-        """Whether the Cache holds ``key`` in a version not safe below: pinned, it is never evicted
-        (above a tier that holds pins, the pinned blocks safe there are)."""
+        """Whether the Cache holds ``key`` in a version not known to be safe in a tier below that
+        holds pins: while pinned, such a copy is never evicted (it may be the only one)."""
         entry = self._index.get(key)  # type: ignore[call-overload]  # a BlockKey is its bytes
         return entry is not None and not entry.below
 
