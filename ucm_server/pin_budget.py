@@ -26,10 +26,12 @@ Posix tier with ``posix_capacity``), the pinned blocks that tier must hold, for 
 So in Cache|Posix pins are bounded by the Posix tier, not by the smaller Cache, and an unbounded
 Posix tier (no ``posix_capacity``: it never evicts) bounds them by nothing but tenants' quotas.
 
-The book keeps each pinned block's owner, size and the tiers it counts in; it is rebuilt at start-up
-from the retention rules and the tiers. It may count a block whose pin went another way (a rule
-forgotten when its block left every tier), or in a Cache that has since written it down, until a
-refusal makes it look again (:meth:`PinBook.refresh`).
+The book keeps each pinned block's owner, size and the tiers it counts in, decided when the block
+is pinned (or rewritten larger); it is rebuilt at start-up from the retention rules and the tiers.
+Until a refusal makes it look again (:meth:`PinBook.refresh`) it may count a block whose pin went
+another way (a rule forgotten when its block left every tier), or count in the Cache a block
+written down since; and it does not yet count in the Cache a pinned block whose new version could
+not be written down (rare: the tier below refused it), which the Cache keeps meanwhile.
 """
 
 from __future__ import annotations
