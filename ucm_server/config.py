@@ -347,16 +347,18 @@ class ServerConfig:
         default=0.25,
         metadata=_help(
             "Share of each bounded tier (Cache; Posix with posix_capacity) that pins can never "
-            "take, all principals together: a pin past it is refused with RESOURCE_EXHAUSTED, so "
-            "other principals' blocks always find room by evicting unpinned ones. 0 to 0.99."
+            "take, all principals together, counting the pinned blocks the tier must hold (in "
+            "Cache|Posix: all of them in Posix, in the Cache only those not yet safe on disk): a "
+            "pin past it is refused with RESOURCE_EXHAUSTED, so other principals' blocks always "
+            "find room by evicting unpinned ones. 0 to 0.99."
         ),
     )
     pin_share: float = field(
         default=0.5,
         metadata=_help(
             "Share of each bounded tier one principal without a quota may pin (a tenant without "
-            "quota, a token without a tenant, the local clients of a daemon without tokens); a "
-            "tenant with a quota pins within its quota. 0 to 1."
+            "quota, a token without a tenant, the local clients of a daemon without tokens), "
+            "counted as pin_reserve is; a tenant with a quota pins within its quota. 0 to 1."
         ),
     )
     shared_lookup_ttl_s: float = field(

@@ -60,11 +60,7 @@ def _store(client: UcmClient, count: int) -> list[bytes]:
 
 
 def test_repeated_changes_keep_retention_json_and_memory_bounded(tmp_path: Path) -> None:
-    # Every block pinned: this test is about the rules' storage, not the pin budget (pin_share,
-    # pin_reserve), so the budget lets one principal pin the whole tier.
-    d = DaemonProcess(
-        tmp_path / "ucm", args=["--cache-capacity", "64MiB", "--pin-share", "1", "--pin-reserve", "0"]
-    )
+    d = DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", "64MiB"])
     rules = d.data_dir / "retention.json"
     with d, UcmClient(d.target) as client:
         keys = _store(client, 4096)

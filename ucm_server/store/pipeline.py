@@ -16,6 +16,9 @@ dump first takes room in it, waiting a little when it is full (backpressure), an
 node is written through or kept in the Cache only, as configured; so the Cache never fills with
 blocks awaiting write-down. A write the top tier cannot take anyway goes straight down instead of
 failing. ``durable=True`` on a write waits until the block is in the last persistent tier.
+A pin is held where the block durably lives (:mod:`ucm_server.store.pin_home`): the Cache learns
+which of its blocks are safe below, and a pinned block is never left in the Cache alone (a
+saturated node's ``cache-only`` overflow writes it through).
 
 Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
 tiers (whose contents other nodes change), in one batch per tier.
@@ -47,7 +50,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
-from ucm_server.store.staging import StagingPool, copy_pairs
+from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
@@ -81,12 +84,15 @@ class Pipeline:
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
+        self.rules = rules
         if rules is not None:
             for t in self.tiers:
                 t.use_rules(rules)
         self.top = self.tiers[0]
         self.leasing: Leasing | None = leasing_of(self.top)
         """The top tier when it can lease (the Cache): write-back, promotion in place, GPU copies."""
+        if self.leasing is not None:  # a pinned block safe in a tier below that holds pins may leave it
+            self.leasing.pins_below = any(not t.pin_gap for t in self.tiers[1:])
         self.write_back = write_back and self.leasing is not None and len(self.tiers) > 1
         self.staging = staging or StagingPool()
         self._executor = executor
@@ -325,7 +331,7 @@ class Pipeline:
                         failures[i] = r  # e.g. corrupt here: a lower tier may still hold a good copy
                     todo_next.append(i)
             if promote:
-                await self._promote(depth, [items[i] for i in promote], started)
+                await self.promotions.copy_up(depth, [items[i] for i in promote], started)
             todo = todo_next
         for i, r in failures.items():
             results[i] = r
@@ -400,7 +406,7 @@ class Pipeline:
             unread = [j for j in bounced if not (r := got[j]) or not r.ok]
             if ok or unread:
                 pairs = [(batch[j][1], mine[j]) for j in ok]
-                await self._run(_copy_and_clear, pairs, [batch[j][1] for j in unread])
+                await self._run(copy_and_clear, pairs, [batch[j][1] for j in unread])
                 await self._promote_between(depth, [(batch[j][0], mine[j]) for j in ok], started)
             for j in ok:
                 reservation = reservations.pop(j, None)
@@ -409,7 +415,7 @@ class Pipeline:
                 assert top is not None
                 key = batch[j][0]
                 if self._written.get(key, 0) <= started and not top.holds(key):
-                    top.commit(reservation)  # nobody wrote, deleted or promoted it meanwhile
+                    top.commit(reservation, below=not tier.pin_gap)  # nobody wrote, deleted or promoted it
                 else:
                     top.abort(reservation)
             return [r if r is not None else failed("not read") for r in got]
@@ -424,25 +430,10 @@ class Pipeline:
         reservation the block was read into), from the daemon-owned copy just verified."""
         first = 1 if self.leasing is not None else 0
         if any(not t.persistent for t in self.tiers[first:depth]):
-            await self._promote(depth, items, started, first=first)
+            await self.promotions.copy_up(depth, items, started, first=first)
 
     async def _run(self, fn: Callable[..., None], *args: object) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _promote(
-        self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int, *, first: int = 0
-    ) -> None:
-        """Copy blocks read at ``depth`` into the memory tiers above — only blocks nobody wrote or
-        deleted since the read began, and only where the tier has no copy (a failure is harmless).
-        ``items`` must be daemon memory."""
-        fresh = [(k, iov) for k, iov in items if self._written.get(k, 0) <= started]
-        for tier in self.tiers[first:depth]:
-            if tier.persistent or not fresh:
-                continue
-            sizes = await tier.lookup([k for k, _ in fresh])
-            absent = [item for item, size in zip(fresh, sizes, strict=True) if size is None]
-            if absent:
-                await tier.write_many(absent)
 
     # -- writes ---------------------------------------------------------------------------------------
     async def write_many(
@@ -488,8 +479,8 @@ class Pipeline:
                     continue
                 key = items[i][0]
                 if room is None:  # saturated (never for a durable dump: it waits for room), or kept
-                    if self.writeback_overflow == "write-through" and not keep:
-                        direct.append(i)
+                    if (self.writeback_overflow == "write-through" and not keep) or self._pinned(key):
+                        direct.append(i)  # a pinned block is never left in the Cache alone
                         self._through += 1
                     else:
                         skipped.append(key)
@@ -508,9 +499,10 @@ class Pipeline:
         else:
             direct = list(range(len(items)))
         # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
-        # before any await) or from a staging copy, never from the client's region.
+        # before any await) or from a staging copy, never from the client's region. The Cache's copy
+        # held also learns when it is safe below.
         held: dict[int, Lease] = {}
-        if not owned and self.leasing is not None:
+        if self.leasing is not None:
             for i in direct:
                 lease = self.leasing.lease(items[i][0]) if top_results[i].ok else None
                 if lease is not None:
@@ -529,6 +521,8 @@ class Pipeline:
                 # and a write-through that fails below has failed.
                 for i, r in zip(direct, lower, strict=True):
                     results[i] = r
+                    if r.ok and i in held:
+                        held[i].written_down()
         finally:
             for lease in held.values():
                 lease.release()
@@ -593,6 +587,9 @@ class Pipeline:
             out.update(zip(copied, got, strict=True))
         return [out[i] for i in direct]
 
+    def _pinned(self, key: BlockKey) -> bool:
+        return self.rules is not None and self.rules.pinned(key)
+
     async def _staged_writes(
         self,
         items: Sequence[tuple[BlockKey, IoVec]],
@@ -646,10 +643,13 @@ class Pipeline:
                     lease.release()
                 raise
             if room is None and self.writeback_overflow == "cache-only":
-                for _, lease in leases:
+                skipped = [(i, lease) for i, lease in leases if not self._pinned(keys[i])]
+                leases = [(i, lease) for i, lease in leases if self._pinned(keys[i])]  # written through
+                for _, lease in skipped:
                     lease.release()
-                await self._skip([keys[i] for i, _ in leases])
-                return results
+                await self._skip([keys[i] for i, _ in skipped])
+                if not leases:
+                    return results
             if room is None:
                 self._through += len(leases)
         if room is None:  # write-through, or a saturated node whose policy is write-through
@@ -657,11 +657,13 @@ class Pipeline:
                 for i, _ in leases:  # an older write-back must not land below after this one
                     await self.queue.settle(keys[i])
                 lower = await self._write_down([(keys[i], lease.iov) for i, lease in leases])
+                for (i, lease), r in zip(leases, lower, strict=True):
+                    results[i] = r
+                    if r.ok:
+                        lease.written_down()
             finally:
                 for _, lease in leases:
                     lease.release()
-            for (i, _), r in zip(leases, lower, strict=True):
-                results[i] = r
             return results
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         for i, lease in leases:
@@ -708,11 +710,3 @@ class Pipeline:
         for t in tiers:
             async for info in t.list_blocks(namespace):
                 yield info
-
-
-def _copy_and_clear(pairs: list[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
-    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
-    copy_pairs(pairs)
-    for iov in clear:
-        for seg in iov:
-            seg[:] = bytes(seg.nbytes)

@@ -290,6 +290,7 @@ class WriteBackQueue:
                         results[id(job)] = r
                         if r.ok:
                             self.written += 1
+                            job.lease.written_down()
                         else:
                             self.failed += 1
                             log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
