@@ -31,8 +31,11 @@ BENCHMARKS = {
     "scale": ["benchmarks.scale_bench"],
     "small_objects": ["benchmarks.small_objects"],
     "eviction": ["benchmarks.eviction_bench"],
+    "admission": ["benchmarks.admission_bench"],
+    "io_classes": ["benchmarks.io_classes"],
     "encryption": ["benchmarks.encryption_bench"],
     "codec": ["benchmarks.codec_bench"],
+    "tracing_overhead": ["benchmarks.tracing_overhead"],
     "sglang": ["benchmarks.sglang_bench"],
 }
 

@@ -26,6 +26,7 @@ from ucm_server.quota import Quota
 from ucm_server.reply_budget import ReplyBudget
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.store.base import BlockResult, BlockState
+from ucm_server.store.pin_home import hold_pins
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import TaskKind
 
@@ -133,10 +134,17 @@ class Blocks:
         await self.expiry.due()
         sizes = await self.pipeline.lookup(keys)
         stored = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
-        if change.pin:
-            self.quota.check_pins(keys, sizes)
-        await self.retention.change(stored, change, time.time())
-        if change.pin:
+        counted: list[BlockKey] = []
+        if change.pin:  # each block's write-back first: the budget counts it where it lives
+            await hold_pins(self.pipeline, stored)
+            counted = self.quota.check_pins(keys, sizes)
+        try:
+            await self.retention.change(stored, change, time.time())
+        except BaseException:
+            self.quota.unpinned(counted)
+            raise
+        if change.pin:  # the rule in force: a tier below keeps them now; a copy it lost stays cached
+            await hold_pins(self.pipeline, stored)
             self.quota.pinned(keys, sizes)
         elif change.pin is False:
             self.quota.unpinned(stored)

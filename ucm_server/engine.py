@@ -23,11 +23,10 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
-from ucm_server import __version__
+from ucm_server import __version__, tracing
 from ucm_server.auth import Authenticator
 from ucm_server.authz import Authorizer
 from ucm_server.blocks import BlockLimits, Blocks, LookupAnswer, RetentionAnswer
@@ -39,6 +38,7 @@ from ucm_server.gpu_region import CudaImport, GpuRegion
 from ucm_server.handover import HandoverTable
 from ucm_server.metrics import Metrics
 from ucm_server.movers import HostMover, OffLoop
+from ucm_server.pressure import StorePressure
 from ucm_server.quota import Quota
 from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.regions import Region, RegionTable, SegmentColumns
@@ -49,6 +49,7 @@ from ucm_server.sessions import Session, SessionCaps, Sessions
 from ucm_server.snapshot import EngineSnapshot, SessionFigures, TierFigures
 from ucm_server.store.assembly import assemble
 from ucm_server.store.base import BlockResult, BlockState, TierStats
+from ucm_server.store.io_classes import ClassedExecutor
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.submit import SegmentCaps, Submitter
 from ucm_server.tasks import Task, TaskKind, TaskManager
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: ServerConfig, authenticator: Authenticator | None = None) -> None:
         self.config = config
-        self.executor = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="ucm-io")
+        self.executor = ClassedExecutor(config.io_threads, thread_name_prefix="ucm-io")  # loads first
         tenants = authenticator.tenants if authenticator is not None else {}
         ledger: TenantLedger | None = None
         if authenticator is not None:
@@ -71,12 +72,16 @@ class Engine:
             ledger = TenantLedger(config.data_dir / "tenants.json", quotas, self.executor)
         self.authz = Authorizer(authenticator, tcp_anonymous=config.tcp_anonymous, owners=ledger)
         """Who may call what and which namespaces a call reaches (:mod:`ucm_server.authz`)."""
-        self.retention = RetentionTable(config.data_dir / RETENTION_FILE, self.executor)
+        self.retention = RetentionTable(
+            config.data_dir / RETENTION_FILE, self.executor, max_rules=config.max_retention_rules
+        )
         key_files = {t: p.key_file for t, p in tenants.items() if t and p.key_file}
         keyring = tenant_keyring(
             config.encrypted_tiers, config.data_dir, key_files, ledger, self.authz.may_open
         )
-        self.pipeline: Pipeline = assemble(config, self.executor, keyring, self.retention)
+        self.pipeline: Pipeline = assemble(
+            config, self.executor, keyring, self.retention, outermost=tracing.tier_wrapper()
+        )
         self.quota = Quota(
             ledger, self.pipeline, self.retention, pin_reserve=config.pin_reserve, pin_share=config.pin_share
         )
@@ -102,6 +107,7 @@ class Engine:
         )
         caps = SessionCaps(config.max_sessions, config.max_sessions_per_peer, config.max_tasks_per_session)
         self.sessions = Sessions(caps, self.authz, self.tasks, self.regions, self.handovers, self.gpu)
+        self.pressure = StorePressure(self.pipeline, self.sessions.task_events.poke)  # told to every session
         self.reply_budget = ReplyBudget(config.reply_bytes)
         limits = BlockLimits(config.max_batch_blocks, config.max_block_bytes)
         self.blocks = Blocks(
@@ -140,6 +146,7 @@ class Engine:
         else:
             await self.quota.open()  # each tenant's usage, rebuilt from what survived the restart
         self.expiry.start()  # TTLs: expired blocks leave every tier (once the tiers are indexed)
+        self.pressure.start()
 
     async def _open_quota(self) -> None:
         """Rebuild the tenants' usage once every tier has indexed what survived the restart (until
@@ -161,6 +168,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await opening
         await self.expiry.stop()
+        await self.pressure.stop()
         await self.tasks.shutdown(grace_s)
         await self.gpu.close()
         await self.pipeline.close()
@@ -191,6 +199,15 @@ class Engine:
     @property
     def heartbeat_interval_s(self) -> float:
         return self.config.heartbeat_interval_s
+
+    @property
+    def store_saturated(self) -> bool:
+        """Whether the daemon cannot keep up with dumps (:mod:`ucm_server.pressure`), as last seen."""
+        return self.pressure.saturated
+
+    def poll_store_saturated(self) -> bool:
+        """The same, looked at now (a Dump's reply: the connector acts on it at once)."""
+        return self.pressure.poll()
 
     @property
     def uptime_s(self) -> float:
@@ -324,6 +341,8 @@ class Engine:
             expired_blocks=self.expiry.expired,
             reply_bytes_held=self.reply_budget.held,
             reply_waits=self.reply_budget.waits,
+            store_saturated=self.pressure.saturated,
+            door_admission=self.pipeline.admission.door_extra() if self.pipeline.admission else {},
         )
 
     def session_list(self) -> list[SessionFigures]:

@@ -12,7 +12,8 @@ points:
   them, a dump counts them and evicts the tenant's least-recently-used blocks over its quota (never
   another tenant's);
 * :meth:`Quota.check_pins` / :meth:`Quota.pinned` / :meth:`Quota.forgot` for pins, which count
-  against their owner's budget for every principal, tenants or not (:mod:`ucm_server.pin_budget`).
+  against their owner's budget for every principal, tenants or not, in the tiers that must hold
+  them (:mod:`ucm_server.pin_budget`).
 
 A daemon without tenants has no ledger: the byte quotas are then no-ops, and :attr:`Quota.enabled`
 lets the hot paths skip building their arguments; the pin budget holds with or without one.
@@ -52,6 +53,8 @@ class Quota:
         self.retention = retention
         self._pin_bounds = (pin_reserve, pin_share)
         self._pins: PinBook | None = None
+        self._pinning: set[bytes] = set()
+        """Keys counted by :meth:`check_pins` whose rule is still being recorded."""
         if ledger is not None and retention is not None:
             ledger.pinned = retention.pinned
 
@@ -64,7 +67,9 @@ class Quota:
         """The pinned blocks' book, over the pipeline's tiers as they are when first asked (built)."""
         if self._pins is None:
             reserve, share = self._pin_bounds
-            self._pins = PinBook(bounded_tiers(self.pipeline.tiers), reserve=reserve, share=share)
+            top = self.pipeline.leasing
+            keeps = top.keeps if top is not None and top.pins_below else None
+            self._pins = PinBook(bounded_tiers(self.pipeline.tiers, keeps), reserve=reserve, share=share)
         return self._pins
 
     async def open(self) -> None:
@@ -117,7 +122,7 @@ class Quota:
         grown = [(k, s) for k, s in zip(keys, sizes, strict=True) if k in pins and s > pins.size(k)]
         if grown:
             tenant = current_principal.get().tenant
-            pins.check(tenant, self._quota_of(tenant), [s - pins.size(k) for k, s in grown])
+            pins.check(tenant, self._quota_of(tenant), grown)
             pins.add(tenant, grown)
 
     def refuse_oversized(self, sizes: Iterable[int]) -> None:
@@ -142,26 +147,37 @@ class Quota:
         """Bytes of ``tenant``'s pinned blocks (they count against its quota)."""
         return self._pins.bytes_of(tenant) if self._pins is not None else 0
 
-    def check_pins(self, keys: Sequence[BlockKey], sizes: Sequence[int | None]) -> None:
+    def check_pins(self, keys: Sequence[BlockKey], sizes: Sequence[int | None]) -> list[BlockKey]:
         """Refuse pinning ``keys`` (stored, of ``sizes``) for the caller when its pinned bytes would
         pass its budget (its quota, or ``pin_share`` of a tier without one) or pins would take a
-        tier's reserve (RESOURCE_EXHAUSTED naming the bound, the figures and the way out)."""
+        tier's reserve (RESOURCE_EXHAUSTED naming the bound, the figures and the way out); else
+        count them at once, before the rule is recorded, so a concurrent pin sees them. Returns the
+        keys it counted (to :meth:`unpinned` if recording the rule fails)."""
         tenant = current_principal.get().tenant
-        adding = [s for k, s in zip(keys, sizes, strict=True) if s is not None and k not in self.pins]
+        adding = [(k, s) for k, s in zip(keys, sizes, strict=True) if s is not None and k not in self.pins]
         try:
             self.pins.check(tenant, self._quota_of(tenant), adding)
         except ResourceExhausted:
-            if self.retention is None:
-                raise
-            self.pins.purge(self.retention.pinned)  # pins forgotten another way no longer count
+            # Pins forgotten another way no longer count; blocks written down since no longer in the Cache.
+            self.pins.refresh(self._still_pinned)
             self.pins.check(tenant, self._quota_of(tenant), adding)
+        self.pins.add(tenant, adding)
+        counted = [k for k, _ in adding]
+        self._pinning.update(counted)
+        return counted
+
+    def _still_pinned(self, key: bytes) -> bool:
+        return key in self._pinning or self.retention is None or self.retention.pinned(key)
 
     def pinned(self, keys: Sequence[BlockKey], sizes: Sequence[int | None]) -> None:
-        """Blocks the caller pinned (once the rule is recorded): they count against its budget."""
+        """Blocks the caller pinned (once the rule is recorded): they count against its budget, in
+        the tiers that must hold them now."""
         tenant = current_principal.get().tenant
         self.pins.add(tenant, [(k, s) for k, s in zip(keys, sizes, strict=True) if s is not None])
+        self._pinning.difference_update(keys)
 
     def unpinned(self, keys: Sequence[BlockKey]) -> None:
+        self._pinning.difference_update(keys)
         if self._pins is not None:
             self._pins.drop(keys)
 

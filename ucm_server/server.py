@@ -31,6 +31,7 @@ from ucm_protocol.wire import (
     MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_server.server.MAX_MESSAGE_BYTES)
     channel_options,
 )
+from ucm_server import tracing
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
@@ -140,12 +141,16 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        tracing.start(config)  # before the engine: its tiers and tasks are traced from the start
         self.authenticator = (
             Authenticator.from_file(Path(config.auth_tokens_file)) if config.auth_tokens_file else None
         )
         self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
-            interceptors=[ErrorMappingInterceptor(self.engine.metrics, self.engine.authz)],
+            interceptors=[
+                *tracing.interceptors(),  # outermost: its span sees the status code errors become
+                ErrorMappingInterceptor(self.engine.metrics, self.engine.authz),
+            ],
             options=[
                 *channel_options(),
                 ("grpc.so_reuseport", 0),
@@ -247,6 +252,7 @@ class Daemon:
         for fd in self._locks:  # the data directories are free for the next daemon
             os.close(fd)
         self._locks = []
+        tracing.stop()  # exports the spans still queued
         log.info("stopped")
 
 

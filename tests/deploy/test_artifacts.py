@@ -61,6 +61,9 @@ DAEMON_DEPENDENCIES = {
     "rich",
     "numpy",
     "pyzmq",  # KV events (issue #17)
+    "opentelemetry-api",  # tracing (off by default; imported only when on)
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-http",
     "msgpack",
     "cryptography",  # encryption at rest (issue #18)
 }

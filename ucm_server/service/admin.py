@@ -59,6 +59,9 @@ class AdminServicer(rpc.AdminServicer):
         tiers = [tier_stats(tier) for tier in snap.tiers]
         if tiers and snap.writeback.max_bytes:  # the write-back queue drains the top tier's blocks
             tiers[0].extra.update(snap.writeback.as_extra())
+        if tiers:  # whether the daemon keeps up with dumps, and what its door admits
+            tiers[0].extra["store_saturated"] = float(snap.store_saturated)
+            tiers[0].extra.update(snap.door_admission)
         return pb.StatsResponse(
             version=snap.version,
             uptime_s=snap.uptime_s,

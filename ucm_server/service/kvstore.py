@@ -20,6 +20,7 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import SESSION_METADATA
 from ucm_server.engine import Engine
 from ucm_server.retention import Change
+from ucm_server.store.admitting import cache_only
 from ucm_server.tasks import Task, TaskKind
 
 
@@ -58,6 +59,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
                 session_id=session.session_id,
                 heartbeat_interval_s=interval,
                 server_version=self.engine.version,
+                store_saturated=self.engine.store_saturated,
             )
             while True:  # a heartbeat every interval, or sooner with the statuses of tasks that ended
                 finished, stopped = await self.engine.session_events(session.session_id)
@@ -66,6 +68,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
                     heartbeat_interval_s=interval,
                     finished=[task_status(task) for task in finished],
                     task_events_stopped=stopped,
+                    store_saturated=self.engine.store_saturated,
                 )
         finally:
             # Runs when the client closes the stream, dies (socket closed) or the server stops.
@@ -136,14 +139,22 @@ class KVStoreServicer(rpc.KVStoreServicer):
             durable=durable,
             progress=(progress.region_id, progress.offset, progress.length) if progress is not None else None,
         )
-        return pb.TaskHandle(task_id=task.task_id, progress=task.reports_progress)
+        return pb.TaskHandle(
+            task_id=task.task_id,
+            progress=task.reports_progress,
+            store_saturated=self.engine.poll_store_saturated(),
+        )
 
     async def Load(self, request: pb.LoadRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         progress = request.progress if request.HasField("progress") else None
         return await self._submit(TaskKind.LOAD, request.blocks, context, progress=progress)
 
     async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+        token = cache_only.set(request.cache_only)  # read by the pipeline in the task this call starts
+        try:
+            return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+        finally:
+            cache_only.reset(token)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         task = self.engine.submit_prefetch(session_of(context), request.namespace, request.keys)

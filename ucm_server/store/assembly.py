@@ -18,8 +18,11 @@ layer            what it does (inner first)
 ===============  ==================================================================================
 
 A write passes the layers outermost first (observation, codec, encryption, then the tier), a read
-comes back the other way. The top tier (the Cache) is never wrapped: it is memory, and the pipeline
-leases its pages.
+comes back the other way. The top tier (the Cache) gets none of these layers: it is memory, and the
+pipeline leases its pages. One wrapper may go around every tier, the top one included, outside all
+layers: tracing's (``outermost``), which leases through to the Cache unchanged. Last, the admission
+policies (``admission_*``) take their places at the boundaries below the Cache
+(:func:`~ucm_server.store.admitting.install_admission`), before anything opens the pipeline.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from ucm_server.journal import remember_names
+from ucm_server.store.admitting import AdmissionConfig, install_admission
 from ucm_server.store.base import EvictionRules, Tier, TierContext
 from ucm_server.store.compressed import CompressedTier
 from ucm_server.store.encrypted import EncryptedTier, Keyring
@@ -51,7 +55,7 @@ _CODEC_FIX = (
 )
 
 
-class AssemblyConfig(Protocol):
+class AssemblyConfig(AdmissionConfig, Protocol):
     """What :func:`assemble` reads of the daemon's config (``ServerConfig`` has all of it)."""
 
     @property
@@ -95,14 +99,19 @@ def assemble(
     executor: Executor,
     keyring: Keyring | None = None,
     rules: EvictionRules | None = None,
+    outermost: Callable[[Tier], Tier] | None = None,
 ) -> Pipeline:
     """The daemon's pipeline: its tiers, each in its layers, under the pipeline's settings.
     ``keyring``: the tenants' keys, needed when ``encrypt_tiers`` names a tier; ``rules``: the
-    retention rules the tiers evict under."""
+    retention rules the tiers evict under; ``outermost``: a wrapper around every tier, the top one
+    included, outside every layer (tracing: its span then times the whole call)."""
     context = TierContext(executor=executor, max_block_bytes=config.max_block_bytes)
     tiers = [build_tier(name, config.tier_settings_for(name), context) for name in config.tiers]
-    return Pipeline(
-        tiers[:1] + layered(tiers[1:], config, executor, keyring),
+    tiers = tiers[:1] + layered(tiers[1:], config, executor, keyring)
+    if outermost is not None:
+        tiers = [outermost(tier) for tier in tiers]
+    pipeline = Pipeline(
+        tiers,
         write_back=config.write_mode == "write-back",
         flushers=max(2, config.io_threads // 2),
         shared_lookup_ttl_s=config.shared_lookup_ttl_s,
@@ -114,6 +123,8 @@ def assemble(
         flush_batch=config.writeback_batch_blocks,
         rules=rules,
     )
+    pipeline.admission = install_admission(pipeline, config)  # the boundaries' policies, last
+    return pipeline
 
 
 def layered(

@@ -165,6 +165,10 @@ class EvictionRules(Protocol):
         ``find`` gives the tier's value for a key the rules name (``None``: not in this tier)."""
         ...
 
+    def pinned(self, key: bytes) -> bool:
+        """Whether ``key`` is pinned (the pipeline never leaves a pinned block in the Cache alone)."""
+        ...
+
 
 DEFAULT_MAX_BLOCK_BYTES = 256 << 20
 """The daemon's default ``max_block_bytes``."""

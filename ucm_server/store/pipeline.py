@@ -16,6 +16,9 @@ dump first takes room in it, waiting a little when it is full (backpressure), an
 node is written through or kept in the Cache only, as configured; so the Cache never fills with
 blocks awaiting write-down. A write the top tier cannot take anyway goes straight down instead of
 failing. ``durable=True`` on a write waits until the block is in the last persistent tier.
+A pin is held where the block durably lives (:mod:`ucm_server.store.pin_home`): the Cache learns
+which of its blocks are safe below, and a pinned block is never left in the Cache alone (a
+saturated node's ``cache-only`` overflow writes it through).
 
 Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
 tiers (whose contents other nodes change), in one batch per tier.
@@ -32,6 +35,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_server.store.admitting import cache_only
 from ucm_server.store.base import (
     MISSING,
     OK,
@@ -46,10 +50,11 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
-from ucm_server.store.staging import StagingPool, copy_pairs
+from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
+    from ucm_server.store.admitting import Admission
     from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
@@ -79,12 +84,15 @@ class Pipeline:
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
+        self.rules = rules
         if rules is not None:
             for t in self.tiers:
                 t.use_rules(rules)
         self.top = self.tiers[0]
         self.leasing: Leasing | None = leasing_of(self.top)
         """The top tier when it can lease (the Cache): write-back, promotion in place, GPU copies."""
+        if self.leasing is not None:  # a pinned block safe in a tier below that holds pins may leave it
+            self.leasing.pins_below = any(not t.pin_gap for t in self.tiers[1:])
         self.write_back = write_back and self.leasing is not None and len(self.tiers) > 1
         self.staging = staging or StagingPool()
         self._executor = executor
@@ -106,6 +114,8 @@ class Pipeline:
         self._written: dict[BlockKey, int] = {}
         self._reading: Counter[int] = Counter()
         self.promotions = Promotions(self)
+        self.admission: Admission | None = None
+        """The tier boundaries' admission policies (:func:`ucm_server.store.admitting.install_admission`)."""
 
     @property
     def spec(self) -> str:
@@ -190,9 +200,12 @@ class Pipeline:
         )
         # The common all-hit case stays in C end to end: ``all`` (a truth test per size, a third of
         # the cost of comparing each with None) decides it, stored sizes being > 0; a 0 falls back.
-        if all(sizes) or None not in sizes:
-            return sizes, True
-        return await self._fill(sizes, order[1:], ask), False
+        complete = bool(all(sizes) or None not in sizes)
+        if not complete:
+            sizes = await self._fill(sizes, order[1:], ask)
+        if self.admission is not None:  # the blocks found are used again (ucm_server.store.admitting)
+            self.admission.looked_up(namespace, digests, sizes)
+        return sizes, complete
 
     def _lookup_order(self) -> list[Tier]:
         return sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
@@ -262,13 +275,16 @@ class Pipeline:
             await self.promotions.wait_for([k for k, _ in items])
         started = self.begin_read()
         try:
+            got = None
             if report is not None and self.leasing is not None:
                 got = await self.leasing.read_in_order(items, report)
-                if got is not None:
-                    return got
-            return await self._read_many(items, started, owned)
+            if got is None:
+                got = await self._read_many(items, started, owned)
         finally:
             self.end_read(started)
+        if self.admission is not None:  # the blocks read are used again (ucm_server.store.admitting)
+            self.admission.read([k for k, _ in items], got)
+        return got
 
     def begin_read(self) -> int:
         """Mark a read that may promote as begun; returns its stamp (see :meth:`unwritten_since`)."""
@@ -315,7 +331,7 @@ class Pipeline:
                         failures[i] = r  # e.g. corrupt here: a lower tier may still hold a good copy
                     todo_next.append(i)
             if promote:
-                await self._promote(depth, [items[i] for i in promote], started)
+                await self.promotions.copy_up(depth, [items[i] for i in promote], started)
             todo = todo_next
         for i, r in failures.items():
             results[i] = r
@@ -390,7 +406,7 @@ class Pipeline:
             unread = [j for j in bounced if not (r := got[j]) or not r.ok]
             if ok or unread:
                 pairs = [(batch[j][1], mine[j]) for j in ok]
-                await self._run(_copy_and_clear, pairs, [batch[j][1] for j in unread])
+                await self._run(copy_and_clear, pairs, [batch[j][1] for j in unread])
                 await self._promote_between(depth, [(batch[j][0], mine[j]) for j in ok], started)
             for j in ok:
                 reservation = reservations.pop(j, None)
@@ -399,7 +415,7 @@ class Pipeline:
                 assert top is not None
                 key = batch[j][0]
                 if self._written.get(key, 0) <= started and not top.holds(key):
-                    top.commit(reservation)  # nobody wrote, deleted or promoted it meanwhile
+                    top.commit(reservation, below=not tier.pin_gap)  # nobody wrote, deleted or promoted it
                 else:
                     top.abort(reservation)
             return [r if r is not None else failed("not read") for r in got]
@@ -414,31 +430,23 @@ class Pipeline:
         reservation the block was read into), from the daemon-owned copy just verified."""
         first = 1 if self.leasing is not None else 0
         if any(not t.persistent for t in self.tiers[first:depth]):
-            await self._promote(depth, items, started, first=first)
+            await self.promotions.copy_up(depth, items, started, first=first)
 
     async def _run(self, fn: Callable[..., None], *args: object) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _promote(
-        self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int, *, first: int = 0
-    ) -> None:
-        """Copy blocks read at ``depth`` into the memory tiers above — only blocks nobody wrote or
-        deleted since the read began, and only where the tier has no copy (a failure is harmless).
-        ``items`` must be daemon memory."""
-        fresh = [(k, iov) for k, iov in items if self._written.get(k, 0) <= started]
-        for tier in self.tiers[first:depth]:
-            if tier.persistent or not fresh:
-                continue
-            sizes = await tier.lookup([k for k, _ in fresh])
-            absent = [item for item, size in zip(fresh, sizes, strict=True) if size is None]
-            if absent:
-                await tier.write_many(absent)
 
     # -- writes ---------------------------------------------------------------------------------------
     async def write_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False, owned: bool = False
     ) -> list[BlockResult]:
         """Store a batch from ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
+        if self.admission is not None:  # the admission policy at the daemon's door
+            return await self.admission.write(items, durable, lambda some: self._store(some, durable, owned))
+        return await self._store(items, durable, owned)
+
+    async def _store(
+        self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
+    ) -> list[BlockResult]:
         if not owned and self.leasing is None:  # no Cache copy: checksum a copy of ours
             return await self._staged_writes(items, lambda mine: self._write_many(mine, durable, True))
         return await self._write_many(items, durable, owned)
@@ -451,7 +459,9 @@ class Pipeline:
             return await self.top.write_many(items)
         # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks
         # awaiting write-down; None: the node is saturated and writeback_overflow decides.
-        room = await self._admit([iov_len(src) for _, src in items], durable) if self.write_back else None
+        keep = cache_only.get() and not durable  # the client asked to keep this dump in the Cache only
+        want_room = self.write_back and not keep
+        room = await self._admit([iov_len(src) for _, src in items], durable) if want_room else None
         try:
             top_results = await self.top.write_many(items)
         except BaseException:
@@ -462,15 +472,15 @@ class Pipeline:
         direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         skipped: list[BlockKey] = []
-        if self.write_back:
+        if self.write_back or (keep and self.leasing is not None):
             assert self.leasing is not None
             for i, r in enumerate(top_results):
                 if not r.ok:
                     continue
                 key = items[i][0]
-                if room is None:  # saturated: never for a durable dump (it waits for room)
-                    if self.writeback_overflow == "write-through":
-                        direct.append(i)
+                if room is None:  # saturated (never for a durable dump: it waits for room), or kept
+                    if (self.writeback_overflow == "write-through" and not keep) or self._pinned(key):
+                        direct.append(i)  # a pinned block is never left in the Cache alone
                         self._through += 1
                     else:
                         skipped.append(key)
@@ -489,9 +499,10 @@ class Pipeline:
         else:
             direct = list(range(len(items)))
         # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
-        # before any await) or from a staging copy, never from the client's region.
+        # before any await) or from a staging copy, never from the client's region. The Cache's copy
+        # held also learns when it is safe below.
         held: dict[int, Lease] = {}
-        if not owned and self.leasing is not None:
+        if self.leasing is not None:
             for i in direct:
                 lease = self.leasing.lease(items[i][0]) if top_results[i].ok else None
                 if lease is not None:
@@ -510,11 +521,13 @@ class Pipeline:
                 # and a write-through that fails below has failed.
                 for i, r in zip(direct, lower, strict=True):
                     results[i] = r
+                    if r.ok and i in held:
+                        held[i].written_down()
         finally:
             for lease in held.values():
                 lease.release()
         if skipped:
-            await self._skip(skipped)
+            await self._skip(skipped, saturated=not keep)
         for i, fut in waits:
             r = await asyncio.shield(fut)
             if not r.ok:
@@ -534,11 +547,12 @@ class Pipeline:
         ok = await self.backlog.take(nbytes, None if durable else self.writeback_wait_s)
         return nbytes if ok else None
 
-    async def _skip(self, keys: Sequence[BlockKey]) -> None:
+    async def _skip(self, keys: Sequence[BlockKey], *, saturated: bool = True) -> None:
         """Blocks admitted to the Cache only (``cache-only`` on a saturated node): an older version
         below must not come back once the Cache evicts this one, so it goes (after any write-back of
         it already under way), and queued write-backs of older versions are dropped."""
-        self._skipped += len(keys)
+        if saturated:
+            self._skipped += len(keys)
         for key in keys:
             self.queue.drop_queued(key)
             await self.queue.settle(key)
@@ -572,6 +586,9 @@ class Pipeline:
             got = await self._staged_writes([items[i] for i in copied], self._write_down)
             out.update(zip(copied, got, strict=True))
         return [out[i] for i in direct]
+
+    def _pinned(self, key: BlockKey) -> bool:
+        return self.rules is not None and self.rules.pinned(key)
 
     async def _staged_writes(
         self,
@@ -610,6 +627,13 @@ class Pipeline:
                 results[i] = failed("the block left the Cache before it could be written down")
             else:
                 leases.append((i, lease))
+        if cache_only.get() and not durable:  # the client asked to keep this dump in the Cache only
+            for _, lease in leases:
+                lease.release()
+            await self._skip([keys[i] for i, _ in leases], saturated=False)
+            return results
+        if durable and self.admission is not None:  # every admission boundary takes it
+            self.admission.insist(keys)
         room: int | None = None
         if self.write_back:
             try:
@@ -619,10 +643,13 @@ class Pipeline:
                     lease.release()
                 raise
             if room is None and self.writeback_overflow == "cache-only":
-                for _, lease in leases:
+                skipped = [(i, lease) for i, lease in leases if not self._pinned(keys[i])]
+                leases = [(i, lease) for i, lease in leases if self._pinned(keys[i])]  # written through
+                for _, lease in skipped:
                     lease.release()
-                await self._skip([keys[i] for i, _ in leases])
-                return results
+                await self._skip([keys[i] for i, _ in skipped])
+                if not leases:
+                    return results
             if room is None:
                 self._through += len(leases)
         if room is None:  # write-through, or a saturated node whose policy is write-through
@@ -630,11 +657,13 @@ class Pipeline:
                 for i, _ in leases:  # an older write-back must not land below after this one
                     await self.queue.settle(keys[i])
                 lower = await self._write_down([(keys[i], lease.iov) for i, lease in leases])
+                for (i, lease), r in zip(leases, lower, strict=True):
+                    results[i] = r
+                    if r.ok:
+                        lease.written_down()
             finally:
                 for _, lease in leases:
                     lease.release()
-            for (i, _), r in zip(leases, lower, strict=True):
-                results[i] = r
             return results
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         for i, lease in leases:
@@ -681,11 +710,3 @@ class Pipeline:
         for t in tiers:
             async for info in t.list_blocks(namespace):
                 yield info
-
-
-def _copy_and_clear(pairs: list[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
-    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
-    copy_pairs(pairs)
-    for iov in clear:
-        for seg in iov:
-            seg[:] = bytes(seg.nbytes)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import OK, BlockResult, IoVec, failed
+from ucm_server.store.io_classes import IoClass, current_class
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Lease
@@ -268,6 +269,7 @@ class WriteBackQueue:
             self._idle.set()
 
     async def _flusher(self) -> None:
+        current_class.set(IoClass.BACKGROUND)  # nobody waits for a write-back: loads go first
         while True:
             if not self._jobs:
                 if self._closing:
@@ -288,6 +290,7 @@ class WriteBackQueue:
                         results[id(job)] = r
                         if r.ok:
                             self.written += 1
+                            job.lease.written_down()
                         else:
                             self.failed += 1
                             log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)

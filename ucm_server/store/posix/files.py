@@ -65,7 +65,7 @@ from ucm_server.store.posix.confined import (
 )
 from ucm_server.store.posix.layout import QUARANTINE, TMP_MARK, Layout, block_name
 from ucm_server.store.posix.packs import Outcome, Pack, PackRead, RecordReads, Retire, tombstone
-from ucm_server.store.vector_io import preadv_all, pwritev_all
+from ucm_server.store.vector_io import IOV_MAX, preadv_all, pwritev_all
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,9 @@ def read_whole(fd: int, size: int, key: BlockKey, dest: IoVec, max_payload: int)
             return header
         head = bytearray(head_len)
         iov = [memoryview(head), *dest]
-        if os.preadv(fd, iov, 0) != size:  # one call reads it all, unless the file is shorter
+        # One call reads it all, unless the file is shorter or the block has more segments than
+        # one preadv takes (IOV_MAX: EINVAL): preadv_all then goes a piece at a time.
+        if len(iov) > IOV_MAX or os.preadv(fd, iov, 0) != size:
             preadv_all(fd, iov, 0)
         header = decode_header(memoryview(head), expect=key, max_payload=max_payload)
         if header.stored_len != size:

@@ -27,7 +27,7 @@ import asyncio
 import errno
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar, cast
@@ -560,6 +560,10 @@ class PosixTier(Tier):
             s.extra["skipped_files"] = float(sum(self.disk.skipped.values()))
         s.extra.update(self.snapshots.figures())
         return TierStats(**{f: getattr(s, f) for f in s.__slots__})
+
+    def eviction_candidates(self) -> Iterator[bytes]:
+        """Keys in the order :meth:`evict` would take them (an admission policy's victims)."""
+        return (key for key, _ in self.eviction_order(self._index.oldest(), self._index.get))
 
     async def evict(self, nbytes: int) -> int:
         victims: list[BlockKey] = []
