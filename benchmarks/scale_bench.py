@@ -476,6 +476,8 @@ def main() -> int:
     p.add_argument("--only", action="append", help="run only these measurement functions (by name)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
+    only = "".join(f" --only {name}" for name in args.only or ())
+    command = f"python -m benchmarks.scale_bench --blocks {args.blocks} --repeats {args.repeats}{only}"
     with tempfile.TemporaryDirectory(prefix="ucm-scale-") as tmp:
         opts = Options([int(x) for x in args.blocks.split(",")], args.repeats, Path(tmp))
         rows: list[Row] = []
@@ -487,7 +489,7 @@ def main() -> int:
             print(f"{measure.__name__}: {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
         text = (
             "# The store at scale\n\n"
-            f"`python -m benchmarks.scale_bench --blocks {args.blocks} --repeats {args.repeats}`, "
+            f"`{command}`, "
             f"4 KiB blocks, Posix tier only, on {os.cpu_count()} CPUs shared with other work; medians, "
             "± half the spread of the repeats.\n\n" + table(rows) + "\n"
         )
