@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from support.blocks import NS, blocks_in
+from support.posix_files import find_block, flip_payload_byte
 
 from ucm_client import SharedBuffer, UcmClient, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
@@ -208,12 +209,8 @@ def test_evict_keys_bytes_and_all(daemon: DaemonProcess, client: UcmClient, shm:
 def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 3)
     ns_hex, key_hex = keys[1].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
-    with path.open("r+b") as f:  # flip one payload byte (counted from the end) behind the daemon's back
-        f.seek(-10, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-10, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    stored = find_block(daemon.data_dir / "blocks", bytes.fromhex(ns_hex), bytes.fromhex(key_hex))
+    flip_payload_byte(stored, -10, 0xFF)  # one payload byte (counted from the end) behind the daemon's back
     proc = admin(daemon, "--json", "verify")
     assert proc.returncode == 1
     report = json_of(proc)
@@ -229,10 +226,8 @@ def test_verify_human_summary_names_the_key(
 ) -> None:
     keys = seed(client, shm, NS, 2)
     ns_hex, key_hex = keys[0].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01  # the last payload byte
-    path.write_bytes(bytes(data))
+    stored = find_block(daemon.data_dir / "blocks", bytes.fromhex(ns_hex), bytes.fromhex(key_hex))
+    flip_payload_byte(stored, -1, 0x01)  # the last payload byte
     proc = admin(daemon, "verify")
     assert proc.returncode == 1
     assert keys[0] in proc.stdout and "1 corrupt" in proc.stdout

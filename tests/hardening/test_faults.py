@@ -99,6 +99,7 @@ def test_disk_full_fails_per_block_and_keeps_what_was_stored(
             "--storage-backends", str(small_tmpfs),
             "--cache-capacity", "16MiB",
             "--metrics-address", "127.0.0.1:0",
+            "--posix-pack-max-block-bytes", "0",  # one file per block: each visible one checked below
         ],
     )  # fmt: skip
     with d, UcmClient(d.target) as c, SharedBuffer(2 * n * size) as buf:

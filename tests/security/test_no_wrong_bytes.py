@@ -69,7 +69,7 @@ def _daemon(tmp_path: Path, pipeline: str) -> DaemonProcess:
     # "+packs": the Posix tier writes a dump's blocks into pack files (posix_pack_max_block_bytes).
     pipeline, packs = pipeline.removesuffix("+packs"), pipeline.endswith("+packs")
     args = ["--store-pipeline", pipeline, "--cache-capacity", f"{8 * BLOCK}", "--cache-page-size", "64KiB"]
-    args += ["--posix-pack-max-block-bytes", str(BLOCK)] if packs else []
+    args += ["--posix-pack-max-block-bytes", str(BLOCK) if packs else "0"]  # else one file per block
     return DaemonProcess(tmp_path / "ucm", args=args, env={"UCM_DURABLE": "false"})
 
 

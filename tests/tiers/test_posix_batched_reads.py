@@ -94,7 +94,7 @@ DAMAGE: dict[str, tuple[Callable[[Path, Path], None], BlockState]] = {
 
 
 async def _stored(root: Path) -> PosixTier:
-    t = PosixTier(roots=[root], durable=False)
+    t = PosixTier(roots=[root], durable=False, pack_max_block_bytes=0)  # block files (packs: pack_reads)
     await t.open()
     await t.indexed()
     got = await t.write_many([(_key(i), [memoryview(_payload(i))]) for i in range(COUNT)])

@@ -57,7 +57,7 @@ def _quarantined(root: Path) -> list[str]:
 
 def test_new_blocks_live_two_levels_deep_with_version_3(tmp_path: Path) -> None:
     async def main() -> None:
-        t = PosixTier(roots=[tmp_path])
+        t = PosixTier(roots=[tmp_path], pack_max_block_bytes=0)  # block files, not packs
         await t.open()
         results = await t.write_many([(_key(i), [memoryview(_payload(i))]) for i in range(8)])
         assert all(r.ok for r in results)

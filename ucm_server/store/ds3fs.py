@@ -148,6 +148,7 @@ class DS3FSTier(PosixTier):
             capacity=capacity,
             durable=durable,
             direct_io=False,
+            pack_max_block_bytes=0,  # one file per block: nodes of older releases share the mount
             executor=executor,
             max_block_bytes=max_block_bytes,
             profile=Profile(
