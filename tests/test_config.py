@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ucm_protocol.errors import ConfigError
-from ucm_server.config import load_config, parse_size
+from ucm_protocol.settings import parse_size
+from ucm_server.config import load_config
 
 
 def test_priority_env_over_yaml_over_defaults(tmp_path: Path) -> None:

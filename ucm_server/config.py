@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
 from ucm_protocol.errors import ConfigError
-from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
-from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_protocol.paths import default_data_dir, default_socket_path
+from ucm_protocol.settings import coerce, read_yaml_mapping
 from ucm_server.store.admission import policy_class
 from ucm_server.store.codec import CODECS
 from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
 from ucm_server.tracing import check_settings as check_tracing
 
-__all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
+__all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "read_env", "read_yaml"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.

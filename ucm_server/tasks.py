@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ucm_protocol.errors import NotFound, PermissionDenied
+from ucm_protocol.states import BlockState
 from ucm_server import tracing
-from ucm_server.store.base import OK, BlockResult, BlockState
+from ucm_server.store.base import OK, BlockResult
 from ucm_server.store.io_classes import ClassedSlots, class_of_task, io_class
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fake_cuda import FakeCuda
 
 from ucm_client import BlockIO, BlockState, Segment, UcmClient, key_digest, namespace_id
-from ucm_client.gpu import CudaIpcExport
+from ucm_client.cuda_ipc import CudaIpcExport
 from ucm_server.config import ServerConfig
 from ucm_server.server import Daemon
 

@@ -16,7 +16,8 @@ import xxhash
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store import format as block_format
-from ucm_server.store.base import BlockResult, IoVec, Tier, copy_iov
+from ucm_server.store.base import BlockResult, Tier
+from ucm_server.store.copying import IoVec, copy_iov
 from ucm_server.store.posix import PosixTier, files
 from ucm_server.testing.tier_suite import TierSuite
 

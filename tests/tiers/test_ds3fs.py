@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.format import HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, TMP_MARK

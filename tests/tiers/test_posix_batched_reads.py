@@ -18,7 +18,7 @@ from support.blocks import NS
 
 from ucm_client import key_digest
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState
+from ucm_protocol.states import BlockState
 from ucm_server.store.format import encode_header, payload_checksum
 from ucm_server.store.posix import PosixTier, files
 

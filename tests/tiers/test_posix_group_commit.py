@@ -21,9 +21,9 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError
-from ucm_server.keys import Namespace
+from ucm_protocol.keys import Namespace
+from ucm_protocol.states import BlockState as TierState
 from ucm_server.store import posix
-from ucm_server.store.base import BlockState as TierState
 from ucm_server.store.posix import TMP_MARK, PosixTier, group_commit
 from ucm_server.testing.daemon import DaemonProcess
 from ucm_server.testing.tier_suite import key, payload

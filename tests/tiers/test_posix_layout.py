@@ -14,8 +14,8 @@ from support.blocks import NS
 
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
+from ucm_protocol.states import BlockState
 from ucm_server.store import format as block_format
-from ucm_server.store.base import BlockState
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     FLAT_LAYOUT_VERSION,

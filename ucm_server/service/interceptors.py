@@ -3,7 +3,7 @@
 Every UCM handler is wrapped so that, in the handler's own task,
 :meth:`ucm_server.authz.Authorizer.admit` decides whether the call may run and as whom (the one spot
 every RPC goes through), and the resulting grant is put in context variables the engine reads.
-Servicers raise :mod:`ucm_server.api.errors` exceptions; each becomes ``context.abort(code,
+Servicers raise :mod:`ucm_protocol.errors` exceptions; each becomes ``context.abort(code,
 message)``. Anything else is a bug: it is logged with its traceback and answered ``INTERNAL`` with a
 short message, and the daemon keeps serving.
 """

@@ -35,19 +35,10 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.states import BlockState
 from ucm_server.store.admitting import cache_only
-from ucm_server.store.base import (
-    MISSING,
-    OK,
-    BlockInfo,
-    BlockResult,
-    BlockState,
-    EvictionRules,
-    IoVec,
-    Tier,
-    failed,
-    iov_len,
-)
+from ucm_server.store.base import MISSING, OK, BlockInfo, BlockResult, EvictionRules, Tier, failed
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
 from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs

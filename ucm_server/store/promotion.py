@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import MISSING, OK, BlockResult, IoVec, Tier, failed
+from ucm_server.store.base import MISSING, OK, BlockResult, Tier, failed
+from ucm_server.store.copying import IoVec
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Reservation
