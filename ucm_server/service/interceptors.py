@@ -46,7 +46,7 @@ def detail(message: str) -> str:
     return printable(message, MAX_DETAIL_CHARS, backslashes=False)
 
 
-def is_local(context: aio.ServicerContext) -> bool:
+def came_over_unix_socket(context: aio.ServicerContext) -> bool:
     """The peer came in over the Unix socket (whose 0600 mode is its access control), not TCP."""
     return str(context.peer() or "").startswith("unix:")
 
@@ -73,7 +73,9 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
         def admit(context: aio.ServicerContext) -> None:
             """Authorize the call; the grant is visible to this task only."""
-            enter(authz.admit(full_method, context.invocation_metadata(), local=is_local(context)))
+            enter(
+                authz.admit(full_method, context.invocation_metadata(), local=came_over_unix_socket(context))
+            )
 
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):
