@@ -14,9 +14,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient, namespace_id
@@ -25,27 +25,6 @@ from ucm_server.testing.daemon import DaemonProcess
 REPO = Path(__file__).resolve().parents[1]
 OTHER_NS = namespace_id(model="pytest-admin-other", dtype="uint8")
 BLOCK = 4096
-
-
-def admin(
-    target: DaemonProcess | Path | str, *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m ucm_client.admin --socket ... ARGS`` with no UCM_* variables leaking in."""
-    sock = target.socket if isinstance(target, DaemonProcess) else target
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ucm_client.admin", "--socket", str(sock), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        input=stdin if stdin is not None else "",
-        timeout=60,
-    )
-
-
-def json_of(proc: subprocess.CompletedProcess[str]) -> Any:
-    return json.loads(proc.stdout)
 
 
 def key_text(namespace: bytes, digest: bytes) -> str:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in, dump_random
 from support.tokens import tokens_file
-from test_admin import admin, json_of
 
 from ucm_client import BlockIO, SharedBuffer, UcmClient
 from ucm_client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted

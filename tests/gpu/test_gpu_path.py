@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import FakeCuda
+from support.fake_cuda import FakeCuda
 
 from ucm_client import key_digest, namespace_id
 from ucm_protocol.errors import FailedPrecondition, InvalidArgument

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import FakeCuda
 from support.blocks import NS
-from test_gpu_grpc import InProcessDaemon, export
+from support.fake_cuda import FakeCuda
+from support.gpu_daemon import InProcessDaemon, export
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient
 from ucm_client.layerwise import LayerwiseLoad

@@ -32,9 +32,9 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from hardening_helpers import content
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support.hardening import content
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.handover import hand_over

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hardening_helpers import FAULT_TIER, admin_evict_all, admin_stats, content, tier_env, tier_named
+from support.hardening import FAULT_TIER, admin_evict_all, admin_stats, content, tier_env, tier_named
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_protocol.errors import ConfigError

@@ -22,15 +22,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hardening_helpers import (
+from support.hardening import (
     SLOW_TIER,
     admin_evict_all,
     admin_stats,
     content,
-    eventually,
     tier_env,
     tier_named,
 )
+from support.polling import eventually
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
