@@ -1,4 +1,4 @@
-"""The store at scale (issue #13): restart and index figures beside plain-process baselines.
+"""The store at scale: restart and index figures beside plain-process baselines.
 
 ``python -m benchmarks.scale_bench`` (also in ``make bench``) prints a markdown table and writes
 ``benchmarks/results/scale.md``. Each row comes from one measurement function in
@@ -415,7 +415,7 @@ MEASUREMENTS: list[Measurement] = [
     index_memory_rows,
     snapshot_rows,
 ]
-"""One function per group of rows; add one to add rows (issue #13 helpers extend this list)."""
+"""One function per group of rows; add one to add rows."""
 
 
 def table(rows: list[Row]) -> str:

@@ -1,4 +1,4 @@
-"""Small objects at file-system speed (issue #13, item 2): Posix-tier dumps and loads of many small
+"""Small objects at file-system speed: Posix-tier dumps and loads of many small
 blocks as ratios of a plain process doing the same file work, measured side by side in one run.
 
 For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:

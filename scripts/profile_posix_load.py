@@ -1,4 +1,4 @@
-"""Where a Posix-tier Load of many small blocks spends its time, layer by layer (issue #13, item 2).
+"""Where a Posix-tier Load of many small blocks spends its time, layer by layer.
 
 Measures, for one block size, the per-block cost of the same Load at four depths, all in one run on
 the files one daemon wrote (page cache warm):

@@ -328,10 +328,10 @@ def admin_with_config(
 def test_config_option_resolves_the_socket_as_the_daemon_does(
     seeded: tuple[DaemonProcess, list[str], list[str]], tmp_path: Path
 ) -> None:
-    """`ucm-admin --config FILE` talks to the socket FILE names (flat or seed form), with UCM_SOCKET
-    beating the file exactly as in ucm-server; a missing file or one that is not YAML is a usage error (2)
-    naming it; --config and --socket together are refused. Only the socket is read (the client loads no
-    daemon code): another key's mistake is the daemon's to report at start, not the probe's."""
+    """`ucm-admin --config FILE` talks to the socket FILE names (flat or ``ucm_connectors`` form), with
+    UCM_SOCKET beating the file exactly as in ucm-server; a missing file or one that is not YAML is a usage
+    error (2) naming it; --config and --socket together are refused. Only the socket is read (the client loads
+    no daemon code): another key's mistake is the daemon's to report at start, not the probe's."""
     d, _, _ = seeded
     good, elsewhere, broken = tmp_path / "good.yaml", tmp_path / "elsewhere.yaml", tmp_path / "broken.yaml"
     good.write_text(f"socket: {d.socket}\ncache_capacity: 1GiB\n")

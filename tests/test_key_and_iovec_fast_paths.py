@@ -4,7 +4,7 @@
 skip their generic walk for one-segment blocks, ``single_segment_iovecs`` checks a one-region,
 one-segment-per-block batch as array operations, ``vector_io`` moves a whole iovec in one call
 without per-segment Python, and a pack finds many members' offsets through one position map
-(issue #13 items 2 and 4: per-block Python on the critical path). Each is compared with the plain
+(per-block Python on the critical path). Each is compared with the plain
 construction, on inputs that take the fast path and on those that do not.
 """
 

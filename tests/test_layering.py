@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Loops still present on purpose, each with the package of issue #12 that removes it. A listed loop
+# Loops still present on purpose, each with the change that removes it. A listed loop
 # that is no longer found fails the test too, so whoever breaks a loop deletes its line here.
 KNOWN: set[frozenset[str]] = {}
 

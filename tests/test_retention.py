@@ -1,4 +1,4 @@
-"""Issue #18, section 1: pin, TTL and priority, enforced in every tier, against real daemons.
+"""Pin, TTL and priority, enforced in every tier, against real daemons.
 
 Each rule is checked with a negative control beside it: the pinned blocks survive pressure that
 evicts their unpinned neighbours of the same dump; an expired block leaves the Cache, the Posix

@@ -1,4 +1,4 @@
-"""Issue #12: every tier is built one way, from plain values, and the tier list exists once.
+"""Every tier is built one way, from plain values, and the tier list exists once.
 
 ``Tier.from_settings(name, settings, context)`` builds every tier (the registry calls it for each
 ``store_pipeline`` entry, Cache and Posix included); the daemon-wide values a tier needs travel in a
@@ -97,7 +97,8 @@ def test_daemon_config_reaches_cache_and_posix_as_settings(tmp_path: Path) -> No
 
 
 def test_tier_settings_for_cache_and_posix_are_still_ignored(tmp_path: Path) -> None:
-    """As before #12: a ``tier_settings`` entry for Cache or Posix is accepted and has no effect."""
+    """As before tiers were built from settings: a ``tier_settings`` entry for Cache or Posix is
+    accepted and has no effect."""
     cfg = ServerConfig(data_dir=tmp_path, tier_settings={"Posix": {"roots": "/elsewhere"}}).validate()
     assert cfg.tier_settings_for("Posix")["roots"] == (tmp_path / "blocks",)
 

@@ -5,7 +5,7 @@ and docs/configuration.md are generated from. Unknown keys and bad values stop
 start-up with a :class:`ConfigError` that names the key and where it came from; nothing is silently
 ignored.
 
-YAML may use the flat form (``store_pipeline: "Cache|Posix"``) or the seed ``001`` form
+YAML may use the flat form (``store_pipeline: "Cache|Posix"``) or the ``ucm_connectors`` form
 (``ucm_connectors: [{ucm_connector_name: ..., ucm_connector_config: {...}}]``), whose first connector
 config is read.
 """
@@ -752,7 +752,7 @@ def _from_mapping(values: Mapping[str, object], source: str) -> dict[str, Any]:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     doc = read_yaml_mapping(path, "config file")
-    if "ucm_connectors" in doc:  # seed 001 format: take the first connector's config
+    if "ucm_connectors" in doc:  # the ucm_connectors form: take the first connector's config
         connectors = doc["ucm_connectors"]
         if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):
             raise ConfigError(f"config file {path}: ucm_connectors must be a non-empty list of mappings")

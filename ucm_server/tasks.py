@@ -1,4 +1,4 @@
-"""Asynchronous tasks (seed 001's task model): submit returns an id at once, results are data.
+"""Asynchronous tasks: submit returns an id at once, results are data.
 
 A task is a batch of blocks to load, dump or prefetch. It runs on the event loop, handing copies and
 disk work to the tiers' executors a chunk at a time. ``wait`` may be called any number of times and

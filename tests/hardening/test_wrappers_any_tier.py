@@ -1,4 +1,4 @@
-"""Issue #12: the fault and latency wrappers wrap any tier, not only Posix.
+"""The fault and latency wrappers wrap any tier, not only Posix.
 
 ``inner`` (a ``store_pipeline`` tier name) and ``inner_settings`` choose the wrapped tier; without
 them the wrapped tier is a Posix tier from ``root``/``durable``/``capacity`` as before. A wrapper has

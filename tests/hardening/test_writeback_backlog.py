@@ -1,4 +1,4 @@
-"""Issue #13, item 3: write-back is a bounded queue with backpressure and admission, visible in stats.
+"""Write-back is a bounded queue with backpressure and admission, visible in stats.
 
 A real daemon whose lower tier is slow (``LatencyInjectingTier``: a real Posix tier, each block write
 delayed) and whose Cache is small is flooded with dumps far faster than the disk can take them. Before

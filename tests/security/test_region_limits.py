@@ -1,4 +1,4 @@
-"""Issue #11, section 9 (regions): one session cannot exhaust the daemon by registering memory.
+"""Regions: one session cannot exhaust the daemon by registering memory.
 
 Against a real ``ucm-server``: one session registers the same small buffer 2,000 times. Before the
 fix each registration kept a file descriptor open in the daemon and, at about 1,000, every client

@@ -1,5 +1,5 @@
 """The conformance suite's back-door read catches symmetric bugs that reading back through the tier
-cannot (issue #12: "the tier conformance suite gains a back-door read of what a tier stored").
+cannot (the tier conformance suite's back-door read of what a tier stored).
 
 Each test double below is a real Posix tier with one deliberate bug that its own read path undoes; the
 suite's ordinary tests pass on it, and ``test_stored_bytes_are_the_payload`` fails, naming the bug. A

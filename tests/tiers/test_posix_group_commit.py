@@ -1,4 +1,4 @@
-"""Posix batches of small blocks (issue #13, item 2): written and read in groups, committed as a group.
+"""Posix batches of small blocks: written and read in groups, committed as a group.
 
 A durable batch is written to temporary files, made durable with one ``syncfs`` per root, renamed,
 and synced once more before any block is acknowledged: the number of syncs is bounded per batch

@@ -1,7 +1,7 @@
 """The Posix tier's two-level layout (format version 3) and the files older releases left one level
 deeper (versions 1 and 2): old files keep loading, a file is trusted only at the path its version
 names, deletes remove both copies, and a release that knows only versions 1-2 skips the new files
-instead of quarantining them (issue #13, item 2)."""
+instead of quarantining them."""
 
 from __future__ import annotations
 
