@@ -21,7 +21,7 @@ from ucm_client.sparse.errors import SparseConfigError
 from ucm_client.sparse.esa import EsaSpec
 from ucm_client.vllm import config as connector
 from ucm_protocol.errors import ConfigError
-from ucm_server.config import load_config
+from ucm_server.config_sources import load_config
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.s3 import S3Tier
 from ucm_server.testing.faults import FaultInjectingTier, LatencyInjectingTier

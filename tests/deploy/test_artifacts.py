@@ -34,7 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.vllm import config as connector_config
-from ucm_server.config import ServerConfig, load_config, read_env
+from ucm_server.config import ServerConfig
+from ucm_server.config_sources import load_config, read_env
 from ucm_server.server import Daemon
 from ucm_server.testing.daemon import DaemonProcess
 

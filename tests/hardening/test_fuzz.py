@@ -42,7 +42,8 @@ from ucm_client.trust import trusted_uids
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_server.config import FIELDS, load_config
+from ucm_server.config_sources import load_config
+from ucm_server.server_settings import FIELDS
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(test="hardening-fuzz")

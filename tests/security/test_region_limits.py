@@ -83,7 +83,7 @@ def test_region_bytes_limit(tmp_path: Path) -> None:
 
 def test_limits_are_settings(tmp_path: Path) -> None:
     """The limits are daemon settings like any other: flags, YAML keys, UCM_* variables."""
-    from ucm_server.config import load_config
+    from ucm_server.config_sources import load_config
 
     config, _ = load_config(environ={"UCM_MAX_SESSION_REGIONS": "7", "UCM_MAX_SESSION_REGION_BYTES": "2GiB"})
     assert (config.max_session_regions, config.max_session_region_bytes) == (7, 2 << 30)
