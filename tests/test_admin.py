@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.admin_cli import admin, json_of
+from support.admin_cli import admin, json_of, run_admin
 from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient, namespace_id
@@ -314,15 +314,7 @@ def test_doctor_reports_missing_daemon_and_sparse_patches(tmp_path: Path) -> Non
 def admin_with_config(
     config: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ucm_client.admin", "--config", str(config), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**clean, **(env or {})},
-        timeout=60,
-    )
+    return run_admin("--config", str(config), *args, env=env)
 
 
 def test_config_option_resolves_the_socket_as_the_daemon_does(

@@ -12,21 +12,28 @@ from typing import Any
 from ucm_server.testing.daemon import DaemonProcess
 
 
+def run_admin(
+    *args: str, env: dict[str, str] | None = None, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m ucm_client.admin ARGS`` with no UCM_* variables leaking in but those of ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "ucm_client.admin", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
+        input=stdin,
+        timeout=60,
+    )
+
+
 def admin(
     target: DaemonProcess | Path | str, *args: str, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m ucm_client.admin --socket ... ARGS`` with no UCM_* variables leaking in."""
     sock = target.socket if isinstance(target, DaemonProcess) else target
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ucm_client.admin", "--socket", str(sock), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        input=stdin if stdin is not None else "",
-        timeout=60,
-    )
+    return run_admin("--socket", str(sock), *args, stdin=stdin if stdin is not None else "")
 
 
 def json_of(proc: subprocess.CompletedProcess[str]) -> Any:
