@@ -3,7 +3,7 @@
 Measured (defaults: 256 blocks of 1 MiB, 7 repeats, medians):
 - memcpy of the same bytes between two warm buffers (numpy ``copyto``): the physical baseline;
 - Dump and Load through the daemon, Cache tier <-> the client's registered shared memory, one task of
-  all blocks, from the Dump/Load call until Wait returns: ratio to memcpy (target >= 0.9, issue #13);
+  all blocks, from the Dump/Load call until Wait returns: ratio to memcpy (target >= 0.9);
   also how much of that time the daemon's task itself took (its ``elapsed_s``: the chunks' copies and
   bookkeeping) and the rest (the request's way in, its checks, the result's way back);
 - Lookup of 2,048 keys, p50, as a ratio of a bare gRPC round trip (the health ``Check``) on the same

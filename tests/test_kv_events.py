@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import zmq
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in
 from support.kv_events import NodeSubscriber, listed, node, poll_until, record_removals, settle, vllm_hash
 from support.posix_files import find_block, flip_payload_byte, remove_block
-from test_admin import admin, json_of
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch, external_hashes

@@ -1,4 +1,4 @@
-"""Issue #18, section 1: pin, TTL and priority, enforced in every tier, against real daemons.
+"""Pin, TTL and priority, enforced in every tier, against real daemons.
 
 Each rule is checked with a negative control beside it: the pinned blocks survive pressure that
 evicts their unpinned neighbours of the same dump; an expired block leaves the Cache, the Posix
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in, dump_random
 from support.posix_files import stored_blocks
 from support.tokens import tokens_file
-from test_admin import admin, json_of
 
 from ucm_client import BlockIO, SharedBuffer, UcmClient
 from ucm_client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted

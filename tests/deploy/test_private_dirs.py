@@ -1,4 +1,4 @@
-"""Issue #16, item 7 (the data-dir part): every directory the daemon creates for its data, parents
+"""Every directory the daemon creates for its data, parents
 included, is owner-only (0700), whatever the umask lets through.
 
 A real daemon is started on a data directory whose parents do not exist yet, under the permissive

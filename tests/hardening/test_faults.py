@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hardening_helpers import (
+from support.hardening import (
     FAULT_TIER,
     SLOW_TIER,
     admin_evict_all,
     admin_stats,
     content,
-    eventually,
     tier_env,
     tier_named,
 )
+from support.polling import eventually
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import UcmError

@@ -1,4 +1,4 @@
-"""Issue #18, section 3: blocks encrypted at rest per tenant, against real daemons.
+"""Blocks encrypted at rest per tenant, against real daemons.
 
 Two tenants with their own key files, ``encrypt_tiers: Posix``: a tenant's block round-trips through
 the disk (Cache evicted) while its file holds no byte of the plaintext; the default tenant's block

@@ -1,4 +1,4 @@
-"""Issue #11, section 8: files on disk are data, not instructions.
+"""Files on disk are data, not instructions.
 
 Whoever can write under the data directory plants things there, and a real ``ucm-server`` must
 treat them as data: a FIFO where a block file should be is skipped (start-up does not hang, stats

@@ -1,4 +1,4 @@
-"""Issue #11, section 2: bytes that passed through client memory are never trusted afterwards.
+"""Bytes that passed through client memory are never trusted afterwards.
 
 Before the fix the daemon read a lower-tier block into the client's destination, checked its checksum
 there and promoted it into the Cache from there. A client loading two blocks into the same bytes, or

@@ -8,7 +8,8 @@ from pathlib import Path
 from support.posix_files import stored_blocks
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.format import FORMAT_VERSION, HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, PosixTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload

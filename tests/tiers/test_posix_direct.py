@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ucm_server.store.base import BlockState
+from ucm_protocol.states import BlockState
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     FORMAT_VERSION,

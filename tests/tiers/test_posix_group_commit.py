@@ -1,4 +1,4 @@
-"""Posix batches of small blocks (issue #13, item 2): written and read in groups, committed as a group.
+"""Posix batches of small blocks: written and read in groups, committed as a group.
 
 A durable batch is written to temporary files, made durable with one ``syncfs`` per root, renamed,
 and synced once more before any block is acknowledged: the number of syncs is bounded per batch
@@ -21,9 +21,9 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError
-from ucm_server.keys import Namespace
+from ucm_protocol.keys import Namespace
+from ucm_protocol.states import BlockState as TierState
 from ucm_server.store import posix
-from ucm_server.store.base import BlockState as TierState
 from ucm_server.store.posix import TMP_MARK, PosixTier, group_commit
 from ucm_server.testing.daemon import DaemonProcess
 from ucm_server.testing.tier_suite import key, payload

@@ -1,4 +1,4 @@
-"""Pack files in the Posix tier (issue #13, item 2; :mod:`ucm_server.store.posix.packs`).
+"""Pack files in the Posix tier (:mod:`ucm_server.store.posix.packs`).
 
 With ``posix_pack_max_block_bytes`` set, the small blocks of a dump batch share one ``.pack`` file.
 Against a real Posix-only daemon: byte-exact round trips of packed blocks of several sizes beside

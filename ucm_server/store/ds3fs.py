@@ -49,14 +49,12 @@ from ucm_server.store.base import (
     OK,
     BlockInfo,
     BlockResult,
-    IoVec,
     TierContext,
     bounded_gather,
-    copy_iov,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import IoVec, copy_iov, iov_len
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
-from ucm_server.store.base import IoVec
+from ucm_server.store.copying import IoVec
 
 MAGIC = b"UCMB"
 ALIGNED_VERSION = 2
