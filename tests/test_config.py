@@ -103,6 +103,7 @@ def test_print_config_shows_effective_values(tmp_path: Path) -> None:
     assert f"cache_capacity: {3 << 30}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_second_daemon_on_same_socket_is_refused(tmp_path: Path) -> None:
     from ucm_server.testing.daemon import DaemonProcess
 
@@ -136,6 +137,7 @@ def test_socket_is_owner_only(tmp_path: Path) -> None:
         assert d.socket.parent.stat().st_mode & 0o777 == 0o700  # the daemon made its directory private
 
 
+@pytest.mark.slow
 def test_two_daemons_cannot_share_a_data_dir(tmp_path: Path) -> None:
     from ucm_server.testing.daemon import DaemonProcess
 

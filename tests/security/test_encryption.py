@@ -230,6 +230,7 @@ def test_a_bad_key_file_stops_start_up_naming_the_file(tmp_path: Path, case: str
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_turning_encryption_off_over_sealed_blocks_is_refused(
     tmp_path: Path, keys: tuple[Path, Path]
 ) -> None:

@@ -37,6 +37,7 @@ def _dump(c: UcmClient, region: int, name: str) -> int:
     return c.dump(NS, [BlockIO(key_digest("limits", name), (Segment(region, 0, SIZE),))])
 
 
+@pytest.mark.slow
 def test_a_session_past_its_task_limit_is_refused_and_others_are_not(tmp_path: Path) -> None:
     with _slow_daemon(tmp_path) as d, UcmClient(d.target) as greedy, UcmClient(d.target) as other:
         with SharedBuffer(SIZE) as gbuf, SharedBuffer(SIZE) as obuf:

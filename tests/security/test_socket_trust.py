@@ -111,6 +111,7 @@ def _stale_socket(path: Path) -> None:
     s.close()  # the file stays, nobody listens: what a crash leaves
 
 
+@pytest.mark.slow
 def test_stale_sockets_are_cleared_and_a_missing_directory_is_made_private(tmp_path: Path) -> None:
     sock_dir = _private_dir(tmp_path / "run")
     _stale_socket(sock_dir / "ucm.sock")

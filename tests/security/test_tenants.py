@@ -128,6 +128,7 @@ def test_put_blocks_counts_against_the_quota(tenants: DaemonProcess) -> None:
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_lookups_of_new_namespaces_never_write_the_ledger(tenants: DaemonProcess) -> None:
     ledger = tenants.data_dir / "tenants.json"
     with _client(tenants, ALICE) as alice:
@@ -146,6 +147,7 @@ def test_lookups_of_new_namespaces_never_write_the_ledger(tenants: DaemonProcess
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_quota_accounting_survives_a_restart_and_a_torn_ledger_append(tmp_path: Path) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml", quota="1MiB")
     d = DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(tokens)])
@@ -167,6 +169,7 @@ def test_quota_accounting_survives_a_restart_and_a_torn_ledger_append(tmp_path: 
     assert ledger.read_bytes().endswith(b"\n") and b"00ff" not in ledger.read_bytes()  # compacted
 
 
+@pytest.mark.slow
 def test_a_ledger_in_the_0_1_format_is_read(tmp_path: Path) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml", quota="1MiB")
     d = DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(tokens)])

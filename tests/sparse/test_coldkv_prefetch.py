@@ -100,6 +100,7 @@ def test_blocks_the_previous_layer_chose_come_from_the_prefetch(worker_pair: Cal
     assert worker.stats["prefetched_pages"] == 3 + 3  # guesses for layers 1 and 2; none after the last
 
 
+@pytest.mark.slow
 def test_without_prefetch_every_page_is_loaded_on_the_layers_path(worker_pair: Callable[..., Pair]) -> None:
     worker, original = worker_pair(prefetch=False)
     selections = [[1, 4, 7], [1, 4, 8], [2, 5, 9]]
