@@ -87,6 +87,7 @@ def test_health_serving(seeded: tuple[DaemonProcess, list[str], list[str]]) -> N
     assert unknown.returncode == 1 and "no health status" in unknown.stderr
 
 
+@pytest.mark.slow
 def test_stats_human_and_json(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     human = admin(d, "stats")
@@ -152,6 +153,7 @@ def test_verify_clean(seeded: tuple[DaemonProcess, list[str], list[str]]) -> Non
     assert json_of(proc) == {"checked": 8, "total": 8, "corrupt": 0, "corrupt_blocks": []}
 
 
+@pytest.mark.slow
 def test_watch_stops_after_count(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     proc = admin(d, "--json", "watch", "--count", "2", "--interval", "0.1")

@@ -180,6 +180,7 @@ def test_blocks_load_whether_written_with_the_codec_or_without(tmp_path: Path) -
             _load(d, encoded)
 
 
+@pytest.mark.slow
 def test_bad_codec_settings_stop_start_up_naming_the_setting(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
     base = DaemonProcess(tmp_path / "ucm").command()

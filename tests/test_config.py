@@ -163,6 +163,7 @@ def test_two_daemons_cannot_share_a_data_dir(tmp_path: Path) -> None:
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
     import socket
 
@@ -192,6 +193,7 @@ def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
     assert not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.slow
 def test_every_help_page_renders() -> None:
     """``ucm-server --help`` lists every setting (argparse formats help text with ``%``: a setting
     whose help says "6.25%" once crashed it), and every ``ucm-admin`` command's ``--help`` renders."""

@@ -179,6 +179,7 @@ def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
     assert key_digest("x")  # the helper module is the one the daemon's keys come from
 
 
+@pytest.mark.slow
 def test_quota_eviction_is_published(tmp_path: Path) -> None:
     """A tenant over its 1 MiB quota loses its oldest blocks; the stream says so, in every medium."""
     from support.tokens import tokens_file

@@ -593,6 +593,7 @@ def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str]
     assert played == expected
 
 
+@pytest.mark.slow
 def test_the_table_was_played_whole(outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     cells = sum(1 for row in TABLE.values() for r in row.values() for o in r if o is not None)
     assert len(outcomes) == cells > 300

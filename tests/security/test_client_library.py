@@ -238,6 +238,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_several_clients_in_one_process_exit_without_tracebacks(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:

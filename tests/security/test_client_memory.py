@@ -201,6 +201,7 @@ ACTIONS = ["truncate", "punch", "close", "recreate"]
 
 @pytest.mark.parametrize("action", ACTIONS)
 @pytest.mark.parametrize("state", ["registered", "mid-dump", "mid-load"])
+@pytest.mark.slow
 def test_client_memory_attacked_in_every_state(slow: DaemonProcess, state: str, action: str) -> None:
     tag = f"{state}-{action}"
     with UcmClient(slow.target, client_name=tag) as c:

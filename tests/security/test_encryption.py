@@ -158,6 +158,7 @@ def test_an_envelope_moved_under_another_block_is_never_served(
 
 
 @pytest.mark.parametrize("restart_with", ["another key", "no key"])
+@pytest.mark.slow
 def test_a_wrong_or_missing_key_makes_blocks_missing_not_garbage(
     tmp_path: Path, keys: tuple[Path, Path], restart_with: str
 ) -> None:

@@ -62,6 +62,7 @@ def _attach_line(d: DaemonProcess, lines: list[str]) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_client_name_cannot_forge_a_log_line(daemon_fmt: DaemonProcess) -> None:
     d = daemon_fmt
     _attach(d, HOSTILE)

@@ -408,6 +408,7 @@ _STDLIB_HANDOVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fd_socket_checks_the_peer_uid(tmp_path: Path) -> None:
     """Were the socket's permissions loosened by mistake, another uid is still refused (SO_PEERCRED)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="ucm-peer-", dir="/tmp"))  # parents another uid can traverse
@@ -521,6 +522,7 @@ def _punch(fd: int, size: int) -> None:
 
 
 @pytest.mark.parametrize("when", ["before the load", "between two loads"])
+@pytest.mark.slow
 def test_memory_with_holes_is_refused_for_loads_and_dropped(tmp_path: Path, when: str) -> None:
     """Holes punched into registered memory (which the daemon's copy would allocate on its own
     account): the next Load is FAILED_PRECONDITION naming the region, the region is gone, other

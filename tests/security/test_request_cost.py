@@ -66,6 +66,7 @@ def _round_trip(c: UcmClient, src: SharedBuffer, dst: SharedBuffer, blocks: list
         assert _gather(dst, b) == _gather(src, a)
 
 
+@pytest.mark.slow
 def test_block_segments_just_under_and_over_the_cap(daemon: DaemonProcess) -> None:
     with UcmClient(daemon.target) as c, SharedBuffer(1 << 20) as src, SharedBuffer(1 << 20) as dst:
         _fill(src, 1 << 20)

@@ -75,6 +75,7 @@ def _alive(d: DaemonProcess) -> None:
         assert bob.get_blocks(NS, [key_digest("alive", 0)]) == [data]
 
 
+@pytest.mark.slow
 def test_tenants_sharing_a_64_byte_prefix_cannot_see_or_delete_each_others_blocks(
     tenants: DaemonProcess,
 ) -> None:
@@ -100,6 +101,7 @@ def test_tenants_sharing_a_64_byte_prefix_cannot_see_or_delete_each_others_block
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_put_blocks_counts_against_the_quota(tenants: DaemonProcess) -> None:
     keys = [key_digest("put-quota", i) for i in range(80)]  # 5 MiB against a 1 MiB quota
     with _client(tenants, ALICE) as alice, _client(tenants, BOB) as bob:
@@ -207,6 +209,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.slow
 def test_a_damaged_ledger_stops_start_up_with_a_clear_error(tmp_path: Path, damage: str) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml")
     data_dir = tmp_path / "data"

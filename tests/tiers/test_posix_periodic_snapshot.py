@@ -308,6 +308,7 @@ def test_a_damaged_periodic_snapshot_is_never_trusted(
         d.stop()
 
 
+@pytest.mark.slow
 def test_an_interrupted_write_leaves_the_previous_generation(tmp_path: Path) -> None:
     """A crash mid-write leaves a temporary file and the marker still naming the previous
     generation: that one is loaded, the temporary file is removed, never read."""
