@@ -56,7 +56,8 @@ test: install-test install-sglang services
 	$(BIN)/python scripts/run_suite.py $(PYTEST_ARGS)
 
 # The inner loop: what starts no vLLM engine, no SGLang, no storage server (Mooncake, Redis, Ceph), no
-# podman, and is not marked slow; a few minutes on a 2-core machine. `make test` still runs all of it.
+# podman, and is not marked slow; meant to stay under 3 minutes on a 2-core machine (mark what takes
+# seconds @pytest.mark.slow). `make test` still runs all of it. PYTEST_ARGS pass on.
 FAST_MARKERS := not (vllm or sglang or services or deploy or slow)
 
 test-fast: install-test
