@@ -580,6 +580,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
 
 
 @pytest.mark.parametrize("rpc_name", list(TABLE))
+@pytest.mark.slow
 def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     """Each RPC's row, as played against the daemons: every principal, every target."""
     expected = {
@@ -592,6 +593,7 @@ def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str]
     assert played == expected
 
 
+@pytest.mark.slow
 def test_the_table_was_played_whole(outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     cells = sum(1 for row in TABLE.values() for r in row.values() for o in r if o is not None)
     assert len(outcomes) == cells > 300
@@ -677,6 +679,7 @@ def _attack(w: World, c: Caller, ns: bytes, digest: bytes) -> None:
             assert PLAIN[:32] not in reply.SerializeToString()
 
 
+@pytest.mark.slow
 def test_a_namespace_the_ledger_gives_another_tenant_is_refused(tmp_path: Path) -> None:
     """The second line: should a caller's namespace ever resolve to one the tenant ledger records as
     another tenant's (here the ledger is made to say so, as a collision of the keyed mapping would),
