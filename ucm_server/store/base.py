@@ -30,11 +30,7 @@ from ucm_protocol.keys import NAMESPACE_BYTES as _NS
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState
-
-# The Posix package still imports these two from here; once it imports them from
-# ucm_server.store.copying, these re-exports go.
-from ucm_server.store.copying import IoVec as IoVec  # noqa: PLC0414
-from ucm_server.store.copying import iov_len as iov_len  # noqa: PLC0414
+from ucm_server.store.copying import IoVec
 from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")

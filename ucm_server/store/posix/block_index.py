@@ -1,7 +1,7 @@
 """The in-memory index of a file tier: what is stored, its size, when, and in which LRU order.
 
 Built to stay small at millions of blocks (at most 256 B per block). One
-``OrderedDict`` maps each 48-byte key (:class:`~ucm_server.keys.BlockKey`, a ``bytes``) to a
+``OrderedDict`` maps each 48-byte key (:class:`~ucm_protocol.keys.BlockKey`, a ``bytes``) to a
 :class:`Stamp`: an ``int`` (the block's size) that also carries when the block was stored. Stamps
 are shared: every block of one size stored within one second points at the same object, so a
 block costs its key, one dict slot and one ordered-dict link (about 190 B, measured by

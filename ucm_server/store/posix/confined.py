@@ -30,7 +30,7 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ucm_server.api.paths import make_private_dirs
+from ucm_server.directories import make_private_dirs
 
 __all__ = [
     "DirCache",

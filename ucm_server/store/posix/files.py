@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import IoVec, TierStats, iov_len
+from ucm_server.store.base import TierStats
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     FLAT_LAYOUT_VERSION,

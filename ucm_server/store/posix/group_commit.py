@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import IoVec
+from ucm_server.store.copying import IoVec
 from ucm_server.store.posix.confined import DirCache
 from ucm_server.store.posix.files import Disk, create_tmp, unlink_at, write_tmp
 from ucm_server.store.posix.packs import Pack, new_pack_id, pack_parts

@@ -62,7 +62,7 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
-from ucm_server.api.paths import fsync_dir
+from ucm_server.directories import fsync_dir
 from ucm_server.store.format import HEADER_SIZE
 from ucm_server.store.posix.confined import open_regular
 from ucm_server.store.posix.packs import MAX_MEMBERS

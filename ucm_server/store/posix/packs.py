@@ -50,7 +50,7 @@ from typing import cast
 import xxhash
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import IoVec, iov_len
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,

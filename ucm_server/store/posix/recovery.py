@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.api.paths import make_private_dirs
+from ucm_server.directories import make_private_dirs
 from ucm_server.store.format import ALIGNED_HEADER_SIZE, CorruptBlock, UnsupportedFormat, decode_header
 from ucm_server.store.posix import index_snapshot, snapshot_columns
 from ucm_server.store.posix.block_index import BlockIndex, Stamp

@@ -40,15 +40,14 @@ from ucm_server.store.base import (
     OK,
     BlockInfo,
     BlockResult,
-    IoVec,
     Tier,
     TierContext,
     TierStats,
     bounded_gather,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.format import CorruptBlock, UnsupportedFormat
 from ucm_server.store.posix import files, group_commit
 from ucm_server.store.posix.block_index import BlockIndex, Stamp
