@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +21,8 @@ import grpc
 from ucm_client import arguments as args
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
+from ucm_client.dataplane.plane import ClientDataPlane, refusal_needs_grpc
+from ucm_client.dataplane.ring import Submitted
 from ucm_client.types import (
     BlockIO,
     LookupResult,
@@ -27,9 +31,11 @@ from ucm_client.types import (
     TaskResult,
     lookup_result,
 )
+from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_protocol.wire import WAIT_CAP_S
 
 T = TypeVar("T")
 
@@ -47,8 +53,13 @@ class UcmClient:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         daemon_uid: int | None = None,
+        dataplane: bool = True,
     ) -> None:
-        """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts)."""
+        """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts).
+
+        ``dataplane``: on a Unix socket, look up from the daemon's shared table and send Load/Dump
+        through a shared ring, without a gRPC call (:mod:`ucm_client.dataplane`; also off with
+        ``UCM_DATAPLANE=off``). Where the data plane cannot serve a call, gRPC does."""
         timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
         args.client_options(target, client_name, token, daemon_uid, timeouts)
         self._loop = asyncio.new_event_loop()
@@ -74,6 +85,7 @@ class UcmClient:
             raise
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
+        self._plane = ClientDataPlane(self._async, enabled=dataplane)
 
     def _make_async(self, target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
         return self._on_loop(_make(target, **kwargs))  # built on the loop it will run on
@@ -114,6 +126,7 @@ class UcmClient:
         if self._closed:
             return
         self._closed = True
+        self._plane.close()
         if self._channel is not None:
             self._channel.close()
         try:
@@ -147,6 +160,9 @@ class UcmClient:
         scheduler's hot path (one call per request), where a thread hop would cost as much as the call."""
         if self._closed:  # before a channel is opened: a closed client never opens a new one
             raise FailedPrecondition("this UcmClient is closed; open a new one")
+        local = self._plane.lookup(namespace, keys)  # from the daemon's shared table, when it can tell
+        if local is not None:
+            return local
         if self._stub is None:
             self._async.verify_daemon()  # who serves the socket, before the token goes out
             creds = self._async.channel_credentials()
@@ -170,7 +186,7 @@ class UcmClient:
         return lookup_result(resp)
 
     def load(self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None) -> int:
-        return self._run(self._async.load(namespace, blocks, progress=progress))
+        return self.load_nowait(namespace, blocks, progress=progress).result()
 
     def load_nowait(
         self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None
@@ -182,10 +198,15 @@ class UcmClient:
         round trip overlaps the forward instead of preceding it (one per layer with ``use_layerwise``:
         about eight milliseconds on a small CPU, issue #13 item 6). ``progress``: see
         :meth:`AsyncUcmClient.load`."""
-        return self._submit(self._async.load(namespace, blocks, progress=progress))
+        if self._closed:
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+        sent = self._plane.submit(dp.OP_LOAD, namespace, blocks, progress=progress)
+        if sent is None:
+            return self._submit(self._async.load(namespace, blocks, progress=progress))
+        return self._answer(sent, lambda: self._async.load(namespace, blocks, progress=progress), progress)
 
     def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+        return self.dump_nowait(namespace, blocks, wait_durable=wait_durable).result()
 
     def dump_nowait(
         self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False
@@ -193,7 +214,42 @@ class UcmClient:
         """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
         refused it, lands in the future), in order with this client's other calls. The vLLM
         connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
-        return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+        if self._closed:
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+        sent = self._plane.submit(dp.OP_DUMP, namespace, blocks, durable=bool(wait_durable))
+        if sent is None:
+            return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+        again = lambda: self._async.dump(namespace, blocks, wait_durable=wait_durable)  # noqa: E731
+        return self._answer(sent, again, None)
+
+    def _answer(
+        self,
+        sent: concurrent.futures.Future[Submitted],
+        by_grpc: Callable[[], Coroutine[Any, Any, int]],
+        progress: Segment | None,
+    ) -> concurrent.futures.Future[int]:
+        """The task id of a request sent through the ring. A refusal is the daemon's, as the RPC's would
+        be, except a lost session or a channel that ended: the request then goes by gRPC (which
+        reconnects; nothing was submitted). A progress word the daemon did not take reads DONE."""
+        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def settle(f: concurrent.futures.Future[Submitted]) -> None:
+            exc = f.exception()
+            if exc is not None and refusal_needs_grpc(exc) and not self._closed:
+                again = self._submit(by_grpc())
+                again.add_done_callback(lambda g: _copy_outcome(g, out))
+                return
+            if exc is None and (progress is None or f.result().progress):
+                out.set_result(f.result().task_id)
+                return
+            self._async._progress_done(progress)
+            if exc is None:
+                out.set_result(f.result().task_id)
+            else:
+                out.set_exception(exc)
+
+        sent.add_done_callback(settle)
+        return out
 
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))
@@ -205,9 +261,21 @@ class UcmClient:
         return self._submit(self._async.prefetch(namespace, keys))
 
     def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
+        """A task sent through the ring that ended all OK is answered here; anything else asks the
+        daemon (with the time left), as before."""
+        if self._plane.owns(task_id) and type(timeout_s) in (int, float) and not math.isnan(timeout_s):
+            seconds = min(max(float(timeout_s), 0.0), WAIT_CAP_S)
+            start = time.monotonic()
+            local = self._plane.wait(task_id, seconds)
+            if local is not None:
+                return local
+            timeout_s = max(seconds - (time.monotonic() - start), 0.0)
         return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
 
     def check(self, task_id: int) -> TaskResult:
+        local = self._plane.check(task_id) if self._plane.owns(task_id) else None
+        if local is not None:
+            return local
         return self._run(self._async.check(task_id))
 
     def cancel(self, task_id: int) -> TaskResult:
@@ -241,6 +309,14 @@ class UcmClient:
 
     def stats(self) -> pb.StatsResponse:
         return self._run(self._async.stats())
+
+
+def _copy_outcome(source: concurrent.futures.Future[int], target: concurrent.futures.Future[int]) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 async def _make(target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:

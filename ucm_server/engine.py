@@ -132,6 +132,8 @@ class Engine:
         self._region_tasks: dict[Region | GpuRegion, dict[int, Task]] = {}
         """The unfinished tasks copying to or from each region (see :meth:`release_region`)."""
         self.metrics = Metrics()
+        self.snapshot_hooks: list[Callable[[EngineSnapshot], EngineSnapshot]] = []
+        """Each may add figures gathered elsewhere (the data plane: lookups clients answered)."""
         self.metrics.attach(self.snapshot)
         self.tasks.on_finish.append(self._observe)
         self.task_events = TaskEvents()
@@ -755,7 +757,7 @@ class Engine:
         """Every figure ``Admin.Stats`` and the metrics report, read at once (no await, no lock: the
         Prometheus scrape thread calls this too)."""
         tasks = self.tasks
-        return EngineSnapshot(
+        snap = EngineSnapshot(
             version=self.version,
             uptime_s=self.uptime_s,
             tiers=tuple(TierFigures(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers),
@@ -776,6 +778,9 @@ class Engine:
             reply_bytes_held=self.reply_budget.held,
             reply_waits=self.reply_budget.waits,
         )
+        for hook in self.snapshot_hooks:
+            snap = hook(snap)
+        return snap
 
     def tier_stats(self) -> list[tuple[TierStats, bool, bool]]:
         return [(f.stats, f.persistent, f.shared) for f in self.snapshot().tiers]

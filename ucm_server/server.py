@@ -34,6 +34,7 @@ from ucm_protocol.wire import (
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
+from ucm_server.dataplane import make_dataplane
 from ucm_server.engine import Engine
 from ucm_server.handover import HandoverListener
 from ucm_server.kv_events.publisher import kv_event_publisher
@@ -162,6 +163,7 @@ class Daemon:
         self._locks: list[int] = []
         self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
         self.kv_events = kv_event_publisher(config, self.engine.pipeline)
+        self.dataplane = make_dataplane(config, self.engine, self.authenticator)
 
     async def start(self) -> None:
         cfg = self.config
@@ -208,9 +210,13 @@ class Daemon:
             host = cfg.listen.rpartition(":")[0]
             log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
         self.fds.bind()  # before gRPC serves, so a client that sees the socket finds the fd socket too
+        if self.dataplane is not None:
+            self.dataplane.bind()
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
         await self.fds.start()
+        if self.dataplane is not None:
+            await self.dataplane.start()
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -239,6 +245,8 @@ class Daemon:
         await self.engine.tasks.shutdown(grace_s)
         await self.server.stop(1.0)
         await self.fds.close()
+        if self.dataplane is not None:
+            await self.dataplane.close()
         await self.engine.close(grace_s)
         if self.kv_events is not None:
             await self.kv_events.close()

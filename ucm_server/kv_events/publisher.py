@@ -33,7 +33,7 @@ from ucm_protocol.errors import ConfigError
 from ucm_server.kv_events.ledger import Ledger
 from ucm_server.kv_events.wire import END_SEQ, Cleared, Event, HashFormat, encode_batch, seq_bytes
 from ucm_server.store.base import Tier
-from ucm_server.store.watch import Watchable
+from ucm_server.store.watch import Watchable, add_watch
 
 if TYPE_CHECKING:
     from ucm_server.config import ServerConfig
@@ -78,7 +78,7 @@ class KvEventPublisher:
         for tier in tiers:
             if not isinstance(tier, Watchable):
                 raise TypeError(f"tier {tier.name!r}: no watchable index (Pipeline.make_watchable wraps it)")
-            tier.watch_index(self.ledger.watch(tier))
+            add_watch(tier, self.ledger.watch(tier))  # beside the data plane's watch
 
     @property
     def seq(self) -> int:
