@@ -33,13 +33,15 @@
 #define T_LIVE 72
 #define T_USED 80
 #define T_DIR_AT 88
-#define HEADER_MIN 96
+#define T_MAX_KEYS 96
+#define HEADER_MIN 104
 #define SLOT_BYTES 48
 #define DIR_ENTRY_BYTES 32
 #define TAG_DELETED 0xFFFFFFFFu
 #define MAX_PROBE 64
 #define SEQ_RETRIES 4096
 #define TABLE_LIVE 0
+#define NS_NONE 0xFFFFFFFEu /* table_lookup: a namespace with nothing stored (every key absent) */
 #define FLAG_COMPLETE 1u
 #define DIR_TRACKED 2u
 #define DIR_POPULATING 1u
@@ -130,43 +132,72 @@ static inline slot_t *slot_at(const table_t *t, uint64_t i) {
 
 /* ---- readers (any process, any thread) --------------------------------------------------------- */
 
-/* 1 present, 0 absent, -1 cannot tell (probe bound reached, or a slot kept changing). */
-static int probe_read(const table_t *t, uint32_t tag, const uint64_t d[4]) {
-    uint64_t h = slot_hash(t->seed, tag, d);
-    for (uint64_t i = 0; i < MAX_PROBE && i < t->nslots; i++) {
-        slot_t *s = slot_at(t, h + i);
-        int tries = 0;
-        for (;;) {
-            uint32_t s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
-            if (s1 & 1u) {
-                if (++tries > SEQ_RETRIES) return -1;
-                cpu_relax();
-                continue;
-            }
-            uint32_t got = __atomic_load_n(&s->tag, __ATOMIC_RELAXED);
-            uint32_t tiers = __atomic_load_n(&s->tiers, __ATOMIC_RELAXED);
-            uint64_t e0 = __atomic_load_n(&s->d[0], __ATOMIC_RELAXED);
-            uint64_t e1 = __atomic_load_n(&s->d[1], __ATOMIC_RELAXED);
-            uint64_t e2 = __atomic_load_n(&s->d[2], __ATOMIC_RELAXED);
-            uint64_t e3 = __atomic_load_n(&s->d[3], __ATOMIC_RELAXED);
-            __atomic_thread_fence(__ATOMIC_ACQUIRE);
-            uint32_t s2 = __atomic_load_n(&s->seq, __ATOMIC_RELAXED);
-            if (s1 != s2) {
-                if (++tries > SEQ_RETRIES) return -1;
-                continue;
-            }
-            if (got == 0) return 0;
-            if (got == tag && e0 == d[0] && e1 == d[1] && e2 == d[2] && e3 == d[3]) return tiers != 0;
-            break;
+/* A consistent copy of one slot (the sequence lock's read side); -1 if it kept changing. */
+static int slot_read(slot_t *s, slot_t *copy) {
+    for (int tries = 0; tries <= SEQ_RETRIES; tries++) {
+        uint32_t s1 = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
+        if (s1 & 1u) {
+            cpu_relax();
+            continue;
+        }
+        copy->tag = __atomic_load_n(&s->tag, __ATOMIC_RELAXED);
+        copy->tiers = __atomic_load_n(&s->tiers, __ATOMIC_RELAXED);
+        for (int i = 0; i < 4; i++) copy->d[i] = __atomic_load_n(&s->d[i], __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&s->seq, __ATOMIC_RELAXED) == s1) {
+            copy->seq = s1;
+            return 0;
         }
     }
     return -1;
 }
 
+/* 1 present, 0 absent, -1 cannot tell (probe bound reached, or a slot kept changing). */
+static int probe_read(const table_t *t, uint32_t tag, const uint64_t d[4]) {
+    uint64_t h = slot_hash(t->seed, tag, d);
+    for (uint64_t i = 0; i < MAX_PROBE && i < t->nslots; i++) {
+        slot_t c;
+        if (slot_read(slot_at(t, h + i), &c) < 0) return -1;
+        if (c.tag == 0) return 0;
+        if (c.tag == tag && c.d[0] == d[0] && c.d[1] == d[1] && c.d[2] == d[2] && c.d[3] == d[3]) return c.tiers != 0;
+    }
+    return -1;
+}
+
+PyDoc_STRVAR(table_read_slot_doc,
+"table_read_slot(table, index) -> (tag, tiers, digest) | None\n\n"
+"What a reader sees in slot ``index``: one consistent copy, or None if it kept changing.");
+
+static PyObject *table_read_slot(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    unsigned long long index;
+    if (!PyArg_ParseTuple(args, "y*K", &view, &index)) return NULL;
+    PyObject *result = NULL;
+    table_t t;
+    if (table_open(&view, &t) == 0) {
+        if (index >= t.nslots) {
+            PyErr_SetString(PyExc_IndexError, "slot index out of range");
+        } else {
+            slot_t c;
+            int r;
+            Py_BEGIN_ALLOW_THREADS
+            r = slot_read(slot_at(&t, index), &c);
+            Py_END_ALLOW_THREADS
+            if (r < 0)
+                result = Py_NewRef(Py_None);
+            else
+                result = Py_BuildValue("(kky#)", (unsigned long)c.tag, (unsigned long)c.tiers, (const char *)c.d, (Py_ssize_t)32);
+        }
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 PyDoc_STRVAR(table_lookup_doc,
 "table_lookup(table, ns_id, keys, out) -> int\n\n"
 "Presence of each 32-byte key of namespace ``ns_id``, one byte (0/1) per key into ``out``. Returns\n"
-"the number of leading keys present, or: -1 the table cannot answer (a key whose probe ran out, or\n"
+"the number of leading keys present (``ns_id`` NS_NONE: a namespace the directory of a table of every\n"
+"namespace does not list: nothing of it is stored), or: -1 the table cannot answer (a key whose probe ran out, or\n"
 "an incomplete table missing a key: ask the daemon), -2 a key is not 32 bytes of ``bytes`` (the\n"
 "daemon names it), -3 the table is stale (superseded, closed, or its validity has passed).");
 
@@ -188,7 +219,7 @@ static PyObject *table_lookup(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "out is shorter than keys");
         goto done;
     }
-    if (ns_id >= 0xFFFFFFFEu) {
+    if (ns_id > NS_NONE) {
         PyErr_SetString(PyExc_ValueError, "ns_id out of range");
         goto done;
     }
@@ -208,6 +239,10 @@ static PyObject *table_lookup(PyObject *self, PyObject *args) {
     }
     long code;
     uint32_t tag = ns_id + 1;
+    if ((uint64_t)n > rd64(t.base + T_MAX_KEYS)) {
+        result = PyLong_FromLong(-1); /* past the daemon's limit: gRPC says so */
+        goto done;
+    }
     char *o = (char *)out.buf;
     Py_BEGIN_ALLOW_THREADS /* the keys were copied above: nothing below touches a Python object */
     {
@@ -221,7 +256,7 @@ static PyObject *table_lookup(PyObject *self, PyObject *args) {
             Py_ssize_t prefix = -1;
             int unknown = 0, missing = 0;
             for (Py_ssize_t i = 0; i < n; i++) {
-                int r = probe_read(&t, tag, digests + 4 * i);
+                int r = ns_id == NS_NONE ? 0 : probe_read(&t, tag, digests + 4 * i);
                 if (r < 0) {
                     unknown = 1;
                     break;
@@ -739,13 +774,30 @@ none:
 }
 
 static PyObject *layout(PyObject *self, PyObject *unused) {
-    return Py_BuildValue(
-        "{sisisisisisisisisisisisisisisisisisi}", "T_VERSION", T_VERSION, "T_SEED", T_SEED, "T_NSLOTS",
-        T_NSLOTS, "T_SLOTS_AT", T_SLOTS_AT, "T_NS_CAPACITY", T_NS_CAPACITY, "T_NS_COUNT", T_NS_COUNT,
-        "T_STATE", T_STATE, "T_FLAGS", T_FLAGS, "T_VALID_UNTIL", T_VALID_UNTIL, "T_LIVE", T_LIVE, "T_USED",
-        T_USED, "T_DIR_AT", T_DIR_AT, "SLOT_BYTES", SLOT_BYTES, "DIR_ENTRY_BYTES", DIR_ENTRY_BYTES,
-        "MAX_PROBE", MAX_PROBE, "TAG_DELETED", (int)-1, "FLAG_COMPLETE", (int)FLAG_COMPLETE, "DIR_TRACKED",
-        (int)DIR_TRACKED);
+    static const struct {
+        const char *name;
+        long value;
+    } constants[] = {
+        {"T_VERSION", T_VERSION}, {"T_SEED", T_SEED}, {"T_NSLOTS", T_NSLOTS}, {"T_SLOTS_AT", T_SLOTS_AT},
+        {"T_NS_CAPACITY", T_NS_CAPACITY}, {"T_NS_COUNT", T_NS_COUNT}, {"T_STATE", T_STATE},
+        {"T_FLAGS", T_FLAGS}, {"T_VALID_UNTIL", T_VALID_UNTIL}, {"T_LIVE", T_LIVE}, {"T_USED", T_USED},
+        {"T_DIR_AT", T_DIR_AT}, {"T_MAX_KEYS", T_MAX_KEYS}, {"SLOT_BYTES", SLOT_BYTES},
+        {"DIR_ENTRY_BYTES", DIR_ENTRY_BYTES}, {"MAX_PROBE", MAX_PROBE}, {"TAG_DELETED", (long)TAG_DELETED},
+        {"FLAG_COMPLETE", FLAG_COMPLETE}, {"DIR_TRACKED", DIR_TRACKED}, {"DIR_POPULATING", DIR_POPULATING},
+        {"TABLE_LIVE", TABLE_LIVE}, {"NS_NONE", (long)NS_NONE},
+    };
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++) {
+        PyObject *v = PyLong_FromLong(constants[i].value);
+        if (v == NULL || PyDict_SetItemString(d, constants[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
 }
 
 static PyObject *monotonic(PyObject *self, PyObject *unused) {
@@ -755,6 +807,7 @@ static PyObject *monotonic(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"table_lookup", table_lookup, METH_VARARGS, table_lookup_doc},
     {"table_find_ns", table_find_ns, METH_VARARGS, table_find_ns_doc},
+    {"table_read_slot", table_read_slot, METH_VARARGS, table_read_slot_doc},
     {"table_apply", table_apply, METH_VARARGS, table_apply_doc},
     {"table_set", table_set, METH_VARARGS, table_set_doc},
     {"table_clear_bit", table_clear_bit, METH_VARARGS, table_clear_bit_doc},

@@ -71,7 +71,8 @@ T_VALID_UNTIL = 64  # u64: CLOCK_MONOTONIC nanoseconds; past it, a reader asks t
 T_LIVE = 72  # u64: entries held (a figure)
 T_USED = 80  # u64: entries held + deleted slots (what decides a rebuild)
 T_DIR_AT = 88  # u64
-TABLE_HEADER = struct.Struct("<8sIIQQQQIIIIQQQQ")  # the fields above, in order
+T_MAX_KEYS = 96  # u64: the daemon's max_batch_blocks (a longer lookup goes to gRPC, which refuses it)
+TABLE_HEADER = struct.Struct("<8sIIQQQQIIIIQQQQQ")  # the fields above, in order
 
 TABLE_LIVE, TABLE_SUPERSEDED, TABLE_CLOSED = 0, 1, 2
 FLAG_COMPLETE = 1
@@ -85,6 +86,8 @@ be tracked (:data:`OP_TRACK`) and uses gRPC until it is."""
 DIR_ENTRY = struct.Struct("<16sI12x")  # namespace as the client names it, state
 DIR_ENTRY_BYTES = DIR_ENTRY.size  # 32
 DIR_FREE, DIR_POPULATING, DIR_TRACKED = 0, 1, 2
+NS_NONE = 0xFFFFFFFE
+"""The namespace id a reader probes with for a namespace a table of every namespace does not list."""
 
 SLOT = struct.Struct("<IIII32s")  # sequence, tag (0 empty, TAG_DELETED, else ns_id + 1), tiers, pad, digest
 SLOT_BYTES = SLOT.size  # 48

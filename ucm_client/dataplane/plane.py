@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import select
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 """How long a client that could not open a channel uses gRPC before it tries again."""
-_DEAD = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class _Channel:
@@ -45,15 +44,22 @@ class _Channel:
         self.session_id = session_id
         self.ring = ring
         self.table = table
-        self.poller = select.poll()
-        self.poller.register(ring.conn.fileno(), _DEAD)
         self.tracked: set[bytes] = set()
         self.tasks: dict[int, int] = {}
         """Tasks submitted through the ring -> their block count (for an all-OK result)."""
 
     def alive(self) -> bool:
-        """The daemon is still at the other end (one poll: a daemon that died or restarted hangs it up)."""
-        return not self.ring.dead and not self.poller.poll(0)
+        """The daemon is still at the other end: one peek at the connection, which a daemon that died
+        or stopped has closed (a pending doorbell byte is no answer either way: the ring's thread
+        reads those at once, and sees the end)."""
+        if self.ring.dead:
+            return False
+        try:
+            return self.ring.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.ring.close()
@@ -84,15 +90,15 @@ class ClientDataPlane:
         ch = self._channel
         if ch is not None and ch.session_id == session_id and ch.alive():
             return ch
-        if session_id is None:
-            return None  # not connected: the gRPC path connects, the next call opens a channel
         with self._lock:
             ch = self._channel
             if ch is not None and ch.session_id == session_id and ch.alive():
                 return ch
-            if ch is not None:
+            if ch is not None:  # the daemon went away, or this is another session: never read it again
                 self._channel = None
                 ch.close()
+            if session_id is None:
+                return None  # not connected: the gRPC path connects, the next call opens a channel
             if time.monotonic() < self._retry_at:
                 return None
             try:
@@ -213,15 +219,18 @@ class ClientDataPlane:
 
     # -- results ------------------------------------------------------------------------------------------
     def owns(self, task_id: object) -> bool:
-        """Whether ``task_id`` was submitted through the current channel's ring."""
+        """Whether ``task_id`` was submitted through the ring of the current session's channel (task
+        ids start again with a restarted daemon: an old channel's are never answered from)."""
         ch = self._channel
-        return ch is not None and type(task_id) is int and task_id in ch.tasks
+        return (
+            ch is not None
+            and type(task_id) is int
+            and task_id in ch.tasks
+            and ch.session_id == self._client._session_id
+        )
 
     def _owner(self, task_id: int) -> _Channel | None:
-        ch = self._channel
-        if ch is None or task_id not in ch.tasks:
-            return None
-        return ch
+        return self._channel if self.owns(task_id) else None
 
     def wait(self, task_id: int, timeout_s: float) -> TaskResult | None:
         """The task's result if it ended all OK within ``timeout_s``; None: ask gRPC (it ended

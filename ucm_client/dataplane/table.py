@@ -14,7 +14,7 @@ import mmap
 from collections.abc import Sequence
 
 from ucm_protocol import dataplane as dp
-from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES
+from ucm_protocol.keys import NAMESPACE_BYTES
 from ucm_protocol.native import native
 
 
@@ -44,23 +44,20 @@ class TableView:
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> tuple[int, bytearray] | Miss:
         """(hit prefix, one byte per key: 1 present, 0 absent), or why not."""
         assert native is not None
-        if not isinstance(keys, (list, tuple)):
-            return Miss.UNKNOWN
+        if not isinstance(keys, (list, tuple)) or type(namespace) is not bytes:
+            return Miss.UNKNOWN  # the checked path takes it from here
         ns_id = self._ns.get(namespace)
         if ns_id is None:
-            if type(namespace) is not bytes or len(namespace) != NAMESPACE_BYTES:
+            if len(namespace) != NAMESPACE_BYTES:
                 return Miss.UNKNOWN  # the daemon names what is wrong with it
             found = native.table_find_ns(self.map, namespace)
-            if found == -1 and self.flags & dp.FLAG_ALL_NAMESPACES and self.flags & dp.FLAG_COMPLETE:
-                # Nothing of this namespace is stored (yet): absent, if the table is live.
-                if native.table_lookup(self.map, 0, [], bytearray()) == -3:
-                    return Miss.STALE
-                if any(type(k) is not bytes or len(k) != KEY_BYTES for k in keys):
-                    return Miss.UNKNOWN
-                return 0, bytearray(len(keys))
-            if found < 0:
+            if found == -1 and self.flags & dp.FLAG_ALL_NAMESPACES:
+                found = dp.NS_NONE  # nothing of it is stored (yet): every key absent, if the table is live
+            elif found < 0:
                 return Miss.UNTRACKED
-            ns_id = self._ns[namespace] = found
+            else:
+                self._ns[namespace] = found
+            ns_id = found
         out = bytearray(len(keys))
         code = native.table_lookup(self.map, ns_id, keys, out)
         if code >= 0:

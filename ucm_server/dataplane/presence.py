@@ -100,10 +100,13 @@ class _TierWatch:
 class Presence:
     """Every tenant's table, the tier watches that feed them, and their lease."""
 
-    def __init__(self, pipeline: Pipeline, retention: RetentionTable, *, tenants: bool) -> None:
+    def __init__(
+        self, pipeline: Pipeline, retention: RetentionTable, *, tenants: bool, max_keys: int
+    ) -> None:
         self.pipeline = pipeline
         self.retention = retention
         self.tenants = tenants
+        self.max_keys = max_keys
         """Tables per tenant, namespaces tracked on request; else one table of every namespace."""
         self.tables: dict[str, PresenceTable] = {}
         self._watches: list[tuple[Tier, _TierWatch]] = []
@@ -121,7 +124,7 @@ class Presence:
         """The tenant's table, made (and filled from the tiers) the first time it is asked for."""
         table = self.tables.get(tenant)
         if table is None:
-            table = PresenceTable(slots_for(0), flags=self.flags, tenant=tenant)
+            table = PresenceTable(slots_for(0), flags=self.flags, max_keys=self.max_keys, tenant=tenant)
             self.tables[tenant] = table
             self._refresh(table)
             if not self._watches:

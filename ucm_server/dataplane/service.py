@@ -56,7 +56,9 @@ class DataPlane:
         self.authenticator = authenticator
         self.arena_bytes = arena_bytes
         tenants = authenticator is not None and any(authenticator.tenants)
-        self.presence = Presence(engine.pipeline, engine.retention, tenants=tenants)
+        self.presence = Presence(
+            engine.pipeline, engine.retention, tenants=tenants, max_keys=engine.config.max_batch_blocks
+        )
         self.rings: dict[str, SessionRing] = {}
         self._ring_tasks: dict[int, SessionRing] = {}
         self.listener = DataPlaneListener(socket_path, self)

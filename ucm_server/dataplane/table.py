@@ -50,7 +50,9 @@ def slots_for(entries: int) -> int:
 class PresenceTable:
     """A table's memory and directory; :meth:`apply` and friends change its slots."""
 
-    def __init__(self, nslots: int, *, flags: int, tenant: str = "", ns_capacity: int = NS_CAPACITY) -> None:
+    def __init__(
+        self, nslots: int, *, flags: int, max_keys: int, tenant: str = "", ns_capacity: int = NS_CAPACITY
+    ) -> None:
         assert native is not None, "the presence table needs the compiled helper"
         if nslots <= 0 or nslots & (nslots - 1):
             raise ValueError(f"nslots must be a power of two, got {nslots}")
@@ -68,7 +70,7 @@ class PresenceTable:
             self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             dp.TABLE_HEADER.pack_into(
                 self.map, 0, dp.TABLE_MAGIC, 1, dp.TABLE_HEADER_BYTES, self.generation, secrets.randbits(64),
-                nslots, slots_at, ns_capacity, 0, dp.TABLE_LIVE, flags, 0, 0, 0, dir_at,
+                nslots, slots_at, ns_capacity, 0, dp.TABLE_LIVE, flags, 0, 0, 0, dir_at, max_keys,
             )  # fmt: skip
             fcntl.fcntl(
                 fd,
@@ -79,6 +81,7 @@ class PresenceTable:
             os.close(fd)
             raise
         self.fd = fd
+        self.max_keys = max_keys
         self.ns_ids: dict[bytes, int] = {}
         """Stored namespace (as the tiers index it) -> directory id: what :meth:`apply` routes by."""
         self.names: list[tuple[bytes, bytes, int]] = []
@@ -156,7 +159,13 @@ class PresenceTable:
         this one superseded. Grows the new one until every entry fits."""
         assert native is not None
         while True:
-            new = PresenceTable(nslots, flags=self.flags, tenant=self.tenant, ns_capacity=self.ns_capacity)
+            new = PresenceTable(
+                nslots,
+                flags=self.flags,
+                max_keys=self.max_keys,
+                tenant=self.tenant,
+                ns_capacity=self.ns_capacity,
+            )
             for stored, named, state in self.names:
                 new.add_namespace(stored, named, state)
             if native.table_copy(self.map, new.map) >= 0:
