@@ -6,7 +6,18 @@ Debian/Ubuntu: ``apt-get install gcc python3-dev`` gives it. ``make run`` and th
 build it; ``python -c "import ucm_protocol._native"`` tells whether it is there.
 """
 
+import sysconfig
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+
+def _xxhash_header() -> list[tuple[str, str | None]]:
+    """XXH3 without the GIL where the xxHash header is there (Debian: libxxhash-dev; header-only use,
+    nothing to link and nothing needed at run time); without it the helper has no ``xxh3_64``."""
+    dirs = [sysconfig.get_config_var("INCLUDEDIR") or "/usr/include", "/usr/include", "/usr/local/include"]
+    return [("UCM_HAVE_XXHASH", "1")] if any((Path(d) / "xxhash.h").is_file() for d in dirs) else []
+
 
 setup(
     ext_modules=[
@@ -14,6 +25,7 @@ setup(
             "ucm_protocol._native",
             ["ucm_protocol/_native.c"],
             optional=True,
+            define_macros=_xxhash_header(),
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
     ]

@@ -40,6 +40,7 @@
 #define TAG_DELETED 0xFFFFFFFFu
 #define MAX_PROBE 64
 #define SEQ_RETRIES 4096
+#define PREFETCH_AHEAD 16
 #define TABLE_LIVE 0
 #define NS_NONE 0xFFFFFFFEu /* table_lookup: a namespace with nothing stored (every key absent) */
 #define FLAG_COMPLETE 1u
@@ -152,9 +153,9 @@ static int slot_read(slot_t *s, slot_t *copy) {
     return -1;
 }
 
-/* 1 present, 0 absent, -1 cannot tell (probe bound reached, or a slot kept changing). */
-static int probe_read(const table_t *t, uint32_t tag, const uint64_t d[4]) {
-    uint64_t h = slot_hash(t->seed, tag, d);
+/* 1 present, 0 absent, -1 cannot tell (probe bound reached, or a slot kept changing). ``h``: the
+key's hash (computed ahead, so its first slot could be prefetched). */
+static int probe_read(const table_t *t, uint32_t tag, const uint64_t d[4], uint64_t h) {
     for (uint64_t i = 0; i < MAX_PROBE && i < t->nslots; i++) {
         slot_t c;
         if (slot_read(slot_at(t, h + i), &c) < 0) return -1;
@@ -255,8 +256,20 @@ static PyObject *table_lookup(PyObject *self, PyObject *args) {
         } else {
             Py_ssize_t prefix = -1;
             int unknown = 0, missing = 0;
+            uint64_t ahead[PREFETCH_AHEAD];
+            /* Hash a few keys ahead and prefetch their first slots: their cache misses overlap. */
+            for (Py_ssize_t i = 0; i < n && i < PREFETCH_AHEAD; i++) {
+                ahead[i] = slot_hash(t.seed, tag, digests + 4 * i);
+                __builtin_prefetch(slot_at(&t, ahead[i]), 0, 0);
+            }
             for (Py_ssize_t i = 0; i < n; i++) {
-                int r = ns_id == NS_NONE ? 0 : probe_read(&t, tag, digests + 4 * i);
+                uint64_t h = ahead[i % PREFETCH_AHEAD];
+                Py_ssize_t next = i + PREFETCH_AHEAD;
+                if (next < n) {
+                    ahead[next % PREFETCH_AHEAD] = slot_hash(t.seed, tag, digests + 4 * next);
+                    __builtin_prefetch(slot_at(&t, ahead[next % PREFETCH_AHEAD]), 0, 0);
+                }
+                int r = ns_id == NS_NONE ? 0 : probe_read(&t, tag, digests + 4 * i, h);
                 if (r < 0) {
                     unknown = 1;
                     break;
@@ -773,6 +786,169 @@ none:
     Py_RETURN_NONE;
 }
 
+/* ---- per-block work without the GIL: copies and checksums ------------------------------------- */
+
+#define RELEASE_GIL_BYTES (16 << 10)
+
+/* The buffers of a list/tuple of bytes-like objects (or one object), acquired; count in *n. */
+static Py_buffer *get_buffers(PyObject *obj, int writable, Py_ssize_t *n, Py_ssize_t *total) {
+    PyObject *seq = NULL;
+    PyObject **items = &obj;
+    Py_ssize_t count = 1;
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        seq = obj;
+        count = PySequence_Fast_GET_SIZE(obj);
+        items = PySequence_Fast_ITEMS(obj);
+    }
+    Py_buffer *views = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(items[i], &views[i], (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t j = 0; j < i; j++) PyBuffer_Release(&views[j]);
+            PyMem_Free(views);
+            return NULL;
+        }
+        *total += views[i].len;
+    }
+    (void)seq;
+    *n = count;
+    return views;
+}
+
+static void release_buffers(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+/* Copy src segments into dst segments (equal totals), splitting where they differ. */
+static void copy_segments(Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, Py_ssize_t ns) {
+    Py_ssize_t di = 0, si = 0, doff = 0, soff = 0;
+    while (di < nd && si < ns) {
+        Py_ssize_t n = dst[di].len - doff;
+        if (src[si].len - soff < n) n = src[si].len - soff;
+        if (n > 0) memcpy((char *)dst[di].buf + doff, (char *)src[si].buf + soff, (size_t)n);
+        doff += n;
+        soff += n;
+        if (doff >= dst[di].len) {
+            di++;
+            doff = 0;
+        }
+        if (soff >= src[si].len) {
+            si++;
+            soff = 0;
+        }
+    }
+}
+
+PyDoc_STRVAR(copy_pairs_doc,
+"copy_pairs(pairs) -> int\n\n"
+"Copy each ``(dst, src)`` pair of a batch, each side a list of memoryviews (a block's segments) of\n"
+"equal total length, with the GIL released for the copying: the bytes copied. A pair whose totals\n"
+"differ is refused (ValueError) before anything is copied.");
+
+static PyObject *copy_pairs(PyObject *self, PyObject *args) {
+    PyObject *pairs;
+    if (!PyArg_ParseTuple(args, "O", &pairs)) return NULL;
+    PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence of (dst, src)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer **dsts = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_buffer *));
+    Py_buffer **srcs = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_buffer *));
+    Py_ssize_t *nds = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
+    Py_ssize_t *nss = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (!dsts || !srcs || !nds || !nss) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < np; got++) {
+        PyObject *pair = items[got];
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "pair %zd is not a (dst, src) tuple", got);
+            goto done;
+        }
+        Py_ssize_t dt, st;
+        dsts[got] = get_buffers(PyTuple_GET_ITEM(pair, 0), 1, &nds[got], &dt);
+        if (dsts[got] == NULL) goto done;
+        srcs[got] = get_buffers(PyTuple_GET_ITEM(pair, 1), 0, &nss[got], &st);
+        if (srcs[got] == NULL) {
+            release_buffers(dsts[got], nds[got]);
+            dsts[got] = NULL;
+            goto done;
+        }
+        if (dt != st) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: %zd bytes of destination for %zd of source", got, dt, st);
+            got++;
+            goto done;
+        }
+        total += dt;
+    }
+    if (total >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+    }
+    result = PyLong_FromSsize_t(total);
+done:
+    for (Py_ssize_t i = 0; i < got && dsts && srcs; i++) {
+        if (dsts[i]) release_buffers(dsts[i], nds[i]);
+        if (srcs[i]) release_buffers(srcs[i], nss[i]);
+    }
+    PyMem_Free(dsts);
+    PyMem_Free(srcs);
+    PyMem_Free(nds);
+    PyMem_Free(nss);
+    Py_DECREF(seq);
+    return result;
+}
+
+#ifdef UCM_HAVE_XXHASH
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+PyDoc_STRVAR(xxh3_64_doc,
+"xxh3_64(data) -> int\n\n"
+"XXH3-64 (seed 0) of a bytes-like object, or of the concatenation of a list of them (a block's\n"
+"segments, never copied), as ``xxhash.xxh3_64_intdigest`` gives it, with the GIL released while it\n"
+"hashes (a per-record checksum then runs on one core while another thread reads).");
+
+static PyObject *xxh3_64(PyObject *self, PyObject *args) {
+    PyObject *data;
+    if (!PyArg_ParseTuple(args, "O", &data)) return NULL;
+    Py_ssize_t n, total;
+    Py_buffer *views = get_buffers(data, 0, &n, &total);
+    if (views == NULL) return NULL;
+    XXH64_hash_t h;
+    if (n == 1) {
+        if (total >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            h = XXH3_64bits(views[0].buf, (size_t)views[0].len);
+            Py_END_ALLOW_THREADS
+        } else {
+            h = XXH3_64bits(views[0].buf, (size_t)views[0].len);
+        }
+    } else {
+        XXH3_state_t state;
+        XXH3_INITSTATE(&state);
+        XXH3_64bits_reset(&state);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) XXH3_64bits_update(&state, views[i].buf, (size_t)views[i].len);
+        h = XXH3_64bits_digest(&state);
+        Py_END_ALLOW_THREADS
+    }
+    release_buffers(views, n);
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+#endif
+
 static PyObject *layout(PyObject *self, PyObject *unused) {
     static const struct {
         const char *name;
@@ -818,6 +994,10 @@ static PyMethodDef methods[] = {
     {"store_u64", store_u64, METH_VARARGS, "store_u64(buf, offset, value): a release store of an aligned u64."},
     {"add_u64", add_u64, METH_VARARGS, "add_u64(buf, offset, value): an atomic add to an aligned u64."},
     {"encode_batch", encode_batch, METH_VARARGS, encode_batch_doc},
+    {"copy_pairs", copy_pairs, METH_VARARGS, copy_pairs_doc},
+#ifdef UCM_HAVE_XXHASH
+    {"xxh3_64", xxh3_64, METH_VARARGS, xxh3_64_doc},
+#endif
     {"layout", layout, METH_NOARGS, "The layout constants this module was built with."},
     {"monotonic_ns", monotonic, METH_NOARGS, "CLOCK_MONOTONIC in nanoseconds (what T_VALID_UNTIL counts)."},
     {NULL, NULL, 0, NULL},

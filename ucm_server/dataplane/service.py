@@ -8,6 +8,7 @@ RPC does). gRPC stays the control plane (``Attach``, regions, ``Wait``/``Check``
 Hooks into the rest of the daemon (each one line or so where it lives):
 
 - :meth:`Engine.tasks.on_finish <ucm_server.tasks.TaskManager>`: a ring's task reports its end;
+- ``TaskEvents.skip``: and is not pushed on the session stream as well (its client reads the ring);
 - ``Engine.snapshot_hooks``: the lookups clients answered from a table count in ``Admin.Stats``;
 - ``Metrics.before_collect``: and in ``/metrics``, up to the scrape;
 - :func:`ucm_server.store.watch.add_watch`: the tables hear every tier's index changes beside any
@@ -67,6 +68,7 @@ class DataPlane:
         self._seen: dict[int, tuple[int, int, int]] = {}
         self.local = _Counts()
         engine.tasks.on_finish.append(self._finished)
+        engine.task_events.skip = self._reported_by_ring  # its ring says it ended: no push as well
         engine.snapshot_hooks.append(self._with_local_lookups)
         engine.metrics.before_collect.append(self.fold_lookups)
 
@@ -178,6 +180,9 @@ class DataPlane:
 
     def _submitted(self, ring: SessionRing, task: Task) -> None:
         self._ring_tasks[task.task_id] = ring
+
+    def _reported_by_ring(self, task: Task) -> bool:
+        return task.task_id in self._ring_tasks
 
     def _finished(self, task: Task) -> None:
         ring = self._ring_tasks.pop(task.task_id, None)
