@@ -29,6 +29,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -89,7 +90,7 @@ class BlockHeader:
         return self.header_len + self.payload_len
 
 
-_xxh3 = getattr(native, "xxh3_64", None)
+_xxh3: Callable[[object], int] | None = getattr(native, "xxh3_64", None)
 
 
 def payload_checksum(iov: IoVec) -> int:
