@@ -23,7 +23,8 @@ setup(
     ext_modules=[
         Extension(
             "ucm_protocol._native",
-            ["ucm_protocol/_native.c"],
+            [f"ucm_protocol/csrc/{name}.c" for name in ("module", "table", "ring", "blocks")],
+            depends=["ucm_protocol/csrc/native.h"],
             optional=True,
             define_macros=_xxhash_header(),
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],

@@ -124,9 +124,11 @@ def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str
     return out
 
 
-def _load_rounds(target: str, n: int, size: int, rounds: int, start: Any, results: Any) -> None:
+def _load_rounds(
+    target: str, n: int, size: int, rounds: int, start: Any, results: Any, dataplane: bool = True
+) -> None:
     """One client process: load the ``n`` stored blocks ``rounds`` times once ``start`` opens."""
-    with UcmClient(target) as c, SharedBuffer(n * size) as dst:
+    with UcmClient(target, dataplane=dataplane) as c, SharedBuffer(n * size) as dst:
         blocks = _blocks(c.register(dst), n, size, "b")
         assert c.wait(c.load(NS, blocks), 120).ok  # warm: the client's pages and the daemon's mapping
         start.wait()
@@ -136,7 +138,9 @@ def _load_rounds(target: str, n: int, size: int, rounds: int, start: Any, result
         results.put(time.perf_counter() - t0)
 
 
-def two_clients(workdir: Path, n: int, size: int, rounds: int, repeat: int = 3) -> dict[str, float]:
+def two_clients(
+    workdir: Path, n: int, size: int, rounds: int, repeat: int = 3, dataplane: bool = True
+) -> dict[str, float]:
     """Aggregate Load throughput of two client processes at once, and of one alone (alternating)."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no gRPC state forked
     cache = max(2 * n * size + (64 << 20), 256 << 20)
@@ -149,7 +153,7 @@ def two_clients(workdir: Path, n: int, size: int, rounds: int, repeat: int = 3) 
             clients = 1 + (r + 1) % 2
             start, results = ctx.Barrier(clients + 1), ctx.Queue()
             procs = [
-                ctx.Process(target=_load_rounds, args=(d.target, n, size, rounds, start, results))
+                ctx.Process(target=_load_rounds, args=(d.target, n, size, rounds, start, results, dataplane))
                 for _ in range(clients)
             ]
             for p in procs:

@@ -61,7 +61,7 @@ T_VERSION = 8  # u32
 T_HEADER_BYTES = 12  # u32
 T_GENERATION = 16  # u64: random per table, named in the handshake too
 T_SEED = 24  # u64: the hash's seed
-T_NSLOTS = 32  # u64: a power of two
+T_NSLOTS = 32  # u64: any count (a key's first slot is its hash scaled to it)
 T_SLOTS_AT = 40  # u64
 T_NS_CAPACITY = 48  # u32
 T_NS_COUNT = 52  # u32: directory entries in use (written after the entry itself)
@@ -89,13 +89,14 @@ DIR_FREE, DIR_POPULATING, DIR_TRACKED = 0, 1, 2
 NS_NONE = 0xFFFFFFFE
 """The namespace id a reader probes with for a namespace a table of every namespace does not list."""
 
-SLOT = struct.Struct("<IIII32s")  # sequence, tag (0 empty, TAG_DELETED, else ns_id + 1), tiers, pad, digest
-SLOT_BYTES = SLOT.size  # 48
-TAG_DELETED = 0xFFFFFFFF
+SLOT = struct.Struct("<II32s")  # sequence, tag (low 16 bits: 0 empty, TAG_DELETED, else ns_id + 1) and
+# the tiers holding the key (high 16 bits, one bit per tier), digest
+SLOT_BYTES = SLOT.size  # 40
+TAG_DELETED = 0xFFFF
 MAX_PROBE = 64
 """Slots a probe visits at most, reader and writer alike: an insert that finds no slot this close
 makes the daemon rebuild the table (with a new seed), a reader that gets this far asks gRPC."""
-MAX_TIERS = 32
+MAX_TIERS = 16
 
 # -- the ring ---------------------------------------------------------------------------------------
 RING_MAGIC = b"UCMRING1"
@@ -142,7 +143,7 @@ CQE_BYTES = CQE.size
 CQ_SUBMITTED, CQ_REFUSED, CQ_FINISHED = 1, 2, 3
 MESSAGE_BYTES = 1024
 
-assert SQE_BYTES == 64 and CQE_BYTES == 64 and SLOT_BYTES == 48 and DIR_ENTRY_BYTES == 32
+assert SQE_BYTES == 64 and CQE_BYTES == 64 and SLOT_BYTES == 40 and DIR_ENTRY_BYTES == 32
 
 
 def body_bytes(nblocks: int, nsegments: int, multi: bool) -> int:

@@ -1,6 +1,6 @@
 """The compiled helper, when it was built: ``native`` is the module, or None with ``MISSING`` saying why.
 
-The helper (``ucm_protocol/_native.c``, built by ``setup.py`` at ``pip install``) carries the local
+The helper (``ucm_protocol/csrc/``, built by ``setup.py`` at ``pip install``) carries the local
 data plane's loops. Without it, nothing breaks: clients use gRPC for Lookup, Load and Dump as they
 always could, and the daemon publishes no tables. ``UCM_DATAPLANE=off`` turns the data plane off
 even where the helper is present (both daemon and client read it).

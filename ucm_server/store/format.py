@@ -29,13 +29,11 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
-from ucm_protocol.native import native
 from ucm_server.store.base import IoVec
 
 MAGIC = b"UCMB"
@@ -90,14 +88,8 @@ class BlockHeader:
         return self.header_len + self.payload_len
 
 
-_xxh3: Callable[[object], int] | None = getattr(native, "xxh3_64", None)
-
-
 def payload_checksum(iov: IoVec) -> int:
-    """xxh3-64 over the concatenated segments (no copy: the hasher takes each view); by the compiled
-    helper where it is built, which lets other threads run while it hashes (xxhash holds the GIL)."""
-    if _xxh3 is not None:
-        return _xxh3(iov[0] if len(iov) == 1 else list(iov))
+    """xxh3-64 over the concatenated segments (no copy: the hasher takes each view)."""
     if len(iov) == 1:  # the common case: one call, no hasher object (per block on the data path)
         return xxhash.xxh3_64_intdigest(iov[0])
     h = xxhash.xxh3_64()
