@@ -416,6 +416,13 @@ PyObject *ucm_table_apply(PyObject *self, PyObject *args) {
             Py_DECREF(ns);
         }
         if (last_id < 0) continue;
+        if (i + PREFETCH_AHEAD < n && PyBytes_Check(items[i + PREFETCH_AHEAD]) &&
+            PyBytes_GET_SIZE(items[i + PREFETCH_AHEAD]) == 48) {
+            /* the first slot of a key further on (if it is of this namespace, as keys mostly come) */
+            uint64_t ahead[4];
+            memcpy(ahead, PyBytes_AS_STRING(items[i + PREFETCH_AHEAD]) + 16, 32);
+            __builtin_prefetch(slot_at(&t, first_slot(&t, slot_hash(t.seed, (uint32_t)last_id + 1, ahead))), 1, 0);
+        }
         uint64_t d[4];
         memcpy(d, kb + 16, 32);
         if (key_update(&t, (uint32_t)last_id + 1, d, bit, on) < 0) break;

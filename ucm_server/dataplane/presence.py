@@ -35,7 +35,7 @@ from typing import cast
 from ucm_protocol import dataplane as dp
 from ucm_protocol.keys import NAMESPACE_BYTES, Namespace
 from ucm_protocol.native import native
-from ucm_server.dataplane.table import PresenceTable, slots_for
+from ucm_server.dataplane.table import MAX_LOAD, PresenceTable, slots_for
 from ucm_server.retention import RetentionTable
 from ucm_server.store.base import Tier
 from ucm_server.store.observed import ObservedTier
@@ -48,6 +48,8 @@ LEASE_S = 0.1
 """How long a table is trusted past its last refresh."""
 REFRESH_S = 0.03
 """How often the daemon pushes the lease on (well inside it)."""
+GROWTH = 1.4
+"""A table that fills with entries is rebuilt for this many times them (about twice its slots)."""
 
 
 def exact_tiers(pipeline: Pipeline) -> tuple[list[Tier], bool]:
@@ -159,6 +161,8 @@ class Presence:
             self.apply_to(table, keys, bit, on)
 
     def apply_to(self, table: PresenceTable, keys: list[bytes], bit: int, on: bool) -> None:
+        if on and len(keys) > 1 and table.used + len(keys) > MAX_LOAD * table.nslots:
+            table = self.rebuild(table, table.live + len(keys))  # a whole index at once: one rebuild
         start = 0
         while start < len(keys):
             part = keys if start == 0 else keys[start:]
@@ -176,9 +180,13 @@ class Presence:
             if start < len(keys) or crowded:
                 table = self.rebuild(table)
 
-    def rebuild(self, table: PresenceTable) -> PresenceTable:
-        """A larger (or just fresh) table in place of ``table``, which is marked superseded."""
-        new = table.rebuilt(slots_for(table.live + 1))
+    def rebuild(self, table: PresenceTable, entries: int = 0) -> PresenceTable:
+        """A larger (or just fresh) table in place of ``table``, which is marked superseded: room for
+        ``entries``, or for what it holds with room to grow (a table crowded by deleted slots rather
+        than by entries comes back its size)."""
+        live = table.live
+        grow = GROWTH if live > table.nslots // 2 else 1.0
+        new = table.rebuilt(slots_for(max(entries, int(live * grow) + 1)))
         self.tables[table.tenant] = new
         self._refresh(new)
         table.close()
