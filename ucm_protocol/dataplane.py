@@ -131,6 +131,8 @@ SQE_BYTES = SQE.size
 # opcode, flags, pad, nblocks, user_data, body_offset, body_bytes, nsegments, pad,
 # progress region, progress offset, progress length
 OP_LOAD, OP_DUMP, OP_TRACK = 1, 2, 3
+"""OP_TRACK: list a namespace in this tenant's table; its 16 bytes in the progress region and offset
+fields (little-endian), no body and no answer."""
 SQF_DURABLE = 1
 SQF_PROGRESS = 2
 SQF_MULTI = 4

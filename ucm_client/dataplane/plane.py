@@ -13,6 +13,7 @@ refused a channel (an older one, say) is not asked again for :data:`RETRY_S`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import socket
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 """How long a client that could not open a channel uses gRPC before it tries again."""
+REMEMBERED_TASKS = 1 << 16
+"""Tasks of the ring remembered as such (a wait on an older one asks gRPC)."""
 
 
 class _Channel:
@@ -45,7 +48,7 @@ class _Channel:
         self.ring = ring
         self.table = table
         self.tracked: set[bytes] = set()
-        self.tasks: dict[int, int] = {}
+        self.tasks: collections.OrderedDict[int, int] = collections.OrderedDict()
         """Tasks submitted through the ring -> their block count (for an all-OK result)."""
 
     def alive(self) -> bool:
@@ -216,6 +219,8 @@ class ClientDataPlane:
     def _note(ch: _Channel, future: concurrent.futures.Future[Submitted], nblocks: int) -> None:
         if not future.cancelled() and future.exception() is None:
             ch.tasks[future.result().task_id] = nblocks
+            while len(ch.tasks) > REMEMBERED_TASKS:  # older ones are answered by gRPC, as any task
+                ch.tasks.popitem(last=False)
 
     # -- results ------------------------------------------------------------------------------------------
     def owns(self, task_id: object) -> bool:

@@ -187,20 +187,14 @@ class RingClient:
         return None
 
     def track(self, namespace: bytes) -> None:
-        """Ask for ``namespace`` to be listed in this tenant's presence table (no answer)."""
+        """Ask for ``namespace`` to be listed in this tenant's presence table (no answer). The 16
+        bytes travel in the entry itself, where a Load's progress word would."""
+        assert native is not None
         with self._submit_lock:
-            if self.dead or self._sq_room() <= 0:
+            if self.dead or self._sq_room() <= 0 or len(namespace) != 16:
                 return
-            with self._cond:
-                start, limit = self._arena.window()
-                if limit - start < 16:
-                    return
-                user_data = self._next_user_data
-                self._next_user_data += 1
-                self._arena.taken(user_data, start, 16)
-                self._arena.free(user_data)  # copied by the daemon before anything later is written there
-            self._arena_view[start : start + 16] = namespace
-            entry = dp.SQE.pack(dp.OP_TRACK, 0, 0, 0, user_data, start, 16, 0, 0, 0, 0, 0)
+            low, high = int.from_bytes(namespace[:8], "little"), int.from_bytes(namespace[8:], "little")
+            entry = dp.SQE.pack(dp.OP_TRACK, 0, 0, 0, 0, 0, 0, 0, 0, low, high, 0)
             at = self._sq_at + (self._sq_tail % self._sq_entries) * dp.SQE_BYTES
             self.map[at : at + dp.SQE_BYTES] = entry
             self._sq_tail = (self._sq_tail + 1) & _U32
@@ -259,49 +253,44 @@ class RingClient:
             self._die("the daemon's completion queue is out of range")
             return
         taken = 0
+        settled: list[tuple[concurrent.futures.Future[Submitted], Submitted | BaseException]] = []
         with self._cond:
             while self._cq_head != tail:
-                slot = self._cq_head % self._cq_entries
-                fields = dp.CQE.unpack_from(self.map, self._cq_at + slot * dp.CQE_BYTES)
-                (
-                    user_data,
-                    kind,
-                    state,
-                    all_ok,
-                    progress,
-                    status,
-                    task_id,
-                    bytes_done,
-                    elapsed,
-                    msg_len,
-                    nblocks,
-                ) = fields
-                if kind == dp.CQ_FINISHED:
-                    self._finished[task_id] = Finished(
-                        task_id, state, bool(all_ok), bytes_done, elapsed, nblocks
-                    )
-                    while len(self._finished) > KEEP_FINISHED:
-                        self._finished.popitem(last=False)
-                else:
-                    self._arena.free(user_data)
-                    future = self._answers.pop(user_data, None)
-                    if future is not None and kind == dp.CQ_SUBMITTED:
-                        future.set_result(Submitted(task_id, bool(progress)))
-                    elif future is not None:
-                        at = self._msg_at + slot * dp.MESSAGE_BYTES
-                        reason = bytes(self.map[at : at + min(msg_len, dp.MESSAGE_BYTES)]).decode(
-                            errors="replace"
-                        )
-                        future.set_exception(
-                            error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN), reason)
-                        )
+                settled.extend(self._take_completion(self._cq_head % self._cq_entries))
                 self._cq_head = (self._cq_head + 1) & _U32
                 taken += 1
             native.store_u32(self.map, dp.R_CQ_HEAD, self._cq_head)
             if taken:
                 self._cond.notify_all()
+        for future, outcome in settled:  # outside the lock: the futures' callbacks run here
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
         if taken >= self._cq_entries // 2:
             self._bell()  # the daemon may hold answers for a full queue: room again
+
+    def _take_completion(
+        self, slot: int
+    ) -> list[tuple[concurrent.futures.Future[Submitted], Submitted | BaseException]]:
+        """One completion (lock held): a task's end is kept; an answer settles its submission (after
+        the lock is let go: returned)."""
+        fields = dp.CQE.unpack_from(self.map, self._cq_at + slot * dp.CQE_BYTES)
+        user_data, kind, state, all_ok, progress, status, task_id, done, elapsed, msg_len, nblocks = fields
+        if kind == dp.CQ_FINISHED:
+            self._finished[task_id] = Finished(task_id, state, bool(all_ok), done, elapsed, nblocks)
+            while len(self._finished) > KEEP_FINISHED:
+                self._finished.popitem(last=False)
+            return []
+        self._arena.free(user_data)
+        future = self._answers.pop(user_data, None)
+        if future is None:
+            return []
+        if kind == dp.CQ_SUBMITTED:
+            return [(future, Submitted(task_id, bool(progress)))]
+        at = self._msg_at + slot * dp.MESSAGE_BYTES
+        reason = bytes(self.map[at : at + min(msg_len, dp.MESSAGE_BYTES)]).decode(errors="replace")
+        return [(future, error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN), reason))]
 
     def wait_finished(self, task_id: int, timeout_s: float) -> Finished | None:
         """The end of ``task_id`` (a task this ring submitted) within ``timeout_s``, else None."""

@@ -65,37 +65,63 @@ def exact_tiers(pipeline: Pipeline) -> tuple[list[Tier], bool]:
 class _TierWatch:
     """One tier's :class:`~ucm_server.store.watch.IndexWatch`: its changes into every table.
 
-    A single key (every block a tier stores or drops) costs one compiled call per table; anything
-    out of the ordinary (a namespace not listed yet, a table to rebuild) takes the general path."""
+    A new key costs one compiled call per table. A removal waits for the end of the event loop's
+    current pass, with the others of that pass: a block replaced in place (the Cache drops the old
+    version, then publishes the new one) then costs no table write at all, and removals go in one
+    compiled call. Until then the key reads as present, as it would a moment earlier: the same race
+    as an eviction right after a lookup, which the Load reports. Anything out of the ordinary (a
+    namespace not listed yet, a table to rebuild) takes the general path."""
 
-    __slots__ = ("bit", "presence")
+    __slots__ = ("bit", "due", "pending", "presence")
 
     def __init__(self, presence: Presence, bit: int) -> None:
         self.presence = presence
         self.bit = bit
+        self.pending: set[bytes] = set()
+        """Keys this tier dropped in this loop pass, not yet cleared in the tables."""
+        self.due = False
+        """A flush is scheduled for the end of this loop pass."""
 
     def stored(self, key: bytes) -> None:
-        self._one(key, True)
-
-    def removed(self, key: bytes) -> None:
-        self._one(key, False)
-
-    def _one(self, key: bytes, on: bool) -> None:
+        pending = self.pending
+        if pending and key in pending:
+            pending.discard(key)  # dropped and stored again: the tables already say so
+            return
         assert native is not None
         presence = self.presence
-        if not on and presence.scanning:
-            presence.note_removed([key], self.bit)
         for table in list(presence.tables.values()):
-            code = native.table_set(table.map, key, table.ns_ids, self.bit, on)
+            code = native.table_set(table.map, key, table.ns_ids, self.bit, True)
             if code == 2:  # done, and the table is crowded
                 presence.rebuild(table)
-            elif code == -1 or (code == -2 and on and not presence.tenants):
-                presence.apply_to(table, [key], self.bit, on)  # a rebuild, or a namespace to list first
+            elif code == -1 or (code == -2 and not presence.tenants):
+                presence.apply_to(table, [key], self.bit, True)  # a rebuild, or a namespace to list first
+
+    def removed(self, key: bytes) -> None:
+        if self.presence.scanning:
+            self.presence.note_removed([key], self.bit)
+        if not self.due:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a tier used outside the daemon): at once
+                self.presence.apply([bytes(key)], self.bit, False)
+                return
+            self.due = True
+        self.pending.add(bytes(key))
+
+    def flush(self) -> None:
+        self.due = False
+        if self.pending:
+            keys, self.pending = list(self.pending), set()
+            self.presence.apply(keys, self.bit, False)
 
     def stored_many(self, keys: Iterable[bytes]) -> None:
-        self.presence.apply(list(keys), self.bit, True)
+        keys = list(keys)
+        if self.pending:
+            self.pending.difference_update(keys)
+        self.presence.apply(keys, self.bit, True)
 
     def cleared(self) -> None:
+        self.pending.clear()
         self.presence.clear(self.bit)
 
 

@@ -206,8 +206,8 @@ class SessionRing:
         op, flags, _, nblocks, user_data, body_at, body_len, nseg, _, p_region, p_offset, p_length = (
             dp.SQE.unpack(entry)
         )
-        if op == dp.OP_TRACK:
-            self._track(body_at, body_len)
+        if op == dp.OP_TRACK:  # the namespace in the progress word's place: no body, no answer
+            self._on_track(self.principal, p_region.to_bytes(8, "little") + p_offset.to_bytes(8, "little"))
             return
         kind = _KINDS.get(op)
         try:
@@ -273,15 +273,6 @@ class SessionRing:
             durable=bool(flags & dp.SQF_DURABLE),
             progress=progress if kind is TaskKind.LOAD and flags & dp.SQF_PROGRESS else None,
         )
-
-    def _track(self, at: int, length: int) -> None:
-        """A request to list a namespace in this tenant's presence table (no answer: the client sees
-        it in the directory)."""
-        if length != NAMESPACE_BYTES or at % 8 or at < 0 or at > self.arena_bytes - length:
-            return
-        start = self._arena_at + at
-        named = self.map[start : start + length]
-        self._on_track(self.principal, named)
 
     # -- answers --------------------------------------------------------------------------------------
     def finished(self, task: Task) -> None:
