@@ -23,6 +23,7 @@ Run: ``python -m benchmarks.daemon_bench`` (or ``make bench``). Prints a markdow
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import multiprocessing
@@ -58,6 +59,15 @@ def _client(target: str, *, dataplane: bool = True) -> UcmClient:
 def _local_lookups(c: UcmClient) -> int:
     plane = getattr(c, "_plane", None)
     return int(plane.lookups_local) if plane is not None else 0
+
+
+def _task(
+    task_s: dict[str, list[float]], name: str, submit: Any, c: UcmClient, blocks: list[BlockIO]
+) -> None:
+    """One Dump or Load of ``blocks`` through ``submit`` until it ends; its task time kept by name."""
+    r = c.wait(submit(NS, blocks), 120)
+    assert r.ok
+    task_s.setdefault(name, []).append(r.elapsed_s)
 
 
 def _median_time(fn: Any, repeat: int) -> float:
@@ -101,20 +111,8 @@ def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str
             rs, rd = c.register(src), c.register(dst)
             blocks_src, blocks_dst = _blocks(rs, n, size, "b"), _blocks(rd, n, size, "b")
 
-            def dump(
-                c: UcmClient = c, blocks: list[BlockIO] = blocks_src, name: str = f"{prefix}dump"
-            ) -> None:
-                r = c.wait(c.dump(NS, blocks), 120)
-                assert r.ok
-                task_s.setdefault(name, []).append(r.elapsed_s)
-
-            def load(
-                c: UcmClient = c, blocks: list[BlockIO] = blocks_dst, name: str = f"{prefix}load"
-            ) -> None:
-                r = c.wait(c.load(NS, blocks), 120)
-                assert r.ok
-                task_s.setdefault(name, []).append(r.elapsed_s)
-
+            dump = functools.partial(_task, task_s, f"{prefix}dump", c.dump, c, blocks_src)
+            load = functools.partial(_task, task_s, f"{prefix}load", c.load, c, blocks_dst)
             dump()
             dump()  # warm: arena pages faulted in, then reused as blocks are replaced
             load()

@@ -11,69 +11,39 @@ static int word_at(Py_buffer *view, Py_ssize_t off, Py_ssize_t size) {
     return 0;
 }
 
-PyObject *ucm_load_u32(PyObject *self, PyObject *args) {
-    Py_buffer v;
-    Py_ssize_t off;
-    if (!PyArg_ParseTuple(args, "y*n", &v, &off)) return NULL;
-    PyObject *r = NULL;
-    if (word_at(&v, off, 4) == 0)
-        r = PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)((char *)v.buf + off), __ATOMIC_ACQUIRE));
-    PyBuffer_Release(&v);
-    return r;
-}
+enum word_op { LOAD, STORE, ADD };
 
-PyObject *ucm_load_u64(PyObject *self, PyObject *args) {
+/* One ordered access to an aligned word of ``size`` bytes of a buffer: the arguments are the buffer,
+the offset and (but for a load) the value. */
+static PyObject *word(PyObject *args, Py_ssize_t size, enum word_op op) {
     Py_buffer v;
     Py_ssize_t off;
-    if (!PyArg_ParseTuple(args, "y*n", &v, &off)) return NULL;
+    unsigned long long value = 0;
+    int parsed = op == LOAD ? PyArg_ParseTuple(args, "y*n", &v, &off) : PyArg_ParseTuple(args, "w*nK", &v, &off, &value);
+    if (!parsed) return NULL;
     PyObject *r = NULL;
-    if (word_at(&v, off, 8) == 0)
-        r = PyLong_FromUnsignedLongLong(__atomic_load_n((uint64_t *)((char *)v.buf + off), __ATOMIC_ACQUIRE));
-    PyBuffer_Release(&v);
-    return r;
-}
-
-PyObject *ucm_store_u32(PyObject *self, PyObject *args) {
-    Py_buffer v;
-    Py_ssize_t off;
-    unsigned long long value;
-    if (!PyArg_ParseTuple(args, "w*nK", &v, &off, &value)) return NULL;
-    PyObject *r = NULL;
-    if (word_at(&v, off, 4) == 0) {
-        __atomic_store_n((uint32_t *)((char *)v.buf + off), (uint32_t)value, __ATOMIC_RELEASE);
-        r = Py_NewRef(Py_None);
+    if (word_at(&v, off, size) == 0) {
+        char *at = (char *)v.buf + off;
+        if (op == LOAD)
+            r = PyLong_FromUnsignedLongLong(size == 4 ? __atomic_load_n((uint32_t *)at, __ATOMIC_ACQUIRE)
+                                                      : __atomic_load_n((uint64_t *)at, __ATOMIC_ACQUIRE));
+        else if (op == STORE && size == 4)
+            __atomic_store_n((uint32_t *)at, (uint32_t)value, __ATOMIC_RELEASE);
+        else if (op == STORE)
+            __atomic_store_n((uint64_t *)at, (uint64_t)value, __ATOMIC_RELEASE);
+        else
+            __atomic_fetch_add((uint64_t *)at, (uint64_t)value, __ATOMIC_RELEASE);
+        if (op != LOAD) r = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&v);
     return r;
 }
 
-PyObject *ucm_store_u64(PyObject *self, PyObject *args) {
-    Py_buffer v;
-    Py_ssize_t off;
-    unsigned long long value;
-    if (!PyArg_ParseTuple(args, "w*nK", &v, &off, &value)) return NULL;
-    PyObject *r = NULL;
-    if (word_at(&v, off, 8) == 0) {
-        __atomic_store_n((uint64_t *)((char *)v.buf + off), (uint64_t)value, __ATOMIC_RELEASE);
-        r = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&v);
-    return r;
-}
-
-PyObject *ucm_add_u64(PyObject *self, PyObject *args) {
-    Py_buffer v;
-    Py_ssize_t off;
-    unsigned long long value;
-    if (!PyArg_ParseTuple(args, "w*nK", &v, &off, &value)) return NULL;
-    PyObject *r = NULL;
-    if (word_at(&v, off, 8) == 0) {
-        __atomic_fetch_add((uint64_t *)((char *)v.buf + off), (uint64_t)value, __ATOMIC_RELEASE);
-        r = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&v);
-    return r;
-}
+PyObject *ucm_load_u32(PyObject *self, PyObject *args) { return word(args, 4, LOAD); }
+PyObject *ucm_load_u64(PyObject *self, PyObject *args) { return word(args, 8, LOAD); }
+PyObject *ucm_store_u32(PyObject *self, PyObject *args) { return word(args, 4, STORE); }
+PyObject *ucm_store_u64(PyObject *self, PyObject *args) { return word(args, 8, STORE); }
+PyObject *ucm_add_u64(PyObject *self, PyObject *args) { return word(args, 8, ADD); }
 
 /* ---- a Load/Dump body, written by the client into its ring's arena ------------------------------ */
 

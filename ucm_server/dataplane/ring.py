@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import logging
 import mmap
 import os
@@ -39,6 +38,7 @@ from ucm_protocol.errors import InvalidArgument, UcmError
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, PackedDigests
 from ucm_protocol.native import native
 from ucm_server.auth import Principal, current_principal
+from ucm_server.dataplane.memory import sealed_memfd
 from ucm_server.engine import Engine
 from ucm_server.store.base import BlockState
 from ucm_server.tasks import Task, TaskKind, TaskState
@@ -95,20 +95,15 @@ class SessionRing:
         self._sq_at, self._cq_at, self._msg_at, self._arena_at = sq_at, cq_at, msg_at, arena_at
         self.arena_bytes = arena_bytes
         self.size = size
-        fd = os.memfd_create("ucm-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+        # The client writes its requests here, so no write seal; a fixed size, so no SIGBUS.
+        def header(m: mmap.mmap) -> None:
             dp.RING_HEADER.pack_into(
-                self.map, 0, dp.RING_MAGIC, dp.VERSION, dp.RING_HEADER_BYTES, self.generation,
+                m, 0, dp.RING_MAGIC, dp.VERSION, dp.RING_HEADER_BYTES, self.generation,
                 SQ_ENTRIES, CQ_ENTRIES, sq_at, cq_at, msg_at, arena_at, arena_bytes,
             )  # fmt: skip
-            # The client writes its requests here, so no write seal; a fixed size, so no SIGBUS.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+
+        self.fd, self.map = sealed_memfd("ucm-ring", size, header, read_only=False)
         self._sq_head = 0  # the daemon's own copies: never read back from the shared memory
         self._cq_tail = 0
         self._backlog: collections.deque[tuple[bytes, bytes]] = collections.deque()

@@ -3,10 +3,9 @@
 Layout in :mod:`ucm_protocol.dataplane`; the per-slot sequence lock and the probes are compiled
 (:mod:`ucm_protocol._native`). The daemon is the only writer, on its event-loop thread.
 
-What keeps a client from writing here: the memfd carries ``F_SEAL_FUTURE_WRITE`` (no new writable
-mapping, no ``write()``, whoever opens it, also through ``/proc/<pid>/fd``), the descriptor handed
-out is a read-only reopening, and ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` keep the size and the
-seals fixed, so neither side can pull pages from under the other's mapping.
+What keeps a client from writing here: the memfd is sealed against writes
+(:func:`~ucm_server.dataplane.memory.sealed_memfd`) and the descriptor handed out is a read-only
+reopening.
 
 A table never changes size: when it fills (or deleted slots make probes long, or an insert finds no
 slot within :data:`~ucm_protocol.dataplane.MAX_PROBE`), :meth:`PresenceTable.rebuilt` makes a new
@@ -17,16 +16,14 @@ gRPC and fetches the new one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import secrets
 
 from ucm_protocol import dataplane as dp
 from ucm_protocol.native import native
+from ucm_server.dataplane.memory import sealed_memfd
 
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-"""Linux 5.1+: no new writable mapping and no write() (the existing mapping keeps writing)."""
 NS_CAPACITY = 4096
 MIN_SLOTS = 1 << 14
 MAX_LOAD = 0.75
@@ -63,23 +60,14 @@ class PresenceTable:
         dir_at, slots_at, size = _sizes(nslots, ns_capacity)
         self.size = size
         self._dir_at = dir_at
-        fd = os.memfd_create("ucm-presence", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+        def header(m: mmap.mmap) -> None:
             dp.TABLE_HEADER.pack_into(
-                self.map, 0, dp.TABLE_MAGIC, 1, dp.TABLE_HEADER_BYTES, self.generation, secrets.randbits(64),
+                m, 0, dp.TABLE_MAGIC, 1, dp.TABLE_HEADER_BYTES, self.generation, secrets.randbits(64),
                 nslots, slots_at, ns_capacity, 0, dp.TABLE_LIVE, flags, 0, 0, 0, dir_at, max_keys,
             )  # fmt: skip
-            fcntl.fcntl(
-                fd,
-                fcntl.F_ADD_SEALS,
-                fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL,
-            )
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
+
+        self.fd, self.map = sealed_memfd("ucm-presence", size, header, read_only=True)
         self.max_keys = max_keys
         self.ns_ids: dict[bytes, int] = {}
         """Stored namespace (as the tiers index it) -> directory id: what :meth:`apply` routes by."""
