@@ -38,7 +38,7 @@ from pathlib import Path
 from ucm_client import UcmClient, key_digest, namespace_id
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.block_index import BlockIndex
-from ucm_server.store.format import encode_header, payload_checksum
+from ucm_server.store.format import FLAT_LAYOUT_VERSION, encode_header, payload_checksum
 from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -86,7 +86,7 @@ def _plant(root: Path, n: int) -> None:
         if path.parent not in made:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             made.add(path.parent)
-        path.write_bytes(encode_header(key, BLOCK, checksum) + data)
+        path.write_bytes(encode_header(key, BLOCK, checksum, version=FLAT_LAYOUT_VERSION) + data)
 
 
 def store(opts: Options, n: int) -> DaemonProcess:
