@@ -23,8 +23,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,10 +31,12 @@ import grpc
 from grpc import aio
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
-from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
-from ucm_client.errors import ArgumentTypeError, RegionLost
+from ucm_client.cuda_ipc import CudaUnavailable, as_export
+from ucm_client.errors import ArgumentTypeError
 from ucm_client.handover import hand_over
+from ucm_client.region_records import HandleMap, RegionRecord
 from ucm_client.task_events import FinishedTasks
 from ucm_client.trust import trusted_uids, verify_daemon
 from ucm_client.types import (
@@ -72,34 +73,6 @@ from ucm_protocol.wire import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _RegionRecord:
-    """What the client knows of one region handle, to register its memory again after a restart."""
-
-    size: int
-    label: str
-    server_id: int | None
-    """The daemon's id for this memory now; None while not (yet) registered with the current daemon."""
-    cuda: CudaIpcExport | None = None
-    lost: str | None = None
-    """Why the handle is dead (its re-registration failed); it then never maps to a region id again."""
-    buffer: SharedBuffer | None = None
-    """Host memory: kept so that a restarted daemon can be handed the same memfd again."""
-
-    def request(self, memfd_token: bytes = b"") -> pb.RegisterRegionRequest:
-        if self.cuda is None:
-            return pb.RegisterRegionRequest(memfd_token=memfd_token, size=self.size, label=self.label)
-        c = self.cuda
-        return pb.RegisterRegionRequest(
-            size=c.size,
-            label=self.label,
-            cuda_ipc_handle=c.handle,
-            cuda_offset=c.offset,
-            cuda_device=c.device,
-            cuda_device_uuid=c.device_uuid,
-        )
 
 
 class AsyncUcmClient:
@@ -140,11 +113,15 @@ class AsyncUcmClient:
         self._session_id: str | None = None
         self._session_task: asyncio.Task[None] | None = None
         self._stream: Any = None
-        self._regions: dict[int, _RegionRecord] = {}
+        self._regions: dict[int, RegionRecord] = {}
         self._next_handle = 1
         self._lock: asyncio.Lock | None = None
         self._finished = FinishedTasks()
         self.server_version = ""
+        self.store_saturated = False
+        """The daemon's word that it cannot keep up with dumps now (``SessionEvent.store_saturated``):
+        updated from every session event and Load/Dump answer, so reading it costs no call. A serving
+        engine skips the saves it can do without while it is set."""
 
     # -- connection -----------------------------------------------------------------------------------
     @property
@@ -206,6 +183,7 @@ class AsyncUcmClient:
                 raise Unavailable(f"ucm-server at {self.target} closed the session at once")
             self._session_id = first.session_id
             self.server_version = first.server_version
+            self.store_saturated = first.store_saturated
             self._stream = stream
             self._finished.reset(enabled=True)  # task ids restart with a restarted daemon
             self._session_task = asyncio.create_task(self._watch(stream))
@@ -237,6 +215,7 @@ class AsyncUcmClient:
         """Read the session stream: heartbeats, and the results of this session's tasks as they end."""
         try:
             while (event := await stream.read()) is not aio.EOF:
+                self.store_saturated = event.store_saturated
                 for status in event.finished:
                     self._finished.deliver(TaskResult.from_pb(status))
                 if event.task_events_stopped:
@@ -291,7 +270,8 @@ class AsyncUcmClient:
         return bearer_metadata(self._token)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
+        # tracing.outgoing(): the caller's trace context (W3C traceparent), empty while tracing is off
+        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata(), *tracing.outgoing())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
         """Run one RPC; map errors; on a lost daemon or session reconnect once and retry.
@@ -379,7 +359,7 @@ class AsyncUcmClient:
                 f"memory registration needs a local Unix-socket client; {self.target} is TCP: "
                 "use put_blocks/get_blocks"
             )
-        record = _RegionRecord(size, label or buffer.label, 0, buffer=buffer)
+        record = RegionRecord(size, label or buffer.label, 0, buffer=buffer)
 
         async def call() -> int:
             return await self._register_record(record)
@@ -390,7 +370,7 @@ class AsyncUcmClient:
         self._regions[handle] = record
         return handle
 
-    async def _register_record(self, record: _RegionRecord) -> int:
+    async def _register_record(self, record: RegionRecord) -> int:
         """One RegisterRegion for ``record`` (host memory: handed over first); the daemon's region id."""
         token = b""
         if record.cuda is None:
@@ -420,7 +400,7 @@ class AsyncUcmClient:
         for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)
-        record = _RegionRecord(export.size, label, 0, export)
+        record = RegionRecord(export.size, label, 0, export)
         try:
             resp = await self._call(
                 lambda: self.kv.RegisterRegion(
@@ -456,7 +436,7 @@ class AsyncUcmClient:
             )
 
     def _server_ids(self) -> Mapping[int, int]:
-        return _HandleMap(self._regions)
+        return HandleMap(self._regions)
 
     @property
     def kept_results(self) -> int:
@@ -501,6 +481,7 @@ class AsyncUcmClient:
             raise
         if not resp.progress:
             self._progress_done(progress)
+        self.store_saturated = resp.store_saturated
         return self._finished.expect(int(resp.task_id))
 
     def _progress_done(self, progress: Segment | None) -> None:
@@ -513,18 +494,28 @@ class AsyncUcmClient:
         if progress.length == 8 and offset % 8 == 0 and 0 <= offset <= record.size - 8:
             struct.pack_into("<Q", record.buffer.buf, offset, LOAD_PROGRESS_DONE)
 
-    async def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        """Start storing blocks from registered memory; returns the task id."""
+    async def dump(
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
+    ) -> int:
+        """Start storing blocks from registered memory; returns the task id. ``cache_only``: keep
+        them in the daemon's Cache only, never written to disk (a one-off prompt)."""
         resp = await self._call(
             lambda: self.kv.Dump(
                 pb.DumpRequest(
                     blocks=args.block_batch(namespace, blocks, self._server_ids()),
                     wait_durable=bool(wait_durable),
+                    cache_only=bool(cache_only),
                 ),
                 metadata=self._metadata(),
                 timeout=self.rpc_timeout_s,
             )
         )
+        self.store_saturated = resp.store_saturated
         return self._finished.expect(int(resp.task_id))
 
     async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
@@ -678,28 +669,6 @@ class AsyncUcmClient:
         return await self._call(
             lambda: self.admin.Stats(pb.StatsRequest(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
-
-
-class _HandleMap(Mapping[int, int]):
-    """Client region handles -> the daemon's region ids now; a lost or not yet re-registered handle
-    raises a typed error naming it instead of resolving to any id."""
-
-    def __init__(self, regions: dict[int, _RegionRecord]) -> None:
-        self._regions = regions
-
-    def __getitem__(self, handle: int) -> int:
-        record = self._regions[handle]  # KeyError: never registered (or unregistered)
-        if record.lost is not None:
-            raise RegionLost(handle, record.lost)
-        if record.server_id is None:
-            raise Unavailable(f"region handle {handle} is not registered with the daemon yet (reconnecting)")
-        return record.server_id
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._regions)
-
-    def __len__(self) -> int:
-        return len(self._regions)
 
 
 def _check_socket(path: Path) -> None:

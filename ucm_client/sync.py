@@ -2,27 +2,26 @@
 
 It runs an :class:`AsyncUcmClient` on a private event loop in a daemon thread and forwards each call,
 so both APIs share one implementation (and one session). Thread-safe: calls from several threads are
-serialised by the loop, not by a lock held across the network.
+serialised by the loop, not by a lock held across the network. On a Unix socket, lookups and
+Load/Dump go through the daemon's local data plane where it can serve them (:mod:`ucm_client.dataplane`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import math
 import os
-import threading
-import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
-from ucm_client.dataplane.plane import ClientDataPlane, refusal_needs_grpc
-from ucm_client.dataplane.ring import Submitted
+from ucm_client.client_loop import close_at_exit, shared_loop
+from ucm_client.dataplane.plane import ClientDataPlane
 from ucm_client.types import (
     BlockIO,
     LookupResult,
@@ -35,7 +34,6 @@ from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_protocol.wire import WAIT_CAP_S
 
 T = TypeVar("T")
 
@@ -60,35 +58,26 @@ class UcmClient:
         ``dataplane``: on a Unix socket, look up from the daemon's shared table and send Load/Dump
         through a shared ring, without a gRPC call (:mod:`ucm_client.dataplane`; also off with
         ``UCM_DATAPLANE=off``). Where the data plane cannot serve a call, gRPC does."""
-        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
-        args.client_options(target, client_name, token, daemon_uid, timeouts)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
-        self._thread.start()
+        # Built here, before the loop is taken: a refused argument (a missing TLS file) starts nothing.
+        self._async = AsyncUcmClient(
+            target,
+            client_name=client_name,
+            connect_timeout_s=connect_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            daemon_uid=daemon_uid,
+        )
+        self._loop = shared_loop()
         self._closed = False
-        try:
-            self._async = self._make_async(
-                target,
-                client_name=client_name,
-                connect_timeout_s=connect_timeout_s,
-                rpc_timeout_s=rpc_timeout_s,
-                token=token,
-                tls_ca=tls_ca,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                daemon_uid=daemon_uid,
-            )
-        except BaseException:  # e.g. an unreadable TLS file: stop the loop thread started above
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
-            raise
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        """This client's calls still running on the shared loop (close() cancels them)."""
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self._plane = ClientDataPlane(self._async, enabled=dataplane)
-
-    def _make_async(self, target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
-        return self._on_loop(_make(target, **kwargs))  # built on the loop it will run on
+        close_at_exit(self)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the client's loop and wait for it (:meth:`_submit`)."""
@@ -100,7 +89,10 @@ class UcmClient:
         if self._closed:
             coro.close()
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        call = asyncio.run_coroutine_threadsafe(tracing.carry(coro), self._loop)  # the caller's trace too
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -123,19 +115,17 @@ class UcmClient:
         return self
 
     def close(self) -> None:
+        """End the session and its channels; calls still running (``*_nowait``) are cancelled. The
+        loop goes on serving the process's other clients (:mod:`ucm_client.client_loop`)."""
         if self._closed:
             return
         self._closed = True
         self._plane.close()
         if self._channel is not None:
             self._channel.close()
-        try:
-            self._on_loop(self._async.close(), timeout=10)
-            self._on_loop(_finish_leftover_tasks(), timeout=5)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
+        for call in list(self._calls):
+            call.cancel()
+        self._on_loop(self._async.close(), timeout=10)
 
     def __enter__(self) -> UcmClient:
         return self.connect()
@@ -173,7 +163,7 @@ class UcmClient:
         try:
             resp = self._stub.Lookup(
                 request,
-                metadata=self._async._auth_metadata(),
+                metadata=(*self._async._auth_metadata(), *tracing.outgoing()),
                 timeout=self._async.rpc_timeout_s,
             )
         except grpc.RpcError as exc:
@@ -200,56 +190,51 @@ class UcmClient:
         :meth:`AsyncUcmClient.load`."""
         if self._closed:
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        sent = self._plane.submit(dp.OP_LOAD, namespace, blocks, progress=progress)
-        if sent is None:
-            return self._submit(self._async.load(namespace, blocks, progress=progress))
-        return self._answer(sent, lambda: self._async.load(namespace, blocks, progress=progress), progress)
 
-    def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        return self.dump_nowait(namespace, blocks, wait_durable=wait_durable).result()
+        def by_grpc() -> concurrent.futures.Future[int]:
+            return self._submit(self._async.load(namespace, blocks, progress=progress))
+
+        sent = self._plane.submit(dp.OP_LOAD, namespace, blocks, progress=progress)
+        return by_grpc() if sent is None else self._plane.answer(sent, by_grpc, progress)
+
+    def dump(
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
+    ) -> int:
+        """Store blocks from registered memory (see :meth:`AsyncUcmClient.dump`); returns the task id."""
+        return self.dump_nowait(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only).result()
 
     def dump_nowait(
-        self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
     ) -> concurrent.futures.Future[int]:
         """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
         refused it, lands in the future), in order with this client's other calls. The vLLM
         connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
         if self._closed:
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        sent = self._plane.submit(dp.OP_DUMP, namespace, blocks, durable=bool(wait_durable))
-        if sent is None:
-            return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
-        again = lambda: self._async.dump(namespace, blocks, wait_durable=wait_durable)  # noqa: E731
-        return self._answer(sent, again, None)
 
-    def _answer(
-        self,
-        sent: concurrent.futures.Future[Submitted],
-        by_grpc: Callable[[], Coroutine[Any, Any, int]],
-        progress: Segment | None,
-    ) -> concurrent.futures.Future[int]:
-        """The task id of a request sent through the ring. A refusal is the daemon's, as the RPC's would
-        be, except a lost session or a channel that ended: the request then goes by gRPC (which
-        reconnects; nothing was submitted). A progress word the daemon did not take reads DONE."""
-        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+        def by_grpc() -> concurrent.futures.Future[int]:
+            dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+            return self._submit(dump)
 
-        def settle(f: concurrent.futures.Future[Submitted]) -> None:
-            exc = f.exception()
-            if exc is not None and refusal_needs_grpc(exc) and not self._closed:
-                again = self._submit(by_grpc())
-                again.add_done_callback(lambda g: _copy_outcome(g, out))
-                return
-            if exc is None and (progress is None or f.result().progress):
-                out.set_result(f.result().task_id)
-                return
-            self._async._progress_done(progress)
-            if exc is None:
-                out.set_result(f.result().task_id)
-            else:
-                out.set_exception(exc)
+        sent = self._plane.submit(
+            dp.OP_DUMP, namespace, blocks, durable=bool(wait_durable), cache_only=bool(cache_only)
+        )
+        return by_grpc() if sent is None else self._plane.answer(sent, by_grpc, None)
 
-        sent.add_done_callback(settle)
-        return out
+    @property
+    def store_saturated(self) -> bool:
+        """The daemon says it cannot keep up with dumps now (:attr:`AsyncUcmClient.store_saturated`)."""
+        return self._async.store_saturated
 
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))
@@ -263,20 +248,14 @@ class UcmClient:
     def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
         """A task sent through the ring that ended all OK is answered here; anything else asks the
         daemon (with the time left), as before."""
-        if self._plane.owns(task_id) and type(timeout_s) in (int, float) and not math.isnan(timeout_s):
-            seconds = min(max(float(timeout_s), 0.0), WAIT_CAP_S)
-            start = time.monotonic()
-            local = self._plane.wait(task_id, seconds)
-            if local is not None:
-                return local
-            timeout_s = max(seconds - (time.monotonic() - start), 0.0)
+        local, timeout_s = self._plane.wait(task_id, timeout_s)
+        if local is not None:
+            return local
         return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
 
     def check(self, task_id: int) -> TaskResult:
-        local = self._plane.check(task_id) if self._plane.owns(task_id) else None
-        if local is not None:
-            return local
-        return self._run(self._async.check(task_id))
+        local = self._plane.check(task_id)
+        return local if local is not None else self._run(self._async.check(task_id))
 
     def cancel(self, task_id: int) -> TaskResult:
         return self._run(self._async.cancel(task_id))
@@ -309,25 +288,3 @@ class UcmClient:
 
     def stats(self) -> pb.StatsResponse:
         return self._run(self._async.stats())
-
-
-def _copy_outcome(source: concurrent.futures.Future[int], target: concurrent.futures.Future[int]) -> None:
-    exc = source.exception()
-    if exc is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
-
-
-async def _make(target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
-    return AsyncUcmClient(target, **kwargs)  # built on the loop it will run on
-
-
-async def _finish_leftover_tasks() -> None:
-    """Cancel and reap what gRPC left on the loop (a call's status handler can outlive its channel by a
-    moment), as ``asyncio.run`` does, so closing never prints "Task was destroyed but it is pending"."""
-    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in leftover:
-        task.cancel()
-    await asyncio.gather(*leftover, return_exceptions=True)
-    await asyncio.get_running_loop().shutdown_asyncgens()

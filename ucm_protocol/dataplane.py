@@ -137,11 +137,13 @@ SQF_DURABLE = 1
 SQF_PROGRESS = 2
 SQF_MULTI = 4
 """Blocks of more than one segment: the body carries a segment count per block."""
+SQF_CACHE_ONLY = 8
+"""A Dump kept in the Cache, never written down (``DumpRequest.cache_only``)."""
 
-CQE = struct.Struct("<QBBBBIQQdII16x")  # 64 bytes
+CQE = struct.Struct("<QBBBBIQQdII?15x")  # 64 bytes
 CQE_BYTES = CQE.size
 # user_data, kind, task state, all_ok, progress taken, status, task_id, bytes_done, elapsed_s,
-# reason length, blocks
+# reason length, blocks, store saturated (a submission's answer: ``TaskHandle.store_saturated``)
 CQ_SUBMITTED, CQ_REFUSED, CQ_FINISHED = 1, 2, 3
 MESSAGE_BYTES = 1024
 

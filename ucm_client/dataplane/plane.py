@@ -16,13 +16,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ucm_client import tracing
 from ucm_client.client import AsyncUcmClient
 from ucm_client.dataplane.channel import fetch_table, open_channel
 from ucm_client.dataplane.ring import RingClient, RingClosed, Submitted
@@ -31,6 +33,7 @@ from ucm_client.types import BlockIO, BlockState, LookupResult, Segment, TaskRes
 from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import FailedPrecondition, UcmError, Unavailable
 from ucm_protocol.native import dataplane_enabled
+from ucm_protocol.wire import WAIT_CAP_S
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +184,16 @@ class ClientDataPlane:
         blocks: Sequence[BlockIO],
         *,
         durable: bool = False,
+        cache_only: bool = False,
         progress: Segment | None = None,
     ) -> concurrent.futures.Future[Submitted] | None:
-        """A Load/Dump through the ring: the future of its answer, or None (use gRPC)."""
+        """A Load/Dump through the ring: the future of its answer, or None (use gRPC). A call made
+        inside a traced span goes by gRPC, whose metadata carries the span's context to the daemon
+        (its task span is then the caller's child)."""
+        if type(namespace) is not bytes or (tracing.enabled() and tracing.outgoing()):
+            return None
         ch = self.channel()
-        if ch is None or type(namespace) is not bytes:
+        if ch is None:
             return None
         c = self._client
         ids = {
@@ -204,7 +212,7 @@ class ClientDataPlane:
                 namespace,
                 blocks,
                 ids,
-                flags=dp.SQF_DURABLE if durable else 0,
+                flags=(dp.SQF_DURABLE if durable else 0) | (dp.SQF_CACHE_ONLY if cache_only else 0),
                 progress=word,
                 timeout_s=c.rpc_timeout_s,
             )
@@ -237,14 +245,17 @@ class ClientDataPlane:
     def _owner(self, task_id: int) -> _Channel | None:
         return self._channel if self.owns(task_id) else None
 
-    def wait(self, task_id: int, timeout_s: float) -> TaskResult | None:
-        """The task's result if it ended all OK within ``timeout_s``; None: ask gRPC (it ended
-        otherwise, timed out, or is not this channel's), with whatever time is left."""
+    def wait(self, task_id: int, timeout_s: float) -> tuple[TaskResult | None, float]:
+        """The task's result if it ended all OK within ``timeout_s``; else None and the time left to
+        ask gRPC with (it ended otherwise, timed out, or is not this channel's: ``timeout_s`` as
+        given, which gRPC checks)."""
         ch = self._owner(task_id)
-        if ch is None:
-            return None
-        done = ch.ring.wait_finished(task_id, timeout_s)
-        return self._result(ch, task_id, done)
+        if ch is None or type(timeout_s) not in (int, float) or math.isnan(timeout_s):
+            return None, timeout_s
+        seconds = min(max(float(timeout_s), 0.0), WAIT_CAP_S)
+        start = time.monotonic()
+        local = self._result(ch, task_id, ch.ring.wait_finished(task_id, seconds))
+        return local, max(seconds - (time.monotonic() - start), 0.0)
 
     def check(self, task_id: int) -> TaskResult | None:
         ch = self._owner(task_id)
@@ -267,6 +278,50 @@ class ClientDataPlane:
             bytes_done=done.bytes_done,
             elapsed_s=done.elapsed_s,
         )
+
+    def answer(
+        self,
+        sent: concurrent.futures.Future[Submitted],
+        by_grpc: Callable[[], concurrent.futures.Future[int]],
+        progress: Segment | None,
+    ) -> concurrent.futures.Future[int]:
+        """The task id of a request sent through the ring. A refusal is the daemon's, as the RPC's
+        would be, except a lost session or a channel that ended: the request then goes by gRPC
+        (``by_grpc``, which reconnects; nothing was submitted). The answer's back-pressure flag is
+        the client's, as a ``TaskHandle``'s is; a progress word the daemon did not take reads DONE."""
+        client = self._client
+        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def settle(f: concurrent.futures.Future[Submitted]) -> None:
+            exc = f.exception()
+            if exc is not None and refusal_needs_grpc(exc) and not self._closed:
+                try:
+                    again = by_grpc()
+                except BaseException as late:  # the client was closed meanwhile
+                    out.set_exception(late)
+                    return
+                again.add_done_callback(lambda g: _copy_outcome(g, out))
+                return
+            if exc is not None:
+                client._progress_done(progress)
+                out.set_exception(exc)
+                return
+            submitted = f.result()
+            client.store_saturated = submitted.store_saturated
+            if progress is not None and not submitted.progress:
+                client._progress_done(progress)
+            out.set_result(submitted.task_id)
+
+        sent.add_done_callback(settle)
+        return out
+
+
+def _copy_outcome(source: concurrent.futures.Future[int], target: concurrent.futures.Future[int]) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 def refusal_needs_grpc(exc: BaseException) -> bool:

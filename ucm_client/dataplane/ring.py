@@ -41,6 +41,8 @@ class Submitted:
     task_id: int
     progress: bool
     """A Load's progress word was taken by the daemon."""
+    store_saturated: bool = False
+    """The daemon's back-pressure flag at submission (``TaskHandle.store_saturated``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +278,9 @@ class RingClient:
         """One completion (lock held): a task's end is kept; an answer settles its submission (after
         the lock is let go: returned)."""
         fields = dp.CQE.unpack_from(self.map, self._cq_at + slot * dp.CQE_BYTES)
-        user_data, kind, state, all_ok, progress, status, task_id, done, elapsed, msg_len, nblocks = fields
+        user_data, kind, state, all_ok, progress, status, task_id, done, elapsed, msg_len, nblocks, full = (
+            fields
+        )
         if kind == dp.CQ_FINISHED:
             self._finished[task_id] = Finished(task_id, state, bool(all_ok), done, elapsed, nblocks)
             while len(self._finished) > KEEP_FINISHED:
@@ -287,7 +291,7 @@ class RingClient:
         if future is None:
             return []
         if kind == dp.CQ_SUBMITTED:
-            return [(future, Submitted(task_id, bool(progress)))]
+            return [(future, Submitted(task_id, bool(progress), bool(full)))]
         at = self._msg_at + slot * dp.MESSAGE_BYTES
         reason = bytes(self.map[at : at + min(msg_len, dp.MESSAGE_BYTES)]).decode(errors="replace")
         return [(future, error_for_status(_CODES.get(status, grpc.StatusCode.UNKNOWN), reason))]

@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ucm_client import tracing
 from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
 from ucm_client.vllm.identity import KeySpace, check_hash_stability
 from ucm_client.vllm.kv_events import EventForwarder, forwarder_for
@@ -91,6 +92,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version(vllm.__version__, self.ucm_config)
         check_hash_stability(str(vllm_config.cache_config.prefix_caching_hash_algo), self.ucm_config)
         check_parallelism(vllm_config)
+        tracing.configure(self.ucm_config)  # off unless tracing_exporter says otherwise
         if daemon_keys := self.ucm_config.daemon_side_keys():
             logger.warning(
                 "UCMConnector: %s configure ucm-server, not the connector; they have no effect here",

@@ -41,6 +41,7 @@ from ucm_server.store.base import Tier
 from ucm_server.store.observed import ObservedTier
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.watch import Watchable, add_watch, remove_watch
+from ucm_server.store.wrapper import TierWrapper
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,17 @@ GROWTH = 1.4
 
 def exact_tiers(pipeline: Pipeline) -> tuple[list[Tier], bool]:
     """The tiers whose own index reports every change, and whether that is every tier."""
-    exact = [
-        t
-        for t in pipeline.tiers
-        if isinstance(t, Watchable) and not isinstance(t, ObservedTier) and not t.shared
-    ]
+    exact = [t for t in pipeline.tiers if isinstance(t, Watchable) and _indexed(t) and not t.shared]
     return list[Tier](exact), len(exact) == len(pipeline.tiers)
+
+
+def _indexed(tier: Tier) -> bool:
+    """The tier under its wrappers (tracing, admission, encryption...) keeps an index of its own: a
+    wrapper that observes calls (:class:`ObservedTier`, which admission puts around a tier without
+    one) knows nothing of what the tier held before."""
+    while isinstance(tier, TierWrapper) and not isinstance(tier, ObservedTier):
+        tier = tier.inner
+    return isinstance(tier, Watchable) and not isinstance(tier, ObservedTier)
 
 
 class _TierWatch:

@@ -37,7 +37,9 @@ from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, UcmError
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, PackedDigests
 from ucm_protocol.native import native
-from ucm_server.auth import Principal, current_principal
+from ucm_protocol.wire import AUTH_METADATA
+from ucm_server.auth import Principal
+from ucm_server.authz import DATA_PLANE, enter
 from ucm_server.dataplane.memory import sealed_memfd
 from ucm_server.engine import Engine
 from ucm_server.store.base import BlockState
@@ -50,6 +52,11 @@ CQ_ENTRIES = 1024
 """Room for an answer and an end for every entry of a full submission queue, twice."""
 _U32 = 0xFFFFFFFF
 _KINDS = {dp.OP_LOAD: TaskKind.LOAD, dp.OP_DUMP: TaskKind.DUMP}
+
+
+def token_metadata(token: str) -> list[tuple[str, str]]:
+    """The metadata a gRPC call with this bearer token carries (none without one)."""
+    return [(AUTH_METADATA, f"Bearer {token}")] if token else []
 
 
 class RingBroken(Exception):
@@ -72,7 +79,7 @@ class SessionRing:
         self,
         engine: Engine,
         session_id: str,
-        principal: Principal,
+        token: str,
         conn: socket.socket,
         arena_bytes: int,
         *,
@@ -83,7 +90,9 @@ class SessionRing:
         assert native is not None
         self.engine = engine
         self.session_id = session_id
-        self.principal = principal
+        self._metadata = token_metadata(token)
+        """The caller's credentials, as a gRPC call of the session would carry them: every request in
+        the ring is authorized again, as that call would be (a token revoked since is refused)."""
         self.conn = conn
         self.generation = secrets.randbits(63) or 1
         self._on_close = on_close
@@ -167,7 +176,6 @@ class SessionRing:
 
     # -- requests -------------------------------------------------------------------------------------
     async def _serve(self) -> None:
-        current_principal.set(self.principal)  # this worker task's calls are the session's tenant's
         try:
             while not self.closed and len(self._backlog) < CQ_ENTRIES:
                 entry = self._take()
@@ -202,14 +210,18 @@ class SessionRing:
             dp.SQE.unpack(entry)
         )
         if op == dp.OP_TRACK:  # the namespace in the progress word's place: no body, no answer
-            self._on_track(self.principal, p_region.to_bytes(8, "little") + p_offset.to_bytes(8, "little"))
+            with contextlib.suppress(UcmError):  # a token refused now: nothing tracked, no answer due
+                principal = self._admit("channel")
+                self._on_track(principal, p_region.to_bytes(8, "little") + p_offset.to_bytes(8, "little"))
             return
         kind = _KINDS.get(op)
         try:
             if kind is None:
                 raise InvalidArgument(f"unknown data-plane request {op}")
+            self._admit("load" if kind is TaskKind.LOAD else "dump")
             body = self._body(body_at, body_len, nblocks, nseg, bool(flags & dp.SQF_MULTI))
             task = await self._submit(kind, flags, body, nblocks, nseg, (p_region, p_offset, p_length))
+            saturated = self.engine.poll_store_saturated()
         except UcmError as exc:
             self._post(dp.CQ_REFUSED, user_data, status=int(exc.code.value[0]), reason=exc.message)
             return
@@ -225,8 +237,21 @@ class SessionRing:
         self.tasks[task.task_id] = user_data
         self._on_submitted(self, task)
         self._post(
-            dp.CQ_SUBMITTED, user_data, task_id=task.task_id, progress=task.reports_progress, nblocks=nblocks
+            dp.CQ_SUBMITTED,
+            user_data,
+            task_id=task.task_id,
+            progress=task.reports_progress,
+            nblocks=nblocks,
+            saturated=saturated,
         )
+
+    def _admit(self, entry: str) -> Principal:
+        """Authorize a request as its RPC would be (:data:`~ucm_server.authz.DATA_PLANE`), and make
+        the grant this worker's: the engine reads it as it reads a call's."""
+        grant = self.engine.authz.admit(DATA_PLANE[entry], self._metadata, local=True)
+        assert grant is not None
+        enter(grant)
+        return grant.principal
 
     def _body(self, at: int, length: int, nblocks: int, nseg: int, multi: bool) -> bytes:
         """The request's body, checked against the arena and its own counts, copied out. Only what
@@ -266,6 +291,7 @@ class SessionRing:
             offsets,
             lengths,
             durable=bool(flags & dp.SQF_DURABLE),
+            cache_only=kind is TaskKind.DUMP and bool(flags & dp.SQF_CACHE_ONLY),
             progress=progress if kind is TaskKind.LOAD and flags & dp.SQF_PROGRESS else None,
         )
 
@@ -300,6 +326,7 @@ class SessionRing:
         bytes_done: int = 0,
         elapsed_s: float = 0.0,
         nblocks: int = 0,
+        saturated: bool = False,
         reason: str = "",
     ) -> None:
         message = reason.encode(errors="replace")[: dp.MESSAGE_BYTES]
@@ -315,6 +342,7 @@ class SessionRing:
             elapsed_s,
             len(message),
             nblocks,
+            saturated,
         )
         self._backlog.append((entry, message))
         self._flush_backlog()

@@ -28,13 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ucm_protocol import dataplane as dp
-from ucm_protocol.errors import FailedPrecondition
-from ucm_protocol.keys import check_namespace
-from ucm_protocol.wire import AUTH_METADATA
-from ucm_server.auth import ANONYMOUS, Authenticator, Principal, current_principal
+from ucm_protocol.errors import FailedPrecondition, UcmError
+from ucm_server.auth import Authenticator, Principal
+from ucm_server.authz import DATA_PLANE, enter
 from ucm_server.dataplane.listener import DataPlaneListener
 from ucm_server.dataplane.presence import REFRESH_S, Presence
-from ucm_server.dataplane.ring import SessionRing
+from ucm_server.dataplane.ring import SessionRing, token_metadata
 from ucm_server.engine import Engine
 from ucm_server.snapshot import EngineSnapshot
 from ucm_server.tasks import Task
@@ -68,7 +67,7 @@ class DataPlane:
         self._seen: dict[int, tuple[int, int, int]] = {}
         self.local = _Counts()
         engine.tasks.on_finish.append(self._finished)
-        engine.task_events.skip = self._reported_by_ring  # its ring says it ended: no push as well
+        engine.sessions.task_events.skip = self._reported_by_ring  # its ring says it ended: no push as well
         engine.snapshot_hooks.append(self._with_local_lookups)
         engine.metrics.before_collect.append(self.fold_lookups)
 
@@ -105,27 +104,26 @@ class DataPlane:
                 log.exception("data plane: upkeep failed")
 
     # -- handshakes (the listener calls these on the event loop) ----------------------------------------
-    def _principal(self, session_id: str, token: str) -> Principal:
-        """Who the caller is, as the gRPC interceptor would decide, and that the session is theirs."""
-        principal = ANONYMOUS
-        if self.authenticator is not None:
-            metadata = [(AUTH_METADATA, f"Bearer {token}")] if token else []
-            principal = self.authenticator.authenticate(metadata)
-        current_principal.set(principal)  # this handshake's task only
-        self.engine.session(session_id)  # attached, and the token's tenant's (else it raises)
-        return principal
+    def _principal(self, entry: str, session_id: str, token: str) -> Principal:
+        """Who the caller is and whether it may, decided as for the RPC ``entry`` stands in for
+        (:data:`~ucm_server.authz.DATA_PLANE`), and that the session is theirs."""
+        grant = self.engine.authz.admit(DATA_PLANE[entry], token_metadata(token), local=True)
+        assert grant is not None  # every entry point names a guarded method
+        enter(grant)  # this handshake's task only
+        self.engine.sessions.get(session_id)  # attached, and the caller's tenant's (else it raises)
+        return grant.principal
 
     def open_channel(
         self, session_id: str, token: str, conn: socket.socket
     ) -> tuple[list[int], bytes, Callable[[bool], None]]:
-        principal = self._principal(session_id, token)
+        principal = self._principal("channel", session_id, token)
         if session_id in self.rings:
             raise FailedPrecondition(f"session {session_id[:8]} already has a data-plane channel")
         table = self.presence.table(principal.tenant)
         ring = SessionRing(
             self.engine,
             session_id,
-            principal,
+            token,
             conn,
             self.arena_bytes,
             on_close=self._ring_closed,
@@ -155,7 +153,7 @@ class DataPlane:
         return fds, info, ready
 
     def fetch_table(self, session_id: str, token: str) -> tuple[list[int], bytes]:
-        principal = self._principal(session_id, token)
+        principal = self._principal("table", session_id, token)
         table = self.presence.table(principal.tenant)
         return [table.reader_fd()], dp.TABLE_INFO.pack(table.generation, table.size)
 
@@ -163,8 +161,8 @@ class DataPlane:
         if not self.presence.tenants:
             return  # every namespace is tracked already
         try:
-            stored = principal.scope(check_namespace(named))
-        except Exception:
+            stored = self.engine.authz.namespace(named)  # as a Lookup of the caller would name it
+        except UcmError:
             return
         self.presence.track(principal.tenant, named, stored)
 
