@@ -263,6 +263,24 @@ async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Non
         loop.remove_reader(conn.fileno())
 
 
+def listen_private(path: Path) -> socket.socket:
+    """A non-blocking Unix stream socket listening at ``path``, mode 0600 from its first moment (the
+    caller has checked its directory and cleared a stale socket there)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 class HandoverListener:
     """The fd socket: accepts connections on the event loop, one request each, never blocking."""
 
@@ -292,19 +310,7 @@ class HandoverListener:
 
     def bind(self) -> None:
         """Create the socket, mode 0600 (the caller has checked its directory and cleared a stale one)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(str(self.path))
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
+        self._sock = listen_private(self.path)
 
     async def start(self) -> None:
         if self._sock is None:

@@ -24,6 +24,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ucm_protocol.dataplane import dataplane_socket_path
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.fdpass import fd_socket_path
 from ucm_protocol.ucm.v1 import ucm_pb2, ucm_pb2_grpc
@@ -103,10 +104,12 @@ def _clear_stale_socket(path: Path) -> None:
 
 
 def _prepare_socket(path: Path) -> None:
-    """Check (or create) the socket's 0700 directory and clear stale sockets, refusing a live one."""
+    """Check (or create) the socket's 0700 directory and clear stale sockets (gRPC, fd and data
+    plane), refusing a live one."""
     _prepare_socket_dir(path.parent)
     _clear_stale_socket(path)
     _clear_stale_socket(fd_socket_path(path))
+    _clear_stale_socket(dataplane_socket_path(path))
 
 
 def _lock_dir(path: Path) -> int:

@@ -7,6 +7,11 @@ of another tenant is named exactly as that tenant's namespace is stored (which a
 the tenant's name), a session by its real id. An RPC added to the proto without a row here fails
 ``test_every_rpc_has_a_row``; one the daemon has no rule for is refused by the daemon itself.
 
+The local data plane (``<socket>.dp``: a table clients look up in, a ring for Load and Dump) has no
+RPC of its own: each of its entry points is decided under the row of the RPC it stands in for
+(:data:`ucm_server.authz.DATA_PLANE`), and ``DATA_PLANE_TABLE`` plays those rows again through the
+data plane itself, as a local caller meets them (a TCP peer has no data plane).
+
 Outcomes: ``REACHED`` (the call acted on the target: returned its bytes, deleted it, changed its
 retention, listed it...), ``UNREACHED`` (the call succeeded and the target was neither seen nor
 changed: the caller met a namespace of its own that holds nothing), or the exact gRPC status code.
@@ -40,11 +45,18 @@ from support.tls import tcp_port
 from support.tokens import tokens_file
 
 from ucm_client import SharedBuffer, key_digest, namespace_id
+from ucm_client.dataplane.channel import open_channel
+from ucm_client.dataplane.ring import RingClient
+from ucm_client.dataplane.table import Miss, TableView
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
+from ucm_client.types import BlockIO, Segment
+from ucm_protocol import dataplane as dp
+from ucm_protocol.errors import UcmError
+from ucm_protocol.native import MISSING, native
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_server.authz import RULES
+from ucm_server.authz import DATA_PLANE, RULES
 from ucm_server.testing.daemon import DaemonProcess
 
 REACHED, UNREACHED = "reached", "unreached"
@@ -120,6 +132,16 @@ TABLE: dict[str, dict[str, tuple[Outcome, ...]]] = {
 """THE table: RPC -> principal -> outcome for its own, another tenant's and unowned targets."""
 
 
+DATA_PLANE_TABLE: dict[str, dict[str, tuple[Outcome, ...]]] = {
+    f"DataPlane/{entry}": {
+        **TABLE[f"KVStore/{entry}"],
+        "anonymous_tcp": (None, None, None),  # the data-plane socket is a Unix socket
+    }
+    for entry in ("Lookup", "Load", "Dump")
+}
+"""The data plane's lookups (from the table) and its ring's Load and Dump: the RPCs' rows."""
+
+
 def test_every_rpc_has_a_row() -> None:
     """Every method of every ``ucm.v1`` service has a row here and a rule in the daemon, and every
     row has every principal: a method added to the proto fails here until someone decides."""
@@ -129,6 +151,15 @@ def test_every_rpc_has_a_row() -> None:
     assert set(RULES) == {f"/ucm.v1.{m}" for m in methods}
     for name, row in TABLE.items():
         assert set(row) == {*OPEN, *TOKENED}, name
+
+
+def test_every_data_plane_entry_is_decided_as_an_rpc() -> None:
+    """The daemon decides each data-plane entry point under an RPC's rule, and this file plays the
+    ones a caller can aim at a block."""
+    assert set(DATA_PLANE.values()) <= set(RULES)
+    assert {DATA_PLANE[e] for e in ("load", "dump")} == {"/ucm.v1.KVStore/Load", "/ucm.v1.KVStore/Dump"}
+    assert {DATA_PLANE[e] for e in ("channel", "table")} == {"/ucm.v1.KVStore/Lookup"}
+    assert set(DATA_PLANE_TABLE) == {f"DataPlane/{r.rsplit('/', 1)[-1]}" for r in DATA_PLANE.values()}
 
 
 # -- the callers ---------------------------------------------------------------------------------------
@@ -416,6 +447,90 @@ PROBES: dict[str, Probe] = {
     "Admin/Evict": probe_evict,
     "Admin/Verify": probe_verify,
 }
+
+
+# -- the data plane: the same targets through the table and the ring ----------------------------------
+@dataclass
+class Plane:
+    ring: RingClient
+    table: TableView
+
+    def close(self) -> None:
+        self.ring.close()
+        self.table.close()
+
+
+PLANES: dict[tuple[int, str], Plane | UcmError] = {}
+"""Each caller's data-plane channel on a daemon (by the daemon object), or the refusal that met it."""
+
+
+def _plane(w: World, c: Caller) -> Plane:
+    """``c``'s channel for its session, opened once (a session has one), as its token opens it."""
+    slot = (id(w.daemon), c.name)
+    if slot not in PLANES:
+        path = dp.dataplane_socket_path(w.daemon.socket)
+        try:
+            conn, ring, table = open_channel(path, trusted_uids(), c.session, c.token or None, 5.0)
+            PLANES[slot] = Plane(RingClient(conn, ring.map), TableView(table.map, table.generation))
+        except UcmError as exc:
+            PLANES[slot] = exc
+    found = PLANES[slot]
+    if isinstance(found, UcmError):
+        raise found
+    return found
+
+
+def probe_dp_lookup(w: World, c: Caller, t: Target) -> Outcome:
+    plane = _plane(w, c)
+    deadline = time.monotonic() + 10
+    while True:
+        answer = plane.table.lookup(t.ns, [t.digest])
+        if not isinstance(answer, Miss) or time.monotonic() > deadline:
+            break
+        if answer is Miss.UNTRACKED:  # a table of some namespaces: ask for this one, as the client does
+            plane.ring.track(t.ns)
+        time.sleep(0.02)
+    assert not isinstance(answer, Miss), f"the table never answered: {answer}"
+    return REACHED if answer[1][0] else UNREACHED
+
+
+def _ring_task(w: World, c: Caller, op: int, t: Target) -> pb.TaskStatus | None:
+    """A Load or Dump of the target through the caller's ring: its status, or None when it ended
+    all OK (a refusal raises, as the RPC's does)."""
+    plane = _plane(w, c)
+    block = BlockIO(t.digest, (Segment(c.region, 0, BLOCK),))
+    sent = plane.ring.submit(op, t.ns, [block], {c.region: c.region})
+    assert sent is not None, "a one-block request fits the ring"
+    task_id = sent.result(10).task_id
+    finished = plane.ring.wait_finished(task_id, 20)
+    assert finished is not None and finished.state == pb.TASK_DONE, finished
+    if finished.all_ok:
+        return None
+    return _wait(c, task_id)
+
+
+def probe_dp_load(w: World, c: Caller, t: Target) -> Outcome:
+    assert c.buffer is not None
+    c.buffer.buf[:BLOCK] = bytes(BLOCK)
+    status = _ring_task(w, c, dp.OP_LOAD, t)
+    state = pb.BLOCK_OK if status is None else status.block_status[0]
+    return _read_outcome(state, bytes(c.buffer.buf[:BLOCK]), t)
+
+
+def probe_dp_dump(w: World, c: Caller, t: Target) -> Outcome:
+    assert c.buffer is not None
+    c.buffer.buf[:BLOCK] = os.urandom(BLOCK)
+    status = _ring_task(w, c, dp.OP_DUMP, t)
+    assert status is None, status
+    return _write_outcome(w, t)
+
+
+DATA_PLANE_PROBES: dict[str, Probe] = {
+    "DataPlane/Lookup": probe_dp_lookup,
+    "DataPlane/Load": probe_dp_load,
+    "DataPlane/Dump": probe_dp_dump,
+}
+
 SESSION_CALLS = {"KVStore/RegisterRegion", "KVStore/UnregisterRegion", "KVStore/Wait", "KVStore/Check"}
 SESSION_CALLS |= {"KVStore/Cancel", "KVStore/Attach"}
 
@@ -457,16 +572,20 @@ def _target(w: World, rpc_name: str, caller: str, kind: str) -> Target:
 
 def play(w: World, principals: tuple[str, ...]) -> dict[tuple[str, str, str], Outcome]:
     found: dict[tuple[str, str, str], Outcome] = {}
-    for rpc_name, row in TABLE.items():
-        for caller in principals:
-            for kind, expected in zip(TARGETS, row[caller], strict=True):
-                if expected is None:
-                    continue
-                t = _target(w, rpc_name, caller, kind)
-                try:
-                    found[rpc_name, caller, kind] = PROBES[rpc_name](w, w.callers[caller], t)
-                except grpc.RpcError as exc:
-                    found[rpc_name, caller, kind] = exc.code().name
+    tables = [(TABLE, PROBES)] + ([(DATA_PLANE_TABLE, DATA_PLANE_PROBES)] if native is not None else [])
+    for table, probes in tables:
+        for rpc_name, row in table.items():
+            for caller in principals:
+                for kind, expected in zip(TARGETS, row[caller], strict=True):
+                    if expected is None:
+                        continue
+                    t = _target(w, rpc_name, caller, kind)
+                    try:
+                        found[rpc_name, caller, kind] = probes[rpc_name](w, w.callers[caller], t)
+                    except grpc.RpcError as exc:
+                        found[rpc_name, caller, kind] = exc.code().name
+                    except UcmError as exc:  # the data plane refuses with the RPC's status codes
+                        found[rpc_name, caller, kind] = exc.code.name
     return found
 
 
@@ -481,6 +600,10 @@ def _attach(c: Caller) -> None:
 
 
 def _close(w: World) -> None:
+    for slot in [s for s in PLANES if s[0] == id(w.daemon)]:
+        plane = PLANES.pop(slot)
+        if isinstance(plane, Plane):
+            plane.close()
     for c in [*w.callers.values(), w.harness]:
         if c._attach is not None:
             c._attach.cancel()  # type: ignore[attr-defined]
@@ -562,7 +685,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
         w = _open_world(d)
         try:
             found |= play(w, OPEN)
-            for rpc_name in TABLE:  # the later daemon's unowned blocks, stored in a namespace as named
+            for rpc_name in [*TABLE, *DATA_PLANE_TABLE]:  # the later daemon's unowned blocks, stored
                 for caller in TOKENED:
                     digest = key_digest(f"{rpc_name}/{caller}/unowned", 0)
                     UNOWNED[digest] = put(w.callers["local"], digest, NS_UNOWNED)
@@ -579,21 +702,37 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
     return found
 
 
-@pytest.mark.parametrize("rpc_name", list(TABLE))
-def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
-    """Each RPC's row, as played against the daemons: every principal, every target."""
+def _row_as_played(
+    row: dict[str, tuple[Outcome, ...]], name: str, outcomes: dict[tuple[str, str, str], Outcome]
+) -> None:
     expected = {
         (caller, kind): outcome
-        for caller, row in TABLE[rpc_name].items()
-        for kind, outcome in zip(TARGETS, row, strict=True)
+        for caller, cells in row.items()
+        for kind, outcome in zip(TARGETS, cells, strict=True)
         if outcome is not None
     }
-    played = {(caller, kind): outcomes[rpc_name, caller, kind] for caller, kind in expected}
+    played = {(caller, kind): outcomes[name, caller, kind] for caller, kind in expected}
     assert played == expected
 
 
+@pytest.mark.parametrize("rpc_name", list(TABLE))
+def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
+    """Each RPC's row, as played against the daemons: every principal, every target."""
+    _row_as_played(TABLE[rpc_name], rpc_name, outcomes)
+
+
+@pytest.mark.skipif(native is None, reason=f"the local data plane is not built here: {MISSING}")
+@pytest.mark.parametrize("entry", list(DATA_PLANE_TABLE))
+def test_data_plane_matrix(entry: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
+    """The data plane's lookups and ring requests, played like the RPCs they stand in for."""
+    _row_as_played(DATA_PLANE_TABLE[entry], entry, outcomes)
+
+
 def test_the_table_was_played_whole(outcomes: dict[tuple[str, str, str], Outcome]) -> None:
-    cells = sum(1 for row in TABLE.values() for r in row.values() for o in r if o is not None)
+    tables = [TABLE, DATA_PLANE_TABLE] if native is not None else [TABLE]
+    cells = sum(
+        1 for table in tables for row in table.values() for r in row.values() for o in r if o is not None
+    )
     assert len(outcomes) == cells > 300
     assert set(outcomes.values()) >= {REACHED, UNREACHED, UNAUTH, DENIED, NO_SESSION}
 

@@ -13,6 +13,7 @@ refused a channel (an older one, say) is not asked again for :data:`RETRY_S`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -73,8 +74,12 @@ class _Channel:
 
 
 class ClientDataPlane:
-    def __init__(self, client: AsyncUcmClient, *, enabled: bool = True) -> None:
+    def __init__(
+        self, client: AsyncUcmClient, loop: asyncio.AbstractEventLoop, *, enabled: bool = True
+    ) -> None:
+        """``loop``: the one ``client`` runs on (its pushed task results are kept there)."""
         self._client = client
+        self._loop = loop
         self._enabled = enabled and dataplane_enabled() and client.socket_path is not None
         self._lock = threading.Lock()
         self._channel: _Channel | None = None
@@ -155,6 +160,8 @@ class ClientDataPlane:
 
     # -- lookup -------------------------------------------------------------------------------------------
     def lookup(self, namespace: bytes, keys: Sequence[bytes]) -> LookupResult | None:
+        if _traced():
+            return None
         ch = self.channel()
         if ch is None:
             return None
@@ -190,7 +197,7 @@ class ClientDataPlane:
         """A Load/Dump through the ring: the future of its answer, or None (use gRPC). A call made
         inside a traced span goes by gRPC, whose metadata carries the span's context to the daemon
         (its task span is then the caller's child)."""
-        if type(namespace) is not bytes or (tracing.enabled() and tracing.outgoing()):
+        if type(namespace) is not bytes or _traced():
             return None
         ch = self.channel()
         if ch is None:
@@ -308,12 +315,21 @@ class ClientDataPlane:
                 return
             submitted = f.result()
             client.store_saturated = submitted.store_saturated
+            # A task that does not end all OK is pushed on the session stream as a gRPC one is: the
+            # client's wait takes it from there (scheduled before the caller can learn the task id).
+            self._loop.call_soon_threadsafe(client._finished.expect, submitted.task_id)
             if progress is not None and not submitted.progress:
                 client._progress_done(progress)
             out.set_result(submitted.task_id)
 
         sent.add_done_callback(settle)
         return out
+
+
+def _traced() -> bool:
+    """A call made inside a traced span goes by gRPC: its metadata carries the span's context, so the
+    daemon's spans (the call's, its task's) are that span's children, as without the data plane."""
+    return tracing.enabled() and bool(tracing.outgoing())
 
 
 def _copy_outcome(source: concurrent.futures.Future[int], target: concurrent.futures.Future[int]) -> None:

@@ -29,6 +29,7 @@ import grpc
 from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
 from ucm_protocol.fdpass import peer_credentials
+from ucm_server.handover import listen_private
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +50,6 @@ class Handshakes(Protocol):
         """The descriptor and info of the session's current table."""
 
 
-def clear_stale(path: Path) -> None:
-    """Remove a socket left by a crashed daemon (nobody listens); leave anything else alone."""
-    with contextlib.suppress(FileNotFoundError):
-        if not path.is_socket():
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()
-        finally:
-            probe.close()
-
-
 class DataPlaneListener:
     def __init__(
         self, path: Path, handshakes: Handshakes, *, timeout_s: float = CONNECTION_TIMEOUT_S
@@ -76,20 +63,8 @@ class DataPlaneListener:
         self._conns: set[asyncio.Task[None]] = set()
 
     def bind(self) -> None:
-        clear_stale(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(str(self.path))
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
+        """Create the socket, mode 0600 (the daemon checked its directory and cleared a stale one)."""
+        self._sock = listen_private(self.path)
 
     async def start(self) -> None:
         if self._sock is None:

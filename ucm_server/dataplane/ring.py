@@ -54,6 +54,11 @@ _U32 = 0xFFFFFFFF
 _KINDS = {dp.OP_LOAD: TaskKind.LOAD, dp.OP_DUMP: TaskKind.DUMP}
 
 
+def ended_all_ok(task: Task) -> bool:
+    """The task ended with every block OK: its ring entry says all there is to say of it."""
+    return task.state == TaskState.DONE and task.states.count(BlockState.OK) == task.nblocks
+
+
 def token_metadata(token: str) -> list[tuple[str, str]]:
     """The metadata a gRPC call with this bearer token carries (none without one)."""
     return [(AUTH_METADATA, f"Bearer {token}")] if token else []
@@ -301,7 +306,7 @@ class SessionRing:
         user_data = self.tasks.pop(task.task_id, None)
         if user_data is None or self.closed:
             return
-        all_ok = task.state == TaskState.DONE and task.states.count(BlockState.OK) == task.nblocks
+        all_ok = ended_all_ok(task)
         self._post(
             dp.CQ_FINISHED,
             user_data,

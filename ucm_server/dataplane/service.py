@@ -8,7 +8,8 @@ RPC does). gRPC stays the control plane (``Attach``, regions, ``Wait``/``Check``
 Hooks into the rest of the daemon (each one line or so where it lives):
 
 - :meth:`Engine.tasks.on_finish <ucm_server.tasks.TaskManager>`: a ring's task reports its end;
-- ``TaskEvents.skip``: and is not pushed on the session stream as well (its client reads the ring);
+- ``TaskEvents.skip``: and, if all OK, is not pushed on the session stream as well (its client reads
+  the ring);
 - ``Engine.snapshot_hooks``: the lookups clients answered from a table count in ``Admin.Stats``;
 - ``Metrics.before_collect``: and in ``/metrics``, up to the scrape;
 - :func:`ucm_server.store.watch.add_watch`: the tables hear every tier's index changes beside any
@@ -33,7 +34,7 @@ from ucm_server.auth import Authenticator, Principal
 from ucm_server.authz import DATA_PLANE, enter
 from ucm_server.dataplane.listener import DataPlaneListener
 from ucm_server.dataplane.presence import REFRESH_S, Presence
-from ucm_server.dataplane.ring import SessionRing, token_metadata
+from ucm_server.dataplane.ring import SessionRing, ended_all_ok, token_metadata
 from ucm_server.engine import Engine
 from ucm_server.snapshot import EngineSnapshot
 from ucm_server.tasks import Task
@@ -180,7 +181,9 @@ class DataPlane:
         self._ring_tasks[task.task_id] = ring
 
     def _reported_by_ring(self, task: Task) -> bool:
-        return task.task_id in self._ring_tasks
+        """A ring's task that ended all OK: its entry in the ring says it all. Any other end is
+        pushed on the session stream as well, as a gRPC task's is (states and reasons, no call)."""
+        return task.task_id in self._ring_tasks and ended_all_ok(task)
 
     def _finished(self, task: Task) -> None:
         ring = self._ring_tasks.pop(task.task_id, None)
