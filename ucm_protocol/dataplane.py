@@ -83,6 +83,10 @@ FLAG_ALL_NAMESPACES = 2
 a namespace missing from the directory holds nothing. Without it a client asks for its namespace to
 be tracked (:data:`OP_TRACK`) and uses gRPC until it is."""
 
+FLAG_LOOKUPS_BY_RPC = 4
+"""Lookups are the daemon's to see (an admission policy counts a block looked up as used again, to
+decide what it writes down): a reader asks gRPC for every lookup; Load and Dump still use the ring."""
+
 DIR_ENTRY = struct.Struct("<16sI12x")  # namespace as the client names it, state
 DIR_ENTRY_BYTES = DIR_ENTRY.size  # 32
 DIR_FREE, DIR_POPULATING, DIR_TRACKED = 0, 1, 2

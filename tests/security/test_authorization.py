@@ -485,6 +485,8 @@ def probe_dp_lookup(w: World, c: Caller, t: Target) -> Outcome:
     deadline = time.monotonic() + 10
     while True:
         answer = plane.table.lookup(t.ns, [t.digest])
+        if answer is Miss.UNKNOWN and not plane.table.flags & dp.FLAG_COMPLETE:
+            return UNREACHED  # a table of some tiers (encrypted ones here) says nothing of an absent key
         if not isinstance(answer, Miss) or time.monotonic() > deadline:
             break
         if answer is Miss.UNTRACKED:  # a table of some namespaces: ask for this one, as the client does

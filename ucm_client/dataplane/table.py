@@ -46,6 +46,8 @@ class TableView:
         assert native is not None
         if not isinstance(keys, (list, tuple)) or type(namespace) is not bytes:
             return Miss.UNKNOWN  # the checked path takes it from here
+        if self.flags & dp.FLAG_LOOKUPS_BY_RPC:
+            return Miss.UNKNOWN  # the daemon counts lookups (admission): it must see each one
         ns_id = self._ns.get(namespace)
         if ns_id is None:
             if len(namespace) != NAMESPACE_BYTES:

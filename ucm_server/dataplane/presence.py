@@ -152,6 +152,8 @@ class Presence:
         if len(exact) > dp.MAX_TIERS:
             self._exact, self.complete = exact[: dp.MAX_TIERS], False
         self.flags = (dp.FLAG_COMPLETE if self.complete else 0) | (0 if tenants else dp.FLAG_ALL_NAMESPACES)
+        if pipeline.admission is not None:  # it counts lookups as uses: they must reach the pipeline
+            self.flags |= dp.FLAG_LOOKUPS_BY_RPC
 
     # -- tables -------------------------------------------------------------------------------------------
     def table(self, tenant: str) -> PresenceTable:
