@@ -248,19 +248,26 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    """Until ``conn`` has data (or EOF) to read."""
+async def ready_for(loop: asyncio.AbstractEventLoop, conn: socket.socket, *, write: bool = False) -> None:
+    """Until ``conn`` has data (or EOF) to read, or with ``write`` room to send."""
     ready: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(conn.fileno(), wake)
+    fd = conn.fileno()
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(conn.fileno())
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
 
 
 def listen_private(path: Path) -> socket.socket:
@@ -430,7 +437,7 @@ class HandoverListener:
                     REQUEST.size - len(data), space, socket.MSG_CMSG_CLOEXEC
                 )
             except BlockingIOError:
-                await _readable(loop, conn)
+                await ready_for(loop, conn)
                 continue
             fds.extend(_fds_of(ancdata))
             if flags & socket.MSG_CTRUNC or len(fds) > 1:

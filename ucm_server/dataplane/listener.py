@@ -29,7 +29,7 @@ import grpc
 from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
 from ucm_protocol.fdpass import peer_credentials
-from ucm_server.handover import listen_private
+from ucm_server.handover import listen_private, ready_for
 
 log = logging.getLogger(__name__)
 
@@ -187,23 +187,9 @@ async def _send(conn: socket.socket, message: bytes, fds: list[int]) -> None:
         try:
             sent = conn.sendmsg([message], ancillary)
         except BlockingIOError:
-            await _writable(loop, conn)
+            await ready_for(loop, conn, write=True)
             continue
         message, ancillary = message[sent:], []
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_writer(conn.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_writer(conn.fileno())
 
 
 async def _read_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes | None:
