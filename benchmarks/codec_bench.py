@@ -1,4 +1,4 @@
-"""Compression at rest (issue #18, section 2): capacity, speed and accuracy of the fp8 e4m3 codec.
+"""Compression at rest: capacity, speed and accuracy of the fp8 e4m3 codec.
 
 ``python -m benchmarks.codec_bench`` prints markdown tables and writes ``benchmarks/results/codec.md``:
 

@@ -1,4 +1,4 @@
-"""The cost of encryption at rest (issue #18, section 3): dump and load throughput of the Posix tier
+"""The cost of encryption at rest: dump and load throughput of the Posix tier
 with and without the per-tenant AES-256-GCM wrapper, and the cipher alone on one core.
 
 ``python -m benchmarks.encryption_bench`` prints a markdown table and writes

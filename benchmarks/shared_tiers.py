@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.services import ServiceUnavailable, start_ceph_rgw, start_mooncake_master
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import IoVec, Tier
+from ucm_server.store.base import Tier
+from ucm_server.store.copying import IoVec
 
 LOOKUP_KEYS = 2048
 

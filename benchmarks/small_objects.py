@@ -1,7 +1,7 @@
-"""Small objects at file-system speed (issue #13, item 2): Posix-tier dumps and loads of many small
-blocks as ratios of a plain process doing the same file work, measured side by side in one run.
+"""Small objects at file-system speed: Posix-tier dumps and loads of many small blocks as ratios of a
+plain process doing the same file work, measured side by side in one run.
 
-For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:
+For each block size (4 KiB, 64 KiB, 1 MiB; ``--sizes``) and durability setting:
 
 - **plain dump**: one Python process creates one file per object in a sharded tree (``O_CREAT|O_EXCL``
   temp file, ``write``, ``rename`` over the final name; durable: ``fsync`` the file before the rename
@@ -15,16 +15,17 @@ For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:
   daemon packs them;
 - **daemon load**: a Load of every block into shared memory.
 
-The daemon runs with ``posix_pack_max_block_bytes`` (``--pack-max-block-bytes``, default 64 KiB
-here; the daemon's own default is 0, off): blocks up to it are written into pack files, many to a
-file (:mod:`ucm_server.store.posix.packs`). ``--also-without-packs`` adds rows with packs off.
+The daemon runs in its default configuration: blocks up to ``posix_pack_max_block_bytes`` (64 KiB)
+are written into pack files, many to a file (:mod:`ucm_server.store.posix.packs`), larger ones one
+file each. ``--pack-max-block-bytes N`` runs it with another limit; ``--also-without-packs`` adds
+rows with packs off (one file per block, the layout of releases before packs).
 
-Target: daemon dump ≥ 1.0× plain dump, daemon load ≥ 0.8× plain load, and durable 64 KiB dumps
-≥ 0.5× the non-durable ones. Rounds interleave plain and daemon, repeated; medians, with the spread
-(max/min of the daemon's rounds) to say how noisy the shared CPUs were.
+Target: daemon dump and load ≥ 1.0× the plain process's, and durable 64 KiB dumps ≥ 0.5× the
+non-durable ones. Rounds interleave plain and daemon, repeated; medians, with the spread (max/min
+of the daemon's rounds) to say how noisy the shared CPUs were.
 
-Run: ``python -m benchmarks.small_objects [--repeat 5] [--scale 1.0] [--pack-max-block-bytes N]`` (writes
-``benchmarks/results/small_objects.md``).
+Run: ``python -m benchmarks.small_objects [--repeat 5] [--scale 1.0] [--sizes 4096,65536,1048576]
+[--pack-max-block-bytes N] [--also-without-packs]`` (writes ``benchmarks/results/small_objects.md``).
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ from typing import Any
 import numpy as np
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
+from ucm_server.config import ServerConfig
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(bench="small_objects")
 RESULTS = Path(__file__).resolve().parent / "results" / "small_objects.md"
 SIZES = ((4096, 4096), (65536, 1024), (1 << 20, 128))
 """(block size, blocks per round) at scale 1."""
+BYTES_PER_ROUND = 64 << 20
+"""A size not in :data:`SIZES` dumps and loads this many bytes a round (at least 16 blocks)."""
+DEFAULT_PACKS = ServerConfig().posix_pack_max_block_bytes
+"""The daemon's own packing limit (``posix_pack_max_block_bytes``)."""
 
 
 def _plain_dump(root: Path, n: int, size: int, payload: memoryview, durable: bool, prefix: str) -> None:
@@ -147,10 +153,12 @@ def measure(workdir: Path, size: int, n: int, durable: bool, repeat: int, packs:
     return rates
 
 
-def run(repeat: int, scale: float, packs: int, without: bool) -> list[dict[str, Any]]:
+def run(repeat: int, scale: float, packs: int, without: bool, sizes: list[int]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    counts = dict(SIZES)
     with tempfile.TemporaryDirectory(prefix="ucm-small-", dir=os.environ.get("UCM_BENCH_DIR")) as tmp:
-        for size, n in SIZES:
+        for size in sizes:
+            n = counts.get(size, max(16, BYTES_PER_ROUND // size))
             for durable in (False, True):
                 for limit in (packs, 0) if without and size <= packs else (packs,):
                     count = max(16, int(n * scale))
@@ -166,10 +174,10 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
-def table(rows: list[dict[str, Any]], packs: int) -> str:
+def table(rows: list[dict[str, Any]], packs: int, command: str) -> str:
     lines = [
         "| block | durable | packs | blocks | daemon dump /s | plain create+write+rename /s "
-        "| dump ratio (≥ 1.0) | daemon load /s | plain open+read /s | load ratio (≥ 0.8) "
+        "| dump ratio (≥ 1.0) | daemon load /s | plain open+read /s | load ratio (≥ 1.0) "
         "| noise (max/min dump, load) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -183,7 +191,7 @@ def table(rows: list[dict[str, Any]], packs: int) -> str:
             f"| {r['dump_spread']:.2f}, {r['load_spread']:.2f} |"
         )
     lines.append("")
-    for size, _ in SIZES:
+    for size in sorted({r["size"] for r in rows}):
         if (size, True) in by and (size, False) in by:
             ratio = by[(size, True)]["dump"] / by[(size, False)]["dump"]
             target = " (target ≥ 0.5)" if size == 65536 else ""
@@ -191,14 +199,14 @@ def table(rows: list[dict[str, Any]], packs: int) -> str:
                 f"- durable ÷ non-durable daemon dump (packs as above), {_size(size)}: {ratio:.2f}×{target}"
             )
     lines.append("")
+    setting = "the daemon's default" if packs == DEFAULT_PACKS else f"the daemon's default is {DEFAULT_PACKS}"
     lines.append(
         "Daemon: `store_pipeline: Posix`, one Dump/Load task of all blocks from/into registered shared "
-        f"memory until Wait returns; packs: `posix_pack_max_block_bytes: {packs}` (blocks up to it "
-        "written many to a pack file; the daemon's default is 0, one file per block). Plain: one "
+        f"memory until Wait returns; packs: `posix_pack_max_block_bytes: {packs}` ({setting}; blocks up "
+        "to it written many to a pack file, rows with packs off: one file per block). Plain: one "
         "process, one file per object in 256 shard directories (durable: fsync file, rename, fsync "
         "directory per object), loads reading the daemon's block files (its own where the daemon "
-        "packs). Medians of interleaved rounds; "
-        "`python -m benchmarks.small_objects`."
+        f"packs). Medians of interleaved rounds; `{command}`."
     )
     return "\n".join(lines)
 
@@ -207,11 +215,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the block counts (e.g. 0.25)")
-    p.add_argument("--pack-max-block-bytes", type=int, default=64 << 10, help="the daemon's packing limit")
+    p.add_argument(
+        "--pack-max-block-bytes",
+        type=int,
+        default=DEFAULT_PACKS,
+        help="the daemon's packing limit (its default)",
+    )
     p.add_argument("--also-without-packs", action="store_true", help="rows with packs off too")
+    p.add_argument(
+        "--sizes",
+        default=",".join(str(size) for size, _ in SIZES),
+        help="block sizes in bytes, comma-separated",
+    )
     args = p.parse_args(argv)
-    rows = run(args.repeat, args.scale, args.pack_max_block_bytes, args.also_without_packs)
-    text = table(rows, args.pack_max_block_bytes)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rows = run(args.repeat, args.scale, args.pack_max_block_bytes, args.also_without_packs, sizes)
+    command = "python -m benchmarks.small_objects " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(rows, args.pack_max_block_bytes, command.strip())
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text + "\n")

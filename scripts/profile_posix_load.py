@@ -1,4 +1,4 @@
-"""Where a Posix-tier Load of many small blocks spends its time, layer by layer (issue #13, item 2).
+"""Where a Posix-tier Load of many small blocks spends its time, layer by layer.
 
 Measures, for one block size, the per-block cost of the same Load at four depths, all in one run on
 the files one daemon wrote (page cache warm):
@@ -6,14 +6,17 @@ the files one daemon wrote (page cache warm):
 - ``daemon``: a Load task through gRPC into registered shared memory until Wait returns;
 - ``tier``: :meth:`PosixTier.read_checked_many` in this process (the pipeline's call for a
   Posix-only daemon), no gRPC, task or pipeline;
-- ``groups``: the tier's executor job (``posix.files.read_group``) called directly in one thread;
+- ``groups``: the tier's executor jobs (``posix.files.read_group``, or ``posix.files.read_pack_job``
+  with ``--packs``) called directly in one thread;
 - ``plain``: ``open`` + ``preadv`` + ``close`` of each file (the baseline of
-  ``benchmarks.small_objects``).
+  ``benchmarks.small_objects``): the daemon's block files, or with ``--packs`` one file per block
+  this script writes (as the plain process of the benchmark does).
 
 With ``--cprofile`` the daemon runs under :mod:`cProfile` (its event-loop thread; the executor's
-file work shows as ``groups``) and the top functions by own time are printed.
+file work shows as ``groups``) and the top functions by own time are printed (``PROFILE_SORT=cumtime``
+sorts by cumulative time, ``PROFILE_FILTER=ucm_`` lists only functions whose file matches).
 
-Run: ``python scripts/profile_posix_load.py --size 4096 --blocks 4096 [--cprofile]``.
+Run: ``python scripts/profile_posix_load.py --size 4096 --blocks 4096 [--packs] [--cprofile]``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import numpy as np
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.posix import PosixTier
-from ucm_server.store.posix.files import read_group
+from ucm_server.store.posix.files import read_group, read_pack_job
+from ucm_server.store.posix.packs import PackedStamp, read_jobs
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(bench="profile_posix_load")
@@ -77,12 +81,25 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _plain_files(root: Path, data: memoryview, size: int, n: int) -> list[Path]:
+    """One file per block in 256 shard directories, as the plain process of the benchmark writes."""
+    made = []
+    for i in range(n):
+        shard = root / f"{i % 256:02x}"
+        shard.mkdir(parents=True, exist_ok=True)
+        path = shard / f"{i:08x}.blk"
+        path.write_bytes(data[i * size : (i + 1) * size])
+        made.append(path)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=4096)
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--cprofile", action="store_true")
+    p.add_argument("--packs", action="store_true", help="the daemon packs the blocks (its default)")
     p.add_argument(
         "--dump-between",
         action="store_true",
@@ -93,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ucm-prof-") as tmp:
         work = Path(tmp)
         prof = work / "daemon.prof"
-        # One file per block: this script profiles the block-file read path (packs: small_objects).
-        args = ["--store-pipeline", "Posix", "--no-durable", "--posix-pack-max-block-bytes", "0"]
+        # One file per block, or (--packs) blocks up to their size in pack files.
+        limit = str(size if a.packs else 0)
+        args = ["--store-pipeline", "Posix", "--no-durable", "--posix-pack-max-block-bytes", limit]
         d = (
             ProfiledDaemon(work / "d", prof, args=args)
             if a.cprofile
@@ -119,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             assert c.wait(c.dump(NS, blocks), 600).ok
             into = [BlockIO(k, (Segment(rd, i * size, size),)) for i, k in enumerate(digests)]
             files = sorted((d.data_dir / "blocks").rglob("*.blk"))
+            if a.packs:
+                assert not files, "the daemon wrote block files, not packs"
+                files = _plain_files(work / "plain", out, size, n)
             assert d.proc is not None
             cpu0 = _thread_cpu(d.proc.pid)
             rounds = iter(range(1 << 30))
@@ -141,11 +162,25 @@ def main(argv: list[str] | None = None) -> int:
             await tier.open()
             await tier.indexed()
             loop = asyncio.get_running_loop()
+            stamps = [tier._index.get(k) for k, _ in items]
+            packed = [
+                (k, dest, e) for (k, dest), e in zip(items, stamps, strict=True) if isinstance(e, PackedStamp)
+            ]
+            assert len(packed) == (n if a.packs else 0)
+            jobs = read_jobs(packed, 256)
+
+            def groups() -> None:
+                if a.packs:
+                    for job in jobs:
+                        read_pack_job(tier.disk, job, True)
+                else:
+                    read_group(tier.disk, items, True)
+
             fns = {
                 "tier": lambda: asyncio.run_coroutine_threadsafe(
                     tier.read_checked_many(items), loop
                 ).result(),
-                "group": lambda: read_group(tier.disk, items, True),
+                "group": groups,
                 "plain": plain,
             }
             got = await loop.run_in_executor(None, _interleaved, fns, n, a.repeat)
@@ -157,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, us, base in (
             ("daemon Load (gRPC, task, pipeline, tier)", first["daemon"], first["plain"]),
             ("tier read_checked_many (in process)", second["tier"], second["plain"]),
-            ("posix.files.read_group (one thread)", second["group"], second["plain"]),
+            ("the executor jobs, one thread", second["group"], second["plain"]),
             ("plain open+preadv+close", first["plain"], first["plain"]),
         ):
             print(f"  {name:44s} {us:8.2f}  ({base / us:.2f}x plain's rate)")
@@ -168,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  daemon CPU, thread {name:30s} {used / loads * 1e6:8.2f} µs per block")
         if a.cprofile:
             stats = pstats.Stats(str(prof))
-            stats.sort_stats("tottime").print_stats(35)
+            order, only = os.environ.get("PROFILE_SORT", "tottime"), os.environ.get("PROFILE_FILTER", "")
+            stats.sort_stats(order).print_stats(only, 35)
     return 0
 
 

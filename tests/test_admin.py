@@ -14,10 +14,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.admin_cli import admin, json_of, run_admin
 from support.blocks import NS, blocks_in
+from support.posix_files import find_block, flip_payload_byte
 
 from ucm_client import SharedBuffer, UcmClient, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
@@ -25,27 +26,6 @@ from ucm_server.testing.daemon import DaemonProcess
 REPO = Path(__file__).resolve().parents[1]
 OTHER_NS = namespace_id(model="pytest-admin-other", dtype="uint8")
 BLOCK = 4096
-
-
-def admin(
-    target: DaemonProcess | Path | str, *args: str, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m ucm_client.admin --socket ... ARGS`` with no UCM_* variables leaking in."""
-    sock = target.socket if isinstance(target, DaemonProcess) else target
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ucm_client.admin", "--socket", str(sock), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        input=stdin if stdin is not None else "",
-        timeout=60,
-    )
-
-
-def json_of(proc: subprocess.CompletedProcess[str]) -> Any:
-    return json.loads(proc.stdout)
 
 
 def key_text(namespace: bytes, digest: bytes) -> str:
@@ -208,12 +188,8 @@ def test_evict_keys_bytes_and_all(daemon: DaemonProcess, client: UcmClient, shm:
 def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 3)
     ns_hex, key_hex = keys[1].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
-    with path.open("r+b") as f:  # flip one payload byte (counted from the end) behind the daemon's back
-        f.seek(-10, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-10, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    stored = find_block(daemon.data_dir / "blocks", bytes.fromhex(ns_hex), bytes.fromhex(key_hex))
+    flip_payload_byte(stored, -10, 0xFF)  # one payload byte (counted from the end) behind the daemon's back
     proc = admin(daemon, "--json", "verify")
     assert proc.returncode == 1
     report = json_of(proc)
@@ -229,10 +205,8 @@ def test_verify_human_summary_names_the_key(
 ) -> None:
     keys = seed(client, shm, NS, 2)
     ns_hex, key_hex = keys[0].split("/")
-    path = daemon.data_dir / "blocks" / ns_hex / key_hex[:2] / f"{key_hex}.blk"
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01  # the last payload byte
-    path.write_bytes(bytes(data))
+    stored = find_block(daemon.data_dir / "blocks", bytes.fromhex(ns_hex), bytes.fromhex(key_hex))
+    flip_payload_byte(stored, -1, 0x01)  # the last payload byte
     proc = admin(daemon, "verify")
     assert proc.returncode == 1
     assert keys[0] in proc.stdout and "1 corrupt" in proc.stdout
@@ -335,24 +309,16 @@ def test_doctor_reports_missing_daemon_and_sparse_patches(tmp_path: Path) -> Non
 def admin_with_config(
     config: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    return subprocess.run(
-        [sys.executable, "-m", "ucm_client.admin", "--config", str(config), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        env={**clean, **(env or {})},
-        timeout=60,
-    )
+    return run_admin("--config", str(config), *args, env=env)
 
 
 def test_config_option_resolves_the_socket_as_the_daemon_does(
     seeded: tuple[DaemonProcess, list[str], list[str]], tmp_path: Path
 ) -> None:
-    """`ucm-admin --config FILE` talks to the socket FILE names (flat or seed form), with UCM_SOCKET
-    beating the file exactly as in ucm-server; a missing file or one that is not YAML is a usage error (2)
-    naming it; --config and --socket together are refused. Only the socket is read (the client loads no
-    daemon code): another key's mistake is the daemon's to report at start, not the probe's."""
+    """`ucm-admin --config FILE` talks to the socket FILE names (flat or ``ucm_connectors`` form), with
+    UCM_SOCKET beating the file exactly as in ucm-server; a missing file or one that is not YAML is a usage
+    error (2) naming it; --config and --socket together are refused. Only the socket is read (the client loads
+    no daemon code): another key's mistake is the daemon's to report at start, not the probe's."""
     d, _, _ = seeded
     good, elsewhere, broken = tmp_path / "good.yaml", tmp_path / "elsewhere.yaml", tmp_path / "broken.yaml"
     good.write_text(f"socket: {d.socket}\ncache_capacity: 1GiB\n")

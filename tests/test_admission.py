@@ -33,8 +33,8 @@ from ucm_server.store.admission import (
     policy_class,
 )
 from ucm_server.store.admitting import AdmittingTier, cache_only, install_admission
-from ucm_server.store.base import IoVec
 from ucm_server.store.cache import CacheTier
+from ucm_server.store.copying import IoVec
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.posix import PosixTier
 from ucm_server.store.watch import Watchable

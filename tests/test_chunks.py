@@ -1,4 +1,4 @@
-"""The one chunking rule of the host and GPU data paths (issue #12: chunking exists once).
+"""The one chunking rule of the host and GPU data paths (chunking exists once).
 
 Both paths cut a task into the ranges :func:`ucm_server.chunks.chunk_bounds` returns; the rule is
 checked here on its own, so a change to it shows here first, not as a cancel that comes late.

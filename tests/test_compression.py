@@ -1,4 +1,4 @@
-"""Issue #18, section 2: KV blocks compressed at rest (fp8 e4m3), against real daemons.
+"""KV blocks compressed at rest (fp8 e4m3), against real daemons.
 
 ``codec_tiers: Posix``, ``codec_dtype: bfloat16``: a KV-like block round-trips through the disk
 (Cache evicted) within the codec's documented bound, its file holding half the bytes; a block the

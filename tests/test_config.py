@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ucm_protocol.errors import ConfigError
-from ucm_server.config import load_config, parse_size
+from ucm_protocol.settings import parse_size
+from ucm_server.config_sources import load_config
 
 
 def test_priority_env_over_yaml_over_defaults(tmp_path: Path) -> None:
@@ -194,7 +195,7 @@ def test_every_help_page_renders() -> None:
     """``ucm-server --help`` lists every setting (argparse formats help text with ``%``: a setting
     whose help says "6.25%" once crashed it), and every ``ucm-admin`` command's ``--help`` renders."""
     from ucm_client.admin.cli import build_parser
-    from ucm_server.config import FIELDS
+    from ucm_server.server_settings import FIELDS
 
     proc = subprocess.run(
         [sys.executable, "-m", "ucm_server", "--help"], capture_output=True, text=True, timeout=60

@@ -4,7 +4,7 @@
 skip their generic walk for one-segment blocks, ``single_segment_iovecs`` checks a one-region,
 one-segment-per-block batch as array operations, ``vector_io`` moves a whole iovec in one call
 without per-segment Python, and a pack finds many members' offsets through one position map
-(issue #13 items 2 and 4: per-block Python on the critical path). Each is compared with the plain
+(per-block Python on the critical path). Each is compared with the plain
 construction, on inputs that take the fast path and on those that do not.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from ucm_protocol.errors import InvalidArgument
 from ucm_protocol.keys import BlockKey, make_keys
 from ucm_server.regions import SegmentColumns, check_segments, host_iovecs, single_segment_iovecs
-from ucm_server.store.base import iov_len
+from ucm_server.store.copying import iov_len
 from ucm_server.store.format import CorruptBlock
 from ucm_server.store.posix.packs import Pack
 from ucm_server.store.vector_io import IOV_MAX, preadv_all, pwritev_all, vector_io

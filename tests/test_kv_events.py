@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import zmq
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in
 from support.kv_events import (
     Handshake,
@@ -28,7 +29,7 @@ from support.kv_events import (
     settle,
     vllm_hash,
 )
-from test_admin import admin, json_of
+from support.posix_files import find_block, flip_payload_byte, remove_block
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.kv_events.wire import Cleared, Removed, Stored, encode_batch, external_hashes
@@ -138,10 +139,7 @@ def test_index_follows_every_change_and_a_restart(
 
         # quarantine: a corrupt file found by verify is removed from the index and from the stream
         victim = first[6].key
-        path = d.data_dir / "blocks" / NS.hex() / victim.hex()[:2] / f"{victim.hex()}.blk"
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0x01
-        path.write_bytes(bytes(data))
+        flip_payload_byte(find_block(d.data_dir / "blocks", NS, victim), -1, 0x01)
         report = admin(d, "--json", "verify", "--tier", "Posix")
         assert report.returncode == 1 and json_of(report)["corrupt"] == 1, report.stdout
         assert ("STORAGE", vllm_hash(victim)) not in settle(sub, d)
@@ -271,8 +269,9 @@ def test_media_are_vllms_names_and_the_persistent_one_is_configurable(tmp_path: 
     assert medium_of(posix, MediumNames(persistent="DISK")) == "DISK"  # a router of earlier releases
 
 
-def block_file(d: DaemonProcess, key: bytes) -> Path:
-    return d.data_dir / "blocks" / NS.hex() / key.hex()[:2] / f"{key.hex()}.blk"
+def remove_stored(d: DaemonProcess, key: bytes) -> None:
+    """Take the Posix tier's copy of block ``key`` off the disk (its file, or its record in a pack)."""
+    remove_block(find_block(d.data_dir / "blocks", NS, key))
 
 
 def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Path, shm: SharedBuffer) -> None:
@@ -297,7 +296,7 @@ def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Pat
 
             def crash_and_restart(heartbeat_s: str, victim: bytes) -> float:
                 d.kill()
-                block_file(d, victim).unlink()  # gone while the daemon is down
+                remove_stored(d, victim)  # gone while the daemon is down
                 d.extra_args[-1] = heartbeat_s
                 d.start()
                 return time.monotonic()

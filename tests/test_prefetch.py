@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from support.admin_cli import admin
 from support.blocks import NS, blocks_in
 from support.daemon_stats import tiers_by_name
-from test_admin import admin
 
 from ucm_client import BlockState, SharedBuffer, UcmClient, key_digest
 from ucm_server.testing.daemon import DaemonProcess

@@ -1,6 +1,6 @@
 """Client regions are prefaulted after registration (``region_prefault``): the first Load into fresh
 client memory costs the daemon no page fault per 4 KiB — what made a fresh vLLM process's warm TTFT
-two to three times vLLM's own prefix-cache hit (issue #13, item 6) — and memory with holes is left
+two to three times vLLM's own prefix-cache hit — and memory with holes is left
 alone, so the daemon never allocates a client's memory on its behalf.
 
 Page faults are read from the real daemon's ``/proc/<pid>/stat`` (minflt) around a real Load.

@@ -1,4 +1,4 @@
-"""Issue #18, section 1: pin, TTL and priority, enforced in every tier, against real daemons.
+"""Pin, TTL and priority, enforced in every tier, against real daemons.
 
 Each rule is checked with a negative control beside it: the pinned blocks survive pressure that
 evicts their unpinned neighbours of the same dump; an expired block leaves the Cache, the Posix
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in, dump_random
+from support.posix_files import stored_blocks
 from support.tokens import tokens_file
-from test_admin import admin, json_of
 
 from ucm_client import BlockIO, SharedBuffer, UcmClient
 from ucm_client.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -213,8 +214,7 @@ def test_a_pinned_block_rewritten_but_not_written_down_stays_in_the_cache(
 def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess) -> None:
     with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
         blocks = keys_of(dump(client, buf, 0, 4))
-        files_before = sorted(p.name for p in small.data_dir.rglob("*.blk"))
-        assert len(files_before) == 4
+        assert stored_blocks(small.data_dir / "blocks") == 4
         r = client.set_retention(NS, blocks[:2], ttl_s=1.0)
         assert r.applied == 2
         _, retention = where(small, blocks[0])
@@ -224,7 +224,7 @@ def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess
         for key in blocks[:2]:
             assert where(small, key) == ([], None)
         assert where(small, blocks[2])[0] == ["Cache", "Posix"]  # negative control: no TTL, kept
-        assert len(list(small.data_dir.rglob("*.blk"))) == 2
+        assert stored_blocks(small.data_dir / "blocks") == 2
         # The background sweep expires blocks nobody asks about.
         client.set_retention(NS, [blocks[2]], ttl_s=0.5)
         time.sleep(2.0)

@@ -1,4 +1,4 @@
-"""Issue #12: one settings loader for the daemon config, tier settings, fault wrappers, the connector
+"""One settings loader for the daemon config, tier settings, fault wrappers, the connector
 and the sparse config — and nothing any of them accepted before is refused now.
 
 The first half is a regression table of spellings each loader accepted before the switch (each row
@@ -21,12 +21,12 @@ from ucm_client.sparse.errors import SparseConfigError
 from ucm_client.sparse.esa import EsaSpec
 from ucm_client.vllm import config as connector
 from ucm_protocol.errors import ConfigError
-from ucm_server.config import load_config
+from ucm_server.config_sources import load_config
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.s3 import S3Tier
 from ucm_server.testing.faults import FaultInjectingTier, LatencyInjectingTier
 
-# -- regression table: spellings accepted before #12 ------------------------------------------------
+# -- regression table: spellings accepted before the one loader ----------------------------------------------
 
 DAEMON_ENV = [  # (variable, value, field, expected)
     *[("UCM_DURABLE", v, "durable", True) for v in ("1", "true", "TRUE", " yes ", "on", "On")],

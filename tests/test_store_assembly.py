@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ucm_server.config import load_config
+from ucm_server.config_sources import load_config
 from ucm_server.store.assembly import LAYERS, assemble
 from ucm_server.store.base import Tier
 from ucm_server.store.cache import CacheTier

@@ -1,4 +1,4 @@
-"""Issue #12: every tier is built one way, from plain values, and the tier list exists once.
+"""Every tier is built one way, from plain values, and the tier list exists once.
 
 ``Tier.from_settings(name, settings, context)`` builds every tier (the registry calls it for each
 ``store_pipeline`` entry, Cache and Posix included); the daemon-wide values a tier needs travel in a
@@ -22,7 +22,10 @@ import pytest
 
 from ucm_protocol.errors import ConfigError
 from ucm_server import config as config_module
-from ucm_server.config import FIELDS, ServerConfig, load_config
+from ucm_server import server_settings
+from ucm_server.config import ServerConfig
+from ucm_server.config_sources import load_config
+from ucm_server.server_settings import FIELDS
 from ucm_server.store import registry
 from ucm_server.store.assembly import assemble
 from ucm_server.store.base import Tier, TierContext
@@ -97,7 +100,8 @@ def test_daemon_config_reaches_cache_and_posix_as_settings(tmp_path: Path) -> No
 
 
 def test_tier_settings_for_cache_and_posix_are_still_ignored(tmp_path: Path) -> None:
-    """As before #12: a ``tier_settings`` entry for Cache or Posix is accepted and has no effect."""
+    """As before tiers were built from settings: a ``tier_settings`` entry for Cache or Posix is
+    accepted and has no effect."""
     cfg = ServerConfig(data_dir=tmp_path, tier_settings={"Posix": {"roots": "/elsewhere"}}).validate()
     assert cfg.tier_settings_for("Posix")["roots"] == (tmp_path / "blocks",)
 
@@ -135,17 +139,19 @@ def test_the_tier_list_exists_once() -> None:
     assert list(registry.BUILTIN_TIERS) == ["Cache", "Posix", "DS3FS", "Mooncake", "S3"]
     assert f"built in: {', '.join(registry.BUILTIN_TIERS)};" in FIELDS["store_pipeline"].metadata["help"]
     assert not hasattr(config_module, "KNOWN_TIERS")
+    assert not hasattr(server_settings, "KNOWN_TIERS")
     assert not hasattr(registry, "_BUILTIN")
 
 
 def test_registry_does_not_import_the_daemon_config() -> None:
-    """Building a tier reads plain values: registry.py imports nothing of ucm_server.config, even
-    under TYPE_CHECKING, so config.py can import the tier list from it (no loop)."""
+    """Building a tier reads plain values: registry.py imports nothing of the daemon's config (its
+    settings, checks or sources), even under TYPE_CHECKING, so they can import the tier list from it
+    (no loop)."""
     tree = ast.parse((ROOT / "ucm_server/store/registry.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "ucm_server.config" not in imported
-    assert not any(m and m.startswith("ucm_server.config") for m in imported)
+    assert not any(m and m.startswith(("ucm_server.config", "ucm_server.server_settings")) for m in imported)
 
 
 def test_unknown_tier_is_refused_at_start_naming_store_pipeline(tmp_path: Path) -> None:

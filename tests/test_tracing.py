@@ -297,7 +297,7 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
     code = (
         "import sys, tempfile, pathlib\n"
         "import ucm_client, ucm_client.vllm.config, ucm_server.server\n"
-        "from ucm_server.config import load_config\n"
+        "from ucm_server.config_sources import load_config\n"
         "from ucm_server.engine import Engine\n"
         "d = pathlib.Path(tempfile.mkdtemp())\n"
         "config, _ = load_config(None, {'data_dir': d, 'store_pipeline': 'Cache'}, environ={})\n"

@@ -4,7 +4,7 @@ A Load may name 8 bytes of registered memory (``LoadRequest.progress``); the dae
 how many leading segments of every block it has copied, and ``LOAD_PROGRESS_DONE`` once the task
 ended. Reading the word is a load from this process's own memory: no call, no event, no thread
 hand-off, so a caller can start on the first segments of every block (vLLM's first attention layers)
-while the daemon still copies the rest (issue #13 item 6).
+while the daemon still copies the rest.
 
 ``ProgressWords`` is a small registered buffer of such words handed out one per Load. A word is
 zeroed when taken; the client writes ``LOAD_PROGRESS_DONE`` itself when the daemon did not take the

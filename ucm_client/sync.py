@@ -186,7 +186,7 @@ class UcmClient:
 
         The vLLM connector sends a step's loads this way and lets the forward start at once: the
         round trip overlaps the forward instead of preceding it (one per layer with ``use_layerwise``:
-        about eight milliseconds on a small CPU, issue #13 item 6). ``progress``: see
+        about eight milliseconds on a small CPU). ``progress``: see
         :meth:`AsyncUcmClient.load`."""
         if self._closed:
             raise FailedPrecondition("this UcmClient is closed; open a new one")

@@ -36,7 +36,7 @@ def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
 def socket_from_config(path: Path, environ: Mapping[str, str] | None = None) -> Path:
     """The socket ``ucm-server --config path`` listens on when started with ``environ``.
 
-    Resolved as the daemon resolves it: the file's ``socket`` (flat form, or the seed form's
+    Resolved as the daemon resolves it: the file's ``socket`` (flat form, or the ``ucm_connectors`` form's
     ``ucm_connectors[0].ucm_connector_config``) < ``$UCM_SOCKET`` < the default path, ``~`` expanded
     for set values. Only ``socket`` is read, so a client needs none of the daemon's settings code; the
     daemon itself still rejects every other bad key at start. Raises :class:`ConfigError` naming the
@@ -57,7 +57,7 @@ def _daemon_settings(path: Path) -> dict[Any, Any]:
     doc = read_yaml_mapping(path)
     if "ucm_connectors" not in doc:
         return doc
-    connectors = doc["ucm_connectors"]  # seed 001 form: the first connector's config
+    connectors = doc["ucm_connectors"]  # the ucm_connectors form: the first connector's config
     if not isinstance(connectors, list) or not connectors or not isinstance(connectors[0], dict):
         raise ConfigError(f"config file {path}: ucm_connectors must be a non-empty list of mappings")
     inner = connectors[0].get("ucm_connector_config", {})

@@ -19,13 +19,14 @@ from itertools import repeat
 
 from ucm_protocol.errors import FailedPrecondition, InvalidArgument
 from ucm_protocol.keys import BlockKey, check_digests, make_keys
+from ucm_protocol.states import BlockState
 from ucm_server.authz import Authorizer, store_namespace
 from ucm_server.expiry import Expiry
 from ucm_server.metrics import Metrics
 from ucm_server.quota import Quota
 from ucm_server.reply_budget import ReplyBudget
 from ucm_server.retention import Change, RetentionTable
-from ucm_server.store.base import BlockResult, BlockState
+from ucm_server.store.base import BlockResult
 from ucm_server.store.pin_home import hold_pins
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import TaskKind

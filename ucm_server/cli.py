@@ -20,7 +20,8 @@ import yaml
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.paths import server_config_path
 from ucm_server import __version__
-from ucm_server.config import FIELDS, describe, load_config
+from ucm_server.config_sources import describe, load_config
+from ucm_server.server_settings import FIELDS
 
 EXAMPLES = """\
 examples:

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
+from ucm_protocol.states import BlockState
 from ucm_server import __version__, tracing
 from ucm_server.auth import Authenticator
 from ucm_server.authz import Authorizer
@@ -49,7 +50,7 @@ from ucm_server.sessions import Session, SessionCaps, Sessions
 from ucm_server.snapshot import EngineSnapshot, SessionFigures, TierFigures
 from ucm_server.store.admitting import cache_only as cache_only_var
 from ucm_server.store.assembly import assemble
-from ucm_server.store.base import BlockResult, BlockState, TierStats
+from ucm_server.store.base import BlockResult, TierStats
 from ucm_server.store.io_classes import ClassedExecutor
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.submit import SegmentCaps, Submitter

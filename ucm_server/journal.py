@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ucm_protocol.errors import ConfigError
-from ucm_server.api.paths import fsync_dir
+from ucm_server.directories import fsync_dir
 
 
 class JournalFile:

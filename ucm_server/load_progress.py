@@ -2,7 +2,7 @@
 
 vLLM's connector waits for a whole-block Load at the first attention layer, though that layer reads
 only the first segment (its own page) of every block: on a 4,000-token warm prefill the forward sat
-out the whole 62 MiB copy (about 7 ms, issue #13 item 6). With ``LoadRequest.progress`` the daemon
+out the whole 62 MiB copy (about 7 ms). With ``LoadRequest.progress`` the daemon
 copies the blocks segment by segment (segment 0 of every block, then segment 1, ...) and stores,
 after each round, how many leading segments of *every* block are in place; layer ``i`` waits only
 for its own segment while the later ones are still being copied.

@@ -1,4 +1,5 @@
-"""Prometheus metrics: the seed 001 set plus per-tier and task-queue figures.
+"""Prometheus metrics: lookups, load and dump tasks (duration, speed, blocks), RPC errors, plus per-tier
+and task-queue figures.
 
 Task metrics are observed as tasks finish; tier and queue figures are taken at scrape time by a
 collector, from the engine's read-only :class:`~ucm_server.snapshot.EngineSnapshot` (the same figures

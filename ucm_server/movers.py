@@ -36,7 +36,8 @@ from ucm_server.regions import (
     host_iovecs,
     single_segment_iovecs,
 )
-from ucm_server.store.base import BlockResult, IoVec, iov_len
+from ucm_server.store.base import BlockResult
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
 

@@ -49,7 +49,7 @@ from ucm_server.client_memory import ALLOCATE, ClientMemory, unallocated
 from ucm_server.descriptors import DescriptorBudget, process_budget
 from ucm_server.gpu_region import GpuRegion
 from ucm_server.region_prefault import RegionPrefaulter
-from ucm_server.store.base import IoVec
+from ucm_server.store.copying import IoVec
 
 log = logging.getLogger(__name__)
 

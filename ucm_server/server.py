@@ -33,10 +33,10 @@ from ucm_protocol.wire import (
     channel_options,
 )
 from ucm_server import tracing
-from ucm_server.api.paths import make_private_dirs
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
 from ucm_server.dataplane import make_dataplane
+from ucm_server.directories import make_private_dirs
 from ucm_server.engine import Engine
 from ucm_server.handover import HandoverListener
 from ucm_server.kv_events.publisher import kv_event_publisher

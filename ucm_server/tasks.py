@@ -1,4 +1,4 @@
-"""Asynchronous tasks (seed 001's task model): submit returns an id at once, results are data.
+"""Asynchronous tasks: submit returns an id at once, results are data.
 
 A task is a batch of blocks to load, dump or prefetch. It runs on the event loop, handing copies and
 disk work to the tiers' executors a chunk at a time. ``wait`` may be called any number of times and
@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ucm_protocol.errors import NotFound, PermissionDenied
+from ucm_protocol.states import BlockState
 from ucm_server import tracing
-from ucm_server.store.base import OK, BlockResult, BlockState
+from ucm_server.store.base import OK, BlockResult
 from ucm_server.store.io_classes import ClassedSlots, class_of_task, io_class
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.vllm import config as connector_config
-from ucm_server.config import ServerConfig, load_config, read_env
+from ucm_server.config import ServerConfig
+from ucm_server.config_sources import load_config, read_env
 from ucm_server.server import Daemon
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -60,12 +61,12 @@ DAEMON_DEPENDENCIES = {
     "xxhash",
     "rich",
     "numpy",
-    "pyzmq",  # KV events (issue #17)
+    "pyzmq",  # KV events
     "opentelemetry-api",  # tracing (off by default; imported only when on)
     "opentelemetry-sdk",
     "opentelemetry-exporter-otlp-proto-http",
     "msgpack",
-    "cryptography",  # encryption at rest (issue #18)
+    "cryptography",  # encryption at rest
 }
 CLIENT_ONLY = ("torch", "vllm", "cupy")
 
@@ -276,7 +277,7 @@ def self_and(stage: list[Instruction], name: str) -> list[Instruction]:
 
 
 def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
-    # Item 3: no parser directive that makes BuildKit pull a frontend image (air-gapped builds).
+    # No parser directive that makes BuildKit pull a frontend image (air-gapped builds).
     first = (ROOT / "Dockerfile").read_text().splitlines()[0]
     assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
     runs = " ".join(i.args for stage in image.stages for i in self_and(stage, "RUN"))
@@ -285,7 +286,7 @@ def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
     for cmd in installs:
         assert "[" not in cmd, f"pip install {cmd}: the daemon image installs no extras"
         assert not any(name in cmd for name in CLIENT_ONLY), f"pip install {cmd}: client-only packages"
-    # Item 4: the versions are pinned (PIP_CONSTRAINT reaches pip's isolated build environment too).
+    # The versions are pinned (PIP_CONSTRAINT reaches pip's isolated build environment too).
     build_env: dict[str, str] = {}
     for ins in self_and(image.stages[0], "ENV"):
         build_env.update(parse_env(ins.args))
@@ -316,7 +317,7 @@ def test_dockerfile_builds_from_a_pinned_public_base_by_default(image: Image) ->
 
 
 def test_dockerfile_sets_no_ucm_setting_and_bakes_its_config(image: Image) -> None:
-    """Item 1: environment beats the file in ucm-server, so a setting's ENV in the image would override a
+    """Environment beats the file in ucm-server, so a setting's ENV in the image would override a
     mounted config. The one UCM_* variable names the file itself (for ucm-server and ucm-admin)."""
     ucm_env = {k: v for k, v in image.env.items() if k.startswith("UCM_")}
     assert ucm_env == {"UCM_SERVER_CONFIG": IMAGE_CONFIG_PATH}, ucm_env
@@ -345,7 +346,7 @@ def test_dockerfile_healthcheck_reads_the_daemon_config(image: Image) -> None:
 
 
 def test_constraints_pin_every_daemon_dependency() -> None:
-    """Item 4: constraints.txt pins each runtime dependency of the package, and pins it exactly."""
+    """``constraints.txt`` pins each runtime dependency of the package, and pins it exactly."""
     pins: dict[str, str] = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -434,7 +435,7 @@ def test_configmap_config_loads(
 ) -> None:
     _, warnings = load_config(configmap_yaml, environ={})
     assert not warnings
-    # Item 1: nothing in the pod beats the ConfigMap: no UCM_* setting (image or DaemonSet), no setting
+    # Nothing in the pod beats the ConfigMap: no UCM_* setting (image or DaemonSet), no setting
     # flags; the image's UCM_SERVER_CONFIG names the file the DaemonSet's --config does.
     c = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")
     env = {k: v for k, v in {**image.env, **env_of(c)}.items() if k.startswith("UCM_")}
@@ -524,7 +525,7 @@ def test_vllm_deployment_uses_the_connector_and_the_daemon_socket(
 
 # -- systemd ------------------------------------------------------------------------------------------
 def test_daemon_namespace_holds_only_the_daemon(manifests: dict[tuple[str, str], dict[str, Any]]) -> None:
-    """Item 5: the privileged namespace "ucm" holds ucm-server's objects only; vLLM lives elsewhere,
+    """The privileged namespace "ucm" holds ucm-server's objects only; vLLM lives elsewhere,
     in a namespace of its own that namespace.yaml creates, and runs there unprivileged."""
     namespaces = {name: doc for (kind, name), doc in manifests.items() if kind == "Namespace"}
     in_ucm = {key for key, doc in manifests.items() if doc.get("metadata", {}).get("namespace") == "ucm"}
@@ -550,7 +551,7 @@ def test_systemd_unit(unit: dict[str, dict[str, list[str]]]) -> None:
     config, _ = load_config(UNIT_CONFIG, environ={})
     # ExecStart runs ucm-server with the example config's installed path.
     words = shlex.split(svc["ExecStart"])
-    # Item 6: an absolute path, so the journal tags lines with SyslogIdentifier, not "env".
+    # An absolute path, so the journal tags lines with SyslogIdentifier, not "env".
     assert words[0] == "/opt/ucm/bin/ucm-server", words
     assert svc["SyslogIdentifier"] == "ucm-server"
     assert svc["User"] == "ucm" and "--uid 10001" in UNIT.read_text(), "the uid choice is written down"

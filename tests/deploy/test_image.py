@@ -1,11 +1,11 @@
-"""The ucm-server image for real (issue #16): built with podman from a locally bootstrapped base, run,
+"""The ucm-server image for real: built with podman from a locally bootstrapped base, run,
 probed by its own HEALTHCHECK, used from the host through the mounted socket, restarted, re-created.
 
-One daemon container per test module (``served``) carries most checks; each check says which item of
-issue #16 it shows. Skips, with the reason, where podman cannot run (see tests/support/podman.py).
+One daemon container per test module (``served``) carries most checks; each check says what it shows.
+Skips, with the reason, where podman cannot run (see tests/support/podman.py).
 
 Shared memory: clients hand their memory to the daemon as file descriptors over the mounted socket
-directory (issue #11), so no container here shares the host's /dev/shm or IPC namespace: the host
+directory, so no container here shares the host's /dev/shm or IPC namespace: the host
 client's dumps and loads going through prove it.
 """
 
@@ -121,7 +121,7 @@ def served(server_image: str) -> Iterator[Served]:
 
 # -- the image ------------------------------------------------------------------------------------------
 def test_image_keeps_its_healthcheck_and_runs_as_10001(server_image: str) -> None:
-    """Item 3: built with --format docker, the HEALTHCHECK survives; the config is the daemon's."""
+    """Built with --format docker, the HEALTHCHECK survives; the config is the daemon's."""
     info = json.loads(pm.podman("image", "inspect", server_image))[0]
     config = info["Config"]
     health = info.get("Healthcheck") or config.get("Healthcheck")
@@ -129,14 +129,14 @@ def test_image_keeps_its_healthcheck_and_runs_as_10001(server_image: str) -> Non
     assert "ucm-admin --timeout 5 -q health" in " ".join(health["Test"])
     assert config["User"] == f"{UCM_UID}:{UCM_UID}"
     assert config["Entrypoint"] == ["ucm-server"]
-    # Item 1: no UCM_* setting that would beat a mounted config file; one variable names the file, for
+    # No UCM_* setting that would beat a mounted config file; one variable names the file, for
     # the daemon and ucm-admin alike.
     ucm_env = [e for e in config.get("Env", []) if e.startswith("UCM_")]
     assert ucm_env == ["UCM_SERVER_CONFIG=/etc/ucm/ucm.yaml"], config["Env"]
 
 
 def test_image_holds_the_daemon_and_nothing_to_install_with(server_image: str) -> None:
-    """Items 4 and the "no torch/vllm" rule: no client libraries, no pip, no setuptools, pinned deps."""
+    """No client libraries (torch, vLLM), no pip, no setuptools, pinned deps."""
     script = (
         "import importlib.util as u, importlib.metadata as m, json, sys\n"
         "names = ['torch', 'vllm', 'cupy', 'pip', 'setuptools', 'ensurepip', 'ucm_server', 'grpc']\n"
@@ -183,7 +183,7 @@ def test_image_holds_the_daemon_and_nothing_to_install_with(server_image: str) -
 
 # -- the running daemon ------------------------------------------------------------------------------
 def test_healthcheck_passes_on_the_configured_socket(served: Served) -> None:
-    """Item 1: the HEALTHCHECK probes the socket the mounted config names (not the image's default)."""
+    """The HEALTHCHECK probes the socket the mounted config names (not the image's default)."""
     assert served.container.health_status() == "healthy"
     assert served.socket.exists() and not (served.dirs.run / "ucm.sock").exists()
     assert served.first_health < 60, f"first healthy after {served.first_health:.1f} s"
@@ -205,7 +205,7 @@ def test_admin_tool_in_the_container_finds_the_daemon_with_no_flag(served: Serve
 
 
 def test_metrics_follow_the_mounted_config(served: Served) -> None:
-    """Item 1: `metrics_address: 127.0.0.1:PORT` in the mounted file is what the daemon listens on."""
+    """`metrics_address: 127.0.0.1:PORT` in the mounted file is what the daemon listens on."""
     assert "ucm_sessions" in metrics(served.port)
     logs = served.container.logs()
     assert f"127.0.0.1:{served.port}" in logs and "0.0.0.0:9464" not in logs, logs[-2000:]
@@ -235,7 +235,7 @@ def test_dump_load_restart_recreate(served: Served) -> None:
     """From the host through the mounted socket: blocks dumped are loaded back byte for byte, after a
     restart (SIGTERM: write-back drains) and after SIGKILL + re-creating the container (a new container
     on the same volumes, here told its socket by UCM_SOCKET: the HEALTHCHECK follows that too).
-    Item 7: every directory the daemon made in the data dir is owner-only."""
+    Every directory the daemon made in the data dir is owner-only."""
     c = served.container
     assert client(served.socket, "dump", "first", 8)["ok"]
     assert client(served.socket, "load", "first", 8) == {"action": "load", "ok": True, "equal": True}
@@ -274,7 +274,7 @@ def test_dump_load_restart_recreate(served: Served) -> None:
 
 # -- host directories -------------------------------------------------------------------------------
 def test_tmpfiles_rule_recreates_the_socket_directory(server_image: str, host_dirs: HostDirs) -> None:
-    """Item 2: after a reboot /run is empty. Without the rule the runtime makes the bind source
+    """After a reboot /run is empty. Without the rule the runtime makes the bind source
     root-owned 0755 and the daemon exits 2 at once (the config error restarting cannot fix); with the
     shipped tmpfiles.d rule (deploy/image/ucm-tmpfiles.conf, run here by systemd-tmpfiles as at boot)
     the directory is back as 10001:10001 0700 and the daemon serves."""

@@ -1,4 +1,4 @@
-"""deploy/k8s validated and rendered offline (issue #16): ``kubectl kustomize`` renders the kustomization
+"""deploy/k8s validated and rendered offline: ``kubectl kustomize`` renders the kustomization
 with no cluster, ``kubernetes-validate --strict`` checks every rendered object and every file against
 the Kubernetes OpenAPI schemas it ships (unknown fields are errors), and a manifest with a typo fails.
 

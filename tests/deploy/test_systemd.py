@@ -1,4 +1,4 @@
-"""deploy/systemd/ucm-server.service under a real systemd (issue #16, items 6 and 8).
+"""deploy/systemd/ucm-server.service under a real systemd.
 
 systemd runs as PID 1 in a ``--privileged`` podman container (tests/deploy/systemd-host.Containerfile)
 holding the unit, the example config (sized down for a test machine) and the user made as the unit's
@@ -136,7 +136,7 @@ def test_unit_starts_at_boot_as_ucm_with_an_owner_only_socket(host: Host) -> Non
     pid = host.show("MainPID")
     assert pid != "0"
     assert host.sh(f"awk '/^Uid:/{{print $2}}' /proc/{pid}/status").strip() == str(UCM_UID)
-    # Item 6: an absolute ExecStart, so the process is ucm-server's Python, not /usr/bin/env.
+    # An absolute ExecStart, so the process is ucm-server's Python, not /usr/bin/env.
     assert host.sh(f"cat /proc/{pid}/cmdline | tr '\\0' ' '").split()[1:3] == [
         "/opt/ucm/bin/ucm-server",
         "--config",
@@ -149,7 +149,7 @@ def test_unit_starts_at_boot_as_ucm_with_an_owner_only_socket(host: Host) -> Non
 
 
 def test_journal_tags_lines_ucm_server(host: Host) -> None:
-    """Item 6: SyslogIdentifier=ucm-server, not "env"."""
+    """SyslogIdentifier=ucm-server, not "env"."""
     tagged = host.sh("journalctl -t ucm-server --no-pager -o cat", check=False)
     assert "metrics at http://127.0.0.1:9464/metrics" in tagged or "serving" in tagged.lower(), tagged[-2000:]
     assert host.sh("journalctl -t env --no-pager -q -o cat", check=False).strip() == ""

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ucm_client.gpu import CudaKVCache  # noqa: E402
+from ucm_client.vllm.cuda_kv import CudaKVCache  # noqa: E402
 from ucm_client.vllm.staging import StagingArea  # noqa: E402
 
 

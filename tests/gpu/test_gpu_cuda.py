@@ -40,7 +40,7 @@ def gpu_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 def test_round_trip_between_two_gpu_tensors(gpu_daemon: DaemonProcess) -> None:
     import torch
 
-    from ucm_client.gpu import producers_done
+    from ucm_client.cuda_ipc import producers_done
 
     n = 64
     src = torch.randint(0, 256, (n * BLOCK,), dtype=torch.uint8, device="cuda")
@@ -83,7 +83,8 @@ def test_vllm_style_kv_cache_round_trip(gpu_daemon: DaemonProcess) -> None:
     """Per-layer CUDA KV tensors registered with CudaKVCache; blocks saved, wiped, loaded back."""
     import torch
 
-    from ucm_client.gpu import CudaKVCache, producers_done
+    from ucm_client.cuda_ipc import producers_done
+    from ucm_client.vllm.cuda_kv import CudaKVCache
 
     layers, blocks, shape = 4, 16, (2, 16, 8, 128)
     caches = {f"l{i}": torch.randn(blocks, *shape, dtype=torch.float16, device="cuda") for i in range(layers)}
@@ -107,7 +108,10 @@ def test_layerwise_round_trip_layer_by_layer(gpu_daemon: DaemonProcess) -> None:
     layer's bytes in place once its own wait returns (the later layers may still be in flight)."""
     import torch
 
-    from ucm_client.gpu import CudaKVCache, LayerwiseLoad, layer_key, producers_done
+    from ucm_client.cuda_ipc import producers_done
+    from ucm_client.layerwise import LayerwiseLoad
+    from ucm_client.vllm.cuda_kv import CudaKVCache
+    from ucm_client.vllm.identity import layer_key
 
     layers, blocks, shape = 4, 16, (2, 16, 8, 128)
     caches = {f"l{i}": torch.randn(blocks, *shape, dtype=torch.float16, device="cuda") for i in range(layers)}

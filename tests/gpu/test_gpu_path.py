@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import FakeCuda
+from support.fake_cuda import FakeCuda
 
 from ucm_client import key_digest, namespace_id
 from ucm_protocol.errors import FailedPrecondition, InvalidArgument
 from ucm_protocol.fdpass import PeerCredentials
+from ucm_protocol.states import BlockState
 from ucm_server.config import ServerConfig
 from ucm_server.engine import Engine
 from ucm_server.gpu.backend import GpuUnavailable
 from ucm_server.gpu.service import pair_runs
-from ucm_server.store.base import BlockState
 from ucm_server.store.cache import CacheTier
 from ucm_server.tasks import Task, TaskKind
 

@@ -13,7 +13,7 @@ import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
-from ucm_client.gpu import CudaIpcExport, CudaUnavailable, as_export, export_pointer
+from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export, export_pointer
 from ucm_protocol.errors import FailedPrecondition
 from ucm_server.testing.daemon import DaemonProcess
 

@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import FakeCuda
 from support.blocks import NS
-from test_gpu_grpc import InProcessDaemon, export
+from support.fake_cuda import FakeCuda
+from support.gpu_daemon import InProcessDaemon, export
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient
-from ucm_client.gpu import CudaKVCache, LayerwiseLoad, layer_key
+from ucm_client.layerwise import LayerwiseLoad
+from ucm_client.vllm.cuda_kv import CudaKVCache
+from ucm_client.vllm.identity import layer_key
 
 
 def test_layers_load_as_separate_tasks_and_are_waited_one_by_one(client: UcmClient) -> None:

@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hardening_helpers import (
+from support.hardening import (
     FAULT_TIER,
     SLOW_TIER,
     admin_evict_all,
     admin_stats,
     content,
-    eventually,
     tier_env,
     tier_named,
 )
+from support.polling import eventually
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.errors import UcmError
@@ -99,6 +99,7 @@ def test_disk_full_fails_per_block_and_keeps_what_was_stored(
             "--storage-backends", str(small_tmpfs),
             "--cache-capacity", "16MiB",
             "--metrics-address", "127.0.0.1:0",
+            "--posix-pack-max-block-bytes", "0",  # one file per block: each visible one checked below
         ],
     )  # fmt: skip
     with d, UcmClient(d.target) as c, SharedBuffer(2 * n * size) as buf:

@@ -7,9 +7,9 @@ and without a session. Every reply must be OK or one of the precise refusals in 
 call has a deadline, so a hang fails as DEADLINE_EXCEEDED; afterwards the daemon is healthy, logged
 no internal error, and an ordinary dump/load round trip still works.
 
-Configuration: random YAML documents (flat and seed format, known and unknown keys, values of every
-YAML type, and plain random text) must either load or raise ``ConfigError`` naming what is wrong; a
-few also go through the real ``ucm-server --config`` process (exit 2 and the message on stderr).
+Configuration: random YAML documents (flat and ``ucm_connectors`` form, known and unknown keys, values of
+every YAML type, and plain random text) must either load or raise ``ConfigError`` naming what is wrong; a few
+also go through the real ``ucm-server --config`` process (exit 2 and the message on stderr).
 
 Daemon bugs these found (now fixed) are reproduced deterministically as tests at the end of this
 file; while they stand, the fuzzers count inputs that hit them (by their exact signature) instead of
@@ -32,9 +32,9 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from hardening_helpers import content
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support.hardening import content
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.handover import hand_over
@@ -42,7 +42,8 @@ from ucm_client.trust import trusted_uids
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_server.config import FIELDS, load_config
+from ucm_server.config_sources import load_config
+from ucm_server.server_settings import FIELDS
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(test="hardening-fuzz")
@@ -421,7 +422,8 @@ config_keys = st.one_of(st.sampled_from(sorted(FIELDS)), st.text(max_size=10), s
 
 @st.composite
 def config_texts(draw: st.DrawFn) -> str:
-    """A YAML document: a flat or seed-format mapping of random keys and values, or random text."""
+    """A YAML document: a flat or ``ucm_connectors``-form mapping of random keys and values, or random
+    text."""
     shape = draw(st.sampled_from(["flat", "flat", "seed", "text"]))
     if shape == "text":
         return draw(st.text(max_size=80))

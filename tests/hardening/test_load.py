@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hardening_helpers import admin_stats, eventually
+from support.hardening import admin_stats
+from support.polling import eventually
 
 from ucm_server.testing.daemon import DaemonProcess
 
 
 def test_sixteen_clients_mixed_load_every_byte_checked(tmp_path: Path) -> None:
-    from benchmarks.load_bench import LoadSpec, run_load  # the repo root is on sys.path via hardening_helpers
+    from benchmarks.load_bench import LoadSpec, run_load  # the repo root is on sys.path via support.hardening
 
     spec = LoadSpec(clients=16, seconds=10.0)
     # A Cache smaller than the 64 MiB of keys, so loads are served from the Cache and from disk.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hardening_helpers import SLOW_TIER, admin_evict_all, tier_env
+from support.hardening import SLOW_TIER, admin_evict_all, tier_env
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess

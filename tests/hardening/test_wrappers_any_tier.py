@@ -1,4 +1,4 @@
-"""Issue #12: the fault and latency wrappers wrap any tier, not only Posix.
+"""The fault and latency wrappers wrap any tier, not only Posix.
 
 ``inner`` (a ``store_pipeline`` tier name) and ``inner_settings`` choose the wrapped tier; without
 them the wrapped tier is a Posix tier from ``root``/``durable``/``capacity`` as before. A wrapper has
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hardening_helpers import FAULT_TIER, admin_evict_all, admin_stats, content, tier_env, tier_named
+from support.hardening import FAULT_TIER, admin_evict_all, admin_stats, content, tier_env, tier_named
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_protocol.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Issue #13, item 3: write-back is a bounded queue with backpressure and admission, visible in stats.
+"""Write-back is a bounded queue with backpressure and admission, visible in stats.
 
 A real daemon whose lower tier is slow (``LatencyInjectingTier``: a real Posix tier, each block write
 delayed) and whose Cache is small is flooded with dumps far faster than the disk can take them. Before
@@ -22,15 +22,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hardening_helpers import (
+from support.hardening import (
     SLOW_TIER,
     admin_evict_all,
     admin_stats,
     content,
-    eventually,
     tier_env,
     tier_named,
 )
+from support.polling import eventually
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess

@@ -1,4 +1,4 @@
-"""Issue #11, section 7: the client library never aliases, never leaks raw gRPC errors, never waits
+"""The client library never aliases, never leaks raw gRPC errors, never waits
 for nothing.
 
 Each test drives the public client API against a real ``ucm-server`` process:

@@ -1,4 +1,4 @@
-"""Issue #11, section 1: nothing a client does to its own memory can crash or hang the daemon.
+"""Nothing a client does to its own memory can crash or hang the daemon.
 
 Client memory is a memfd sealed against shrinking and growing, with every page allocated by the
 client, handed to the daemon by file descriptor. These tests attack it as a hostile or buggy client

@@ -1,4 +1,4 @@
-"""Issue #18, section 3: blocks encrypted at rest per tenant, against real daemons.
+"""Blocks encrypted at rest per tenant, against real daemons.
 
 Two tenants with their own key files, ``encrypt_tiers: Posix``: a tenant's block round-trips through
 the disk (Cache evicted) while its file holds no byte of the plaintext; the default tenant's block
@@ -175,7 +175,7 @@ def test_a_wrong_or_missing_key_makes_blocks_missing_not_garbage(
                     alice.dump(NS, blocks_in(region, 1, BLOCK, first=9), wait_durable=True), 30
                 )
                 assert not result.ok and "key_file is not configured" in result.reasons[0], result
-            assert not any(PLAIN[:64] in p.read_bytes() for p in d.data_dir.rglob("*.blk"))
+            assert not any(PLAIN[:64] in p.read_bytes() for p in d.data_dir.rglob("*") if p.is_file())
         with UcmClient(d.target, token=BOB) as bob:  # bob's key is unchanged: his blocks still load
             theirs = _dump(bob, PLAIN, first=3)
             _evict_cache(d)

@@ -1,4 +1,4 @@
-"""Issue #11, section 8: files on disk are data, not instructions.
+"""Files on disk are data, not instructions.
 
 Whoever can write under the data directory plants things there, and a real ``ucm-server`` must
 treat them as data: a FIFO where a block file should be is skipped (start-up does not hang, stats
@@ -30,6 +30,10 @@ from ucm_server.store.posix import PosixTier
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 64 << 10
+
+
+ONE_FILE_PER_BLOCK = ("--posix-pack-max-block-bytes", "0")
+"""Small blocks in files of their own, not packs: for tests about the block files' directories."""
 
 
 def _posix_daemon(tmp_path: Path, *extra: str) -> DaemonProcess:
@@ -173,7 +177,7 @@ def test_a_forged_1gib_header_is_corrupt_and_never_allocated(tmp_path: Path) -> 
 def test_a_symlinked_directory_never_leads_writes_outside(tmp_path: Path, level: str) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
-    d = _posix_daemon(tmp_path)
+    d = _posix_daemon(tmp_path, *ONE_FILE_PER_BLOCK)  # the namespace and shard directories of block files
     blocks_root = d.data_dir / "blocks"
     keys = [b.key for b in blocks_in(0, 8, SIZE)]
     with d, UcmClient(d.target) as c:
@@ -205,7 +209,9 @@ def test_a_symlinked_directory_never_leads_writes_outside(tmp_path: Path, level:
 def test_a_symlinked_quarantine_directory_is_not_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
-    d = _posix_daemon(tmp_path)
+    d = _posix_daemon(
+        tmp_path, *ONE_FILE_PER_BLOCK
+    )  # a corrupt block file is quarantined (a pack record is not)
     with d, UcmClient(d.target) as c:
         _dump(c, 0, 2)
     bad = _block_path(d, blocks_in(0, 1, SIZE)[0].key)

@@ -1,4 +1,4 @@
-"""Issue #11, section 11: logs cannot be forged or flooded.
+"""Logs cannot be forged or flooded.
 
 A client attaches to a real daemon with a name built to forge a log line (a newline followed by a
 line in the daemon's own format), to drive an operator's terminal (ANSI escapes) and to flood the

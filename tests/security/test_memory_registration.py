@@ -1,4 +1,4 @@
-"""Issue #11, section 4: memory is registered only by the local process that owns it.
+"""Memory is registered only by the local process that owns it.
 
 Against a real ``ucm-server``: a shared-memory object named by a client (the old way, which let a TCP
 tenant map any owner-only ``/dev/shm`` object of the daemon's user) is refused; any memory
@@ -6,7 +6,7 @@ registration over TCP is refused, even with a valid memfd token stolen from a lo
 TCP tenant still has the streaming-bytes path; the daemon's fd socket survives everything an
 attacker can put on it (garbage, half messages, pipes, ``/dev/zero``, unsealed or too small memfds,
 too many descriptors, another uid) without leaking a descriptor or stalling its event loop; a memfd
-token works once; and pending handovers are bounded per process and in total (section 9).
+token works once; and pending handovers are bounded per process and in total.
 """
 
 from __future__ import annotations

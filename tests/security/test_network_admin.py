@@ -1,4 +1,4 @@
-"""Issue #11, section 5: no anonymous network admin.
+"""No anonymous network admin.
 
 Each test starts a real ``ucm-server`` with a TCP listener and calls it as a network peer would, over
 real TLS (certificates made here with ``cryptography``): a listener that would let peers in without

@@ -1,4 +1,4 @@
-"""Issue #11, section 2: bytes that passed through client memory are never trusted afterwards.
+"""Bytes that passed through client memory are never trusted afterwards.
 
 Before the fix the daemon read a lower-tier block into the client's destination, checked its checksum
 there and promoted it into the Cache from there. A client loading two blocks into the same bytes, or
@@ -69,7 +69,7 @@ def _daemon(tmp_path: Path, pipeline: str) -> DaemonProcess:
     # "+packs": the Posix tier writes a dump's blocks into pack files (posix_pack_max_block_bytes).
     pipeline, packs = pipeline.removesuffix("+packs"), pipeline.endswith("+packs")
     args = ["--store-pipeline", pipeline, "--cache-capacity", f"{8 * BLOCK}", "--cache-page-size", "64KiB"]
-    args += ["--posix-pack-max-block-bytes", str(BLOCK)] if packs else []
+    args += ["--posix-pack-max-block-bytes", str(BLOCK) if packs else "0"]  # else one file per block
     return DaemonProcess(tmp_path / "ucm", args=args, env={"UCM_DURABLE": "false"})
 
 

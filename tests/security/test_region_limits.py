@@ -1,4 +1,4 @@
-"""Issue #11, section 9 (regions): one session cannot exhaust the daemon by registering memory.
+"""Regions: one session cannot exhaust the daemon by registering memory.
 
 Against a real ``ucm-server``: one session registers the same small buffer 2,000 times. Before the
 fix each registration kept a file descriptor open in the daemon and, at about 1,000, every client
@@ -83,7 +83,7 @@ def test_region_bytes_limit(tmp_path: Path) -> None:
 
 def test_limits_are_settings(tmp_path: Path) -> None:
     """The limits are daemon settings like any other: flags, YAML keys, UCM_* variables."""
-    from ucm_server.config import load_config
+    from ucm_server.config_sources import load_config
 
     config, _ = load_config(environ={"UCM_MAX_SESSION_REGIONS": "7", "UCM_MAX_SESSION_REGION_BYTES": "2GiB"})
     assert (config.max_session_regions, config.max_session_region_bytes) == (7, 2 << 30)

@@ -1,4 +1,4 @@
-"""Issue #11, section 3: the cost of a request is linear and bounded.
+"""The cost of a request is linear and bounded.
 
 Before the fix one block of 400,000 tiny segments took ~20 s (the Posix tier's vectored I/O removed
 each finished segment from the front of a list: quadratic), nothing capped the segments of a block or

@@ -1,4 +1,4 @@
-"""Issue #11, section 9 (tasks and sessions): one session cannot exhaust the daemon.
+"""Tasks and sessions: one session cannot exhaust the daemon.
 
 Before the fix a session could queue tasks without limit and a client could open sessions without
 limit; each costs the daemon memory and scheduling for everyone. Now ``max_tasks_per_session`` bounds a

@@ -1,4 +1,4 @@
-"""Issue #11, section 10: the socket is the daemon's, and the client checks that.
+"""The socket is the daemon's, and the client checks that.
 
 The daemon (a real ``ucm-server`` process) refuses to start in a socket directory another user owns
 or may write to, naming the path and the fix, and never deletes a file that ``--socket`` names by

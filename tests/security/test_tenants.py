@@ -1,4 +1,4 @@
-"""Issue #11, section 6: tenants are isolated and accounted exactly.
+"""Tenants are isolated and accounted exactly.
 
 Against real daemons with a tokens file, as a tenant trying to get more than its share would: two
 tenants whose names share their first 64 bytes try to read and delete each other's blocks; a tenant

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from test_admin import admin, json_of
 from zmq.utils.monitor import recv_monitor_message
 
+from support.admin_cli import admin, json_of
+from support.polling import eventually
 from ucm_server.testing.daemon import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -78,11 +79,16 @@ def record_removals(sub: NodeSubscriber) -> list[Any]:
 
 
 def poll_until(sub: NodeSubscriber, done: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll until ``done()`` (or time runs out, then fail showing what the subscriber holds)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not done():
-        sub.poll(100)
-    assert done(), sub.state.media
+    """Let ``sub`` take in events until ``done()`` (or time runs out, then fail showing what the
+    subscriber holds)."""
+
+    def taken_in() -> bool:
+        if done():
+            return True
+        sub.poll(100)  # waits up to 100 ms for the next batch
+        return done()
+
+    eventually(taken_in, timeout_s, what=lambda: f"the subscriber's state {sub.state.media}", interval_s=0)
 
 
 def node(tmp_path: Path, label: str, cfg: dict[str, Any], events: bool) -> DaemonProcess:

@@ -1,5 +1,5 @@
 """The conformance suite's back-door read catches symmetric bugs that reading back through the tier
-cannot (issue #12: "the tier conformance suite gains a back-door read of what a tier stored").
+cannot (the tier conformance suite's back-door read of what a tier stored).
 
 Each test double below is a real Posix tier with one deliberate bug that its own read path undoes; the
 suite's ordinary tests pass on it, and ``test_stored_bytes_are_the_payload`` fails, naming the bug. A
@@ -16,7 +16,8 @@ import xxhash
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store import format as block_format
-from ucm_server.store.base import BlockResult, IoVec, Tier, copy_iov
+from ucm_server.store.base import BlockResult, Tier
+from ucm_server.store.copying import IoVec, copy_iov
 from ucm_server.store.posix import PosixTier, files
 from ucm_server.testing.tier_suite import TierSuite
 

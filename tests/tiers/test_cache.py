@@ -11,7 +11,8 @@ import pytest
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload
 

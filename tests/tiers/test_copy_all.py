@@ -1,4 +1,4 @@
-"""Issue #13, item 4: the Cache's batch copy (``copy_all``: merged ``memmove`` runs, split over two
+"""The Cache's batch copy (``copy_all``: merged ``memmove`` runs, split over two
 threads when large) moves exactly the bytes the plain segment-by-segment copy moves, whatever the
 segmentation: blocks side by side (runs merge), apart (they do not), empty segments, blocks below the
 run threshold, and batches large enough to be split between two threads (a run cut in the middle)."""

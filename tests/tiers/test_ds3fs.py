@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.format import HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, TMP_MARK
@@ -155,8 +156,8 @@ def test_start_up_scan_keeps_other_nodes_writes_in_flight(tmp_path: Path) -> Non
 
 def test_hung_file_times_out_per_block(tmp_path: Path) -> None:
     """A FIFO where a block should be once blocked ``open()`` like a hung mount; the tier must give up.
-    Files are now opened ``O_NONBLOCK`` and only regular ones kept (issue #11, section 8), so the FIFO
-    is skipped at once and counted as a skipped file rather than timing out."""
+    Files are now opened ``O_NONBLOCK`` and only regular ones kept (files on disk are data, not
+    instructions), so the FIFO is skipped at once and counted as a skipped file rather than timing out."""
 
     async def main() -> None:
         t = node(tmp_path / "mnt", timeout_s=0.5)

@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support.services import MooncakeMaster, ServiceUnavailable, free_port, start_mooncake_master
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, IoVec, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
+from ucm_server.store.copying import IoVec
 from ucm_server.store.format import HEADER_SIZE, encode_header, payload_checksum
 from ucm_server.store.mooncake import MooncakeTier
 from ucm_server.testing.shared_tier_machine import NODES, SharedTierMachine, TwoNodes

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from support.posix_files import stored_blocks
+
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.format import FORMAT_VERSION, HEADER_SIZE
 from ucm_server.store.posix import QUARANTINE, PosixTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload
@@ -39,9 +42,8 @@ def test_blocks_stripe_across_roots(tmp_path: Path) -> None:
         await t.close()
 
     asyncio.run(main())
-    a = list((tmp_path / "a").rglob("*.blk"))
-    b = list((tmp_path / "b").rglob("*.blk"))
-    assert len(a) + len(b) == 64 and a and b
+    a, b = stored_blocks(tmp_path / "a"), stored_blocks(tmp_path / "b")  # block files or pack records
+    assert a + b == 64 and a and b
 
 
 def test_flipped_byte_is_detected_quarantined_and_never_served(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The Posix tier's batched read (issue #13, item 2): one tight loop per group of blocks, with every
+"""The Posix tier's batched read: one tight loop per group of blocks, with every
 unusual file handed to the careful per-block path. Each kind of damage or trickery planted among
 good blocks: the good ones load byte-exact, the planted one gets the answer the one-block read
 gives (its bytes never served, the caller's memory zeroed where the tier read into it), in both
@@ -18,7 +18,7 @@ from support.blocks import NS
 
 from ucm_client import key_digest
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import BlockState
+from ucm_protocol.states import BlockState
 from ucm_server.store.format import encode_header, payload_checksum
 from ucm_server.store.posix import PosixTier, files
 
@@ -94,7 +94,7 @@ DAMAGE: dict[str, tuple[Callable[[Path, Path], None], BlockState]] = {
 
 
 async def _stored(root: Path) -> PosixTier:
-    t = PosixTier(roots=[root], durable=False)
+    t = PosixTier(roots=[root], durable=False, pack_max_block_bytes=0)  # block files (packs: pack_reads)
     await t.open()
     await t.indexed()
     got = await t.write_many([(_key(i), [memoryview(_payload(i))]) for i in range(COUNT)])

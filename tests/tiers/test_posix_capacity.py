@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from support.blocks import NS, blocks_in
 from support.daemon_stats import tiers_by_name
+from support.posix_files import stored_blocks
 
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
@@ -49,7 +50,8 @@ class HeldBytes:
 
 
 def _block_files(d: DaemonProcess) -> int:
-    return sum(1 for _ in (d.data_dir / "blocks").rglob("*.blk"))
+    """Blocks on disk: block files and live records of pack files."""
+    return stored_blocks(d.data_dir / "blocks")
 
 
 def test_a_durable_dump_into_a_full_tier_leaves_it_within_capacity(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ucm_server.store.base import BlockState
+from ucm_protocol.states import BlockState
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     FORMAT_VERSION,
@@ -183,7 +183,7 @@ def test_small_aligned_blocks_are_written_buffered_below_direct_min_bytes(
     tmp_path: Path, aligned: memoryview
 ) -> None:
     """A synchronous device write per 64 KiB block costs more than the copy O_DIRECT saves."""
-    _write(tmp_path, [(1, aligned[: 64 << 10]), (2, aligned[: 64 << 10])])
+    _write(tmp_path, [(1, aligned[: 64 << 10]), (2, aligned[: 64 << 10])], pack_max_block_bytes=0)  # files
     for i in (1, 2):
         assert block_file_header(_file(tmp_path, i)).header_len == HEADER_SIZE
         assert _read(tmp_path, i, 64 << 10)[2] == bytes(aligned[: 64 << 10])

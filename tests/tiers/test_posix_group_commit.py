@@ -1,4 +1,4 @@
-"""Posix batches of small blocks (issue #13, item 2): written and read in groups, committed as a group.
+"""Posix batches of small blocks: written and read in groups, committed as a group.
 
 A durable batch is written to temporary files, made durable with one ``syncfs`` per root, renamed,
 and synced once more before any block is acknowledged: the number of syncs is bounded per batch
@@ -21,9 +21,9 @@ from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError
-from ucm_server.keys import Namespace
+from ucm_protocol.keys import Namespace
+from ucm_protocol.states import BlockState as TierState
 from ucm_server.store import posix
-from ucm_server.store.base import BlockState as TierState
 from ucm_server.store.posix import TMP_MARK, PosixTier, group_commit
 from ucm_server.testing.daemon import DaemonProcess
 from ucm_server.testing.tier_suite import key, payload
@@ -77,7 +77,7 @@ def test_a_batch_with_a_blocked_directory_fails_only_those_blocks(tmp_path: Path
     (root / other.namespace.hex()).symlink_to(outside)
 
     async def main() -> list[TierState]:
-        t = PosixTier(roots=[root])
+        t = PosixTier(roots=[root], pack_max_block_bytes=0)  # block files, in namespace directories
         await t.open()
         items = [(key(i), [memoryview(payload(i, 4096))]) for i in range(2, 40)]
         results = await t.write_many([(other, [memoryview(payload(1, 4096))]), *items])
@@ -98,7 +98,7 @@ def test_kill_9_during_group_committed_batches_loses_nothing_acknowledged(
     else Lookup reports loads intact, and no temporary file is left behind. ``packs``: the batches
     are written as pack files (``posix_pack_max_block_bytes``), committed the same way."""
     n, size, batch = 2048, 4096, 256
-    packing = ["--posix-pack-max-block-bytes", "65536"] if packs else []
+    packing = ["--posix-pack-max-block-bytes", "65536" if packs else "0"]
     d = DaemonProcess(tmp_path / "ucm", args=["--store-pipeline", "Posix", *packing])
     digests: list[bytes] = []
     with SharedBuffer(n * size) as src:
@@ -166,7 +166,7 @@ def test_a_batch_read_serves_good_blocks_and_never_bad_bytes(tmp_path: Path, che
     secret.write_bytes(datas[0])
 
     async def write() -> PosixTier:
-        t = PosixTier(roots=[tmp_path / "root"], durable=False)
+        t = PosixTier(roots=[tmp_path / "root"], durable=False, pack_max_block_bytes=0)  # block files
         await t.open()
         assert all(r.ok for r in await t.write_many([(key(i), [memoryview(d)]) for i, d in enumerate(datas)]))
         return t

@@ -1,4 +1,4 @@
-"""Issue #13, item 1: instant, safe restart of the Posix tier's index, against a real daemon.
+"""Instant, safe restart of the Posix tier's index, against a real daemon.
 
 The daemon serves before its index is complete (``posix_index_wait_s``), brings the index back from
 the snapshot a clean shutdown leaves, and re-adopts block files in the background otherwise. These
@@ -241,7 +241,7 @@ def test_the_previous_release_reads_the_block_files_and_ignores_the_snapshot(tmp
 
 
 def test_the_index_holds_a_block_in_under_256_bytes() -> None:
-    """Issue #13, item 5: 100,000 indexed blocks, keys included, measured with tracemalloc."""
+    """The index's memory: 100,000 indexed blocks, keys included, measured with tracemalloc."""
     n = 100_000
     keys = [BlockKey(NS, hashlib.sha256(b"%d" % i).digest()) for i in range(n)]
     key_bytes = n * sys.getsizeof(keys[0])

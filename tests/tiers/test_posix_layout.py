@@ -1,7 +1,7 @@
 """The Posix tier's two-level layout (format version 3) and the files older releases left one level
 deeper (versions 1 and 2): old files keep loading, a file is trusted only at the path its version
 names, deletes remove both copies, and a release that knows only versions 1-2 skips the new files
-instead of quarantining them (issue #13, item 2)."""
+instead of quarantining them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from support.blocks import NS
 
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
+from ucm_protocol.states import BlockState
 from ucm_server.store import format as block_format
-from ucm_server.store.base import BlockState
 from ucm_server.store.format import (
     ALIGNED_HEADER_SIZE,
     FLAT_LAYOUT_VERSION,
@@ -57,7 +57,7 @@ def _quarantined(root: Path) -> list[str]:
 
 def test_new_blocks_live_two_levels_deep_with_version_3(tmp_path: Path) -> None:
     async def main() -> None:
-        t = PosixTier(roots=[tmp_path])
+        t = PosixTier(roots=[tmp_path], pack_max_block_bytes=0)  # block files, not packs
         await t.open()
         results = await t.write_many([(_key(i), [memoryview(_payload(i))]) for i in range(8)])
         assert all(r.ok for r in results)

@@ -1,4 +1,4 @@
-"""Pack files in the Posix tier (issue #13, item 2; :mod:`ucm_server.store.posix.packs`).
+"""Pack files in the Posix tier (:mod:`ucm_server.store.posix.packs`).
 
 With ``posix_pack_max_block_bytes`` set, the small blocks of a dump batch share one ``.pack`` file.
 Against a real Posix-only daemon: byte-exact round trips of packed blocks of several sizes beside
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.blocks import NS
+from support.posix_files import write_older_snapshot
 from support.posix_store import (
     SIZE,
     alive,
@@ -38,6 +39,8 @@ from ucm_server.store.posix import SUFFIX, TMP_MARK, PosixTier, group_commit, in
 from ucm_server.testing.daemon import DaemonProcess
 
 PACKS = ("--posix-pack-max-block-bytes", "65536")
+NO_PACKS = ("--posix-pack-max-block-bytes", "0")
+"""One file per block, the layout of releases before packs (the daemon packs blocks up to 64 KiB)."""
 
 
 def dump(c: UcmClient, items: list[tuple[bytes, bytes]]) -> None:
@@ -100,8 +103,8 @@ def test_packed_blocks_of_several_sizes_round_trip_beside_block_files(tmp_path: 
         assert c.get_blocks(NS, [k for k, _ in items]) == [v for _, v in items]
         alive(d, c)
         d.stop()
-    # Negative control: packs off (the default) writes one file per block, as always.
-    off = posix_daemon(tmp_path, name="off")
+    # Negative control: packs off writes one file per block, as before packs.
+    off = posix_daemon(tmp_path, *NO_PACKS, name="off")
     with off.start(), UcmClient(off.target) as c:
         dump(c, items)
         assert c.get_blocks(NS, [k for k, _ in items]) == [v for _, v in items]
@@ -268,7 +271,7 @@ def test_a_clean_restart_restores_packed_blocks_from_the_snapshot_and_a_stale_on
         put_packed(c, 0, 100)
         d.stop()
     snap = (root / index_snapshot.SNAPSHOT_NAME).read_bytes()
-    assert struct.unpack_from("<I", snap, 8)[0] == index_snapshot.PACKED_VERSION
+    assert struct.unpack_from("<I", snap, 8)[0] == index_snapshot.XXH_VERSION
     saved = {n: (root / n).read_bytes() for n in (index_snapshot.SNAPSHOT_NAME, index_snapshot.MARKER_NAME)}
     with d.start(), UcmClient(d.target) as c:
         index_done(c)
@@ -297,19 +300,18 @@ def test_a_clean_restart_restores_packed_blocks_from_the_snapshot_and_a_stale_on
 
 
 def test_an_older_snapshot_version_still_loads(tmp_path: Path) -> None:
-    """A version-1 snapshot (no pack columns, as the previous release wrote) is read as before."""
-    blocks = index_snapshot.Columns([bytes(NS) + b"k" * 32], [4096], [1.0])
-    index_snapshot.write_snapshot(tmp_path, blocks, durable=False)
+    """A version-1 snapshot (no pack columns, as the release before packs wrote) is read as before."""
+    write_older_snapshot(tmp_path, [bytes(NS) + b"k" * 32], [4096], [1.0])
     epoch = (tmp_path / index_snapshot.MARKER_NAME).read_bytes()
     assert struct.unpack_from("<I", (tmp_path / index_snapshot.SNAPSHOT_NAME).read_bytes(), 8)[0] == 1
     got = index_snapshot.read_snapshot(tmp_path, epoch, 1 << 20)
     assert list(got.sizes) == [4096] and got.packs is None
     # and a version-2 one carries the pack columns through
-    packed = index_snapshot.Columns([bytes(NS) + b"k" * 32], [4096], [1.0], [7], [116])
-    index_snapshot.write_snapshot(tmp_path, packed, durable=False)
+    write_older_snapshot(tmp_path, [bytes(NS) + b"k" * 32], [4096], [1.0], [(7, 116)])
     epoch = (tmp_path / index_snapshot.MARKER_NAME).read_bytes()
     got = index_snapshot.read_snapshot(tmp_path, epoch, 1 << 20)
-    assert list(got.packs or []) == [7] and list(got.offsets or []) == [116]
+    assert list(got.packs if got.packs is not None else []) == [7]
+    assert list(got.offsets if got.offsets is not None else []) == [116]
 
 
 def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
@@ -331,7 +333,7 @@ def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
         assert not any(c.lookup(NS, index_keys(8)).present)
         assert list(outside.rglob("*")) == []
         d.stop()
-    d.extra_args = [a for a in d.extra_args if a not in PACKS]  # packs off: block files, as before
+    d.extra_args = [*(a for a in d.extra_args if a not in PACKS), *NO_PACKS]  # packs off: block files
     with d.start(), UcmClient(d.target) as c:
         dump(c, items)
         check_all(c, range(8))

@@ -1,4 +1,4 @@
-"""Issue #13, item 1: periodic index snapshots, the base a start after ``kill -9`` loads at once.
+"""Periodic index snapshots, the base a start after ``kill -9`` loads at once.
 
 Against a real daemon process: after a SIGKILL the next start loads the newest periodic snapshot,
 then sweeps the block files (adding blocks stored after it, dropping those deleted since). A kill at

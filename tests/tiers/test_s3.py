@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.support.services import CephRGW, ServiceUnavailable, free_port, start_ceph_rgw
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, IoVec, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
+from ucm_server.store.copying import IoVec
 from ucm_server.store.format import HEADER_SIZE, encode_header, payload_checksum
 from ucm_server.store.s3 import S3Tier
 from ucm_server.testing.shared_tier_machine import NODES, SharedTierMachine, TwoNodes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from ucm_server.store.base import BlockState
+from ucm_protocol.states import BlockState
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.ds3fs import DS3FSTier
 from ucm_server.store.pipeline import Pipeline

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.posix import PosixTier

@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
+from support.posix_files import all_stored, read_payload
 from vllm_helpers import P1, P_FULL, copy_model, last_metric, run_vllm, start_daemon
 
 from ucm_server.store import codec
-from ucm_server.store.format import decode_header
 
 pytestmark = pytest.mark.vllm
 
@@ -44,10 +44,7 @@ def _reload(root: Path, model: Path, *args: str) -> tuple[dict[str, object], lis
         fill = run_vllm(root / "fill", _spec(model, True), socket=daemon.socket)
     finally:
         daemon.stop()
-    encodings = []
-    for path in sorted(daemon.data_dir.rglob("*.blk")):
-        raw = path.read_bytes()
-        encodings.append(codec.describe(raw[decode_header(raw[:128]).header_len :]))
+    encodings = [codec.describe(read_payload(block)) for block in all_stored(daemon.data_dir / "blocks")]
     daemon = start_daemon(root / "daemon2", *args, data_dir=daemon.data_dir)
     try:
         load = run_vllm(root / "load", _spec(model, True), socket=daemon.socket)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.posix_files import flip_payload_byte, stored_copies
 from support.tiny_llama import build_tiny_llama
 from vllm_helpers import (
     BLOCK,
@@ -187,13 +188,10 @@ def test_corrupt_block_is_a_load_error_and_recomputed(store: Store, tmp_path: Pa
     daemon = start_daemon(tmp_path / "daemon", data_dir=store.copy_data(tmp_path / "data"))
     try:
         key = store.fill["keys"][0][1]  # P1's second block
-        paths = list((daemon.data_dir / "blocks").rglob(f"{key}.blk"))  # one per namespace stored
-        assert paths
-        for path in paths:
-            data = bytearray(path.read_bytes())
-            middle = len(data) // 2
-            data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
-            path.write_bytes(bytes(data))
+        copies = stored_copies(daemon.data_dir / "blocks", bytes.fromhex(key))  # one per namespace stored
+        assert copies
+        for copy in copies:  # 64 bytes in the middle of each, flipped
+            flip_payload_byte(copy, copy.payload_len // 2, 0xFF, count=64)
         spec = {
             "model": str(store.model),
             "prompts": [P1],

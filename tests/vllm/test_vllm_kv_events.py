@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 from support.kv_events import NodeSubscriber, settle, vllm_hash
+from support.posix_files import find_block, flip_payload_byte
 from test_admin import admin, json_of
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm_helpers import P1, P_SHARED, run_vllm
@@ -98,11 +99,7 @@ def test_one_stream_for_gpu_and_ucm_tiers_matching_admin_ls(tiny_model: Path, tm
         assert admin(daemon, "delete", f"{ns}/{first_key.hex()}").returncode == 0
         assert ("STORAGE", first) not in settle(ucm, daemon)
 
-        name = second_key.hex()
-        path = daemon.data_dir / "blocks" / ns / name[:2] / f"{name}.blk"
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0x01
-        path.write_bytes(bytes(data))
+        flip_payload_byte(find_block(daemon.data_dir / "blocks", bytes.fromhex(ns), second_key), -1, 0x01)
         assert admin(daemon, "verify").returncode == 1
         assert ("STORAGE", second) not in settle(ucm, daemon)
 

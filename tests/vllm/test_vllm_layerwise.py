@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.posix_files import StoredBlock, flip_payload_byte, stored_copies
 from vllm_helpers import (
     BLOCK,
     P1,
@@ -223,9 +224,10 @@ class Store:
     def expected(self, *prompts: list[int]) -> list[list[int]]:
         return [self.baseline["outputs"][PROMPTS.index(p)] for p in prompts]
 
-    def layer_files(self, data_dir: Path, prompt: int, block: int, layer: int) -> list[Path]:
+    def layer_copies(self, data_dir: Path, prompt: int, block: int, layer: int) -> list[StoredBlock]:
+        """Where the daemon under ``data_dir`` keeps that layer's object (its file or pack record)."""
         key = layer_key(bytes.fromhex(self.fill["keys"][prompt][block]), layer)
-        return list((data_dir / "blocks").rglob(f"{key.hex()}.blk"))
+        return stored_copies(data_dir / "blocks", key)
 
 
 @pytest.fixture(scope="module")
@@ -243,12 +245,12 @@ def test_layerwise_fill_stores_one_object_per_layer(store: Store) -> None:
     assert last_metric(store.fill, "vllm:ucm_save_blocks") == 8  # blocks, each of 2 layer objects
     assert last_metric(store.fill, "vllm:ucm_save_failed_blocks") == 0
     files = [
-        len(store.layer_files(store.daemon.data_dir, prompt, block, layer))
+        len(store.layer_copies(store.daemon.data_dir, prompt, block, layer))
         for prompt in (0, 1)
         for block in range(4)
         for layer in (0, 1)
     ]
-    assert files == [1] * 16  # one file per block and layer, in the daemon's Posix tier
+    assert files == [1] * 16  # one object per block and layer, in the daemon's Posix tier
 
 
 @pytest.mark.vllm
@@ -283,11 +285,8 @@ def test_whole_block_connector_does_not_hit_a_layerwise_store(store: Store, tmp_
 @pytest.mark.vllm
 def test_corrupt_layer_object_is_a_load_error_and_recomputed(store: Store, tmp_path: Path) -> None:
     data = shutil.copytree(store.daemon.data_dir, tmp_path / "data")
-    (path,) = store.layer_files(data, prompt=0, block=1, layer=1)  # P1's 2nd block, last layer
-    raw = bytearray(path.read_bytes())
-    middle = len(raw) // 2
-    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
-    path.write_bytes(bytes(raw))
+    (copy,) = store.layer_copies(data, prompt=0, block=1, layer=1)  # P1's 2nd block, last layer
+    flip_payload_byte(copy, copy.payload_len // 2, 0xFF, count=64)  # 64 bytes in its middle
     daemon = start_daemon(tmp_path / "daemon", data_dir=data)
     try:
         report = run_vllm(

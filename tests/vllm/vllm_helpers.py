@@ -48,7 +48,7 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 
 def start_daemon(workdir: Path, *args: str, data_dir: Path | None = None) -> DaemonProcess:
-    """A real ``ucm-server`` writing through to disk (so every stored block is a file at once)."""
+    """A real ``ucm-server`` writing through to disk (so every stored block is on disk at once)."""
     return DaemonProcess(workdir, args=["--write-mode", "write-through", *args], data_dir=data_dir).start()
 
 

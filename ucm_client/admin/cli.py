@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from ucm_client.admin.errors import EXIT_CODES_HELP, ExitCode, classify
 
 if TYPE_CHECKING:
-    from ucm_client.admin.connection import Daemon
+    from ucm_client.admin.connection import DaemonConnection
     from ucm_client.admin.output import Output
     from ucm_protocol.keys import BlockKey
 
-Handler = Callable[[argparse.Namespace, "Daemon", "Output"], ExitCode]
+Handler = Callable[[argparse.Namespace, "DaemonConnection", "Output"], ExitCode]
 
 PROG = "ucm-admin"
 MAX_PAGE_SIZE = 10000
@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help/--version exit 0, errors exit 2
         return int(exc.code) if isinstance(exc.code, int) else ExitCode.USAGE
 
-    from ucm_client.admin.connection import Daemon, resolve_target
+    from ucm_client.admin.connection import DaemonConnection, resolve_target
     from ucm_client.admin.output import Mode, Output
 
     mode = Mode.JSON if args.json else Mode.QUIET if args.quiet else Mode.HUMAN
@@ -463,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ConfigError: the config file is missing or wrong
         out.error(str(exc), exit_code=ExitCode.USAGE, label="usage")
         return ExitCode.USAGE
-    daemon = Daemon(target, args.timeout)
+    daemon = DaemonConnection(target, args.timeout)
     try:
         return int(_handler(args.handler)(args, daemon, out))
     except BrokenPipeError:  # `ucm-admin ls | head`: the reader left, which is not our failure

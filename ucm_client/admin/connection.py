@@ -84,7 +84,7 @@ def check_socket(path: Path) -> None:
         raise DaemonUnreachable(f"permission denied on socket {path} (mode 0600: run as the daemon's user)")
 
 
-class Daemon:
+class DaemonConnection:
     """A lazily opened channel to ``target``; every call has ``timeout_s`` as its deadline."""
 
     def __init__(self, target: str, timeout_s: float) -> None:

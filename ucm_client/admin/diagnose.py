@@ -21,14 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ucm_client.admin import render
-from ucm_client.admin.connection import Daemon, check_socket, socket_path
+from ucm_client.admin.connection import DaemonConnection, check_socket, socket_path
 from ucm_client.admin.errors import CliError, ExitCode, OperationFailed
 from ucm_client.admin.output import Output
 from ucm_protocol.errors import UcmError
 
 
 # -- bench ------------------------------------------------------------------------------------------
-def bench(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def bench(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Dump then load ``--blocks`` blocks through one SharedBuffer, ``--rounds`` times; report GiB/s.
 
     Blocks go to a fresh namespace that is deleted afterwards, so bench never touches real cache data.
@@ -137,7 +137,7 @@ def _versions() -> list[Check]:
     return rows
 
 
-def _daemon_checks(daemon: Daemon) -> list[Check]:
+def _daemon_checks(daemon: DaemonConnection) -> list[Check]:
     rows = [Check("daemon", "target", None, daemon.target)]
     path = socket_path(daemon.target)
     if path is not None:
@@ -205,7 +205,7 @@ def _sparse_row(item: Any) -> Check:
     return Check("sparse", "verify_patches", None, str(item))
 
 
-def doctor(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def doctor(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Run every check, print them all, exit 1 if any failed (3 is never used: that is a finding here)."""
     checks = [*_versions(), *_daemon_checks(daemon), *([] if args.skip_sparse else _sparse_checks())]
     failed = [c for c in checks if c.ok is False]

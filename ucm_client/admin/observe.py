@@ -1,6 +1,6 @@
 """Read-only commands: ``health``, ``stats``, ``ls``, ``inspect``, ``watch``.
 
-Each takes the parsed arguments, the :class:`Daemon` and the :class:`Output`, and returns an exit
+Each takes the parsed arguments, the :class:`DaemonConnection` and the :class:`Output`, and returns an exit
 code; failures are raised and classified by :mod:`ucm_client.admin.errors`.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console, Group
 
 from ucm_client.admin import render
-from ucm_client.admin.connection import Daemon
+from ucm_client.admin.connection import DaemonConnection
 from ucm_client.admin.errors import ExitCode, OperationFailed
 from ucm_client.admin.output import Mode, Output
 from ucm_protocol.errors import NotFound
@@ -22,7 +22,7 @@ from ucm_protocol.errors import NotFound
 LIST_PAGE_MAX = 10000
 
 
-def health(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def health(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Standard grpc.health.v1 Check; exit 1 unless SERVING (e.g. NOT_SERVING while shutting down)."""
     from grpc_health.v1 import health_pb2
 
@@ -51,19 +51,21 @@ def health(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     return ExitCode.OK
 
 
-def fetch_stats(daemon: Daemon) -> dict[str, Any]:
+def fetch_stats(daemon: DaemonConnection) -> dict[str, Any]:
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     return render.stats_dict(daemon.call(daemon.admin.Stats, pb.StatsRequest()), daemon.target)
 
 
-def stats(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def stats(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     data = fetch_stats(daemon)
     out.result(data, lambda c: c.print(render.stats_view(data)))
     return ExitCode.OK
 
 
-def _pages(daemon: Daemon, namespace: bytes, tier: str, page_size: int, token: str) -> Iterator[Any]:
+def _pages(
+    daemon: DaemonConnection, namespace: bytes, tier: str, page_size: int, token: str
+) -> Iterator[Any]:
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     while True:
@@ -75,7 +77,7 @@ def _pages(daemon: Daemon, namespace: bytes, tier: str, page_size: int, token: s
             return
 
 
-def ls(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def ls(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """One page (``--limit``, from ``--page-token``) or, with ``--all``, every page."""
     namespace: bytes = args.namespace or b""
     page_size = LIST_PAGE_MAX if args.all else args.limit
@@ -101,7 +103,7 @@ def ls(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     return ExitCode.OK
 
 
-def inspect(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def inspect(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Where one block lives, its size, age and checksum; exit 1 if no tier has it."""
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
@@ -112,7 +114,7 @@ def inspect(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     return ExitCode.OK
 
 
-def watch(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def watch(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Stats every ``--interval`` seconds until ``--count`` samples or Ctrl-C (which exits 0)."""
     previous: tuple[float, dict[str, Any]] | None = None
     n = 0

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ucm_client.admin import render
-from ucm_client.admin.connection import Daemon
+from ucm_client.admin.connection import DaemonConnection
 from ucm_client.admin.errors import ExitCode, OperationFailed, UsageError
 from ucm_client.admin.output import Output
 from ucm_protocol.keys import BlockKey
@@ -55,7 +55,7 @@ def _chunks(digests: list[bytes]) -> Iterable[list[bytes]]:
         yield digests[i : i + KEYS_PER_REQUEST]
 
 
-def delete(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def delete(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Remove blocks from every tier; exit 1 if some were not there (unless ``--missing-ok``)."""
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
@@ -77,7 +77,7 @@ def delete(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     return ExitCode.OK
 
 
-def evict(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def evict(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Free space in one tier: named keys, ``--bytes`` by the tier's policy, or ``--all``."""
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
@@ -116,7 +116,7 @@ def evict(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
     return ExitCode.OK
 
 
-def _confirm_all(args: argparse.Namespace, daemon: Daemon, out: Output) -> None:
+def _confirm_all(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> None:
     if args.yes:
         return
     if not sys.stdin.isatty():
@@ -131,7 +131,7 @@ def _confirm_all(args: argparse.Namespace, daemon: Daemon, out: Output) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class CorruptBlock:
+class CorruptBlockReport:
     """One line of Verify's ``corrupt_keys``: ``"<tier>:<ns hex>/<key hex>: reason"``, parsed."""
 
     tier: str
@@ -139,24 +139,24 @@ class CorruptBlock:
     reason: str
 
     @classmethod
-    def parse(cls, text: str) -> CorruptBlock:
+    def parse(cls, text: str) -> CorruptBlockReport:
         tier, _, rest = text.partition(":")
         key, _, reason = rest.partition(": ")
         return cls(tier=tier, key=key.strip(), reason=reason.strip())
 
 
-def verify(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def verify(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Re-read every block of the persistent tiers and check its checksum; exit 1 if any is corrupt."""
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     # quarantine: as the help says, a corrupt copy is moved aside (and repaired from another tier)
     req = pb.VerifyRequest(tier=args.tier or "", namespace=args.namespace or b"", quarantine=True)
     daemon.channel()  # fail fast (exit 3) before drawing a progress bar
-    corrupt: list[CorruptBlock] = []
+    corrupt: list[CorruptBlockReport] = []
     checked = total = 0
     with out.progress("verifying") as bar:
         for event in daemon.stream(daemon.admin.Verify, req):
-            corrupt += [CorruptBlock.parse(s) for s in event.corrupt_keys]
+            corrupt += [CorruptBlockReport.parse(s) for s in event.corrupt_keys]
             checked, total = event.checked, event.total
             bar.update(checked, total, f"{len(corrupt)} corrupt" if corrupt else "")
     data = {

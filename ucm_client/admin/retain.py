@@ -10,34 +10,36 @@ from __future__ import annotations
 
 import argparse
 
-from ucm_client.admin.connection import Daemon
+from ucm_client.admin.connection import DaemonConnection
 from ucm_client.admin.errors import ExitCode, OperationFailed, UsageError
 from ucm_client.admin.operate import _chunks, by_namespace, read_keys
 from ucm_client.admin.output import Output
 
 
-def pin(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def pin(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Pin blocks (never evicted, in every tier that can hold a pin), optionally with a priority."""
     return _change(args, daemon, out, "pinned", pin=True)
 
 
-def unpin(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def unpin(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     return _change(args, daemon, out, "unpinned", unpin=True)
 
 
-def ttl(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def ttl(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Expire blocks SECONDS from now (``never``: remove the expiry)."""
     if not args.seconds:
         return _change(args, daemon, out, "no longer expire", clear_ttl=True)
     return _change(args, daemon, out, f"expire in {args.seconds:g}s", ttl_s=args.seconds)
 
 
-def priority(args: argparse.Namespace, daemon: Daemon, out: Output) -> ExitCode:
+def priority(args: argparse.Namespace, daemon: DaemonConnection, out: Output) -> ExitCode:
     """Set the eviction priority (-100..100; lower is evicted first, 0 is the default)."""
     return _change(args, daemon, out, f"priority {args.value}", set_priority=True, priority=args.value)
 
 
-def _change(args: argparse.Namespace, daemon: Daemon, out: Output, done: str, **fields: object) -> ExitCode:
+def _change(
+    args: argparse.Namespace, daemon: DaemonConnection, out: Output, done: str, **fields: object
+) -> ExitCode:
     from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 
     keys = read_keys(args.keys)

@@ -37,12 +37,12 @@ from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, UcmError
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, PackedDigests
 from ucm_protocol.native import native
+from ucm_protocol.states import BlockState
 from ucm_protocol.wire import AUTH_METADATA
 from ucm_server.auth import Principal
 from ucm_server.authz import DATA_PLANE, enter
 from ucm_server.dataplane.memory import sealed_memfd
 from ucm_server.engine import Engine
-from ucm_server.store.base import BlockState
 from ucm_server.tasks import Task, TaskKind, TaskState
 
 log = logging.getLogger(__name__)

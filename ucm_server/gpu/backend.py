@@ -3,7 +3,7 @@
 The daemon never imports torch and treats cupy as optional (the ``[gpu]`` extra): cupy is imported
 only when the first GPU region is registered (or at start with ``gpu: on``). Everything above this
 module talks to :class:`CudaBackend`, so the copy logic is exercised on CPU-only machines with a fake
-backend (``tests/gpu/fake_cuda.py``) and only this file needs a real GPU to be proven.
+backend (``tests/support/fake_cuda.py``) and only this file needs a real GPU to be proven.
 
 All calls that may block (host registration, copies, waits) are made from executor threads; cupy
 releases the GIL inside them. Errors surface as :class:`CudaError` so callers never import cupy.

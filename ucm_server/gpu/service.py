@@ -19,7 +19,7 @@ device) and an event is recorded after them; up to ``QUEUE_DEPTH`` chunks are qu
 is waited for, so host-side bookkeeping overlaps the transfers. A block is reported OK only after the
 event of its copies has completed. Ordering against the client's own kernels is the client's side of
 the contract: it records an event after the kernels that produce the blocks and waits for it before it
-asks for a dump (``ucm_client.gpu``), and it waits for a load's task before its kernels read the blocks.
+asks for a dump (``ucm_client.cuda_ipc``), and it waits for a load's task before its kernels read the blocks.
 
 cupy is optional and is imported only when the first GPU region arrives (or at start with
 ``gpu: on``); a daemon without cupy or without a device refuses GPU regions with that reason and keeps

@@ -63,7 +63,7 @@ class Endpoint:
         return Path(self.address.removeprefix("ipc://")) if self.address.startswith("ipc://") else None
 
     @property
-    def local(self) -> bool:
+    def machine_only(self) -> bool:
         """Reachable by this machine's processes only (ipc, inproc), never over the network."""
         return self.address.startswith(("ipc://", "inproc://"))
 
@@ -120,7 +120,7 @@ def plan_access(config: ServerConfig, tenants: set[str] | None) -> AccessPlan:
                 "this uid can open), bind one address, set kv_events_curve_secret_key_file and "
                 "kv_events_subscribers_file (CURVE), or kv_events_allow_open_tcp: true to accept it"
             )
-    fixed = ALL if all(ep.local for ep in eps) else NO_TENANT
+    fixed = ALL if all(ep.machine_only for ep in eps) else NO_TENANT
     return AccessPlan(tuple(eps), (fixed,), fixed)
 
 

@@ -3,7 +3,7 @@
 Every UCM handler is wrapped so that, in the handler's own task,
 :meth:`ucm_server.authz.Authorizer.admit` decides whether the call may run and as whom (the one spot
 every RPC goes through), and the resulting grant is put in context variables the engine reads.
-Servicers raise :mod:`ucm_server.api.errors` exceptions; each becomes ``context.abort(code,
+Servicers raise :mod:`ucm_protocol.errors` exceptions; each becomes ``context.abort(code,
 message)``. Anything else is a bug: it is logged with its traceback and answered ``INTERNAL`` with a
 short message, and the daemon keeps serving.
 """
@@ -46,7 +46,7 @@ def detail(message: str) -> str:
     return printable(message, MAX_DETAIL_CHARS, backslashes=False)
 
 
-def is_local(context: aio.ServicerContext) -> bool:
+def came_over_unix_socket(context: aio.ServicerContext) -> bool:
     """The peer came in over the Unix socket (whose 0600 mode is its access control), not TCP."""
     return str(context.peer() or "").startswith("unix:")
 
@@ -73,7 +73,9 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
 
         def admit(context: aio.ServicerContext) -> None:
             """Authorize the call; the grant is visible to this task only."""
-            enter(authz.admit(full_method, context.invocation_metadata(), local=is_local(context)))
+            enter(
+                authz.admit(full_method, context.invocation_metadata(), local=came_over_unix_socket(context))
+            )
 
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):

@@ -46,7 +46,8 @@ from ucm_server.store.admission import (
     key_hashes,
     make_admission,
 )
-from ucm_server.store.base import OK, BlockResult, IoVec, Tier, TierStats, iov_len
+from ucm_server.store.base import OK, BlockResult, Tier, TierStats
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.io_classes import IoClass, io_class
 from ucm_server.store.observed import ObservedTier
 from ucm_server.store.watch import IndexWatch, Watchable

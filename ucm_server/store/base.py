@@ -1,6 +1,6 @@
 """The one small interface every storage tier implements.
 
-A tier stores opaque blocks under :class:`~ucm_server.keys.BlockKey`. It offers eight async
+A tier stores opaque blocks under :class:`~ucm_protocol.keys.BlockKey`. It offers eight async
 primitives — ``open``, ``close``, ``lookup``, ``read_into``, ``write_from``, ``delete``,
 ``list_blocks``, ``stats`` — and everything else (batches, verification) is derived here in the base
 class, where a backend overrides it only to go faster. Capabilities are class flags, never optional
@@ -29,13 +29,11 @@ from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import NAMESPACE_BYTES as _NS
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
-from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
+from ucm_protocol.states import BlockState
 
-# The iovec type and the copy functions, importable from here for every tier (re-exported).
+# The Posix package still imports these two from here; once it imports them from
+# ucm_server.store.copying, these re-exports go.
 from ucm_server.store.copying import IoVec as IoVec  # noqa: PLC0414
-from ucm_server.store.copying import copy_all as copy_all  # noqa: PLC0414
-from ucm_server.store.copying import copy_in_order as copy_in_order  # noqa: PLC0414
-from ucm_server.store.copying import copy_iov as copy_iov  # noqa: PLC0414
 from ucm_server.store.copying import iov_len as iov_len  # noqa: PLC0414
 from ucm_server.store.watch import IndexWatch
 

@@ -32,7 +32,6 @@ from ucm_server.store.base import (
     OK,
     BlockInfo,
     BlockResult,
-    IoVec,
     SizeIndex,
     Tier,
     TierContext,
@@ -40,7 +39,7 @@ from ucm_server.store.base import (
     failed,
     load_tier_settings,
 )
-from ucm_server.store.copying import copy_all, copy_in_order, iov_len
+from ucm_server.store.copying import IoVec, copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.watch import IndexWatch
 

@@ -49,14 +49,12 @@ from ucm_server.store.base import (
     OK,
     BlockInfo,
     BlockResult,
-    IoVec,
     TierContext,
     bounded_gather,
-    copy_iov,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import IoVec, copy_iov, iov_len
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,
@@ -148,6 +146,7 @@ class DS3FSTier(PosixTier):
             capacity=capacity,
             durable=durable,
             direct_io=False,
+            pack_max_block_bytes=0,  # one file per block: nodes of older releases share the mount
             executor=executor,
             max_block_bytes=max_block_bytes,
             profile=Profile(

@@ -41,8 +41,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
+from ucm_protocol.states import BlockState
 from ucm_server.journal import read_regular
-from ucm_server.store.base import BlockResult, BlockState, IoVec, Tier, copy_iov, failed, iov_len
+from ucm_server.store.base import BlockResult, Tier, failed
+from ucm_server.store.copying import IoVec, copy_iov, iov_len
 from ucm_server.store.transform import TransformTier
 
 T = TypeVar("T")

@@ -31,10 +31,11 @@ import time
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
-from ucm_server.store.base import IoVec
+from ucm_server.store.copying import IoVec
 
 MAGIC = b"UCMB"
 ALIGNED_VERSION = 2
@@ -199,6 +200,59 @@ def fast_checksum(raw: bytearray, key: bytes, payload_len: int, max_payload: int
         return None
     result: int = checksum
     return result
+
+
+_HEADER_ROW = np.dtype(
+    [
+        ("magic", "<u4"),
+        ("version", "<u2"),
+        ("flags", "<u2"),
+        ("header_len", "<u4"),
+        ("key", f"V{NAMESPACE_BYTES + KEY_BYTES}"),
+        ("payload_len", "<u8"),
+        ("checksum", "<u8"),
+        ("created_ns", "<u8"),
+        ("crc", "<u4"),
+        ("padding", f"V{HEADER_SIZE - _FIELDS_AND_CRC.size}"),
+    ]
+)
+"""A 128-byte header as a numpy record (:func:`check_headers` reads many side by side)."""
+_MAGIC_WORD = int.from_bytes(MAGIC, "little")
+
+
+_WHOLE_HEADER_CRC = zlib.crc32(encode_header(BlockKey(Namespace(bytes(16)), Digest(bytes(32))), 0, 0, 0))
+"""The CRC-32 of every whole, valid 128-byte header: its fields, their CRC and zero padding. A CRC
+over data followed by the data's own CRC leaves a constant, and so does the zero padding after it:
+one ``crc32`` call per header, on the view it was read into, checks its CRC."""
+_READABLE = np.zeros(1 << 16, dtype=bool)
+_READABLE[list(READABLE_VERSIONS)] = True
+
+
+def check_headers(
+    heads: bytearray, views: list[memoryview], keys: bytes, lengths: list[int], max_payload: int
+) -> tuple[list[bool], list[int]]:
+    """:func:`fast_checksum` of the 128-byte headers laid end to end in ``heads`` (``views``: each
+    header's own view of it), against ``keys`` (their 48-byte keys, joined) and ``lengths`` (the
+    payload each must promise):
+    whether each passes every check, and the payload checksum each holds. The same checks as a few
+    array operations and one C-level ``crc32`` per header instead of a dozen Python steps each (a
+    load of packed 4 KiB blocks spent more on checking headers than on reading them)."""
+    count = len(lengths)
+    rows = np.frombuffer(heads, dtype=_HEADER_ROW, count=count)
+    raw = np.frombuffer(heads, dtype=np.uint8, count=count * HEADER_SIZE).reshape(count, HEADER_SIZE)
+    crcs = list(map(zlib.crc32, views))
+    claimed = rows["payload_len"]
+    valid = (
+        (rows["magic"] == _MAGIC_WORD)
+        & _READABLE[rows["version"]]
+        & (rows["header_len"] == HEADER_SIZE)
+        & (claimed == np.array(lengths, dtype=np.uint64))
+        & (claimed <= max_payload)
+        & (rows["key"] == np.frombuffer(keys, dtype=_HEADER_ROW["key"], count=count))
+        & (np.array(crcs, dtype=np.uint32) == _WHOLE_HEADER_CRC)
+        & ~raw[:, _FIELDS_AND_CRC.size :].any(axis=1)
+    )
+    return valid.tolist(), rows["checksum"].tolist()
 
 
 def _check_zero(padding: bytes | memoryview) -> None:

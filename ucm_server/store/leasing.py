@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.arena import Arena
-from ucm_server.store.base import BlockResult, IoVec, Tier
+from ucm_server.store.base import BlockResult, Tier
+from ucm_server.store.copying import IoVec
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Lease, Reservation

@@ -33,7 +33,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from ucm_protocol.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import BlockInfo, BlockResult, Tier, TierStats
+from ucm_server.store.copying import IoVec
 from ucm_server.store.watch import IndexWatch
 from ucm_server.store.wrapper import TierWrapper
 

@@ -28,29 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_protocol.states import BlockState
 from ucm_server.store.admitting import cache_only
-from ucm_server.store.base import (
-    MISSING,
-    OK,
-    BlockInfo,
-    BlockResult,
-    BlockState,
-    EvictionRules,
-    IoVec,
-    Tier,
-    failed,
-    iov_len,
-)
+from ucm_server.store.base import MISSING, OK, BlockInfo, BlockResult, EvictionRules, Tier, failed
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
+from ucm_server.store.shared_answers import SharedAnswers
 from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
+from ucm_server.store.write_stamps import WriteStamps
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
@@ -104,15 +95,8 @@ class Pipeline:
         """The blocks awaiting their write-down, and the flushers writing them."""
         self._skipped = 0
         self._through = 0
-        # What shared tiers answered recently (size or None, until when): vLLM's scheduler asks about
-        # the same prefix again and again, and a remote lookup costs milliseconds to seconds.
-        self.shared_lookup_ttl_s = shared_lookup_ttl_s
-        self._shared_seen: dict[tuple[str, BlockKey], tuple[int | None, float]] = {}
-        # Write stamps: a read that found a block below may promote it only if nobody wrote (or
-        # deleted) that key since the read began; otherwise it would hide the newer version.
-        self._seq = 0
-        self._written: dict[BlockKey, int] = {}
-        self._reading: Counter[int] = Counter()
+        self.shared_answers = SharedAnswers(shared_lookup_ttl_s)
+        self.stamps = WriteStamps()
         self.promotions = Promotions(self)
         self.admission: Admission | None = None
         """The tier boundaries' admission policies (:func:`ucm_server.store.admitting.install_admission`)."""
@@ -172,7 +156,7 @@ class Pipeline:
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
             asked = [keys[i] for i in todo]
-            return self._ask_shared(tier, asked) if tier.shared else tier.lookup(asked)
+            return self.shared_answers.lookup(tier, asked) if tier.shared else tier.lookup(asked)
 
         return await self._fill([None] * len(keys), self._lookup_order(), ask)
 
@@ -188,7 +172,7 @@ class Pipeline:
 
         def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
             if tier.shared:
-                return self._ask_shared(tier, [BlockKey(namespace, digests[i]) for i in todo])
+                return self.shared_answers.lookup(tier, [BlockKey(namespace, digests[i]) for i in todo])
             return tier.lookup_digests(namespace, [digests[i] for i in todo])
 
         order = self._lookup_order()
@@ -225,40 +209,13 @@ class Pipeline:
                 sizes[i] = size
         return sizes
 
-    async def _ask_shared(self, tier: Tier, keys: list[BlockKey]) -> list[int | None]:
-        """A shared tier's lookup through the short-lived answer cache (positive and negative)."""
-        now = time.monotonic()
-        seen = self._shared_seen
-        out: list[int | None] = [None] * len(keys)
-        ask: list[int] = []
-        for i, key in enumerate(keys):
-            hit = seen.get((tier.name, key))
-            if hit is not None and hit[1] > now:
-                out[i] = hit[0]
-            else:
-                ask.append(i)
-        if ask:
-            found = await tier.lookup([keys[i] for i in ask])
-            until = time.monotonic() + self.shared_lookup_ttl_s
-            if len(seen) > 200_000:
-                self._shared_seen = seen = {k: v for k, v in seen.items() if v[1] > now}
-            for i, size in zip(ask, found, strict=True):
-                out[i] = size
-                if self.shared_lookup_ttl_s > 0:
-                    seen[(tier.name, keys[i])] = (size, until)
-        return out
-
     # -- reads ----------------------------------------------------------------------------------------
     def _stamp(self, keys: Iterable[BlockKey]) -> None:
-        self._seq += 1
-        shared = [t.name for t in self.tiers if t.shared] if self._shared_seen else []
-        for k in keys:
-            self._written[k] = self._seq
-            for name in shared:  # our own write or delete: the remote answer we cached is stale
-                self._shared_seen.pop((name, k), None)
-        if len(self._written) > 4096:  # forget stamps no running read can be older than
-            oldest = min(self._reading) if self._reading else self._seq
-            self._written = {k: v for k, v in self._written.items() if v > oldest}
+        """``keys`` were just written or deleted: no running read promotes its older copy, and no
+        shared tier's cached answer about them is used again."""
+        keys = list(keys)
+        self.stamps.stamp(keys)
+        self.shared_answers.forget(keys, self.tiers)
 
     async def read_many(
         self,
@@ -288,19 +245,14 @@ class Pipeline:
 
     def begin_read(self) -> int:
         """Mark a read that may promote as begun; returns its stamp (see :meth:`unwritten_since`)."""
-        started = self._seq
-        self._reading[started] += 1
-        return started
+        return self.stamps.begin_read()
 
     def end_read(self, started: int) -> None:
-        self._reading[started] -= 1
-        if not self._reading[started]:
-            del self._reading[started]
+        self.stamps.end_read(started)
 
     def unwritten_since(self, key: BlockKey, started: int) -> bool:
-        """Nobody wrote or deleted ``key`` since the read stamped ``started`` began: its copy may be
-        promoted without hiding a newer version."""
-        return self._written.get(key, 0) <= started
+        """Nobody wrote or deleted ``key`` since the read stamped ``started`` began."""
+        return self.stamps.unwritten_since(key, started)
 
     async def _read_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], started: int, owned: bool
@@ -376,7 +328,7 @@ class Pipeline:
         reservations: dict[int, Reservation] = {}
         if top is not None:
             for j, (key, dest) in enumerate(batch):
-                if self._written.get(key, 0) <= started and not top.holds(key):
+                if self.stamps.unwritten_since(key, started) and not top.holds(key):
                     reservation = top.reserve(key, iov_len(dest))
                     if reservation is not None:
                         reservations[j] = reservation
@@ -414,7 +366,7 @@ class Pipeline:
                     continue
                 assert top is not None
                 key = batch[j][0]
-                if self._written.get(key, 0) <= started and not top.holds(key):
+                if self.stamps.unwritten_since(key, started) and not top.holds(key):
                     top.commit(reservation, below=not tier.pin_gap)  # nobody wrote, deleted or promoted it
                 else:
                     top.abort(reservation)

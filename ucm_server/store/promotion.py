@@ -1,7 +1,7 @@
 """Prefetch: bring blocks from lower tiers into the Cache ahead of the load that will want them.
 
-The connector's scheduler asks for a prefetch as soon as its lookup finds a hit (issue #17, item
-3); the worker's load follows within milliseconds, usually while the promotion is still reading. So
+The connector's scheduler asks for a prefetch as soon as its lookup finds a hit;
+the worker's load follows within milliseconds, usually while the promotion is still reading. So
 two things matter: the promotion must be as fast as a load (one batched read per tier straight into
 the Cache pages reserved for the blocks: no scratch copy, the tier's own batching), and a load that
 arrives meanwhile must not read the same blocks from disk a second time; it waits for the promotion
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import MISSING, OK, BlockResult, IoVec, Tier, failed
+from ucm_server.store.base import MISSING, OK, BlockResult, Tier, failed
+from ucm_server.store.copying import IoVec
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Reservation

@@ -7,7 +7,7 @@ pipeline names it. Out-of-tree tiers register through the ``ucm.tiers`` entry-po
 unique: registering one twice is an error, and an unknown name is answered with the list of known ones.
 Every tier is built by its :meth:`~ucm_server.store.base.Tier.from_settings`; the pipeline of them
 is assembled in :mod:`ucm_server.store.assembly`. This module does not import the daemon's config,
-so ``ucm_server.config`` can import the tier list from here.
+so the daemon's settings and config can import the tier list from here.
 """
 
 from __future__ import annotations

@@ -27,18 +27,8 @@ from typing import Any, ClassVar, TypeVar, cast
 
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
-from ucm_server.store.base import (
-    MISSING,
-    OK,
-    BlockInfo,
-    BlockResult,
-    IoVec,
-    Tier,
-    TierStats,
-    copy_iov,
-    failed,
-    iov_len,
-)
+from ucm_server.store.base import MISSING, OK, BlockInfo, BlockResult, Tier, TierStats, failed
+from ucm_server.store.copying import IoVec, copy_iov, iov_len
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,

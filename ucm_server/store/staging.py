@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ucm_server.store.arena import Arena, Extent
-from ucm_server.store.base import IoVec, copy_all
+from ucm_server.store.copying import IoVec, copy_all
 
 DEFAULT_CAPACITY = 256 << 20
 PAGE_SIZE = 64 << 10

@@ -30,7 +30,9 @@ from opentelemetry.trace import Span, Tracer
 
 from ucm_protocol import tracing as names
 from ucm_protocol.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, BlockState, IoVec, Tier, TierStats, iov_len
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import BlockInfo, BlockResult, Tier, TierStats
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.leasing import leasing_of
 from ucm_server.store.wrapper import TierWrapper
 

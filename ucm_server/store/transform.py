@@ -19,7 +19,8 @@ from concurrent.futures import Executor
 from typing import TypeVar
 
 from ucm_protocol.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, IoVec, Tier
+from ucm_server.store.base import BlockInfo, BlockResult, Tier
+from ucm_server.store.copying import IoVec
 from ucm_server.store.wrapper import TierWrapper
 
 T = TypeVar("T")

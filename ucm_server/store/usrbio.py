@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ucm_server.store.base import copy_iov
+from ucm_server.store.copying import copy_iov
 
 log = logging.getLogger(__name__)
 

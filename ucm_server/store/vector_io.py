@@ -8,7 +8,7 @@ import operator
 import os
 from collections.abc import Callable
 
-from ucm_server.store.base import IoVec
+from ucm_server.store.copying import IoVec
 from ucm_server.store.format import CorruptBlock
 
 IOV_MAX = 1024

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import ClassVar
 
 from ucm_protocol.keys import BlockKey, Namespace
-from ucm_server.store.base import BlockInfo, BlockResult, EvictionRules, IoVec, Tier, TierStats
+from ucm_server.store.base import BlockInfo, BlockResult, EvictionRules, Tier, TierStats
+from ucm_server.store.copying import IoVec
 
 __all__ = ["TierWrapper"]
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import OK, BlockResult, IoVec, failed
+from ucm_server.store.base import OK, BlockResult, failed
+from ucm_server.store.copying import IoVec
 from ucm_server.store.io_classes import IoClass, current_class
 
 if TYPE_CHECKING:

@@ -35,16 +35,8 @@ from typing import Any, ClassVar, Self
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
 from ucm_protocol.settings import load_fields
-from ucm_server.store.base import (
-    DEFAULT_CONTEXT,
-    BlockResult,
-    IoVec,
-    Tier,
-    TierContext,
-    TierStats,
-    failed,
-    iov_len,
-)
+from ucm_server.store.base import DEFAULT_CONTEXT, BlockResult, Tier, TierContext, TierStats, failed
+from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.posix import PosixTier
 from ucm_server.store.registry import build_tier
 from ucm_server.store.wrapper import TierWrapper

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
 
 KEYS = [BlockKey(Namespace(os.urandom(16)), Digest(os.urandom(32))) for _ in range(5)]
 

@@ -35,7 +35,9 @@ import pytest
 import xxhash
 
 from ucm_protocol.keys import BlockKey, Digest, Namespace
-from ucm_server.store.base import BlockState, IoVec, Tier
+from ucm_protocol.states import BlockState
+from ucm_server.store.base import Tier
+from ucm_server.store.copying import IoVec
 
 NS_A = Namespace(b"A" * 16)
 NS_B = Namespace(b"B" * 16)

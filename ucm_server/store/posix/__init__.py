@@ -1,9 +1,11 @@
-"""The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
+"""The Posix tier: blocks in files under a sharded directory tree (small ones many to a pack file),
+durable and self-checking.
 
 :class:`PosixTier` (:mod:`.tier`) is the async face over blocking file work written as module
-functions (:mod:`.files`, :mod:`.group_commit`); :mod:`.layout`, :mod:`.room`, :mod:`.recovery` (with
-:mod:`.index_snapshot` and :mod:`.periodic_snapshots`), :mod:`.packs`, :mod:`.block_index` and
-:mod:`.confined` each hold one job. These names are what the rest of UCM uses.
+functions (:mod:`.files`, :mod:`.group_commit`); :mod:`.layout`, :mod:`.room`, :mod:`.recovery`
+(with :mod:`.index_snapshot`, :mod:`.snapshot_columns` and :mod:`.periodic_snapshots`),
+:mod:`.packs`, :mod:`.block_index` and :mod:`.confined` each hold one job. These names are what the
+rest of UCM uses.
 """
 
 from ucm_server.store.posix.files import block_file_header, read_block_header, unlink_at

@@ -1,6 +1,6 @@
 """The in-memory index of a file tier: what is stored, its size, when, and in which LRU order.
 
-Built to stay small at millions of blocks (issue #13, item 5: at most 256 B per block). One
+Built to stay small at millions of blocks (at most 256 B per block). One
 ``OrderedDict`` maps each 48-byte key (:class:`~ucm_server.keys.BlockKey`, a ``bytes``) to a
 :class:`Stamp`: an ``int`` (the block's size) that also carries when the block was stored. Stamps
 are shared: every block of one size stored within one second points at the same object, so a
@@ -13,8 +13,10 @@ Because a stamp *is* the size, a Lookup answers with one C-level ``map`` over th
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, PackedDigests
 from ucm_server.store.watch import IndexWatch
@@ -28,6 +30,8 @@ class Stamp(int):
     """A block's size (the ``int`` value) and ``stored_at`` (seconds, whole), shared between blocks."""
 
     stored_at: float
+    pack_id: int = 0
+    """The pack holding the block (:class:`~ucm_server.store.posix.packs.PackedStamp`); 0: a file."""
 
     @property
     def size(self) -> int:
@@ -109,6 +113,15 @@ class BlockIndex:
             self.bytes += size - old
             self.changes += 1
 
+    def replace(self, key: bytes, stamp: Stamp) -> None:
+        """Give a present key another entry where it stands in the LRU order (adoption found the
+        block in another place than a snapshot said): not a change adoption keeps it from making."""
+        old = self._od.get(key)
+        if old is not None:
+            self._od[key] = stamp
+            self.bytes += stamp - old
+            self.changes += 1
+
     def forget(self, key: bytes) -> Stamp | None:
         """:meth:`pop` of a block removed now (deleted, evicted, found gone or bad): adoption, if it
         runs, must not bring it back."""
@@ -136,6 +149,15 @@ class BlockIndex:
             self._od.move_to_end(key)
         except KeyError:
             pass
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """:meth:`move_to_end` of many keys (a load's blocks), in one C-level pass unless one of them
+        was removed meanwhile."""
+        try:
+            deque(map(self._od.move_to_end, keys), maxlen=0)
+        except KeyError:
+            for key in keys:
+                self.move_to_end(key)
 
     def clear(self) -> None:
         self._od.clear()
@@ -177,19 +199,21 @@ class BlockIndex:
         return list(dict.keys(self._od)), list(dict.values(self._od))
 
     # -- bulk loading (a snapshot) ------------------------------------------------------------------------
-    def stamps_for(self, sizes: Sequence[int], times: Sequence[float]) -> list[Stamp]:
-        """The stamps of many blocks at once (loops in C; one new stamp per distinct size and second)."""
-        table = self._stamps
-        for size, second in set(zip(sizes, map(int, times), strict=True)).difference(table):
-            stamp = Stamp(size)
-            stamp.stored_at = float(second)
-            table[(size, second)] = stamp
-        # A second pass rather than a list of pairs: nothing per block outlives this call but the
-        # stamp references (a million short-lived tuples would stay as heap fragmentation).
-        stamps = list(map(table.__getitem__, zip(sizes, map(int, times), strict=True)))
-        if len(table) > STAMP_TABLE_MAX:
-            self._stamps = {}
-        return stamps
+    def stamps_for(
+        self, sizes: np.ndarray, times: np.ndarray
+    ) -> tuple[np.ndarray, tuple[np.ndarray, list[tuple[int, int]]]]:
+        """The stamps of many blocks at once, as an object array: one per distinct size and second
+        (shared with the table as :meth:`stamp`'s), found by array operations, no Python per block.
+        Also each block's (size, second) pair index and the pairs (for :mod:`.recovery`'s packs)."""
+        size_values, size_of = factorize(sizes.astype(np.int64))
+        second_values, second_of = factorize(times.astype(np.int64))  # whole seconds, as stamp()
+        wide = len(second_values)
+        pair_codes, pair_of = factorize(size_of * wide + second_of)
+        pairs = [(size_values[code // wide], second_values[code % wide]) for code in pair_codes]
+        made = np.empty(len(pairs), dtype=object)
+        for n, (size, second) in enumerate(pairs):
+            made[n] = self.stamp(size, second)
+        return made[pair_of], (pair_of, pairs)
 
     @staticmethod
     def build(keys: Sequence[bytes], stamps: Sequence[Stamp]) -> OrderedDict[bytes, Stamp]:
@@ -230,6 +254,10 @@ class BlockIndex:
             self.watch.stored_many(loaded.keys())
         return len(loaded) - before
 
+    def get_many(self, keys: Sequence[bytes]) -> list[Stamp | None]:
+        """:meth:`get` of many keys, in one C-level ``map``."""
+        return list(map(self._od.get, keys))
+
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         return list(map(self._od.get, keys))
 
@@ -237,6 +265,23 @@ class BlockIndex:
         if isinstance(digests, PackedDigests):  # the Lookup RPC: index keys built in one pass
             return list(map(self._od.get, digests.scoped(namespace)))
         return list(map(self._od.get, map(namespace.__add__, digests)))
+
+
+def factorize(values: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The distinct ``values`` (int64), ascending, and each value's index among them. Over a span
+    not much wider than the values are many (sizes, seconds of a day's stores), a table instead of
+    a sort: two passes over the values."""
+    if not values.size:
+        return [], np.zeros(0, dtype=np.int64)
+    low, high = int(values.min()), int(values.max())
+    if high - low > 2 * values.size + 4096:
+        distinct, index = np.unique(values, return_inverse=True)
+        return distinct.tolist(), index.astype(np.int64)
+    offsets = values - low
+    present = np.zeros(high - low + 1, dtype=bool)
+    present[offsets] = True
+    rank = np.cumsum(present, dtype=np.int64) - 1
+    return (np.flatnonzero(present) + low).tolist(), rank[offsets]
 
 
 def _as_key(key: bytes) -> BlockKey:

@@ -64,7 +64,7 @@ from ucm_server.store.posix.confined import (
     parent_dir,
 )
 from ucm_server.store.posix.layout import QUARANTINE, TMP_MARK, Layout, block_name
-from ucm_server.store.posix.packs import Outcome, PackRead, Retire, read_members, tombstone
+from ucm_server.store.posix.packs import Outcome, Pack, PackRead, RecordReads, Retire, tombstone
 from ucm_server.store.vector_io import IOV_MAX, preadv_all, pwritev_all
 
 log = logging.getLogger(__name__)
@@ -352,6 +352,17 @@ def read_header(disk: Disk, path: Path, key: BlockKey | None = None) -> BlockHea
         os.close(fd)
 
 
+def read_packed_header(disk: Disk, pack: Pack, offset: int, key: BlockKey) -> BlockHeader:
+    """The checked header of ``key``'s record at ``offset`` of ``pack`` (confined open, as every read)."""
+    parts, name = pack.place
+    with DirCache() as dirs:
+        fd, _ = open_in(dirs, pack.root, parts, name)
+    try:
+        return decode_header(os.pread(fd, HEADER_SIZE, offset), expect=key, max_payload=disk.max_block_bytes)
+    finally:
+        os.close(fd)
+
+
 def read_block_header(
     fd: int, expect: BlockKey | None = None, max_payload: int | None = None, size: int | None = None
 ) -> BlockHeader:
@@ -384,25 +395,26 @@ def block_file_header(
 
 
 def read_pack_job(disk: Disk, job: list[PackRead], checked: bool) -> list[list[Outcome]]:
-    """The records of each pack of ``job`` read (:func:`~ucm_server.store.posix.packs.read_members`)."""
-    out: list[list[Outcome]] = []
+    """The records of each pack of ``job`` read and checked
+    (:class:`~ucm_server.store.posix.packs.RecordReads`); a pack that cannot be opened fails its blocks."""
+    reads = RecordReads(job)
     with DirCache() as dirs:
-        for pack, _, members in job:
+        for n, (pack, _, _) in enumerate(job):
             parts, name = pack.place
             try:
                 fd, size = open_in(dirs, pack.root, parts, name)
             except NotRegularFile as exc:
                 skip(disk, pack.root.joinpath(*parts, name), exc.kind)
-                out.append([exc] * len(members))
+                reads.fail(n, exc)
                 continue
             except OSError as exc:
-                out.append([exc] * len(members))
+                reads.fail(n, exc)
                 continue
             try:
-                out.append(read_members(fd, size, members, disk.max_block_bytes, checked))
+                reads.read(n, fd, size)
             finally:
                 os.close(fd)
-    return out
+    return reads.outcomes(disk.max_block_bytes, checked)
 
 
 def probe_files(disk: Disk, keys: list[BlockKey]) -> list[tuple[int, float] | None]:

@@ -34,30 +34,33 @@ A snapshot written by someone else with a matching marker (forged) can at worst 
 report blocks that are not there: every read still checks the file's header and checksum, so
 nothing wrong is ever served; a missing file is forgotten on first read.
 
-Format (version 1, little endian), in columns so a million blocks load in C-level loops:
+Format (little endian), in columns so a million blocks load in a few array operations:
 ``b"UCMISNAP"``, u32 version, u32 key length (48), 16-byte epoch, u64 count; then ``count`` keys,
-``count`` u64 sizes, ``count`` f64 store times (least recently used first); SHA-256 of all before.
-Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.posix.packs`) adds
-two columns after the times: ``count`` u64 pack ids (0: a block file) and ``count`` u64 offsets of
-the block's record in its pack. This release reads both; a release that reads only version 1
-rejects a version-2 snapshot and re-reads the headers (it does not read packs either).
+``count`` u64 sizes, ``count`` f64 store times (least recently used first), ``count`` u64 pack ids
+(0: a block file, :mod:`ucm_server.store.posix.packs`) and ``count`` u64 offsets of each block's
+record in its pack; then the xxh3-128 checksum of all before (version 3, what this release writes).
+Older versions are still read: version 1 (no pack columns) and version 2 (with them), each ending
+in a SHA-256 instead, which cost a fifth of a million-block load; the checksum finds a torn or
+edited file, it is no signature (whoever can write the file can compute either). A release that
+knows only versions 1 and 2 rejects a version-3 snapshot and re-reads the files' headers; one that
+knows only version 1 does that for versions 2 and 3 and does not read packs either.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import struct
-import sys
 import time
 import uuid
-from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
+import xxhash
 
 from ucm_server.api.paths import fsync_dir
 from ucm_server.store.format import HEADER_SIZE
@@ -68,6 +71,10 @@ MAGIC = b"UCMISNAP"
 VERSION = 1
 PACKED_VERSION = 2
 """Version 1 plus each block's pack id and offset."""
+XXH_VERSION = 3
+"""Version 2's columns always, checked by xxh3-128 rather than SHA-256: the version written."""
+_COLUMNS = {VERSION: 2, PACKED_VERSION: 4, XXH_VERSION: 4}
+"""The 8-byte columns after the keys, by version."""
 SNAPSHOT_NAME = "index.snapshot"
 MARKER_NAME = "index.clean"
 PERIODIC_MARKER = "index.periodic"
@@ -75,8 +82,8 @@ PERIODIC_PREFIX = "index.periodic."
 _PERIODIC = struct.Struct("<16sQ")
 TMP_MARK = ".tmp."
 KEY_BYTES = 48
+_KEY = np.dtype(f"V{KEY_BYTES}")
 _HEAD = struct.Struct("<8sII16sQ")
-_DIGEST = 32
 _STEP = 65536
 """Records encoded per C-level step: a few ms each, so a write in a worker thread never holds the
 interpreter for long (one ``join`` of a million keys holds it for about a second)."""
@@ -104,14 +111,15 @@ def take_marker(root: Path) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class Columns:
-    """A snapshot's blocks, least recently used first: keys, sizes and store times side by side."""
+    """A snapshot's blocks, least recently used first: keys, sizes and store times side by side
+    (as read: numpy arrays, each pack column too, zero for a block file; as written: any sequences)."""
 
     keys: Sequence[bytes]
-    sizes: Sequence[int]
-    times: Sequence[float]
-    packs: Sequence[int] | None = None
+    sizes: Sequence[int] | np.ndarray
+    times: Sequence[float] | np.ndarray
+    packs: Sequence[int] | np.ndarray | None = None
     """Each block's pack id (0: its own file); None: every block has its own file (version 1)."""
-    offsets: Sequence[int] | None = None
+    offsets: Sequence[int] | np.ndarray | None = None
     """Each packed block's record offset in its pack."""
 
 
@@ -178,31 +186,37 @@ def _drop_generations(root: Path, *, keep: int) -> None:
 
 
 def _encode(blocks: Columns, epoch: bytes) -> list[bytes | bytearray]:
-    """The file's parts (header, columns, SHA-256 of all before) for ``blocks`` under ``epoch``."""
+    """The file's parts (header, columns, checksum of all before) for ``blocks`` under ``epoch``:
+    version 3, the pack columns zero where ``blocks`` has none."""
     count = len(blocks.keys)
-    keys, sizes, times = bytearray(), array("Q"), array("d")
-    packed = blocks.packs is not None and blocks.offsets is not None
-    ids, offsets = array("Q"), array("Q")
+    keys = bytearray()
     for start in range(0, count, _STEP):  # C-level slices: another thread gets the GIL in between
-        end = start + _STEP
-        keys += b"".join(blocks.keys[start:end])
-        sizes.extend(blocks.sizes[start:end])
-        times.extend(blocks.times[start:end])
-        if blocks.packs is not None and blocks.offsets is not None:
-            ids.extend(blocks.packs[start:end])
-            offsets.extend(blocks.offsets[start:end])
+        keys += b"".join(blocks.keys[start : start + _STEP])
     if len(keys) != count * KEY_BYTES:
         raise ValueError("every key must be 48 bytes")
-    columns: list[array[int] | array[float]] = [sizes, times, ids, offsets] if packed else [sizes, times]
-    if sys.byteorder != "little":  # pragma: no cover (the format is little endian everywhere)
-        for column in columns:
-            column.byteswap()
-    head = _HEAD.pack(MAGIC, PACKED_VERSION if packed else VERSION, KEY_BYTES, epoch, count)
+    zeros = np.zeros(count, dtype="<u8")
+    columns = [
+        _column(blocks.sizes, "<u8"),
+        _column(blocks.times, "<f8"),
+        zeros if blocks.packs is None else _column(blocks.packs, "<u8"),
+        zeros if blocks.offsets is None else _column(blocks.offsets, "<u8"),
+    ]
+    head = _HEAD.pack(MAGIC, XXH_VERSION, KEY_BYTES, epoch, count)
     parts: list[bytes | bytearray] = [head, keys, *(column.tobytes() for column in columns)]
-    digest = hashlib.sha256()
+    digest = xxhash.xxh3_128()
     for part in parts:
         digest.update(part)
     return [*parts, digest.digest()]
+
+
+def _column(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` as a little-endian array (numbers from a list: converted in C, a slice at a time)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(dtype, copy=False)
+    out = np.empty(len(values), dtype=dtype)
+    for start in range(0, len(values), _STEP):
+        out[start : start + _STEP] = values[start : start + _STEP]
+    return out
 
 
 def read_snapshot(
@@ -214,9 +228,11 @@ def read_snapshot(
     1. its head alone (40 bytes): magic, version, epoch, and its ``count`` against what can be
        known without reading on: the file's size must be what ``count`` records take (a lying
        count is refused unread), and ``count`` no more than the root could hold (:func:`most_blocks`);
-    2. every record's size (1 to ``max_size``; with ``capacity``, all together at most that) and
-       time, then the SHA-256 of the whole file, each read in chunks of :data:`CHUNK` bytes;
-    3. only then the columns are built: the index's own memory, for records that passed.
+    2. one pass over the file in chunks of :data:`CHUNK` bytes: its checksum, and every record's
+       size (1 to ``max_size``; with ``capacity``, all together at most that) and time;
+    3. only then the columns are built (a second pass, the values checked again: the file may
+       have changed since): the index's own memory, for records that passed, each column in a few
+       array operations (a million keys in one ``tolist`` of 48-byte records, not a slice each).
 
     :class:`SnapshotRejected` if any check fails."""
     try:
@@ -225,25 +241,27 @@ def read_snapshot(
         raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb", buffering=0) as file:
         try:
-            columns, count = _check_head(file, epoch, os.fstat(fd).st_size, root, capacity)
-            layout = _layout(count, columns)
-            values = _Values(max_size, capacity)
-            for column in (1, 2):  # sizes, times: a forged record is refused before any hashing
-                for chunk in _chunks(file, layout[column], count * 8, 8):
-                    values.check(column, chunk)
-            digest = hashlib.sha256()
+            version, count = _check_head(file, epoch, os.fstat(fd).st_size, root, capacity)
+            layout = _layout(count, _COLUMNS[version])
             end = layout[-1] + count * 8
-            for chunk in _chunks(file, 0, end, KEY_BYTES * 8):
-                digest.update(chunk)
-            if digest.digest() != _read(file, end, _DIGEST):
+            digest = hashlib.sha256() if version < XXH_VERSION else xxhash.xxh3_128()
+            values = _Values(max_size, capacity)
+            digest.update(_read(file, 0, layout[0]))
+            for column, start in enumerate(layout):
+                width = KEY_BYTES if column == 0 else 8
+                for chunk in _chunks(file, start, count * width, width):
+                    if column in (1, 2):  # sizes, times
+                        values.check(column, chunk)
+                    digest.update(chunk)
+            if digest.digest() != _read(file, end, digest.digest_size):
                 raise SnapshotRejected("checksum mismatch (torn or edited)")
             return _build(file, count, layout, _Values(max_size, capacity))
         except OSError as exc:
             raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
 
 
-CHUNK = 1 << 20
-"""Bytes a snapshot is read in at a time (a multiple of every record's column width)."""
+CHUNK = 4 << 20
+"""Bytes a snapshot is read in at a time while it is checked (a multiple of every column's width)."""
 
 
 def most_blocks(root: Path, capacity: int, *, packed: bool) -> int:
@@ -258,28 +276,27 @@ def most_blocks(root: Path, capacity: int, *, packed: bool) -> int:
 
 
 def _check_head(file: BinaryIO, epoch: bytes, size: int, root: Path, capacity: int) -> tuple[int, int]:
-    """The number of 8-byte columns after the keys, and the record count, of a snapshot's head."""
-    head = _read(file, 0, _HEAD.size) if size >= _HEAD.size + _DIGEST else b""
+    """The format version and the record count of a snapshot's head."""
+    head = _read(file, 0, _HEAD.size) if size >= _HEAD.size else b""
     if not head:
         raise SnapshotRejected("shorter than its header")
     magic, version, key_bytes, file_epoch, count = _HEAD.unpack(head)
     if magic != MAGIC:
         raise SnapshotRejected("not an index snapshot")
-    if version not in (VERSION, PACKED_VERSION) or key_bytes != KEY_BYTES:
+    if version not in _COLUMNS or key_bytes != KEY_BYTES:
+        readable = ", ".join(map(str, _COLUMNS))
         raise SnapshotRejected(
-            f"format version {version} (keys of {key_bytes} B); "
-            f"this release reads {VERSION} and {PACKED_VERSION}"
+            f"format version {version} (keys of {key_bytes} B); this release reads {readable}"
         )
     if file_epoch != epoch:
         raise SnapshotRejected("its epoch is not its marker's (stale or foreign)")
-    columns = 4 if version == PACKED_VERSION else 2
-    want = _HEAD.size + count * (KEY_BYTES + 8 * columns) + _DIGEST
+    want = _HEAD.size + count * (KEY_BYTES + 8 * _COLUMNS[version]) + (16 if version == XXH_VERSION else 32)
     if size != want:
         raise SnapshotRejected(f"{size} bytes where {count} records need {want} (torn)")  # or a lying count
-    most = most_blocks(root, capacity, packed=version == PACKED_VERSION)
+    most = most_blocks(root, capacity, packed=version != VERSION)
     if count > most:
         raise SnapshotRejected(f"claims {count} blocks; this root can hold at most {most} (forged)")
-    return columns, count
+    return version, count
 
 
 class _Values:
@@ -288,19 +305,18 @@ class _Values:
     def __init__(self, max_size: int, capacity: int) -> None:
         self.max_size, self.capacity, self.total = max_size, capacity, 0
 
-    def check(self, column: int, chunk: bytes) -> None:
-        values = array("Q" if column == 1 else "d", chunk)
-        if sys.byteorder != "little":  # pragma: no cover
-            values.byteswap()
-        if not values:
+    def check(self, column: int, chunk: bytes | np.ndarray) -> None:
+        values = np.frombuffer(chunk, dtype="<u8" if column == 1 else "<f8")
+        if not values.size:
             return
         if column == 2:
-            if not all(map(math.isfinite, values)) or min(values) < 0 or max(values) > 1e11:
+            if not np.isfinite(values).all() or values.min() < 0 or values.max() > 1e11:
                 raise SnapshotRejected("a record's time is not a time (forged)")
             return
-        if min(values) < 1 or max(values) > self.max_size:
-            raise SnapshotRejected(f"a record claims {min(values)} or {max(values)} bytes (forged)")
-        self.total += sum(values)
+        least, most = int(values.min()), int(values.max())
+        if least < 1 or most > self.max_size:
+            raise SnapshotRejected(f"a record claims {least} or {most} bytes (forged)")
+        self.total += int(values.sum(dtype=np.uint64))  # each at most max_size: no overflow
         if self.capacity and self.total > self.capacity:
             raise SnapshotRejected(
                 f"its blocks add up to more than the tier's capacity of {self.capacity} bytes"
@@ -308,24 +324,21 @@ class _Values:
 
 
 def _build(file: BinaryIO, count: int, layout: list[int], values: _Values) -> Columns:
-    """The columns of a snapshot whose every check passed, read again a chunk at a time (sizes and
-    times checked again: the file may have been changed since)."""
+    """The columns of a snapshot whose every check passed, read again (sizes and times checked
+    again: the file may have been changed since): keys as ``bytes``, the rest as arrays."""
     keys: list[bytes] = []
     for chunk in _chunks(file, layout[0], count * KEY_BYTES, KEY_BYTES):
-        keys += [chunk[o : o + KEY_BYTES] for o in range(0, len(chunk), KEY_BYTES)]
-    out: list[array[int] | array[float]] = []
+        keys += np.frombuffer(chunk, dtype=_KEY).tolist()  # C-level: a bytes object per 48 bytes
+    out: list[np.ndarray] = []
     for column, start in enumerate(layout[1:], 1):
-        column_values: array[int] | array[float] = array("d" if column == 2 else "Q")
-        for chunk in _chunks(file, start, count * 8, 8):
-            if column in (1, 2):
-                values.check(column, chunk)
-            column_values.frombytes(chunk)
-        if sys.byteorder != "little":  # pragma: no cover
-            column_values.byteswap()
+        column_values = np.empty(count, dtype="<f8" if column == 2 else "<u8")
+        _read_into(file, start, column_values.data.cast("B"))
+        if column in (1, 2):
+            values.check(column, column_values)
         out.append(column_values)
-    if len(out) == 4:  # arrays, not lists: no million short-lived number objects
-        return Columns(keys, out[0], out[1], out[2], out[3])  # type: ignore[arg-type]
-    return Columns(keys, out[0], out[1])  # type: ignore[arg-type]
+    if len(out) == 4:
+        return Columns(keys, out[0], out[1], out[2], out[3])
+    return Columns(keys, out[0], out[1])
 
 
 def _layout(count: int, columns: int) -> list[int]:
@@ -339,6 +352,16 @@ def _chunks(file: BinaryIO, start: int, length: int, width: int) -> Iterator[byt
     step = CHUNK // width * width
     for at in range(start, start + length, step):
         yield _read(file, at, min(step, start + length - at))
+
+
+def _read_into(file: BinaryIO, at: int, view: memoryview) -> None:
+    """Fill ``view`` from ``file`` at ``at``; a file that ends first is torn."""
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(file.fileno(), [view[done:]], at + done)
+        if not got:
+            raise SnapshotRejected("shorter than its header promises (torn)")
+        done += got
 
 
 def _read(file: BinaryIO, at: int, n: int) -> bytes:

@@ -30,16 +30,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ucm_protocol.keys import BlockKey
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.store.format import ALIGNED_HEADER_SIZE, CorruptBlock, UnsupportedFormat, decode_header
-from ucm_server.store.posix import index_snapshot
+from ucm_server.store.posix import index_snapshot, snapshot_columns
 from ucm_server.store.posix.block_index import BlockIndex, Stamp
 from ucm_server.store.posix.confined import NotRegularFile, file_kind
 from ucm_server.store.posix.files import (
     Disk,
     move_to_quarantine,
     read_header,
+    read_packed_header,
     report_skipped,
     skip,
 )
@@ -97,12 +100,19 @@ class Recovery:
         self.adopted = 0
         self.files_read = 0
         self.from_snapshot = 0
+        self._loaded_rows = 0
+        """Records the snapshots held (more than the blocks loaded only where a key was listed twice)."""
         self.opened_at = 0.0
         self.phase = ""
         """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
-        self._unseen: set[bytes] | None = None
-        """Keys a snapshot listed that the sweep after it has not found on disk yet: dropped when
-        the sweep ends (their files were removed while the daemon was down)."""
+        self._listed: list[bytes] = []
+        """The keys the snapshots listed, while the sweep after them runs."""
+        self._elsewhere: dict[bytes, list[Found]] = {}
+        """Blocks the scan found in another place than the one the index holds (a file and a pack
+        record, two packs): settled when it ends, the newest place that still holds the block wins."""
+        self._seen: set[bytes] | None = None
+        """Keys the sweep after a snapshot found on disk so far: the listed ones it did not find
+        are dropped when it ends (their files were removed while the daemon was down)."""
         self.snapshots = PeriodicSnapshots(
             disk.name, snapshot_interval_s, index, lambda: self.complete, self._write_periodic
         )
@@ -190,10 +200,12 @@ class Recovery:
         try:
             loaded, loaded_bytes, unsure, found_packs = await self._run(self.load_snapshots, epochs)
             if loaded:
-                self._unseen = set(loaded)
+                self._listed, self._seen = list(loaded), set()
+                listed_once = len(self._listed) == self._loaded_rows
+                displaced = self._displaced(loaded)
                 self.adopted += self.index.install(loaded, loaded_bytes)
                 self.from_snapshot = len(loaded)
-                self._register_loaded(found_packs)
+                self._register_loaded(found_packs, displaced, listed_once)
             if not unsure:  # the index is what a snapshot on disk says: nothing new to write yet
                 self.snapshots.written_at_changes(self.index.changes)
             if self.from_snapshot:
@@ -214,12 +226,13 @@ class Recovery:
                 if root not in unsure and not self._stop:
                     await self._run(self._scan_root, root, loop)
             if not self._stop:
+                await self._settle_elsewhere()
                 await self._drop_unseen()
         except OSError as exc:
             self.disk.stats.errors += 1
             log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
         finally:
-            self._unseen = None
+            self._listed, self._seen, self._elsewhere = [], None, {}
             self.phase = ""
             self.disk.scanning = False
             self.index.end_adopting()
@@ -237,9 +250,9 @@ class Recovery:
     def _merge(self, chunk: list[Found]) -> None:
         """Adopt found blocks (event loop): a key stored or deleted since start-up is left as it is;
         one the index holds with another size (a snapshot that is wrong) takes the file's."""
-        touched, index, unseen = self.index.touched or set(), self.index, self._unseen
-        if unseen is not None:
-            unseen.difference_update([item[0] for item in chunk if item[1] >= 0])
+        touched, index, seen = self.index.touched or set(), self.index, self._seen
+        if seen is not None:
+            seen.update([item[0] for item in chunk if item[1] >= 0])
         for item in chunk:
             key, size, stored_at = item[0], item[1], item[2]
             if key in touched:
@@ -251,12 +264,14 @@ class Recovery:
                     self._unindex(key)
             elif index.adopt(block_key(key), size, stored_at):
                 self.adopted += 1
-            elif index.get(key) != size and not isinstance(index.get(key), PackedStamp):
-                index.correct(key, size, stored_at)  # (a packed block keeps its place in its pack)
+            elif isinstance(index.get(key), PackedStamp):  # a file of a block the index holds in a pack
+                self._elsewhere.setdefault(key, []).append(item)
+            elif index.get(key) != size:
+                index.correct(key, size, stored_at)
 
     def _merge_packed(self, key: BlockKey, size: int, stored_at: float, found: Pack, offset: int) -> None:
         """Adopt a block found in a pack (event loop). The pack object is the table's when a snapshot
-        already named that pack; a block the index holds elsewhere keeps that place."""
+        already named that pack; a block the index holds elsewhere is settled when the scan ends."""
         pack = self.packs.packs.get(found.id, found)
         current = self.index.get(key)
         if isinstance(current, PackedStamp) and current.pack is pack:
@@ -266,29 +281,83 @@ class Recovery:
                 self.index.put(key, pack.stamp(size, stored_at), adopted=True)
             return
         if current is not None:
+            self._elsewhere.setdefault(key, []).append((key, size, stored_at, found, offset))
             return
         pack.add(key, offset)
         self.packs.register(pack)
         self.index.adopt_stamp(key, pack.stamp(size, stored_at))
         self.adopted += 1
 
+    async def _settle_elsewhere(self) -> None:
+        """For each block found in another place than the index holds: the index's place is read
+        (its header, in a worker thread); if it no longer holds the block (a stale snapshot: the
+        block was written again into a pack or a file since, and its old place removed) or another
+        place is newer (a crash between a rewrite and the removal of the old copy), the index
+        takes the newest place found, where the block stands in the LRU order."""
+        touched = self.index.touched or set()
+        conflicts = {k: found for k, found in self._elsewhere.items() if k not in touched and k in self.index}
+        self._elsewhere = {}
+        if not conflicts:
+            return
+        here = await self._run(_places_hold, self.disk, [(k, self.index.get(k)) for k in conflicts])
+        moved = 0
+        for (key, found), held_at in zip(conflicts.items(), here, strict=True):
+            newest = max(found, key=lambda item: item[2])
+            if key in (self.index.touched or ()) or (held_at is not None and held_at >= newest[2]):
+                continue
+            old = self.index.get(key)
+            if isinstance(old, PackedStamp):
+                self.packs.kill(old, key, tombstone=False)
+            if len(newest) > 3:
+                pack = self.packs.register(self.packs.packs.get(newest[3].id, newest[3]))
+                if pack.offset_of(key) is None:
+                    pack.add(key, newest[4])
+                self.index.replace(key, pack.stamp(newest[1], newest[2]))
+            else:
+                self.index.replace(key, self.index.stamp(newest[1], newest[2]))
+            moved += 1
+        if moved:
+            log.info("posix tier %s: %d blocks found where a snapshot did not place them", self.name, moved)
+
     async def _drop_unseen(self) -> None:
         """Forget the blocks a snapshot listed whose files the sweep did not find (removed while the
         daemon was down, or since the snapshot), unless stored or deleted since start-up."""
-        unseen, self._unseen = self._unseen or set(), None
+        listed, seen, self._listed, self._seen = self._listed, self._seen or set(), [], None
         touched = self.index.touched or set()
-        gone = [key for key in unseen.difference(touched) if key in self.index]
-        for start in range(0, len(gone), 8192):
-            for key in gone[start : start + 8192]:
-                if key not in touched:
+        gone = 0
+        for start in range(0, len(listed), 65536):
+            for key in [key for key in listed[start : start + 65536] if key not in seen]:
+                if key not in touched and key in self.index:
                     self._unindex(key)
+                    gone += 1
             await asyncio.sleep(0)
         if gone:
-            log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, len(gone))
+            log.info("posix tier %s: %d blocks a snapshot listed are gone from disk", self.name, gone)
 
-    def _register_loaded(self, found: list[Pack]) -> None:
+    def _displaced(self, loaded: OrderedDict[bytes, Stamp]) -> list[tuple[bytes, PackedStamp]]:
+        """The packed blocks of ``loaded`` that were stored again or deleted since start-up (event
+        loop, before :meth:`BlockIndex.install` drops them): not live in their packs."""
+        found = [(key, loaded.get(key)) for key in self.index.touched or ()]
+        return [(key, stamp) for key, stamp in found if isinstance(stamp, PackedStamp)]
+
+    def _register_loaded(
+        self, found: list[Pack], displaced: list[tuple[bytes, PackedStamp]], listed_once: bool
+    ) -> None:
         """Keep the packs a snapshot named with the blocks the index took from it (event loop): a
-        key stored or deleted since start-up, or listed twice, is not live there."""
+        key stored or deleted since start-up (``displaced``), or listed twice, is not live there.
+        Every key listed once (``listed_once``): the packs are as built, but for the displaced."""
+        if not listed_once:
+            self._register_slowly(found)
+            return
+        for key, stamp in displaced:
+            stamp.pack.kill(key)
+        for pack in found:
+            if pack.live:
+                self.packs.register(pack)
+
+    def _register_slowly(self, found: list[Pack]) -> None:
+        """:meth:`_register_loaded` of a snapshot that lists a key more than once (never written so
+        by this daemon): each key live only where the index holds it now, and only once."""
         for pack in found:
             live = 0
             for i, key in enumerate(pack.keys):
@@ -316,7 +385,8 @@ class Recovery:
         self, epochs: list[bytes | None]
     ) -> tuple[OrderedDict[bytes, Stamp], int, list[Path], list[Pack]]:
         """Every root's snapshot its marker vouches for, as one ordered map, the roots without a
-        usable one (their headers are read), and the packs the snapshots name."""
+        usable one (their headers are read), and the packs the snapshots name. Built in a few
+        array operations and C-level calls per root, not a Python step per block."""
         keys: list[bytes] = []
         stamps: list[Stamp] = []
         unsure: list[Path] = []
@@ -327,13 +397,16 @@ class Recovery:
             if blocks is None:
                 unsure.append(root)
                 continue
+            mine, packed = snapshot_columns.stamps_of(self.index, root, blocks)
             keys += blocks.keys
-            mine = self.index.stamps_for(blocks.sizes, blocks.times)
-            if blocks.packs is not None and blocks.offsets is not None and any(blocks.packs):
-                found += _packed_stamps(root, blocks, mine)
             stamps += mine
-            total += sum(blocks.sizes)
-        return BlockIndex.build(keys, stamps), total, unsure, found
+            found += packed
+            total += int(np.asarray(blocks.sizes, dtype=np.uint64).sum(dtype=np.uint64))
+        self._loaded_rows = len(keys)
+        loaded = BlockIndex.build(keys, stamps)
+        if len(loaded) != len(keys):  # a key listed twice (not by this daemon): counted once
+            total = sum(loaded.values())
+        return loaded, total, unsure, found
 
     def _load_root(self, root: Path, epoch: bytes | None) -> index_snapshot.Columns | None:
         """The snapshot of ``root`` to start from: the clean one its marker vouches for (then made
@@ -381,9 +454,11 @@ class Recovery:
                 mine = by_root[self.disk.layout.root_of(key)]
                 mine[0].append(key)
                 mine[1].append(stamp)
-        locs = self.packs.locations() if self.packs.packs else {}
+        places = self.packs.offsets() if self.packs.packs else None
         for root, (mine_keys, mine_stamps) in by_root.items():
-            write(root, _snapshot_columns(mine_keys, mine_stamps, locs), durable=self.disk.durable)
+            write(
+                root, snapshot_columns.columns_of(mine_keys, mine_stamps, places), durable=self.disk.durable
+            )
 
     # -- the scan (worker threads) ------------------------------------------------------------------
     def _scan_root(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
@@ -534,6 +609,26 @@ class Recovery:
         return None if key is None else (key, -1, 0.0)
 
 
+def _places_hold(disk: Disk, entries: list[tuple[bytes, Stamp | None]]) -> list[float | None]:
+    """For each key, when the block in the place its index entry names was stored (its header's
+    time), or None where that place no longer holds it (gone, another key's, torn)."""
+    out: list[float | None] = []
+    for key, stamp in entries:
+        try:
+            if isinstance(stamp, PackedStamp):
+                offset = stamp.pack.offset_of(key)
+                if offset is None:
+                    raise FileNotFoundError(key.hex())
+                header = read_packed_header(disk, stamp.pack, offset, block_key(key))
+            else:
+                header = read_header(disk, disk.layout.path_of(block_key(key)), block_key(key))
+        except (OSError, CorruptBlock):
+            out.append(None)
+        else:
+            out.append(header.created_ns / 1e9)
+    return out
+
+
 def scan_tree(disk: Disk, temp_grace_s: float) -> list[tuple[BlockKey, int, float]]:
     """Every block file under the roots whose header checks out (key, size, store time); corrupt
     ones quarantined, temporary files older than ``temp_grace_s`` removed (interrupted writes)."""
@@ -576,46 +671,6 @@ def check_file(disk: Disk, path: Path) -> tuple[BlockKey, int, float] | None:
         log.warning("posix tier %s: cannot read %s: %s", disk.name, path, exc)
         return None
     return header.key, header.payload_len, header.created_ns / 1e9
-
-
-def _packed_stamps(root: Path, blocks: index_snapshot.Columns, stamps: list[Stamp]) -> list[Pack]:
-    """Give the snapshot's packed blocks (``stamps``, in place) their packs' stamps; the packs."""
-    assert blocks.packs is not None and blocks.offsets is not None
-    found: dict[int, Pack] = {}
-    for n, pack_id in enumerate(blocks.packs):
-        if pack_id:
-            pack = found.get(pack_id)
-            if pack is None:
-                pack = found[pack_id] = Pack(pack_id, root)
-            pack.add(blocks.keys[n], blocks.offsets[n])
-            stamps[n] = pack.stamp(blocks.sizes[n], blocks.times[n])
-    return list(found.values())
-
-
-def _snapshot_columns(
-    keys: list[bytes], stamps: list[Stamp], locs: dict[bytes, tuple[int, int]]
-) -> index_snapshot.Columns:
-    """A root's snapshot columns; with packs (``locs``: key -> pack id, offset) the packed blocks'
-    places too, a packed block that died while the snapshot was taken left out."""
-    if not locs:
-        return index_snapshot.Columns(keys, stamps, [s.stored_at for s in stamps])
-    kept_keys: list[bytes] = []
-    kept: list[Stamp] = []
-    ids: list[int] = []
-    offsets: list[int] = []
-    for key, stamp in zip(keys, stamps, strict=True):
-        if isinstance(stamp, PackedStamp):
-            loc = locs.get(key)
-            if loc is None:
-                continue
-            ids.append(loc[0])
-            offsets.append(loc[1])
-        else:
-            ids.append(0)
-            offsets.append(0)
-        kept_keys.append(key)
-        kept.append(stamp)
-    return index_snapshot.Columns(kept_keys, kept, [s.stored_at for s in kept], ids, offsets)
 
 
 def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:

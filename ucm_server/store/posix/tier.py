@@ -1,4 +1,4 @@
-"""The Posix tier: one file per block under a sharded directory tree, durable and self-checking.
+"""The Posix tier: blocks in files under a sharded directory tree, durable and self-checking.
 
 :class:`PosixTier` is the async face: it keeps the in-memory index (what is stored, in LRU order)
 and decides, while the blocking work on files runs in its executor as module functions. The rooms
@@ -9,7 +9,8 @@ of the package, each one job:
 - :mod:`~ucm_server.store.posix.group_commit`: a batch written as staged files and one commit;
 - :mod:`~ucm_server.store.posix.room`: the capacity as a bound (room reserved before a write);
 - :mod:`~ucm_server.store.posix.recovery`: the index after a start (snapshots, then the files);
-- :mod:`~ucm_server.store.posix.packs`: many small blocks in one file;
+- :mod:`~ucm_server.store.posix.packs`: many small blocks in one file (blocks up to
+  ``pack_max_block_bytes``, 64 KiB by default, written together);
 - :mod:`~ucm_server.store.posix.block_index`, :mod:`~ucm_server.store.posix.confined`: the index,
   and file access that never follows what is planted in the tree.
 
@@ -29,7 +30,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.base import (
@@ -57,7 +58,13 @@ from ucm_server.store.posix.layout import Layout, block_key
 from ucm_server.store.posix.packs import Outcome, PackedStamp, PackTable, read_jobs
 from ucm_server.store.posix.recovery import INDEX_STATS, Recovery
 from ucm_server.store.posix.room import Room
-from ucm_server.store.posix.settings import DEFAULT_PROFILE, Entry, PosixSettings, Profile
+from ucm_server.store.posix.settings import (
+    DEFAULT_PACK_MAX_BLOCK_BYTES,
+    DEFAULT_PROFILE,
+    Entry,
+    PosixSettings,
+    Profile,
+)
 from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")
@@ -90,7 +97,7 @@ class PosixTier(Tier):
         index_wait_s: float = 0.2,
         direct_min_bytes: int = 256 << 10,
         snapshot_interval_s: float = 60.0,
-        pack_max_block_bytes: int = 0,
+        pack_max_block_bytes: int = DEFAULT_PACK_MAX_BLOCK_BYTES,
         executor: Executor | None = None,
         max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
         profile: Profile = DEFAULT_PROFILE,
@@ -252,22 +259,23 @@ class PosixTier(Tier):
         """The index's entry of each block ``todo`` names whose destination has its size; the others
         answered (missing, or a length mismatch). While re-adopting, a key not indexed yet is looked
         for on disk (:meth:`_probe`), so a Load never waits for the scan."""
-        entries: dict[int, Stamp] = {}
         index = self._index
         if index.adopting:
             await self._probe([items[i][0] for i in todo if items[i][0] not in index])
-        for i in todo:
-            key, dest = items[i]
-            entry = index.get(key)
+        asked = list(map(items.__getitem__, todo))
+        found = index.get_many([key for key, _ in asked])
+        wants: list[int | None] = [dest[0].nbytes if len(dest) == 1 else iov_len(dest) for _, dest in asked]
+        if found == wants:  # every block indexed, every destination its size (a stamp is the size)
+            return dict(zip(todo, cast(list[Stamp], found), strict=True))
+        entries: dict[int, Stamp] = {}
+        for i, entry, want in zip(todo, found, wants, strict=True):
             if entry is None:
                 self._stats.misses += 1
                 results[i] = MISSING
-                continue
-            want = dest[0].nbytes if len(dest) == 1 else iov_len(dest)
-            if want != entry:  # a stamp is the block's size
-                results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
-                continue
-            entries[i] = entry
+            elif want != entry:
+                results[i] = failed(f"length mismatch: block is {entry} bytes, destination {want}")
+            else:
+                entries[i] = entry
         return entries
 
     async def _fetch(
@@ -290,14 +298,15 @@ class PosixTier(Tier):
         done: list[Any] = (
             [await jobs[0]] if len(jobs) == 1 else await bounded_gather(self.max_concurrency, jobs)
         )
-        outcomes: dict[int, Outcome] = {
-            i: FileNotFoundError(errno.ENOENT, "not in its pack") for i, _ in packed
-        }
+        outcomes: dict[int, Outcome] = {}
         for (a, b), got in zip(groups, done, strict=False):
             outcomes.update(zip(singles[a:b], got, strict=True))
         for job, got in zip(pack_jobs, done[len(groups) :], strict=True):
             for (_, which, _), read in zip(job, got, strict=True):
-                outcomes.update((packed[n][0], outcome) for n, outcome in zip(which, read, strict=True))
+                outcomes.update(zip([packed[n][0] for n in which], read, strict=True))
+        if len(outcomes) < len(entries):  # packed blocks no longer in their packs (deleted meanwhile)
+            for i in entries.keys() - outcomes.keys():
+                outcomes[i] = FileNotFoundError(errno.ENOENT, "not in its pack")
         return outcomes
 
     async def _answer(
@@ -312,15 +321,18 @@ class PosixTier(Tier):
         be gone: a block moved into or out of a pack, its pack record retired), so nothing is
         forgotten or quarantined for it."""
         index = self._index
+        ok = [i for i, outcome in outcomes.items() if outcome is True]  # the common case, in C-level steps
+        index.touch([items[i][0] for i in ok])
+        for i in ok:
+            results[i] = OK
+        self._stats.hits += len(ok)
+        self._stats.read_bytes += sum([entries[i] for i in ok])
+        if len(ok) == len(entries):
+            return []
         again: list[int] = []
-        hits = nbytes = 0
         for i, entry in entries.items():
             key, outcome = items[i][0], outcomes[i]
-            if outcome is True:  # the common case without a coroutine per block (_read_result's first)
-                index.move_to_end(key)
-                hits += 1
-                nbytes += entry.size
-                results[i] = OK
+            if outcome is True:
                 continue
             if outcome is not False and index.get(key) is not entry:
                 if key in index:
@@ -332,8 +344,6 @@ class PosixTier(Tier):
             results[i] = await self._read_result(
                 key, outcome, entry.size, packed=isinstance(entry, PackedStamp)
             )
-        self._stats.hits += hits
-        self._stats.read_bytes += nbytes
         return again
 
     async def _probe(self, keys: list[BlockKey]) -> None:
@@ -571,10 +581,14 @@ class PosixTier(Tier):
         entry = self._index.get(key)
         if entry is None:
             return None
-        if isinstance(entry, PackedStamp):
-            return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         try:
-            header = await self._run(files.read_header, self.disk, self.layout.path_of(key), key)
+            if isinstance(entry, PackedStamp):
+                offset = entry.pack.offset_of(key)
+                if offset is None:
+                    raise FileNotFoundError(errno.ENOENT, "not in its pack")
+                header = await self._run(files.read_packed_header, self.disk, entry.pack, offset, key)
+            else:
+                header = await self._run(files.read_header, self.disk, self.layout.path_of(key), key)
         except (OSError, CorruptBlock):
             return BlockInfo(key=key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
         return BlockInfo(

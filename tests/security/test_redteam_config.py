@@ -21,7 +21,7 @@ from ucm_client.admin.cli import main as admin_main
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.paths import socket_from_config
 from ucm_server.auth import Authenticator
-from ucm_server.config import load_config
+from ucm_server.config_sources import load_config
 from ucm_server.testing.daemon import DaemonProcess
 
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the hardening tests: deterministic block content, Admin calls, polling.
+"""Helpers shared by the hardening tests: deterministic block content, Admin calls, fault tiers.
 
 Content is derived from the key alone, so any process (a killed client's successor, a restarted
 daemon's reader) can check every byte it loads without being told what was written.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -54,14 +53,3 @@ def tier_named(stats: pb.StatsResponse, name: str) -> pb.TierStats:
         if name in (t.name, t.kind):
             return t
     raise KeyError(f"no tier {name!r} in {[t.name for t in stats.tiers]}")
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll ``check`` (bounded in time) until it holds; state that settles asynchronously, such as
-    a session reaped after its client died, is asserted this way rather than with a fixed sleep."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not hold within {timeout_s}s")
