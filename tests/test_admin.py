@@ -56,6 +56,7 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
 
 
 # -- read-only -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_health_serving(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     proc = admin(d, "health")
@@ -66,6 +67,7 @@ def test_health_serving(seeded: tuple[DaemonProcess, list[str], list[str]]) -> N
     assert unknown.returncode == 1 and "no health status" in unknown.stderr
 
 
+@pytest.mark.slow
 def test_stats_human_and_json(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     human = admin(d, "stats")
@@ -81,6 +83,7 @@ def test_stats_human_and_json(seeded: tuple[DaemonProcess, list[str], list[str]]
     assert data["store_pipeline"] == "Cache|Posix" and data["lookup_hit_rate"] == 1.0
 
 
+@pytest.mark.slow
 def test_ls_filters_by_namespace_and_pages(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, ours, others = seeded
     everything = json_of(admin(d, "--json", "ls"))
@@ -108,6 +111,7 @@ def test_ls_filters_by_namespace_and_pages(seeded: tuple[DaemonProcess, list[str
     assert ours[0] in human.stdout and "--page-token" in human.stderr
 
 
+@pytest.mark.slow
 def test_inspect_found_and_not_found(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, ours, _ = seeded
     block = json_of(admin(d, "--json", "inspect", ours[0]))
@@ -129,6 +133,7 @@ def test_verify_clean(seeded: tuple[DaemonProcess, list[str], list[str]]) -> Non
     assert json_of(proc) == {"checked": 8, "total": 8, "corrupt": 0, "corrupt_blocks": []}
 
 
+@pytest.mark.slow
 def test_watch_stops_after_count(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     proc = admin(d, "--json", "watch", "--count", "2", "--interval", "0.1")
@@ -147,6 +152,7 @@ def test_daemon_error_exits_4(seeded: tuple[DaemonProcess, list[str], list[str]]
     assert "unknown tier 'NoSuchTier'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_reports_throughput(seeded: tuple[DaemonProcess, list[str], list[str]]) -> None:
     d, _, _ = seeded
     proc = admin(d, "--json", "bench", "--blocks", "4", "--block-size", "64KiB", "--rounds", "1")
@@ -157,6 +163,7 @@ def test_bench_reports_throughput(seeded: tuple[DaemonProcess, list[str], list[s
 
 
 # -- changing the store -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_delete_named_and_from_stdin(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 4)
     proc = admin(daemon, "--json", "delete", keys[0])
@@ -170,6 +177,7 @@ def test_delete_named_and_from_stdin(daemon: DaemonProcess, client: UcmClient, s
     assert admin(daemon, "delete", "--missing-ok", keys[0]).returncode == 0
 
 
+@pytest.mark.slow
 def test_evict_keys_bytes_and_all(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 6)
     proc = admin(daemon, "--json", "evict", "--tier", "Cache", keys[0])
@@ -185,6 +193,7 @@ def test_evict_keys_bytes_and_all(daemon: DaemonProcess, client: UcmClient, shm:
     assert stats["Cache"]["blocks"] == 0 and stats["Posix"]["blocks"] == 6
 
 
+@pytest.mark.slow
 def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer) -> None:
     keys = seed(client, shm, NS, 3)
     ns_hex, key_hex = keys[1].split("/")
@@ -200,6 +209,7 @@ def test_verify_reports_corrupt_block(daemon: DaemonProcess, client: UcmClient, 
     assert "1 corrupt" in proc.stderr
 
 
+@pytest.mark.slow
 def test_verify_human_summary_names_the_key(
     daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer
 ) -> None:
@@ -296,6 +306,7 @@ def test_doctor_passes_against_a_healthy_daemon(seeded: tuple[DaemonProcess, lis
     assert checks[("daemon", "socket")]["ok"] is True
 
 
+@pytest.mark.slow
 def test_doctor_reports_missing_daemon_and_sparse_patches(tmp_path: Path) -> None:
     proc = admin(tmp_path / "nothing.sock", "--json", "doctor")
     assert proc.returncode == 1  # a failed check, not exit 3: doctor always reports
@@ -312,6 +323,7 @@ def admin_with_config(
     return run_admin("--config", str(config), *args, env=env)
 
 
+@pytest.mark.slow
 def test_config_option_resolves_the_socket_as_the_daemon_does(
     seeded: tuple[DaemonProcess, list[str], list[str]], tmp_path: Path
 ) -> None:

@@ -297,6 +297,7 @@ def test_a_daemon_with_second_use_writes_down_what_is_used_again(tmp_path: Path)
             assert posix.extra["admission_deferred"] == 2 * n and posix.extra["admission_readmitted"] == n
 
 
+@pytest.mark.slow
 def test_a_daemon_keeps_a_cache_only_dump_off_the_disk(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm") as d, UcmClient(d.target) as c, SharedBuffer(4 * SIZE) as buf:
         region = c.register(buf)

@@ -20,6 +20,7 @@ def raw(daemon: DaemonProcess):  # type: ignore[no-untyped-def]
         yield rpc.KVStoreStub(ch)
 
 
+@pytest.mark.slow
 def test_unknown_region_handle(client: UcmClient, daemon: DaemonProcess) -> None:
     with pytest.raises(InvalidArgument, match="region handle 999 is not registered"):
         client.load(NS, [BlockIO(key_digest(0), (Segment(999, 0, 10),))])
@@ -44,6 +45,7 @@ def test_out_of_range_segment_copies_nothing(
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_wrong_key_and_namespace_sizes(client: UcmClient, shm: SharedBuffer, daemon: DaemonProcess) -> None:
     region = client.register(shm)
     with pytest.raises(InvalidArgument, match=r"keys\[1\] must be 32 bytes, got 5"):
@@ -55,6 +57,7 @@ def test_wrong_key_and_namespace_sizes(client: UcmClient, shm: SharedBuffer, dae
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_empty_and_oversized_batches(client: UcmClient, shm: SharedBuffer, daemon: DaemonProcess) -> None:
     client.register(shm)
     with pytest.raises(InvalidArgument, match="empty batch"):
@@ -72,6 +75,7 @@ def test_block_larger_than_limit(tmp_path, shm: SharedBuffer) -> None:  # type: 
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_malformed_batches_via_raw_stub(raw: rpc.KVStoreStub, daemon: DaemonProcess) -> None:
     session = raw.Attach(pb.AttachRequest(client_name="raw"))  # the session lives while this stream does
     md = (("ucm-session", next(session).session_id),)
@@ -100,6 +104,7 @@ def test_malformed_batches_via_raw_stub(raw: rpc.KVStoreStub, daemon: DaemonProc
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_calls_without_session_are_refused(raw: rpc.KVStoreStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         raw.Load(pb.LoadRequest(blocks=pb.BlockBatch(namespace=NS, keys=[key_digest(0)])))
@@ -137,6 +142,7 @@ def test_bad_shared_memory_registrations(client: UcmClient, daemon: DaemonProces
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_daemon_answers_after_all_of_the_above(client: UcmClient, shm: SharedBuffer) -> None:
     region = client.register(shm)
     assert client.wait(client.dump(NS, blocks_in(region, 2, 4096)), 10).ok

@@ -155,6 +155,7 @@ def test_a_damaged_encoded_block_is_never_served(tmp_path: Path) -> None:
         assert ok and within_bound(kv_block(2), data)
 
 
+@pytest.mark.slow
 def test_blocks_load_whether_written_with_the_codec_or_without(tmp_path: Path) -> None:
     work = tmp_path / "ucm"
     with DaemonProcess(work, args=CODEC_OFF) as d, UcmClient(d.target) as client:
@@ -179,6 +180,7 @@ def test_blocks_load_whether_written_with_the_codec_or_without(tmp_path: Path) -
             _load(d, encoded)
 
 
+@pytest.mark.slow
 def test_bad_codec_settings_stop_start_up_naming_the_setting(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
     base = DaemonProcess(tmp_path / "ucm").command()

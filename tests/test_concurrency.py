@@ -7,8 +7,12 @@ import multiprocessing as mp
 import time
 from pathlib import Path
 
+import pytest
+
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 SIZE = 32 << 10
 PER_ROUND = 16

@@ -104,6 +104,7 @@ def test_print_config_shows_effective_values(tmp_path: Path) -> None:
     assert f"cache_capacity: {3 << 30}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_second_daemon_on_same_socket_is_refused(tmp_path: Path) -> None:
     from ucm_server.testing.daemon import DaemonProcess
 
@@ -137,6 +138,7 @@ def test_socket_is_owner_only(tmp_path: Path) -> None:
         assert d.socket.parent.stat().st_mode & 0o777 == 0o700  # the daemon made its directory private
 
 
+@pytest.mark.slow
 def test_two_daemons_cannot_share_a_data_dir(tmp_path: Path) -> None:
     from ucm_server.testing.daemon import DaemonProcess
 
@@ -162,6 +164,7 @@ def test_two_daemons_cannot_share_a_data_dir(tmp_path: Path) -> None:
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
     import socket
 
@@ -191,6 +194,7 @@ def test_busy_metrics_port_fails_cleanly_before_serving(tmp_path: Path) -> None:
     assert not (tmp_path / "s.sock").exists()
 
 
+@pytest.mark.slow
 def test_every_help_page_renders() -> None:
     """``ucm-server --help`` lists every setting (argparse formats help text with ``%``: a setting
     whose help says "6.25%" once crashed it), and every ``ucm-admin`` command's ``--help`` renders."""

@@ -12,6 +12,7 @@ from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, ke
 from ucm_client.errors import UcmError
 
 
+@pytest.mark.slow
 def test_round_trip_bytes_identical(client: UcmClient) -> None:
     n, size = 32, 256 << 10
     with SharedBuffer(n * size) as src, SharedBuffer(n * size) as dst:
@@ -56,6 +57,7 @@ def test_lookup_reports_presence_and_hit_prefix(client: UcmClient, shm: SharedBu
     assert other_ns.hit_prefix == 0 and not any(other_ns.present)
 
 
+@pytest.mark.slow
 def test_thousands_of_blocks_in_one_call(client: UcmClient) -> None:
     n, size = 4096, 1024
     with SharedBuffer(n * size) as buf:
@@ -114,6 +116,7 @@ def test_prefetch_brings_blocks_back_into_cache(client: UcmClient, shm: SharedBu
 
 
 @pytest.mark.parametrize("durable", [False, True])
+@pytest.mark.slow
 def test_dump_reaches_the_disk(client: UcmClient, shm: SharedBuffer, daemon: object, durable: bool) -> None:
     region = client.register(shm)
     blocks = blocks_in(region, 4, 4096)

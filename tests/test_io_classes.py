@@ -52,6 +52,7 @@ class TestClassedExecutor:
             pool.shutdown()
         assert all(f.result(WAIT_S) is IoClass.BACKGROUND for f in background)
 
+    @pytest.mark.slow
     def test_a_queued_load_takes_the_first_thread_freed_before_older_background_jobs(self) -> None:
         pool = ClassedExecutor(2, reserve=0)
         loads_gate, lower_gate, order = threading.Event(), threading.Event(), []
@@ -243,6 +244,7 @@ def _store_load_set(client: UcmClient, region: int) -> list[bytes]:
     return keys
 
 
+@pytest.mark.slow
 def test_a_load_behind_a_deep_queue_of_dumps_completes_before_it(slow_daemon: DaemonProcess) -> None:
     dumps, per_dump = 8, 32  # 256 writes of 50 ms on 4 threads: 3.2 s of background work
     with UcmClient(slow_daemon.target) as client, SharedBuffer((LOAD_BLOCKS + per_dump) * SIZE) as buf:

@@ -96,6 +96,7 @@ def events_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, str, str]]:
         yield d, pub, replay
 
 
+@pytest.mark.slow
 def test_index_follows_every_change_and_a_restart(
     events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer
 ) -> None:
@@ -159,6 +160,7 @@ def test_index_follows_every_change_and_a_restart(
         ctx.term()
 
 
+@pytest.mark.slow
 def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
     events_daemon: tuple[DaemonProcess, str, str], shm: SharedBuffer, tmp_path: Path
 ) -> None:
@@ -184,6 +186,7 @@ def test_late_joiner_gets_a_snapshot_and_bad_endpoint_is_named(
     assert key_digest("x")  # the helper module is the one the daemon's keys come from
 
 
+@pytest.mark.slow
 def test_quota_eviction_is_published(tmp_path: Path) -> None:
     """A tenant over its 1 MiB quota loses its oldest blocks; the stream says so, in every medium."""
     from support.tokens import tokens_file
@@ -221,6 +224,7 @@ def test_quota_eviction_is_published(tmp_path: Path) -> None:
             ctx.term()
 
 
+@pytest.mark.slow
 def test_shared_tier_entries_appear_and_expire_as_the_daemon_learns(tmp_path: Path) -> None:
     """Two daemons share a DS3FS tree (its POSIX path on a local directory). Node B publishes SHARED
     for blocks node A wrote once a lookup finds them, and removes them once a lookup finds them gone
@@ -274,6 +278,7 @@ def remove_stored(d: DaemonProcess, key: bytes) -> None:
     remove_block(find_block(d.data_dir / "blocks", NS, key))
 
 
+@pytest.mark.slow
 def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Path, shm: SharedBuffer) -> None:
     """kill -9, a Posix block removed while the daemon is down, a restart, then no traffic at all: the
     subscriber that stayed connected matches ``ucm-admin ls`` within the heartbeat interval and a
@@ -320,6 +325,7 @@ def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Pat
         ctx.term()
 
 
+@pytest.mark.slow
 def test_a_second_daemon_cannot_take_over_the_event_endpoints(
     events_daemon: tuple[DaemonProcess, str, str], tmp_path: Path
 ) -> None:

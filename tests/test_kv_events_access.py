@@ -33,6 +33,8 @@ from ucm_server.testing.daemon import DaemonProcess
 pytest.importorskip("vllm.distributed.kv_events")  # the subscribers' classes are vLLM's
 from kv_events_indexer import CurveKeys  # examples/ is put on the path by support.kv_events
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 BLOCK = 4096
 TOPIC = "kv@node-a@ucm"
 

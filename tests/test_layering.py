@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Loops still present on purpose, each with the change that removes it. A listed loop
@@ -93,6 +95,7 @@ def test_protocol_imports_nothing_of_ucm(tmp_path: Path) -> None:
     assert _of(modules, "ucm_server", "ucm_client") == []
 
 
+@pytest.mark.slow
 def test_no_import_cycles() -> None:
     """No loop in the import graph of the three packages, counting imports in function bodies and under
     TYPE_CHECKING; the loops still listed in ``KNOWN`` are exactly the ones left."""
@@ -104,6 +107,7 @@ def test_no_import_cycles() -> None:
     assert stale == [], "these loops are gone: delete them from KNOWN"
 
 
+@pytest.mark.slow
 def test_no_import_runs_back_up() -> None:
     """No loop between the rooms of any package (see the module docstring), whatever the import's
     kind; a found loop lists every import that makes it."""
@@ -129,6 +133,7 @@ def test_a_loop_between_rooms_is_found(tmp_path: Path) -> None:
     assert len(loop["edges"]) == 2
 
 
+@pytest.mark.slow
 def test_no_forbidden_cross_package_import() -> None:
     """No ``ucm_client`` -> ``ucm_server`` import, none the other way, and ``ucm_protocol`` imports
     neither, whatever the import's kind (module level, in a function, under TYPE_CHECKING)."""

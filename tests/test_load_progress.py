@@ -82,6 +82,7 @@ def daemon(tmp_path: Path) -> DaemonProcess:
         yield d
 
 
+@pytest.mark.slow
 def test_counts_hold_for_every_block_and_the_word_ends_done(daemon: DaemonProcess) -> None:
     size = LAYERS * BLOCKS * PAGE
     with UcmClient(daemon.target) as client, SharedBuffer(size) as src, SharedBuffer(size) as dst:
@@ -94,6 +95,7 @@ def test_counts_hold_for_every_block_and_the_word_ends_done(daemon: DaemonProces
     assert seen[-1] == LOAD_PROGRESS_DONE
 
 
+@pytest.mark.slow
 def test_the_daemon_says_it_took_the_word_and_an_old_request_gets_none(daemon: DaemonProcess) -> None:
     """``TaskHandle.progress`` is how a client tells this daemon from an older one (which ignores
     the field: the client then writes DONE itself)."""
@@ -108,6 +110,7 @@ def test_the_daemon_says_it_took_the_word_and_an_old_request_gets_none(daemon: D
         assert not _raw_load(client, pb.LoadRequest(blocks=blocks)).progress
 
 
+@pytest.mark.slow
 def test_blocks_read_from_disk_are_never_counted_early(tmp_path: Path) -> None:
     """Negative control: after a restart the Cache is empty and every block comes from Posix,
     read and checksummed whole; the word must go from 0 straight to DONE."""
@@ -171,6 +174,7 @@ def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k() -> N
     assert dst_blocks == src_blocks
 
 
+@pytest.mark.slow
 def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
     """A Load whose body never ran (cancelled while 64 other tasks held every slot) still ends its
     progress word at DONE, so a reader waiting on the word goes on to the task's result instead of

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.blocks import NS, blocks_in
@@ -31,6 +32,7 @@ def test_health_and_reflection(daemon: DaemonProcess) -> None:
         assert {"ucm.v1.KVStore", "ucm.v1.Admin", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.slow
 def test_prometheus_metrics(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "ucm", args=["--metrics-address", "127.0.0.1:0"])  # the last flag wins
     with d, UcmClient(d.target) as c, SharedBuffer(1 << 20) as buf:
@@ -57,6 +59,7 @@ def test_prometheus_metrics(tmp_path: Path) -> None:
         assert name in text, f"{name} missing from /metrics"
 
 
+@pytest.mark.slow
 def test_json_logs_and_log_level_from_env(tmp_path: Path) -> None:
     env = {"UNIFIED_CACHE_LOG_LEVEL": "DEBUG", "UCM_LOG_FORMAT": "json"}
     with DaemonProcess(tmp_path / "ucm", env=env) as d, UcmClient(d.target) as c, SharedBuffer(4096) as buf:

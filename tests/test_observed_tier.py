@@ -85,6 +85,7 @@ def test_wrapped_tier_reports_what_its_calls_find(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_third_party_tier_publishes_in_a_daemon(tmp_path: Path) -> None:
     pytest.importorskip("vllm.distributed.kv_events")  # the subscriber's classes are vLLM's
     import zmq

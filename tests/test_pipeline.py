@@ -13,6 +13,8 @@ from ucm_client import SharedBuffer, UcmClient
 from ucm_server.store.format import ALIGNED_HEADER_SIZE
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 
 @pytest.mark.parametrize("mode", ["write-back", "write-through"])
 def test_evicted_blocks_are_served_from_posix(tmp_path: Path, mode: str) -> None:

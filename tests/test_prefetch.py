@@ -8,12 +8,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from support.admin_cli import admin
 from support.blocks import NS, blocks_in
 from support.daemon_stats import tiers_by_name
 
 from ucm_client import BlockState, SharedBuffer, UcmClient, key_digest
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 SIZE = 256 << 10
 N = 16

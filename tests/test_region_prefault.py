@@ -68,6 +68,7 @@ def _faults_of_first_load(tmp_path: Path, *args: str) -> tuple[int, int]:
         return start - before, during
 
 
+@pytest.mark.slow
 def test_the_first_load_into_fresh_client_memory_takes_no_page_fault_per_page(tmp_path: Path) -> None:
     settle_on, load_on = _faults_of_first_load(tmp_path / "on")
     settle_off, load_off = _faults_of_first_load(tmp_path / "off", "--no-region-prefault")
@@ -99,6 +100,7 @@ def test_memory_with_holes_is_not_prefaulted(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("size", [4096, 3 << 20])
+@pytest.mark.slow
 def test_unregistering_while_prefaulting_is_safe(tmp_path: Path, size: int) -> None:
     with DaemonProcess(tmp_path / "ucm") as d, UcmClient(d.target) as c:
         for _ in range(20):

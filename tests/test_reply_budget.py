@@ -15,12 +15,15 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 from support.blocks import NS
 
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 BLOCK = 1 << 20
 STALLED_KEYS = [key_digest(f"stalled-{i}") for i in range(32)]

@@ -8,11 +8,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import BlockState, SharedBuffer, UcmClient
 from ucm_client.errors import UcmError
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 
 def test_sigterm_restart_finds_every_block(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ def keys_of(blocks: list[BlockIO]) -> list[bytes]:
     return [b.key for b in blocks]
 
 
+@pytest.mark.slow
 def test_pinned_blocks_survive_pressure_in_cache_and_posix(small: DaemonProcess) -> None:
     with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
         first = dump(client, buf, 0, 8)
@@ -93,6 +94,7 @@ def test_pinned_blocks_survive_pressure_in_cache_and_posix(small: DaemonProcess)
         assert client.lookup(NS, pinned).hits == 0
 
 
+@pytest.mark.slow
 def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evicted(tmp_path: Path) -> None:
     # Pins take a whole tier only where the operator lets them (no reserve, no per-principal share):
     # see tests/security/test_pin_fairness.py for the defaults, which keep room for everyone else.
@@ -211,6 +213,7 @@ def test_a_pinned_block_rewritten_but_not_written_down_stays_in_the_cache(
         assert len(_cached(d, others)) < len(cached)  # negative control: pins safe on disk left it
 
 
+@pytest.mark.slow
 def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess) -> None:
     with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
         blocks = keys_of(dump(client, buf, 0, 4))
@@ -238,6 +241,7 @@ def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess
 
 
 @pytest.mark.parametrize("how", ["clean", "kill"])
+@pytest.mark.slow
 def test_pins_and_ttls_survive_a_restart(tmp_path: Path, how: str) -> None:
     d = DaemonProcess(tmp_path / "ucm", args=SMALL).start()
     try:
@@ -276,6 +280,7 @@ def test_low_priority_goes_first_high_priority_last(small: DaemonProcess) -> Non
         assert client.lookup(NS, blocks[1:15]).hits < 14
 
 
+@pytest.mark.slow
 def test_bad_changes_are_refused_with_the_field_named(small: DaemonProcess) -> None:
     with grpc.insecure_channel(small.target) as channel:
         stub = rpc.KVStoreStub(channel)
@@ -307,6 +312,7 @@ def test_bad_changes_are_refused_with_the_field_named(small: DaemonProcess) -> N
             client.set_retention(NS, [b"\x02" * 32], priority=-101)
 
 
+@pytest.mark.slow
 def test_a_shared_tier_is_named_and_require_all_tiers_refuses(tmp_path: Path) -> None:
     config = tmp_path / "ucm.yaml"
     mount = tmp_path / "3fs"
@@ -343,6 +349,7 @@ def _tenant_daemon(tmp_path: Path, quota: str) -> DaemonProcess:
     )
 
 
+@pytest.mark.slow
 def test_pins_count_against_the_quota_and_survive_quota_pressure(tmp_path: Path) -> None:
     d = _tenant_daemon(tmp_path, "1MiB").start()
     try:
@@ -374,6 +381,7 @@ def test_pins_count_against_the_quota_and_survive_quota_pressure(tmp_path: Path)
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_torn_last_rule_is_skipped_and_other_damage_stops_start_up(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "ucm", args=SMALL)
     with d, UcmClient(d.target) as client, SharedBuffer(8 * BLOCK) as buf:
@@ -399,6 +407,7 @@ def test_a_torn_last_rule_is_skipped_and_other_damage_stops_start_up(tmp_path: P
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_ucm_admin_pin_unpin_ttl_priority_and_ls_inspect_show_them(small: DaemonProcess) -> None:
     with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
         blocks = [f"{NS.hex()}/{k.hex()}" for k in keys_of(dump(client, buf, 0, 3))]
@@ -433,6 +442,7 @@ def test_ucm_admin_pin_unpin_ttl_priority_and_ls_inspect_show_them(small: Daemon
     assert proc.returncode != 0 and "soon" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_daemon_with_the_arc_cache_keeps_pins_and_serves(tmp_path: Path) -> None:
     with (
         DaemonProcess(tmp_path / "ucm", args=[*SMALL, "--cache-eviction", "arc"]) as d,
@@ -445,6 +455,7 @@ def test_a_daemon_with_the_arc_cache_keeps_pins_and_serves(tmp_path: Path) -> No
         assert where(d, pinned[0])[0] == ["Cache", "Posix"]
 
 
+@pytest.mark.slow
 def test_a_tenant_cannot_pin_or_expire_another_tenants_blocks(tmp_path: Path) -> None:
     tokens = tokens_file(
         tmp_path / "tokens.yaml",

@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient
@@ -25,6 +26,7 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> bool:  # type: ignore[no-un
     return False
 
 
+@pytest.mark.slow
 def test_killed_client_releases_its_regions(daemon: DaemonProcess, client: UcmClient) -> None:
     script = textwrap.dedent(f"""
         import time
@@ -45,6 +47,7 @@ def test_killed_client_releases_its_regions(daemon: DaemonProcess, client: UcmCl
     assert client.stats().sessions == 1
 
 
+@pytest.mark.slow
 def test_client_reconnects_after_daemon_restart(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "ucm")
     with d, SharedBuffer(1 << 20) as buf:
@@ -74,6 +77,7 @@ def test_unavailable_when_no_daemon(tmp_path: Path) -> None:
         c.close()
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_task_and_wait_times_out_cleanly(tmp_path: Path) -> None:
     """A big durable dump to disk is slow enough to time out a 1 ms wait and then be cancelled."""
     n, size = 512, 256 << 10

@@ -34,6 +34,7 @@ def frozen(daemon: DaemonProcess) -> Iterator[None]:
         os.kill(daemon.proc.pid, signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_wait_and_check_of_a_finished_task_need_no_call(
     daemon: DaemonProcess, client: UcmClient, shm: SharedBuffer
 ) -> None:
@@ -55,6 +56,7 @@ def test_wait_and_check_of_a_finished_task_need_no_call(
     assert again.states == waited.states
 
 
+@pytest.mark.slow
 def test_a_waiter_is_woken_by_the_pushed_result(client: UcmClient, shm: SharedBuffer) -> None:
     region = client.register(shm)
     task = client.dump(NS, blocks_in(region, 64, 64 << 10))
@@ -62,6 +64,7 @@ def test_a_waiter_is_woken_by_the_pushed_result(client: UcmClient, shm: SharedBu
     assert result.ok and len(result.states) == 64
 
 
+@pytest.mark.slow
 def test_results_are_dropped_with_the_session(tmp_path: Path) -> None:
     """Task ids restart with a restarted daemon: a result kept from before must never answer after."""
     d = DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", "64MiB"])

@@ -76,6 +76,7 @@ def _count(name: str, n: int = 1) -> Any:
     return lambda spans: len(_named(spans, name)) >= n
 
 
+@pytest.mark.slow
 def test_connector_span_is_the_parent_of_the_daemons_task_and_tier_spans(
     tmp_path: Path, client_spans: ClientTracing
 ) -> None:
@@ -124,6 +125,7 @@ def test_connector_span_is_the_parent_of_the_daemons_task_and_tier_spans(
     assert lookup["resource"]["service.name"] == "ucm-server"
 
 
+@pytest.mark.slow
 def test_a_load_from_disk_names_posix_and_a_miss_says_so(tmp_path: Path, client_spans: ClientTracing) -> None:
     """After a restart the Cache is empty: the load's tier spans show the Cache missing and Posix
     serving (promoted into the Cache as it is read); blocks never stored end as misses."""
@@ -152,6 +154,7 @@ def test_a_load_from_disk_names_posix_and_a_miss_says_so(tmp_path: Path, client_
     assert "ucm.tier.served" not in m
 
 
+@pytest.mark.slow
 def test_refused_call_span_has_the_status_code(tmp_path: Path, client_spans: ClientTracing) -> None:
     d = TracedDaemonProcess(tmp_path / "ucm", args=TRACING)
     with d, UcmClient(d.target) as c, SharedBuffer(1 << 20) as buf:
@@ -165,6 +168,7 @@ def test_refused_call_span_has_the_status_code(tmp_path: Path, client_spans: Cli
     assert "32768" in call["status_description"]
 
 
+@pytest.mark.slow
 def test_daemon_samples_untraced_calls_by_ratio_and_follows_a_traced_caller(
     tmp_path: Path, client_spans: ClientTracing
 ) -> None:
@@ -181,6 +185,7 @@ def test_daemon_samples_untraced_calls_by_ratio_and_follows_a_traced_caller(
     assert lookup["attributes"]["ucm.misses"] == 3 and lookup["attributes"]["ucm.hit"] is False
 
 
+@pytest.mark.slow
 def test_tracing_off_by_default_records_and_sends_nothing(tmp_path: Path) -> None:
     """No settings: the daemon writes no span, the client adds no metadata."""
     assert client_tracing.outgoing() == ()
@@ -193,6 +198,7 @@ def test_tracing_off_by_default_records_and_sends_nothing(tmp_path: Path) -> Non
     assert d.spans() == []
 
 
+@pytest.mark.slow
 def test_otlp_http_export_to_a_receiver(tmp_path: Path) -> None:
     """Both sides export over real OTLP/HTTP; the receiver decodes ExportTraceServiceRequest and
     finds one trace: the connector's span, the daemon's task under it, the tier read under that."""
@@ -253,6 +259,7 @@ def test_bad_daemon_settings_are_named(
     assert "configuration error" in err and named in err, err
 
 
+@pytest.mark.slow
 def test_bad_endpoint_from_the_environment_is_named_at_start(tmp_path: Path) -> None:
     d = DaemonProcess(
         tmp_path / "ucm", args=TRACING, env={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "localhost:4318"}
@@ -275,6 +282,7 @@ def test_bad_connector_settings_are_named(extra: dict[str, Any], named: str) -> 
         load_connector_config(extra, {})
 
 
+@pytest.mark.slow
 def test_daemon_runs_without_opentelemetry_when_tracing_is_off(tmp_path: Path) -> None:
     """With the OpenTelemetry packages unimportable the daemon still serves (tracing off), and
     refuses to start with tracing on, saying what to install."""

@@ -669,6 +669,7 @@ def _admin_env(extra: dict[str, str]) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.mark.slow
 def test_health_check_commands_against_a_real_daemon(
     live: tuple[DaemonProcess, str],
     image: Image,

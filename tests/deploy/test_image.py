@@ -29,6 +29,8 @@ from support import podman as pm
 from support.podman import UCM_UID, Container, HostDirs, client, container_client, make_host_dirs
 from support.services import free_port
 
+pytestmark = pytest.mark.deploy  # runs the image in podman: not part of `make test-fast`
+
 SOCKET_NAME = "daemon.sock"  # not the image's ucm.sock: the HEALTHCHECK must follow the config
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.deploy  # renders and validates with kubectl: not part of `make test-fast`
+
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 
 

@@ -20,6 +20,8 @@ import pytest
 from support import podman as pm
 from support.podman import UCM_UID, Container
 
+pytestmark = pytest.mark.deploy  # boots systemd in podman: not part of `make test-fast`
+
 UNIT = pm.ROOT / "deploy" / "systemd" / "ucm-server.service"
 CONFIG = pm.ROOT / "deploy" / "systemd" / "ucm.yaml"
 CONTAINERFILE = Path(__file__).parent / "systemd-host.Containerfile"

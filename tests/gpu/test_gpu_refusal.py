@@ -21,6 +21,7 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
 
 @pytest.mark.skipif(HAS_CUPY, reason="cupy is installed: this daemon would serve GPU regions")
+@pytest.mark.slow
 def test_daemon_without_cupy_refuses_gpu_regions_and_keeps_serving(
     daemon: DaemonProcess, client: UcmClient
 ) -> None:
@@ -41,6 +42,7 @@ def test_daemon_without_cupy_refuses_gpu_regions_and_keeps_serving(
     assert client.stats().regions == 2
 
 
+@pytest.mark.slow
 def test_gpu_off_is_the_stated_reason(tmp_path: object) -> None:
     from pathlib import Path
 

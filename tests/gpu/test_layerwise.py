@@ -22,6 +22,7 @@ from ucm_client.vllm.cuda_kv import CudaKVCache
 from ucm_client.vllm.identity import layer_key
 
 
+@pytest.mark.slow
 def test_layers_load_as_separate_tasks_and_are_waited_one_by_one(client: UcmClient) -> None:
     layers, nblocks, page = 4, 6, 32 << 10
     block_keys = [os.urandom(32) for _ in range(nblocks)]

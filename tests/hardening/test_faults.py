@@ -37,6 +37,8 @@ from ucm_client.errors import UcmError
 from ucm_server.store.posix import block_file_header
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 NS = namespace_id(test="hardening-faults")
 SENTINEL = 0xEE
 

@@ -235,6 +235,7 @@ def _real(fields: dict[str, Any], region: int) -> pb.BlockBatch:
     session=st.sampled_from(["a", "b", "none"]),
     durable=st.booleans(),
 )
+@pytest.mark.slow
 def test_fuzz_block_requests(
     live: Live, fields: dict[str, Any], kind: str, session: str, durable: bool
 ) -> None:
@@ -306,6 +307,7 @@ def test_fuzz_task_calls(
     keys=st.lists(digests, max_size=4),
     flag=st.booleans(),
 )
+@pytest.mark.slow
 def test_fuzz_admin_requests(
     live: Live,
     op: str,
@@ -348,6 +350,7 @@ METHODS = [
 
 @settings(FUZZ, max_examples=1000)
 @given(method=st.sampled_from(METHODS), data=st.binary(max_size=200), with_session=st.booleans())
+@pytest.mark.slow
 def test_fuzz_raw_bytes(live: Live, method: tuple[str, bool, bool], data: bytes, with_session: bool) -> None:
     """Bytes that may not be protobuf at all, sent to every method of both services."""
     path, client_streaming, server_streaming = method
@@ -452,6 +455,7 @@ def _check_config(path: Path, text: str) -> str | None:
 
 @settings(FUZZ, max_examples=1500)
 @given(text=config_texts())
+@pytest.mark.slow
 def test_fuzz_config_documents(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     _check_config(tmp_path_factory.getbasetemp() / "fuzz-config.yaml", text)
 
@@ -461,6 +465,7 @@ def test_fuzz_config_documents(tmp_path_factory: pytest.TempPathFactory, text: s
 @example(text="cache_capacity: 64MiB\nstore_pipeline: Cache|Posix\n")
 @example(text="cache_capacity: lots\n")
 @example(text="ucm_connectors: [{ucm_connector_config: {no_such_key: 1}}]\n")
+@pytest.mark.slow
 def test_fuzz_config_through_the_real_process(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     """``ucm-server --config F --print-config``: exit 2 with the reason on stderr when load_config
     refuses F, exit 0 when it accepts it (nothing is started either way)."""

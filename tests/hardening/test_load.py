@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from support.hardening import admin_stats
 from support.polling import eventually
 
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 
 def test_sixteen_clients_mixed_load_every_byte_checked(tmp_path: Path) -> None:

@@ -20,10 +20,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from support.hardening import SLOW_TIER, admin_evict_all, tier_env
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
+
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
 
 NS = namespace_id(test="hardening-promotion-race")
 SIZE = 4096

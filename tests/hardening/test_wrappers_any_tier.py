@@ -85,6 +85,7 @@ def test_bad_inner_settings_are_config_errors(settings: dict[str, object], named
         FaultInjectingTier.from_settings("T", settings)
 
 
+@pytest.mark.slow
 def test_eio_injected_around_a_ds3fs_tier_in_a_real_daemon(tmp_path: Path) -> None:
     """The EIO double around a DS3FS tier (not Posix): the chosen blocks fail with the OS's reason,
     none of their bytes reach the client, the others load intact, the errors are counted, and the

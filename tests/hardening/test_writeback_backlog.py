@@ -113,6 +113,7 @@ def _flood(d: DaemonProcess, c: UcmClient, buf: SharedBuffer, region: int, batch
     return states
 
 
+@pytest.mark.slow
 def test_a_saturated_node_keeps_blocks_in_the_cache_and_never_loses_a_durable_one(tmp_path: Path) -> None:
     d = _daemon(tmp_path, "cache-only")
     with d, UcmClient(d.target) as c, SharedBuffer(BATCH * SIZE) as buf:
@@ -138,6 +139,7 @@ def test_a_saturated_node_keeps_blocks_in_the_cache_and_never_loses_a_durable_on
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_write_through_overflow_writes_every_block_down(tmp_path: Path) -> None:
     d = _daemon(tmp_path, "write-through")
     with d, UcmClient(d.target) as c, SharedBuffer(BATCH * SIZE) as buf:

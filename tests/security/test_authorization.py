@@ -501,6 +501,7 @@ def _row_as_played(
 
 
 @pytest.mark.parametrize("rpc_name", list(TABLE))
+@pytest.mark.slow
 def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     """Each RPC's row, as played against the daemons: every principal, every target."""
     _row_as_played(TABLE[rpc_name], rpc_name, outcomes)
@@ -508,11 +509,13 @@ def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str]
 
 @pytest.mark.skipif(native is None, reason=f"the local data plane is not built here: {MISSING}")
 @pytest.mark.parametrize("entry", list(DATA_PLANE_TABLE))
+@pytest.mark.slow
 def test_data_plane_matrix(entry: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     """The data plane's lookups and ring requests, played like the RPCs they stand in for."""
     _row_as_played(DATA_PLANE_TABLE[entry], entry, outcomes)
 
 
+@pytest.mark.slow
 def test_the_table_was_played_whole(outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     tables = [TABLE, DATA_PLANE_TABLE] if native is not None else [TABLE]
     cells = sum(
@@ -601,6 +604,7 @@ def _attack(w: World, c: Caller, ns: bytes, digest: bytes) -> None:
             assert PLAIN[:32] not in reply.SerializeToString()
 
 
+@pytest.mark.slow
 def test_a_namespace_the_ledger_gives_another_tenant_is_refused(tmp_path: Path) -> None:
     """The second line: should a caller's namespace ever resolve to one the tenant ledger records as
     another tenant's (here the ledger is made to say so, as a collision of the keyed mapping would),

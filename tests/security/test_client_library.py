@@ -50,6 +50,7 @@ def _reconnected_register(client: UcmClient, buf: SharedBuffer) -> int:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_failed_reregistration_never_aliases_another_buffer(tmp_path: Path) -> None:
     """A restart, B's memory gone meanwhile, a new buffer D: B's handle is dead, never D's region."""
     d = DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", "64MiB"])
@@ -103,6 +104,7 @@ def test_failed_reregistration_never_aliases_another_buffer(tmp_path: Path) -> N
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_every_error_during_restarts_is_a_ucm_error(tmp_path: Path) -> None:
     """Calls in a loop while the daemon is stopped, killed and restarted: only UcmErrors, all clear."""
     d = DaemonProcess(tmp_path / "ucm", args=["--cache-capacity", "64MiB"])
@@ -190,6 +192,7 @@ def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProc
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_wait_after_4096_results_with_the_default_retention(daemon: DaemonProcess) -> None:
     """The issue's scenario with the real default: 4,200 tasks, then wait on the first."""
     with UcmClient(daemon.target) as c:
@@ -235,6 +238,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_several_clients_in_one_process_exit_without_tracebacks(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -296,6 +300,7 @@ _CLOSING = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_closing_clients_print_nothing(tmp_path: Path) -> None:
     """gRPC hands a late event of a closed client's loop to whichever loop polls next, which printed
     "Exception in callback ... Event loop is closed" (each time after a refused registration,

@@ -138,6 +138,7 @@ def test_a_refused_allocation_is_a_clear_error_not_a_sigbus() -> None:
     assert "kv cache" in proc.stdout and "memory limit" in proc.stdout
 
 
+@pytest.mark.slow
 def test_client_process_leaves_nothing_in_dev_shm(slow: DaemonProcess) -> None:
     """A client that registers memory and exits (cleanly, or by SIGKILL) leaves no /dev/shm object."""
     script = textwrap.dedent(
@@ -200,6 +201,7 @@ ACTIONS = ["truncate", "punch", "close", "recreate"]
 
 @pytest.mark.parametrize("action", ACTIONS)
 @pytest.mark.parametrize("state", ["registered", "mid-dump", "mid-load"])
+@pytest.mark.slow
 def test_client_memory_attacked_in_every_state(slow: DaemonProcess, state: str, action: str) -> None:
     tag = f"{state}-{action}"
     with UcmClient(slow.target, client_name=tag) as c:

@@ -133,6 +133,7 @@ def _raw_hand_over(d: LimitedDaemon, fd: int, size: int) -> tuple[int, str]:
         return status, s.recv(length, socket.MSG_WAITALL).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_memory_never_allocated_is_refused_before_the_daemon_touches_it(limited: LimitedDaemon) -> None:
     baseline = _baseline(limited)
     limited.cgroup.reset_peak()
@@ -186,6 +187,7 @@ def test_memory_punched_after_registration_is_refused_and_dropped(limited: Limit
     _peak_within_baseline(limited, baseline, "memory punched after registration")
 
 
+@pytest.mark.slow
 def test_holes_punched_while_loads_run_cost_at_most_the_loads_in_flight(limited: LimitedDaemon) -> None:
     baseline = _baseline(limited)
     for attempt in range(3):

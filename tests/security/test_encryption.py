@@ -158,6 +158,7 @@ def test_an_envelope_moved_under_another_block_is_never_served(
 
 
 @pytest.mark.parametrize("restart_with", ["another key", "no key"])
+@pytest.mark.slow
 def test_a_wrong_or_missing_key_makes_blocks_missing_not_garbage(
     tmp_path: Path, keys: tuple[Path, Path], restart_with: str
 ) -> None:
@@ -230,6 +231,7 @@ def test_a_bad_key_file_stops_start_up_naming_the_file(tmp_path: Path, case: str
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_turning_encryption_off_over_sealed_blocks_is_refused(
     tmp_path: Path, keys: tuple[Path, Path]
 ) -> None:

@@ -216,6 +216,7 @@ def _registrations_take(d: DaemonProcess) -> tuple[list[float], int]:
 @pytest.mark.parametrize(
     "names", [["half-sent"], ["fd-flood"], ["hoard"], ["half-sent", "fd-flood", "hoard"]]
 )
+@pytest.mark.slow
 def test_a_well_behaved_client_registers_within_a_second_under_attack(
     daemon: DaemonProcess, names: list[str]
 ) -> None:

@@ -74,6 +74,7 @@ def _dump(c: UcmClient, first: int, count: int, fill: bytes | None = None) -> by
         return data
 
 
+@pytest.mark.slow
 def test_fifo_and_symlinks_in_the_block_tree_do_not_hang_start_up(tmp_path: Path) -> None:
     d = _posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
@@ -206,6 +207,7 @@ def test_a_symlinked_directory_never_leads_writes_outside(tmp_path: Path, level:
     assert _files_under(outside) == []
 
 
+@pytest.mark.slow
 def test_a_symlinked_quarantine_directory_is_not_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -62,6 +62,7 @@ def _attach_line(d: DaemonProcess, lines: list[str]) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_client_name_cannot_forge_a_log_line(daemon_fmt: DaemonProcess) -> None:
     d = daemon_fmt
     _attach(d, HOSTILE)
@@ -77,6 +78,7 @@ def test_a_client_name_cannot_forge_a_log_line(daemon_fmt: DaemonProcess) -> Non
     _alive(d)
 
 
+@pytest.mark.slow
 def test_huge_client_names_do_not_flood_the_log(daemon_fmt: DaemonProcess) -> None:
     d = daemon_fmt
     before = d.log_path.stat().st_size
@@ -89,6 +91,7 @@ def test_huge_client_names_do_not_flood_the_log(daemon_fmt: DaemonProcess) -> No
     _alive(d)
 
 
+@pytest.mark.slow
 def test_admin_output_shows_no_control_characters(daemon_fmt: DaemonProcess) -> None:
     d = daemon_fmt
     with UcmClient(d.target, client_name=HOSTILE):  # a hostile session is attached while we look
@@ -113,6 +116,7 @@ def test_admin_output_shows_no_control_characters(daemon_fmt: DaemonProcess) -> 
     _alive(d)
 
 
+@pytest.mark.slow
 def test_error_details_echoing_client_input_are_one_capped_line(daemon_fmt: DaemonProcess) -> None:
     d = daemon_fmt
     token = "x" * (1 << 20) + "\n" + FORGED + "\x1b[2J"

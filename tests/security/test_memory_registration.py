@@ -209,6 +209,7 @@ def _header(size: int = 4096, magic: bytes = b"UCMF", version: int = 1) -> bytes
     return REQUEST.pack(magic, version, size)
 
 
+@pytest.mark.slow
 def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> None:
     path = fd_socket_path(daemon.socket)
     assert daemon.proc is not None
@@ -340,6 +341,7 @@ def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> No
         assert c.wait(c.dump(NS, blocks_in(c.register(src), 4, 4096)), 10).ok
 
 
+@pytest.mark.slow
 def test_memfd_token_rules(daemon: DaemonProcess) -> None:
     with grpc.insecure_channel(daemon.target) as ch, SharedBuffer(8192) as buf:
         kv = rpc.KVStoreStub(ch)
@@ -406,6 +408,7 @@ _STDLIB_HANDOVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fd_socket_checks_the_peer_uid(tmp_path: Path) -> None:
     """Were the socket's permissions loosened by mistake, another uid is still refused (SO_PEERCRED)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="ucm-peer-", dir="/tmp"))  # parents another uid can traverse
@@ -431,6 +434,7 @@ def test_fd_socket_checks_the_peer_uid(tmp_path: Path) -> None:
     assert f"uid {NOBODY}" in text and "only from its own uid or root" in text
 
 
+@pytest.mark.slow
 def test_pending_handovers_are_bounded(tmp_path: Path) -> None:
     """8 pending in all, 2 per process (a quarter of 8): a process past its share is refused
     with RESOURCE_EXHAUSTED, and the daemon never holds more descriptors than that. A full table
@@ -518,6 +522,7 @@ def _punch(fd: int, size: int) -> None:
 
 
 @pytest.mark.parametrize("when", ["before the load", "between two loads"])
+@pytest.mark.slow
 def test_memory_with_holes_is_refused_for_loads_and_dropped(tmp_path: Path, when: str) -> None:
     """Holes punched into registered memory (which the daemon's copy would allocate on its own
     account): the next Load is FAILED_PRECONDITION naming the region, the region is gone, other

@@ -104,6 +104,7 @@ def test_plaintext_tcp_without_credentials_needs_the_anonymous_opt_in_too(tmp_pa
     assert "allow_anonymous_tcp: true" in opted_in.stdout
 
 
+@pytest.mark.slow
 def test_anonymous_tcp_peer_is_never_admin(
     anonymous_tls: tuple[DaemonProcess, str], tls: tuple[Path, Path]
 ) -> None:
@@ -137,6 +138,7 @@ def _tokens(path: Path) -> Path:
     return tokens_file(path, [(ADMIN_TOKEN, "", {"admin": True}), (TENANT_TOKEN, "team", {})])
 
 
+@pytest.mark.slow
 def test_with_tokens_only_an_admin_token_is_admin_over_tcp(tmp_path: Path, tls: tuple[Path, Path]) -> None:
     cert, key = tls
     tokens = _tokens(tmp_path / "tokens.yaml")

@@ -102,6 +102,7 @@ def private() -> Iterator[SharedBuffer]:
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+@pytest.mark.slow
 def test_overlapping_destinations_in_one_load_are_refused(
     tmp_path: Path, pipeline: str, private: SharedBuffer
 ) -> None:
@@ -267,6 +268,7 @@ def _racer(
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix", "Cache|Posix+packs", "Posix+packs"])
+@pytest.mark.slow
 def test_racing_loads_never_return_wrong_bytes_nor_quarantine(
     tmp_path: Path, pipeline: str, private: SharedBuffer
 ) -> None:
@@ -311,6 +313,7 @@ def test_racing_loads_never_return_wrong_bytes_nor_quarantine(
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+@pytest.mark.slow
 def test_two_clients_loading_into_the_same_bytes_never_quarantine(
     tmp_path: Path, pipeline: str, private: SharedBuffer
 ) -> None:
@@ -345,6 +348,7 @@ def test_two_clients_loading_into_the_same_bytes_never_quarantine(
 
 
 @pytest.mark.parametrize("pipeline", ["Cache|Posix", "Posix"])
+@pytest.mark.slow
 def test_a_dump_of_memory_rewritten_meanwhile_stores_a_consistent_block(
     tmp_path: Path, pipeline: str
 ) -> None:

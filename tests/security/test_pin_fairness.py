@@ -118,6 +118,7 @@ def test_a_principal_without_a_quota_cannot_pin_the_others_out(tenants: DaemonPr
         _pins_hold(tenants, pinner, {k: blocks[k] for k in pinned}, ADMIN)
 
 
+@pytest.mark.slow
 def test_all_principals_together_leave_the_reserve(tenants: DaemonProcess) -> None:
     with (
         UcmClient(tenants.target, token=TOKENS["hog"]) as hog,
@@ -132,6 +133,7 @@ def test_all_principals_together_leave_the_reserve(tenants: DaemonProcess) -> No
         assert hog.lookup(NS, first).hits == 32 and hog2.lookup(NS, second).hits == 16
 
 
+@pytest.mark.slow
 def test_a_local_client_of_a_daemon_without_tokens_has_a_share_too(tmp_path: Path) -> None:
     with (
         DaemonProcess(tmp_path / "ucm", args=SMALL) as d,
@@ -146,6 +148,7 @@ def test_a_local_client_of_a_daemon_without_tokens_has_a_share_too(tmp_path: Pat
         _pins_hold(d, one, {k: blocks[k] for k in pinned})
 
 
+@pytest.mark.slow
 def test_a_pinned_block_rewritten_larger_is_held_to_the_budget(tenants: DaemonProcess) -> None:
     with UcmClient(tenants.target, token=TOKENS["hog"]) as hog:
         pinned, _ = _pin_all_it_can(hog, list(_store(hog, 0, 40)))
@@ -157,6 +160,7 @@ def test_a_pinned_block_rewritten_larger_is_held_to_the_budget(tenants: DaemonPr
         assert hog.put_blocks(NS, [(pinned[1], os.urandom(BLOCK))]).ok  # same size: fine
 
 
+@pytest.mark.slow
 def test_pins_still_count_after_a_restart(tmp_path: Path) -> None:
     args = [*SMALL, "--auth-tokens-file", str(_tokens(tmp_path / "tokens.yaml"))]
     d = DaemonProcess(tmp_path / "ucm", args=args)

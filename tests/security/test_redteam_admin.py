@@ -111,6 +111,7 @@ def test_bench_bigger_than_the_host_is_refused_before_allocating(daemon: DaemonP
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_a_connect_timeout_prints_one_line_and_no_thread_traceback(
     daemon: DaemonProcess, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

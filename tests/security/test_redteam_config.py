@@ -85,6 +85,7 @@ def _meminfo_total() -> int:
 
 
 @pytest.mark.parametrize("capacity", ["99999999999999999999", "four times the host"])
+@pytest.mark.slow
 def test_a_cache_larger_than_the_host_is_refused_before_it_is_mapped(tmp_path: Path, capacity: str) -> None:
     """``cache_capacity`` past ssize_t was an OverflowError traceback; past the host's memory the arena
     was mapped and faulted in until the OOM killer came. Both are now a configuration error (exit 2)."""

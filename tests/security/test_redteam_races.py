@@ -25,6 +25,8 @@ from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 SIZE = 16 << 10
 KEYS = [key_digest("rt-race", i) for i in range(16)]
 WRITERS = 3

@@ -180,6 +180,7 @@ def _memfd_mappings(pid: int) -> int:
     return sum(1 for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "memfd:ucm-" in line)
 
 
+@pytest.mark.slow
 def test_tasks_cancelled_while_queued_release_the_clients_memory(tmp_path: Path) -> None:
     """A task cancelled before a slot freed up (64 run at once) never ran its body, where its region
     pins were released: the daemon kept the client's memory mapped after the client unregistered it

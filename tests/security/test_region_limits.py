@@ -39,6 +39,7 @@ def _round_trip(d: DaemonProcess, name: str) -> None:
         assert bytes(dst.buf) == bytes(src.buf)
 
 
+@pytest.mark.slow
 def test_two_thousand_registrations_hold_no_descriptors(daemon: DaemonProcess) -> None:
     """Within the default limit (4,096 regions), 2,000 registrations all succeed and cost no fds."""
     with UcmClient(daemon.target, client_name="hoarder") as c, SharedBuffer(4096) as buf:
@@ -53,6 +54,7 @@ def test_two_thousand_registrations_hold_no_descriptors(daemon: DaemonProcess) -
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_region_count_limit(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm", args=["--max-session-regions", "100"]) as d:
         with UcmClient(d.target, client_name="hoarder") as c, SharedBuffer(4096) as buf:
@@ -70,6 +72,7 @@ def test_region_count_limit(tmp_path: Path) -> None:
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_region_bytes_limit(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm", args=["--max-session-region-bytes", "1MiB"]) as d:
         with UcmClient(d.target) as c, SharedBuffer(768 << 10) as big, SharedBuffer(256 << 10) as small:

@@ -66,6 +66,7 @@ def _round_trip(c: UcmClient, src: SharedBuffer, dst: SharedBuffer, blocks: list
         assert _gather(dst, b) == _gather(src, a)
 
 
+@pytest.mark.slow
 def test_block_segments_just_under_and_over_the_cap(daemon: DaemonProcess) -> None:
     with UcmClient(daemon.target) as c, SharedBuffer(1 << 20) as src, SharedBuffer(1 << 20) as dst:
         _fill(src, 1 << 20)
@@ -84,6 +85,7 @@ def test_block_segments_just_under_and_over_the_cap(daemon: DaemonProcess) -> No
         assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_request_segments_just_under_and_over_a_lowered_cap(tmp_path: Path) -> None:
     args = ["--max-segments-per-request", "8192", "--max-segments-per-block", "1024"]
     with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target) as c:
@@ -103,6 +105,7 @@ def test_request_segments_just_under_and_over_a_lowered_cap(tmp_path: Path) -> N
             assert d.healthy()
 
 
+@pytest.mark.slow
 def test_a_request_at_the_cap_does_not_stall_other_clients(daemon: DaemonProcess) -> None:
     """256 blocks x 4096 segments = max_segments_per_request, while another client probes."""
     nblocks, per = 256, 4096
@@ -148,6 +151,7 @@ def test_a_request_at_the_cap_does_not_stall_other_clients(daemon: DaemonProcess
     assert daemon.healthy()
 
 
+@pytest.mark.slow
 def test_a_huge_block_costs_linear_time(tmp_path: Path) -> None:
     """An operator who raises the cap gets linear cost: 400,000 segments (20 s before the fix)."""
     per = 400_000

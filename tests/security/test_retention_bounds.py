@@ -28,6 +28,8 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.retention import COMPACT_MIN_BYTES, HEAP_SLACK, Change, RetentionTable
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 BLOCK = 4096
 
 

@@ -46,6 +46,7 @@ def test_tokens_are_required_and_checked(secured: DaemonProcess) -> None:
     assert secured.healthy()  # health stays open for probes
 
 
+@pytest.mark.slow
 def test_tenants_never_see_each_other(secured: DaemonProcess) -> None:
     size = 64 << 10
     with (
@@ -73,6 +74,7 @@ def test_tenants_never_see_each_other(secured: DaemonProcess) -> None:
             bob.check(1)
 
 
+@pytest.mark.slow
 def test_admin_calls_need_an_admin_token(secured: DaemonProcess) -> None:
     with UcmClient(secured.target, token=TOKENS["alice"]) as alice:
         with pytest.raises(PermissionDenied, match="Stats needs an admin token"):
@@ -81,6 +83,7 @@ def test_admin_calls_need_an_admin_token(secured: DaemonProcess) -> None:
         assert ops.stats().store_pipeline == "Cache|Posix"
 
 
+@pytest.mark.slow
 def test_quota_evicts_only_the_tenants_own_oldest_blocks(secured: DaemonProcess) -> None:
     size = 64 << 10
     with (
@@ -102,6 +105,7 @@ def test_quota_evicts_only_the_tenants_own_oldest_blocks(secured: DaemonProcess)
         assert bob.lookup(NS, [b.key for b in bob_blocks]).hit_prefix == 8  # bob untouched
 
 
+@pytest.mark.slow
 def test_no_tokens_or_payload_in_logs(secured: DaemonProcess) -> None:
     marker = b"PAYLOAD-MARKER-" * 100
     with UcmClient(secured.target, token=TOKENS["alice"]) as alice, SharedBuffer(len(marker)) as buf:
@@ -121,6 +125,7 @@ def test_bad_tokens_file_stops_start_up(tmp_path: Path) -> None:
         DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(bad)]).start(timeout_s=20)
 
 
+@pytest.mark.slow
 def test_tls_listener(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     args = ["--listen", "localhost:0", "--tls-cert", str(cert), "--tls-key", str(key)]

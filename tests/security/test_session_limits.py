@@ -37,6 +37,7 @@ def _dump(c: UcmClient, region: int, name: str) -> int:
     return c.dump(NS, [BlockIO(key_digest("limits", name), (Segment(region, 0, SIZE),))])
 
 
+@pytest.mark.slow
 def test_a_session_past_its_task_limit_is_refused_and_others_are_not(tmp_path: Path) -> None:
     with _slow_daemon(tmp_path) as d, UcmClient(d.target) as greedy, UcmClient(d.target) as other:
         with SharedBuffer(SIZE) as gbuf, SharedBuffer(SIZE) as obuf:
@@ -62,6 +63,7 @@ def test_a_session_past_its_task_limit_is_refused_and_others_are_not(tmp_path: P
         assert d.healthy()
 
 
+@pytest.mark.slow
 def test_sessions_past_the_daemon_limit_are_refused_cleanly(tmp_path: Path) -> None:
     with DaemonProcess(tmp_path / "ucm", args=["--max-sessions", "3"]) as d:
         clients = [UcmClient(d.target, client_name=f"c{i}") for i in range(3)]

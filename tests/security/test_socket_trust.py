@@ -67,6 +67,7 @@ def test_daemon_refuses_a_socket_directory_others_can_use(tmp_path: Path, mode: 
     assert stat.S_IMODE(sock_dir.stat().st_mode) == mode, "the daemon must not quietly change the directory"
 
 
+@pytest.mark.slow
 def test_daemon_refuses_a_socket_directory_of_another_uid(tmp_path: Path) -> None:
     sock_dir = _private_dir(tmp_path / "run")
     os.chown(sock_dir, NOBODY, NOBODY)
@@ -76,6 +77,7 @@ def test_daemon_refuses_a_socket_directory_of_another_uid(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("kind", ["regular file", "symlink", "directory", "fifo"])
+@pytest.mark.slow
 def test_socket_path_naming_something_else_is_never_deleted(tmp_path: Path, kind: str) -> None:
     sock_dir = _private_dir(tmp_path / "run")
     target = sock_dir / "ucm.sock"
@@ -111,6 +113,7 @@ def _stale_socket(path: Path) -> None:
     s.close()  # the file stays, nobody listens: what a crash leaves
 
 
+@pytest.mark.slow
 def test_stale_sockets_are_cleared_and_a_missing_directory_is_made_private(tmp_path: Path) -> None:
     sock_dir = _private_dir(tmp_path / "run")
     _stale_socket(sock_dir / "ucm.sock")
@@ -147,6 +150,7 @@ def test_stale_sockets_are_cleared_and_a_missing_directory_is_made_private(tmp_p
         proc.wait(30)
 
 
+@pytest.mark.slow
 def test_default_socket_directory_works_with_no_arguments(tmp_path: Path) -> None:
     """`ucm-server` with no arguments: $XDG_RUNTIME_DIR/ucm is created 0700 and clients find it."""
     runtime = _private_dir(tmp_path / "xdg-runtime")

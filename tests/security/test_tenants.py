@@ -75,6 +75,7 @@ def _alive(d: DaemonProcess) -> None:
         assert bob.get_blocks(NS, [key_digest("alive", 0)]) == [data]
 
 
+@pytest.mark.slow
 def test_tenants_sharing_a_64_byte_prefix_cannot_see_or_delete_each_others_blocks(
     tenants: DaemonProcess,
 ) -> None:
@@ -100,6 +101,7 @@ def test_tenants_sharing_a_64_byte_prefix_cannot_see_or_delete_each_others_block
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_put_blocks_counts_against_the_quota(tenants: DaemonProcess) -> None:
     keys = [key_digest("put-quota", i) for i in range(80)]  # 5 MiB against a 1 MiB quota
     with _client(tenants, ALICE) as alice, _client(tenants, BOB) as bob:
@@ -128,6 +130,7 @@ def test_put_blocks_counts_against_the_quota(tenants: DaemonProcess) -> None:
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_lookups_of_new_namespaces_never_write_the_ledger(tenants: DaemonProcess) -> None:
     ledger = tenants.data_dir / "tenants.json"
     with _client(tenants, ALICE) as alice:
@@ -146,6 +149,7 @@ def test_lookups_of_new_namespaces_never_write_the_ledger(tenants: DaemonProcess
     _alive(tenants)
 
 
+@pytest.mark.slow
 def test_quota_accounting_survives_a_restart_and_a_torn_ledger_append(tmp_path: Path) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml", quota="1MiB")
     d = DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(tokens)])
@@ -167,6 +171,7 @@ def test_quota_accounting_survives_a_restart_and_a_torn_ledger_append(tmp_path: 
     assert ledger.read_bytes().endswith(b"\n") and b"00ff" not in ledger.read_bytes()  # compacted
 
 
+@pytest.mark.slow
 def test_a_ledger_in_the_0_1_format_is_read(tmp_path: Path) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml", quota="1MiB")
     d = DaemonProcess(tmp_path / "ucm", args=["--auth-tokens-file", str(tokens)])
@@ -204,6 +209,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.slow
 def test_a_damaged_ledger_stops_start_up_with_a_clear_error(tmp_path: Path, damage: str) -> None:
     tokens = _tokens_file(tmp_path / "tokens.yaml")
     data_dir = tmp_path / "data"

@@ -90,6 +90,7 @@ def _assert_pages(
         assert torch.equal(got, original[layer][torch.tensor(sel)]), f"layer {layer} attends to wrong KV"
 
 
+@pytest.mark.slow
 def test_blocks_the_previous_layer_chose_come_from_the_prefetch(worker_pair: Callable[..., Pair]) -> None:
     worker, original = worker_pair()
     selections = [[1, 4, 7], [1, 4, 8], [2, 5, 9]]
@@ -100,6 +101,7 @@ def test_blocks_the_previous_layer_chose_come_from_the_prefetch(worker_pair: Cal
     assert worker.stats["prefetched_pages"] == 3 + 3  # guesses for layers 1 and 2; none after the last
 
 
+@pytest.mark.slow
 def test_without_prefetch_every_page_is_loaded_on_the_layers_path(worker_pair: Callable[..., Pair]) -> None:
     worker, original = worker_pair(prefetch=False)
     selections = [[1, 4, 7], [1, 4, 8], [2, 5, 9]]
@@ -109,6 +111,7 @@ def test_without_prefetch_every_page_is_loaded_on_the_layers_path(worker_pair: C
     assert worker.stats["loaded_pages"] == 9
 
 
+@pytest.mark.slow
 def test_a_guess_skips_blocks_the_next_layer_holds(worker_pair: Callable[..., Pair]) -> None:
     worker, original = worker_pair()
     _step(worker, [[1, 4, 7], [1, 4, 8], [1, 4, 8]])
@@ -122,6 +125,7 @@ def test_a_guess_skips_blocks_the_next_layer_holds(worker_pair: Callable[..., Pa
     assert worker.stats["prefetch_hits"] - hits == 1
 
 
+@pytest.mark.slow
 def test_a_guess_the_daemon_cannot_serve_is_not_used(
     worker_pair: Callable[..., Pair], client: UcmClient
 ) -> None:
@@ -135,6 +139,7 @@ def test_a_guess_the_daemon_cannot_serve_is_not_used(
     assert worker.stats["prefetch_hits"] == 2 + 3
 
 
+@pytest.mark.slow
 def test_a_guess_for_one_request_never_serves_another(worker_pair: Callable[..., Pair]) -> None:
     """Two cold requests with the same logical blocks: each layer gets its own request's pages."""
     worker, _ = worker_pair()
@@ -154,6 +159,7 @@ def test_prefetch_setting_is_checked() -> None:
     assert ColdKVConfig.from_extra({"cold_kv": {"target": "/tmp/x.sock"}}).prefetch is True  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_a_block_the_guess_missed_is_loaded_by_the_layer(
     worker_pair: Callable[..., Pair], client: UcmClient
 ) -> None:

@@ -24,6 +24,7 @@ BLOCK = 32
 
 
 @pytest.mark.parametrize("block", [BLOCK, 6])  # 6: the block maximum's tail past its 4-wide steps
+@pytest.mark.slow
 def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not(block: int) -> None:
     """The compiled loop against plain float arithmetic on the same codes: every block's best token."""
     gen = torch.Generator().manual_seed(3)
@@ -57,6 +58,7 @@ def test_every_loaded_module_global_answers_vllms_kernel_scan() -> None:
                 vars(value).get("kernel")  # raised AttributeError for llvmlite's handle before
 
 
+@pytest.mark.slow
 def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not() -> None:
     """GSA on the host (one compiled call: query code, mask, Hamming loop) against GSAOnDevice (torch
     projection, packing and popcounts) on the same codes."""

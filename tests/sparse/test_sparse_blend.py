@@ -417,6 +417,7 @@ def test_bad_blend_inputs_are_refused(planted: PlantedSteps) -> None:
         blend(planted, chunks, question, BlendSpec(check_layer=2, filter_layers=3))
 
 
+@pytest.mark.slow
 def test_default_beats_random_at_30_percent_on_an_untuned_shape() -> None:
     # The benchmark's sharp MQA decoder (random weights, a shape the defaults were not tuned on), 2 model
     # seeds x 2 prompts: the default selection must remove >= 20% of a same-schedule random selection's

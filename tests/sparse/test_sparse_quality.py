@@ -22,6 +22,8 @@ from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.quality import CONTROLS, assess
 from ucm_client.sparse.testing import NeedleCase, drifting_needles, planted_needles
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 SHAPE: dict[str, Any] = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 128}
 TOKENS = 8192
 RATIO = 0.2

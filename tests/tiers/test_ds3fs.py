@@ -297,3 +297,4 @@ class TwoNodesOnOneMount(RuleBasedStateMachine):
 
 TestTwoNodesOnOneMount = TwoNodesOnOneMount.TestCase
 TestTwoNodesOnOneMount.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+TestTwoNodesOnOneMount.pytestmark = [pytest.mark.slow]  # 30 examples of 20 steps: seconds

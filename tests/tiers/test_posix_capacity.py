@@ -21,6 +21,8 @@ from support.posix_files import stored_blocks
 from ucm_client import SharedBuffer, UcmClient
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 SIZE = 64 << 10
 CAPACITY_BLOCKS = 40
 CAPACITY = CAPACITY_BLOCKS * SIZE

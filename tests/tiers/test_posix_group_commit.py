@@ -90,6 +90,7 @@ def test_a_batch_with_a_blocked_directory_fails_only_those_blocks(tmp_path: Path
 
 
 @pytest.mark.parametrize("packs", [False, True], ids=["block_files", "packs"])
+@pytest.mark.slow
 def test_kill_9_during_group_committed_batches_loses_nothing_acknowledged(
     tmp_path: Path, packs: bool
 ) -> None:

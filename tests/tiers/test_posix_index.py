@@ -17,6 +17,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from support.blocks import NS
 from support.posix_store import (
     POSIX_ONLY,
@@ -52,6 +53,7 @@ def _forge(snap: Path, keys: list[bytes], sizes: list[int], times: list[float]) 
     (snap.parent / MARKER_NAME).write_bytes(b"E" * 16)
 
 
+@pytest.mark.slow
 def test_a_clean_restart_takes_the_index_from_the_snapshot(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
@@ -66,6 +68,7 @@ def test_a_clean_restart_takes_the_index_from_the_snapshot(tmp_path: Path) -> No
         alive(d, c)
 
 
+@pytest.mark.slow
 def test_a_torn_snapshot_is_never_trusted(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
@@ -79,6 +82,7 @@ def test_a_torn_snapshot_is_never_trusted(tmp_path: Path) -> None:
         alive(d, c)
 
 
+@pytest.mark.slow
 def test_a_forged_snapshot_never_serves_wrong_bytes(tmp_path: Path) -> None:
     """A snapshot edited in place fails its checksum; one rebuilt whole with a valid checksum and a
     matching marker (a forgery) may make Lookup report blocks, but every Load checks the file."""
@@ -104,6 +108,7 @@ def test_a_forged_snapshot_never_serves_wrong_bytes(tmp_path: Path) -> None:
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_stale_snapshot_is_not_trusted_after_a_crash(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
@@ -132,6 +137,7 @@ def test_a_stale_snapshot_is_not_trusted_after_a_crash(tmp_path: Path) -> None:
         d.stop()
 
 
+@pytest.mark.slow
 def test_the_daemon_serves_while_it_re_adopts_and_survives_kill_9_then(tmp_path: Path) -> None:
     """After a crash the daemon answers at once; Loads of blocks not adopted yet still return their
     exact bytes; stats show progress; a SIGKILL mid-way leaves every block for the next start."""
@@ -166,6 +172,7 @@ def test_the_daemon_serves_while_it_re_adopts_and_survives_kill_9_then(tmp_path:
         assert answered < 30
 
 
+@pytest.mark.slow
 def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path)
     with d, UcmClient(d.target) as c:
@@ -189,6 +196,7 @@ def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: 
         d.stop()
 
 
+@pytest.mark.slow
 def test_kill_9_while_the_snapshot_is_written_is_never_trusted_later(tmp_path: Path) -> None:
     """SIGTERM then SIGKILL at random points of the shutdown (often while the snapshot or the marker
     is being written): whatever was left, the next start serves every block correctly."""
@@ -211,6 +219,7 @@ def test_kill_9_while_the_snapshot_is_written_is_never_trusted_later(tmp_path: P
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_snapshot_the_disk_refuses__efbig_stand_in_for_enospc(tmp_path: Path) -> None:
     d = FileSizeLimitedDaemon(tmp_path / "ucm", args=POSIX_ONLY)
     plant(d, 0, 2000)  # a 128 KiB snapshot: over the limit, while each block file is under it
@@ -240,6 +249,7 @@ def test_the_previous_release_reads_the_block_files_and_ignores_the_snapshot(tmp
     assert not (root / ".quarantine").exists()
 
 
+@pytest.mark.slow
 def test_the_index_holds_a_block_in_under_256_bytes() -> None:
     """The index's memory: 100,000 indexed blocks, keys included, measured with tracemalloc."""
     n = 100_000
@@ -258,6 +268,7 @@ def test_the_index_holds_a_block_in_under_256_bytes() -> None:
     assert len(index) == n and index.bytes == sum(SIZE * (1 + i % 4) for i in range(n))
 
 
+@pytest.mark.slow
 def test_a_forged_snapshot_claiming_huge_blocks_is_refused(tmp_path: Path) -> None:
     """A valid-checksum snapshot whose record claims 2**62 bytes (or a time that is not a number)
     would have the daemon allocate for it: refused whole, the headers are read instead."""

@@ -193,6 +193,7 @@ def test_a_release_reading_only_versions_1_and_2_skips_new_files_and_quarantines
     assert asyncio.run(upgraded_again()) == [SIZE] * 5
 
 
+@pytest.mark.slow
 def test_a_daemon_serves_an_older_releases_files_and_writes_the_new_layout(tmp_path: Path) -> None:
     """Against a real daemon: blocks an older release left are found and load byte-exact (batched
     loads included, kill -9 and restart included); what it dumps goes to the two-level layout."""

@@ -84,6 +84,7 @@ def records(path: Path) -> dict[bytes, tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_packed_blocks_of_several_sizes_round_trip_beside_block_files(tmp_path: Path) -> None:
     sizes = [1, 100, 4096, 4097, 65536, 65537, 300_000]  # the last two: above the limit, own files
     items = [(key_digest("mix", i), os.urandom(n)) for i, n in enumerate(sizes)]
@@ -112,6 +113,7 @@ def test_packed_blocks_of_several_sizes_round_trip_beside_block_files(tmp_path: 
         off.stop()
 
 
+@pytest.mark.slow
 def test_deleted_packed_blocks_stay_gone_and_an_emptied_pack_is_removed(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path, *PACKS)
     with d.start(), UcmClient(d.target) as c:
@@ -136,6 +138,7 @@ def test_deleted_packed_blocks_stay_gone_and_an_emptied_pack_is_removed(tmp_path
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_corrupt_block_in_a_pack_is_never_served_and_its_neighbours_are(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path, *PACKS)
     with d.start(), UcmClient(d.target) as c:
@@ -245,6 +248,7 @@ def test_truncated_and_forged_packs_adopt_only_their_valid_records(tmp_path: Pat
         d.stop()
 
 
+@pytest.mark.slow
 def test_old_block_files_beside_packs_load_and_a_rewrite_moves_a_block_into_a_pack(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path, *PACKS)
     plant(d, 0, 20)  # block files as a release without packs wrote them
@@ -260,6 +264,7 @@ def test_old_block_files_beside_packs_load_and_a_rewrite_moves_a_block_into_a_pa
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_clean_restart_restores_packed_blocks_from_the_snapshot_and_a_stale_one_is_not_trusted(
     tmp_path: Path,
 ) -> None:
@@ -314,6 +319,7 @@ def test_an_older_snapshot_version_still_loads(tmp_path: Path) -> None:
     assert list(got.offsets if got.offsets is not None else []) == [116]
 
 
+@pytest.mark.slow
 def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
     """``<root>/pack`` replaced by a symlink: the packed dump fails per block naming it, nothing is
     written outside the data directory; with packs off the same dump stores block files (control)."""

@@ -97,6 +97,7 @@ def _full(i: int) -> bytes:
     return bytes(NS) + key_digest("index", i)
 
 
+@pytest.mark.slow
 def test_kill_9_after_a_periodic_snapshot_loads_it_then_sweeps(tmp_path: Path) -> None:
     """Blocks dumped after the snapshot are found, blocks deleted after it are never served (not
     even while the snapshot still lists them), and the snapshot's figures are in the stats."""
@@ -132,6 +133,7 @@ def test_kill_9_after_a_periodic_snapshot_loads_it_then_sweeps(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("interval", [1.0, 0.0])
+@pytest.mark.slow
 def test_a_crash_soon_after_a_clean_restart_finds_the_clean_snapshot(tmp_path: Path, interval: float) -> None:
     """The clean snapshot a start loads becomes the newest periodic generation (a rename), so a
     crash before the next periodic write still restarts from it; with periodic snapshots off
@@ -157,6 +159,7 @@ def test_a_crash_soon_after_a_clean_restart_finds_the_clean_snapshot(tmp_path: P
         assert "from block headers (no clean-shutdown marker)" in log and not _generations(root)
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp_path: Path) -> None:
     """Dumps keep the index changing while snapshots of 20,000+ blocks are written every 50 ms;
     SIGKILL at random moments (fixed seed), every other time as soon as a periodic write's
@@ -288,6 +291,7 @@ def _flip(path: Path) -> None:
         "symlinked-file",
     ],
 )
+@pytest.mark.slow
 def test_a_damaged_periodic_snapshot_is_never_trusted(
     tmp_path: Path, damage: Callable[[Path], object], logged: str
 ) -> None:
@@ -304,6 +308,7 @@ def test_a_damaged_periodic_snapshot_is_never_trusted(
         d.stop()
 
 
+@pytest.mark.slow
 def test_an_interrupted_write_leaves_the_previous_generation(tmp_path: Path) -> None:
     """A crash mid-write leaves a temporary file and the marker still naming the previous
     generation: that one is loaded, the temporary file is removed, never read."""
@@ -322,6 +327,7 @@ def test_an_interrupted_write_leaves_the_previous_generation(tmp_path: Path) -> 
     assert not torn.exists()
 
 
+@pytest.mark.slow
 def test_a_stale_or_forged_periodic_snapshot_serves_nothing_wrong(tmp_path: Path) -> None:
     """An old generation put back with its marker (a restored backup) and a forgery with a valid
     checksum (wrong sizes, blocks never stored): Lookup may report what the file lists until the
@@ -359,6 +365,7 @@ def test_a_stale_or_forged_periodic_snapshot_serves_nothing_wrong(tmp_path: Path
         d.stop()
 
 
+@pytest.mark.slow
 def test_a_periodic_snapshot_the_disk_refuses__efbig_stand_in_for_enospc(tmp_path: Path) -> None:
     """The disk refuses a periodic snapshot (``prlimit --fsize``: EFBIG where a full disk says
     ENOSPC): logged and counted, the daemon keeps serving, the previous generation stays named and
@@ -392,6 +399,7 @@ def test_a_periodic_snapshot_the_disk_refuses__efbig_stand_in_for_enospc(tmp_pat
         d.stop()
 
 
+@pytest.mark.slow
 def test_releases_without_periodic_snapshots_ignore_their_files(tmp_path: Path) -> None:
     """A downgrade: the scan of releases without snapshots (the DS3FS path) and this release with
     periodic snapshots off both read the block files, take the periodic files for no block and
@@ -416,6 +424,7 @@ def test_releases_without_periodic_snapshots_ignore_their_files(tmp_path: Path) 
     assert {PERIODIC_MARKER, _generation(root).name} <= {p.name for p in root.iterdir()}
 
 
+@pytest.mark.slow
 def test_admin_stats_and_metrics_show_the_periodic_snapshot(tmp_path: Path) -> None:
     d = posix_daemon(tmp_path, *_every(0.2), "--metrics-address", "127.0.0.1:0")
     with d, UcmClient(d.target) as c:
@@ -442,6 +451,7 @@ def test_admin_stats_and_metrics_show_the_periodic_snapshot(tmp_path: Path) -> N
         assert "ucm_tier_index_snapshot_failures" in text
 
 
+@pytest.mark.slow
 def test_a_periodic_snapshot_is_written_only_when_the_index_changed(tmp_path: Path) -> None:
     """Idle, the daemon does not rewrite the same index every interval; a deletion is a change."""
     d = posix_daemon(tmp_path, *_every(0.2))

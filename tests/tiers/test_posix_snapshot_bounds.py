@@ -25,6 +25,8 @@ from ucm_client import UcmClient, key_digest
 from ucm_server.store.posix.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
 from ucm_server.testing.daemon import DaemonProcess
 
+pytestmark = pytest.mark.slow  # each test takes seconds: not part of `make test-fast`
+
 N = 20_000
 CAPACITY = 128 << 20  # room for the 80 MiB of blocks, not for what the forgeries claim
 HEAD = struct.Struct("<8sII16sQ")

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -125,6 +126,7 @@ TestPosix = PosixMachine.TestCase
 TestPipeline = PipelineMachine.TestCase
 _SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestCache.settings = TestPosix.settings = TestPipeline.settings = _SETTINGS
+TestPosix.pytestmark = [pytest.mark.slow]  # 40 examples of 25 steps on disk: seconds
 
 
 def test_delete_while_write_back_is_pending_does_not_resurrect(tmp_path: Path) -> None:

@@ -144,6 +144,7 @@ def _flood(target: str, stop: threading.Event, saturated: threading.Event) -> No
             batch += 1
 
 
+@pytest.mark.vllm  # runs a real vLLM engine (twice)
 def test_a_saturated_daemon_makes_the_engine_skip_saves_never_stall(tmp_path: Path, tiny_model: Path) -> None:
     spec: dict[str, Any] = {
         "model": str(tiny_model),

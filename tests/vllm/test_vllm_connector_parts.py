@@ -273,6 +273,7 @@ def test_link_to_absent_daemon_warns_once_and_retries_later(tmp_path: Path, capl
     assert all(link.is_down for link in links)
 
 
+@pytest.mark.slow
 def test_link_reconnects_when_the_daemon_appears(tmp_path: Path) -> None:
     now = [0.0]
     socket = tmp_path / "ucm" / "ucm.sock"
@@ -328,6 +329,7 @@ def _scheduler(daemon: DaemonProcess, keyspace: KeySpace) -> Any:
     return UcmScheduler(VllmConfig(cache_config=CacheConfig(block_size=16)), keyspace, config)
 
 
+@pytest.mark.slow
 def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_path: Path) -> None:
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
@@ -368,6 +370,7 @@ def test_scheduler_lookup_covers_every_tp_rank_and_plans_loads_and_saves(tmp_pat
         scheduler.shutdown()
 
 
+@pytest.mark.slow
 def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_path: Path) -> None:
     from vllm.config import CacheConfig, VllmConfig
 
@@ -400,6 +403,7 @@ def test_layerwise_lookup_grants_only_blocks_with_every_layer_on_every_rank(tmp_
         scheduler.shutdown()
 
 
+@pytest.mark.slow
 def test_layerwise_lookup_longer_than_one_call_is_asked_in_parts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -465,6 +469,7 @@ def test_connector_overrides_accept_what_vllm_passes() -> None:
         assert has_var_kw or set(required) <= {p.name for p in wanted}, (name, required)
 
 
+@pytest.mark.slow
 def test_worker_registers_again_after_sleep(tmp_path: Path) -> None:
     """vLLM 0.33 sleep mode: ``unregister_kv_caches()`` drops the daemon registration,
     ``restore_kv_caches()`` (vLLM passes no argument) brings it back, and saves work again."""
@@ -507,6 +512,7 @@ def test_worker_registers_again_after_sleep(tmp_path: Path) -> None:
         worker.shutdown()
 
 
+@pytest.mark.slow
 def test_own_hit_of_blocks_the_daemon_lost_is_looked_up_and_saved_again(tmp_path: Path) -> None:
     """vLLM's own prefix cache holds 4 blocks the daemon no longer has (evicted, or a daemon restarted
     empty): the own hit still asks, and the blocks are saved again, so the prefix outlives the vLLM

@@ -289,6 +289,7 @@ def _ordered_worker(
     return worker, double, names
 
 
+@pytest.mark.slow
 def test_layer_dumps_wait_for_the_kernels_that_wrote_them(
     daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
