@@ -50,7 +50,8 @@ install-sglang:
 services:
 	bash scripts/install_services.sh
 
-# The real-vLLM tests run beside the rest (two pytest processes; scripts/run_suite.py says why);
+# The real-vLLM tests, the SGLang and container tests and the rest run side by side (three pytest
+# processes; scripts/run_suite.py says why);
 # PYTEST_ARGS naming tests or a marker, or UCM_TEST_SERIAL=1, run one plain pytest.
 test: install-test install-sglang services
 	$(BIN)/python scripts/run_suite.py $(PYTEST_ARGS)
