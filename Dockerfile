@@ -46,9 +46,22 @@ FROM ${BUILD_BASE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_CONSTRAINT=/src/constraints.txt
+# The compiled helper (ucm_protocol._native: the local data plane, per-block loops without the GIL)
+# needs a C compiler and Python's headers, from Debian's own packages (libxxhash-dev: XXH3 without
+# the GIL, header only, nothing at run time). This stage only: the runtime image has no compiler.
+# Where no mirror answers (an air-gapped base without them), the package installs without the helper,
+# as on any machine without a compiler: clients then use gRPC for every call, as they always could.
+RUN if ! command -v gcc >/dev/null; then \
+        headers=python3-dev; python3 -c 'import os, sysconfig; \
+assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && headers=; \
+        { apt-get -o Acquire::Retries=0 -o Acquire::http::Timeout=20 update \
+          && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev $headers; } \
+        || echo "ucm: no C compiler from apt; the compiled helper is not built, the data plane stays off"; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN python3 -m venv /opt/ucm
 WORKDIR /src
-COPY constraints.txt pyproject.toml README.md ./
+COPY constraints.txt pyproject.toml setup.py README.md ./
 COPY ucm_protocol ./ucm_protocol
 COPY ucm_server ./ucm_server
 COPY ucm_client ./ucm_client
@@ -56,6 +69,10 @@ COPY ucm_client ./ucm_client
 # torch/vllm/cupy are client-side. Then pip and setuptools leave the venv: the runtime installs nothing.
 RUN /opt/ucm/bin/pip install . \
     && /opt/ucm/bin/ucm-server --version \
+    && cd / && /opt/ucm/bin/python -c "import shutil, sys; from ucm_protocol.native import native, MISSING; \
+print('ucm: compiled helper', 'built' if native is not None else 'not built (no compiler)'); \
+sys.exit(MISSING if native is None and shutil.which('gcc') else 0)" \
+    && cd /src \
     && /opt/ucm/bin/python -c "import sys, ucm_server.server, ucm_client.admin.cli; \
 bad = {'torch', 'vllm', 'cupy'} & set(sys.modules); sys.exit(f'unexpected imports: {bad}' if bad else 0)" \
     && /opt/ucm/bin/python -m pip uninstall --yes pip setuptools

@@ -6,7 +6,9 @@ same measurement from two trees in alternating order (A B, B A, ...), each in it
 started from its own tree, and prints the median, min and max of each ratio per tree, so background
 load hits both sides alike. Make the other tree with ``git archive <commit> | tar -x -C DIR``.
 
-Run: ``python -m benchmarks.ab_daemon --base /tmp/base --what lookup --rounds 8``.
+Run: ``python -m benchmarks.ab_daemon --base /tmp/base --what lookup --rounds 8``. The base tree runs
+this tree's :mod:`benchmarks.daemon_bench` (copy it there) when it lacks a measurement; its clients
+are then plain gRPC clients.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ MEASURES = {
         "daemon_throughput(pathlib.Path(t), 256, 1 << 20, 7)",
         {"dump_x": ("dump_gbps", "memcpy_gbps"), "load_x": ("load_gbps", "memcpy_gbps")},
     ),
+    "small": (
+        "daemon_throughput(pathlib.Path(t), 4096, 64 << 10, 5)",
+        {"dump_x": ("dump_gbps", "memcpy_gbps"), "load_x": ("load_gbps", "memcpy_gbps")},
+    ),
+    "two": (
+        "two_clients(pathlib.Path(t), 4096, 64 << 10, 4)",
+        {"two_vs_one": ("two_clients_gbps", "one_client_gbps")},
+    ),
 }
 
 
@@ -39,9 +49,10 @@ def measure(tree: Path, what: str) -> dict[str, float]:
     call, ratios = MEASURES[what]
     code = (
         "import json, pathlib, tempfile\n"
-        "from benchmarks.daemon_bench import daemon_throughput, lookup_latency\n"
-        "with tempfile.TemporaryDirectory() as t:\n"
-        f"    print(json.dumps({call}))\n"
+        "from benchmarks.daemon_bench import daemon_throughput, lookup_latency, two_clients\n"
+        "if __name__ == '__main__':\n"
+        "    with tempfile.TemporaryDirectory() as t:\n"
+        f"        print(json.dumps({call}))\n"
     )
     env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
     command = [sys.executable, "-c", code]

@@ -19,7 +19,16 @@ import pytest
 import zmq
 from support.admin_cli import admin, json_of
 from support.blocks import NS, blocks_in
-from support.kv_events import NodeSubscriber, listed, node, poll_until, record_removals, settle, vllm_hash
+from support.kv_events import (
+    Handshake,
+    NodeSubscriber,
+    listed,
+    node,
+    poll_until,
+    record_removals,
+    settle,
+    vllm_hash,
+)
 from support.posix_files import find_block, flip_payload_byte, remove_block
 
 from ucm_client import SharedBuffer, UcmClient, key_digest, namespace_id
@@ -278,9 +287,11 @@ def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Pat
     d = DaemonProcess(tmp_path / "ucm", args=events_args(pub, replay, "--kv-events-heartbeat-s", "0"))
     ctx: zmq.Context[Any] = zmq.Context()
     sub = NodeSubscriber(ctx, pub, replay)
+    handshake = Handshake(sub.sub)  # with no heartbeats, nothing reveals batches sent before it
     try:
         with d:
             sub.sync()
+            handshake.wait()
             with UcmClient(d.target, client_name="pytest-events") as client:
                 region = client.register(shm)
                 shm.buf[: 8 * BLOCK] = os.urandom(8 * BLOCK)

@@ -23,8 +23,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,9 +33,10 @@ from grpc import aio
 from ucm_client import arguments as args
 from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
-from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
-from ucm_client.errors import ArgumentTypeError, RegionLost
+from ucm_client.cuda_ipc import CudaUnavailable, as_export
+from ucm_client.errors import ArgumentTypeError
 from ucm_client.handover import hand_over
+from ucm_client.region_records import HandleMap, RegionRecord
 from ucm_client.task_events import FinishedTasks
 from ucm_client.trust import trusted_uids, verify_daemon
 from ucm_client.types import (
@@ -73,34 +73,6 @@ from ucm_protocol.wire import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _RegionRecord:
-    """What the client knows of one region handle, to register its memory again after a restart."""
-
-    size: int
-    label: str
-    server_id: int | None
-    """The daemon's id for this memory now; None while not (yet) registered with the current daemon."""
-    cuda: CudaIpcExport | None = None
-    lost: str | None = None
-    """Why the handle is dead (its re-registration failed); it then never maps to a region id again."""
-    buffer: SharedBuffer | None = None
-    """Host memory: kept so that a restarted daemon can be handed the same memfd again."""
-
-    def request(self, memfd_token: bytes = b"") -> pb.RegisterRegionRequest:
-        if self.cuda is None:
-            return pb.RegisterRegionRequest(memfd_token=memfd_token, size=self.size, label=self.label)
-        c = self.cuda
-        return pb.RegisterRegionRequest(
-            size=c.size,
-            label=self.label,
-            cuda_ipc_handle=c.handle,
-            cuda_offset=c.offset,
-            cuda_device=c.device,
-            cuda_device_uuid=c.device_uuid,
-        )
 
 
 class AsyncUcmClient:
@@ -141,7 +113,7 @@ class AsyncUcmClient:
         self._session_id: str | None = None
         self._session_task: asyncio.Task[None] | None = None
         self._stream: Any = None
-        self._regions: dict[int, _RegionRecord] = {}
+        self._regions: dict[int, RegionRecord] = {}
         self._next_handle = 1
         self._lock: asyncio.Lock | None = None
         self._finished = FinishedTasks()
@@ -387,7 +359,7 @@ class AsyncUcmClient:
                 f"memory registration needs a local Unix-socket client; {self.target} is TCP: "
                 "use put_blocks/get_blocks"
             )
-        record = _RegionRecord(size, label or buffer.label, 0, buffer=buffer)
+        record = RegionRecord(size, label or buffer.label, 0, buffer=buffer)
 
         async def call() -> int:
             return await self._register_record(record)
@@ -398,7 +370,7 @@ class AsyncUcmClient:
         self._regions[handle] = record
         return handle
 
-    async def _register_record(self, record: _RegionRecord) -> int:
+    async def _register_record(self, record: RegionRecord) -> int:
         """One RegisterRegion for ``record`` (host memory: handed over first); the daemon's region id."""
         token = b""
         if record.cuda is None:
@@ -428,7 +400,7 @@ class AsyncUcmClient:
         for the ordering rules (``producers_done`` before a dump).
         """
         export = as_export(target)
-        record = _RegionRecord(export.size, label, 0, export)
+        record = RegionRecord(export.size, label, 0, export)
         try:
             resp = await self._call(
                 lambda: self.kv.RegisterRegion(
@@ -464,7 +436,7 @@ class AsyncUcmClient:
             )
 
     def _server_ids(self) -> Mapping[int, int]:
-        return _HandleMap(self._regions)
+        return HandleMap(self._regions)
 
     @property
     def kept_results(self) -> int:
@@ -697,28 +669,6 @@ class AsyncUcmClient:
         return await self._call(
             lambda: self.admin.Stats(pb.StatsRequest(), metadata=self._metadata(), timeout=self.rpc_timeout_s)
         )
-
-
-class _HandleMap(Mapping[int, int]):
-    """Client region handles -> the daemon's region ids now; a lost or not yet re-registered handle
-    raises a typed error naming it instead of resolving to any id."""
-
-    def __init__(self, regions: dict[int, _RegionRecord]) -> None:
-        self._regions = regions
-
-    def __getitem__(self, handle: int) -> int:
-        record = self._regions[handle]  # KeyError: never registered (or unregistered)
-        if record.lost is not None:
-            raise RegionLost(handle, record.lost)
-        if record.server_id is None:
-            raise Unavailable(f"region handle {handle} is not registered with the daemon yet (reconnecting)")
-        return record.server_id
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._regions)
-
-    def __len__(self) -> int:
-        return len(self._regions)
 
 
 def _check_socket(path: Path) -> None:

@@ -2,7 +2,8 @@
 
 It runs an :class:`AsyncUcmClient` on a private event loop in a daemon thread and forwards each call,
 so both APIs share one implementation (and one session). Thread-safe: calls from several threads are
-serialised by the loop, not by a lock held across the network.
+serialised by the loop, not by a lock held across the network. On a Unix socket, lookups and
+Load/Dump go through the daemon's local data plane where it can serve them (:mod:`ucm_client.dataplane`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
 from ucm_client.client_loop import close_at_exit, shared_loop
+from ucm_client.dataplane.plane import ClientDataPlane
 from ucm_client.types import (
     BlockIO,
     LookupResult,
@@ -28,6 +30,7 @@ from ucm_client.types import (
     TaskResult,
     lookup_result,
 )
+from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import FailedPrecondition, Unavailable, domain_error
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
@@ -48,8 +51,13 @@ class UcmClient:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         daemon_uid: int | None = None,
+        dataplane: bool = True,
     ) -> None:
-        """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts)."""
+        """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts).
+
+        ``dataplane``: on a Unix socket, look up from the daemon's shared table and send Load/Dump
+        through a shared ring, without a gRPC call (:mod:`ucm_client.dataplane`; also off with
+        ``UCM_DATAPLANE=off``). Where the data plane cannot serve a call, gRPC does."""
         # Built here, before the loop is taken: a refused argument (a missing TLS file) starts nothing.
         self._async = AsyncUcmClient(
             target,
@@ -68,6 +76,7 @@ class UcmClient:
         """This client's calls still running on the shared loop (close() cancels them)."""
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
+        self._plane = ClientDataPlane(self._async, self._loop, enabled=dataplane)
         close_at_exit(self)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -111,6 +120,7 @@ class UcmClient:
         if self._closed:
             return
         self._closed = True
+        self._plane.close()
         if self._channel is not None:
             self._channel.close()
         for call in list(self._calls):
@@ -140,6 +150,9 @@ class UcmClient:
         scheduler's hot path (one call per request), where a thread hop would cost as much as the call."""
         if self._closed:  # before a channel is opened: a closed client never opens a new one
             raise FailedPrecondition("this UcmClient is closed; open a new one")
+        local = self._plane.lookup(namespace, keys)  # from the daemon's shared table, when it can tell
+        if local is not None:
+            return local
         if self._stub is None:
             self._async.verify_daemon()  # who serves the socket, before the token goes out
             creds = self._async.channel_credentials()
@@ -163,7 +176,7 @@ class UcmClient:
         return lookup_result(resp)
 
     def load(self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None) -> int:
-        return self._run(self._async.load(namespace, blocks, progress=progress))
+        return self.load_nowait(namespace, blocks, progress=progress).result()
 
     def load_nowait(
         self, namespace: bytes, blocks: Sequence[BlockIO], *, progress: Segment | None = None
@@ -173,9 +186,16 @@ class UcmClient:
 
         The vLLM connector sends a step's loads this way and lets the forward start at once: the
         round trip overlaps the forward instead of preceding it (one per layer with ``use_layerwise``:
-        about eight milliseconds on a small CPU, issue #13 item 6). ``progress``: see
+        about eight milliseconds on a small CPU). ``progress``: see
         :meth:`AsyncUcmClient.load`."""
-        return self._submit(self._async.load(namespace, blocks, progress=progress))
+        if self._closed:
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+
+        def by_grpc() -> concurrent.futures.Future[int]:
+            return self._submit(self._async.load(namespace, blocks, progress=progress))
+
+        sent = self._plane.submit(dp.OP_LOAD, namespace, blocks, progress=progress)
+        return by_grpc() if sent is None else self._plane.answer(sent, by_grpc, progress)
 
     def dump(
         self,
@@ -186,8 +206,7 @@ class UcmClient:
         cache_only: bool = False,
     ) -> int:
         """Store blocks from registered memory (see :meth:`AsyncUcmClient.dump`); returns the task id."""
-        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
-        return self._run(dump)
+        return self.dump_nowait(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only).result()
 
     def dump_nowait(
         self,
@@ -200,8 +219,17 @@ class UcmClient:
         """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
         refused it, lands in the future), in order with this client's other calls. The vLLM
         connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
-        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
-        return self._submit(dump)
+        if self._closed:
+            raise FailedPrecondition("this UcmClient is closed; open a new one")
+
+        def by_grpc() -> concurrent.futures.Future[int]:
+            dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+            return self._submit(dump)
+
+        sent = self._plane.submit(
+            dp.OP_DUMP, namespace, blocks, durable=bool(wait_durable), cache_only=bool(cache_only)
+        )
+        return by_grpc() if sent is None else self._plane.answer(sent, by_grpc, None)
 
     @property
     def store_saturated(self) -> bool:
@@ -218,10 +246,16 @@ class UcmClient:
         return self._submit(self._async.prefetch(namespace, keys))
 
     def wait(self, task_id: int, timeout_s: float, *, cancel_on_timeout: bool = False) -> TaskResult:
+        """A task sent through the ring that ended all OK is answered here; anything else asks the
+        daemon (with the time left), as before."""
+        local, timeout_s = self._plane.wait(task_id, timeout_s)
+        if local is not None:
+            return local
         return self._run(self._async.wait(task_id, timeout_s, cancel_on_timeout=cancel_on_timeout))
 
     def check(self, task_id: int) -> TaskResult:
-        return self._run(self._async.check(task_id))
+        local = self._plane.check(task_id)
+        return local if local is not None else self._run(self._async.check(task_id))
 
     def cancel(self, task_id: int) -> TaskResult:
         return self._run(self._async.cancel(task_id))

@@ -95,6 +95,19 @@ RULES: Mapping[str, Rule] = MappingProxyType(
 )
 """Every ``ucm.v1`` RPC by its full gRPC method name: what it names and who may call it."""
 
+DATA_PLANE: Mapping[str, str] = MappingProxyType(
+    {
+        "channel": "/ucm.v1.KVStore/Lookup",
+        "table": "/ucm.v1.KVStore/Lookup",
+        "load": "/ucm.v1.KVStore/Load",
+        "dump": "/ucm.v1.KVStore/Dump",
+    }
+)
+"""The local data plane's entry points (:mod:`ucm_server.dataplane`), each decided by
+:meth:`Authorizer.admit` under the row of the RPC it stands in for: opening a session's channel and
+fetching a table hand over the caller's tenant's presence table (what Lookup answers), a request in
+the ring is a Load or a Dump. No entry point of its own, so no second rule to keep in step."""
+
 GUARDED = ("/ucm.v1.",)
 """Method prefixes this module decides for (health and reflection stay open, for probes)."""
 

@@ -136,6 +136,7 @@ class ServerConfig(ServerSettings):
             "max_session_region_bytes",
             "max_pending_handovers",
             "max_retention_rules",
+            "dataplane_ring_bytes",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
@@ -48,6 +48,7 @@ from ucm_server.retention import FILE_NAME as RETENTION_FILE
 from ucm_server.retention import Change, RetentionTable
 from ucm_server.sessions import Session, SessionCaps, Sessions
 from ucm_server.snapshot import EngineSnapshot, SessionFigures, TierFigures
+from ucm_server.store.admitting import cache_only as cache_only_var
 from ucm_server.store.assembly import assemble
 from ucm_server.store.base import BlockResult, TierStats
 from ucm_server.store.io_classes import ClassedExecutor
@@ -95,6 +96,8 @@ class Engine:
         self.handovers = HandoverTable(config.max_pending_handovers)
         self.tasks = TaskManager(retention_s=config.task_retention_s)
         self.metrics = Metrics()
+        self.snapshot_hooks: list[Callable[[EngineSnapshot], EngineSnapshot]] = []
+        """Each may add figures gathered elsewhere (the data plane: lookups clients answered)."""
         self.metrics.attach(self.snapshot)
         self.tasks.on_finish.append(self._observe)
         off_loop = OffLoop(self.executor)
@@ -267,13 +270,20 @@ class Engine:
         lengths: list[int],
         *,
         durable: bool = False,
+        cache_only: bool = False,
         progress: tuple[int, int, int] | None = None,
     ) -> Task:
-        """A Load or Dump (:mod:`ucm_server.submit`); segments column-wise as on the wire."""
+        """A Load or Dump (:mod:`ucm_server.submit`); segments column-wise as on the wire. The
+        ``Load``/``Dump`` RPCs and the data plane's ring both submit here. ``cache_only``: a Dump kept
+        in the Cache (read by the pipeline in the task this starts)."""
         columns = SegmentColumns(counts, region_ids, offsets, lengths)
-        return await self.submitter.start_io(
-            kind, session_id, namespace, digests, columns, durable=durable, progress=progress
-        )
+        token = cache_only_var.set(cache_only)
+        try:
+            return await self.submitter.start_io(
+                kind, session_id, namespace, digests, columns, durable=durable, progress=progress
+            )
+        finally:
+            cache_only_var.reset(token)
 
     def submit_prefetch(self, session_id: str | None, namespace: bytes, digests: Sequence[bytes]) -> Task:
         return self.submitter.start_prefetch(session_id, namespace, digests)
@@ -322,7 +332,7 @@ class Engine:
         """Every figure ``Admin.Stats`` and the metrics report, read at once (no await, no lock: the
         Prometheus scrape thread calls this too)."""
         tasks, blocks = self.tasks, self.blocks
-        return EngineSnapshot(
+        snap = EngineSnapshot(
             version=self.version,
             uptime_s=self.uptime_s,
             tiers=tuple(TierFigures(t.stats(), t.persistent, t.shared) for t in self.pipeline.tiers),
@@ -345,6 +355,9 @@ class Engine:
             store_saturated=self.pressure.saturated,
             door_admission=self.pipeline.admission.door_extra() if self.pipeline.admission else {},
         )
+        for hook in self.snapshot_hooks:
+            snap = hook(snap)
+        return snap
 
     def session_list(self) -> list[SessionFigures]:
         """The attached sessions, oldest first."""

@@ -248,19 +248,44 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    """Until ``conn`` has data (or EOF) to read."""
+async def ready_for(loop: asyncio.AbstractEventLoop, conn: socket.socket, *, write: bool = False) -> None:
+    """Until ``conn`` has data (or EOF) to read, or with ``write`` room to send."""
     ready: asyncio.Future[None] = loop.create_future()
 
     def wake() -> None:
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(conn.fileno(), wake)
+    fd = conn.fileno()
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(conn.fileno())
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
+def listen_private(path: Path) -> socket.socket:
+    """A non-blocking Unix stream socket listening at ``path``, mode 0600 from its first moment (the
+    caller has checked its directory and cleared a stale socket there)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old_umask = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
 
 
 class HandoverListener:
@@ -292,19 +317,7 @@ class HandoverListener:
 
     def bind(self) -> None:
         """Create the socket, mode 0600 (the caller has checked its directory and cleared a stale one)."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(str(self.path))
-        except OSError:
-            sock.close()
-            raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
+        self._sock = listen_private(self.path)
 
     async def start(self) -> None:
         if self._sock is None:
@@ -424,7 +437,7 @@ class HandoverListener:
                     REQUEST.size - len(data), space, socket.MSG_CMSG_CLOEXEC
                 )
             except BlockingIOError:
-                await _readable(loop, conn)
+                await ready_for(loop, conn)
                 continue
             fds.extend(_fds_of(ancdata))
             if flags & socket.MSG_CTRUNC or len(fds) > 1:

@@ -27,6 +27,10 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.before_collect: list[Callable[[], None]] = []
+        """Run at the start of every scrape, before any figure is read (figures gathered elsewhere,
+        such as the lookups local clients answered from the data plane's table, are added then)."""
+        r.register(_BeforeCollect(self.before_collect))
         self.lookup_hit_rate = Gauge(
             "ucm_lookup_hit_rate", "Fraction of looked-up keys found (last lookup)", registry=r
         )
@@ -91,6 +95,21 @@ INDEX_SNAPSHOT_GAUGES = (
     ("index_snapshot_failures", "Periodic index snapshots that failed (disk full, ...) since start"),
 )
 """The Posix tier's periodic-snapshot figures (tier stats ``extra``), exported where present."""
+
+
+class _BeforeCollect(Collector):
+    """Registered first: a scrape collects in registration order, so these hooks run before it."""
+
+    def __init__(self, hooks: list[Callable[[], None]]) -> None:
+        self._hooks = hooks
+
+    def collect(self) -> Iterator[Metric]:
+        for hook in self._hooks:
+            try:
+                hook()
+            except Exception:  # a figure source must not break the scrape
+                log.exception("metrics: a before-collect hook failed")
+        return iter(())
 
 
 class _SnapshotCollector(Collector):

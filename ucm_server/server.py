@@ -24,6 +24,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ucm_protocol.dataplane import dataplane_socket_path
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.fdpass import fd_socket_path
 from ucm_protocol.ucm.v1 import ucm_pb2, ucm_pb2_grpc
@@ -34,6 +35,7 @@ from ucm_protocol.wire import (
 from ucm_server import tracing
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
+from ucm_server.dataplane import make_dataplane
 from ucm_server.directories import make_private_dirs
 from ucm_server.engine import Engine
 from ucm_server.handover import HandoverListener
@@ -102,10 +104,12 @@ def _clear_stale_socket(path: Path) -> None:
 
 
 def _prepare_socket(path: Path) -> None:
-    """Check (or create) the socket's 0700 directory and clear stale sockets, refusing a live one."""
+    """Check (or create) the socket's 0700 directory and clear stale sockets (gRPC, fd and data
+    plane), refusing a live one."""
     _prepare_socket_dir(path.parent)
     _clear_stale_socket(path)
     _clear_stale_socket(fd_socket_path(path))
+    _clear_stale_socket(dataplane_socket_path(path))
 
 
 def _lock_dir(path: Path) -> int:
@@ -168,6 +172,7 @@ class Daemon:
             {t for t in self.authenticator.tenants if t} if self.authenticator is not None else None,
             lambda ns: self.engine.ledger.owner_of(ns) if self.engine.ledger is not None else None,
         )
+        self.dataplane = make_dataplane(config, self.engine, self.authenticator)
 
     async def start(self) -> None:
         cfg = self.config
@@ -214,9 +219,13 @@ class Daemon:
             host = cfg.listen.rpartition(":")[0]
             log.info("listening on tcp %s:%d (%s)", host, self.tcp_port, "TLS" if cfg.tls_cert else "no TLS")
         self.fds.bind()  # before gRPC serves, so a client that sees the socket finds the fd socket too
+        if self.dataplane is not None:
+            self.dataplane.bind()
         await self.server.start()
         os.chmod(cfg.socket, 0o600)
         await self.fds.start()
+        if self.dataplane is not None:
+            await self.dataplane.start()
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -244,6 +253,8 @@ class Daemon:
         await self.engine.stop_serving(grace_s)
         await self.server.stop(1.0)
         await self.fds.close()
+        if self.dataplane is not None:
+            await self.dataplane.close()
         await self.engine.close(grace_s)
         if self.kv_events is not None:
             await self.kv_events.close()

@@ -379,6 +379,23 @@ class ServerSettings:
     task_retention_s: float = field(
         default=300.0, metadata=_help("How long a finished task stays available to Wait/Check.")
     )
+    dataplane: bool = field(
+        default=True,
+        metadata=_help(
+            "Local clients answer Lookup from a table the daemon shares with them read-only, and send "
+            "Load/Dump through a per-session ring in shared memory, without a gRPC call (socket "
+            "<socket>.dp). Needs the compiled helper (built at install when gcc and the Python headers "
+            "are there); without it, or off, clients use gRPC as before."
+        ),
+    )
+    dataplane_ring_bytes: int = field(
+        default=8 << 20,
+        metadata=_help(
+            "Shared memory for one session's Load/Dump request bodies in its data-plane ring; a "
+            "request larger than this goes by gRPC.",
+            size=True,
+        ),
+    )
     heartbeat_interval_s: float = field(
         default=5.0, metadata=_help("Interval of session heartbeats sent to clients.")
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from ucm_server.tasks import Task
 
@@ -31,6 +32,8 @@ class TaskEvents:
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Task | None]] = {}
         self._stopped: set[str] = set()
+        self.skip: Callable[[Task], bool] | None = None
+        """Tasks whose end is reported another way (the data plane's ring): not pushed here."""
 
     def open(self, session_id: str) -> None:
         self._queues[session_id] = asyncio.Queue(BACKLOG)
@@ -42,7 +45,7 @@ class TaskEvents:
     def publish(self, task: Task) -> None:
         """``TaskManager.on_finish`` hook: queue the task for its session's stream, if it asked."""
         queue = self._queues.get(task.session_id)
-        if queue is None:
+        if queue is None or (self.skip is not None and self.skip(task)):
             return
         try:
             queue.put_nowait(task)

@@ -7,6 +7,11 @@ of another tenant is named exactly as that tenant's namespace is stored (which a
 the tenant's name), a session by its real id. An RPC added to the proto without a row here fails
 ``test_every_rpc_has_a_row``; one the daemon has no rule for is refused by the daemon itself.
 
+The local data plane (``<socket>.dp``: a table clients look up in, a ring for Load and Dump) has no
+RPC of its own: each of its entry points is decided under the row of the RPC it stands in for
+(:data:`ucm_server.authz.DATA_PLANE`), and ``DATA_PLANE_TABLE`` plays those rows again through the
+data plane itself, as a local caller meets them (a TCP peer has no data plane).
+
 Outcomes: ``REACHED`` (the call acted on the target: returned its bytes, deleted it, changed its
 retention, listed it...), ``UNREACHED`` (the call succeeded and the target was neither seen nor
 changed: the caller met a namespace of its own that holds nothing), or the exact gRPC status code.
@@ -28,13 +33,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
+from support.authz_world import (
+    BLOCK,
+    DATA_PLANE_PROBES,
+    REACHED,
+    UNREACHED,
+    Caller,
+    Outcome,
+    Probe,
+    Target,
+    World,
+    batch_of,
+    close_planes,
+    put,
+    read_outcome,
+    wait_done,
+    write_outcome,
+)
 from support.blocks import NS
 from support.tls import tcp_port
 from support.tokens import tokens_file
@@ -42,18 +61,17 @@ from support.tokens import tokens_file
 from ucm_client import SharedBuffer, key_digest, namespace_id
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
+from ucm_protocol.errors import UcmError
+from ucm_protocol.native import MISSING, native
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_server.authz import RULES
+from ucm_server.authz import DATA_PLANE, RULES
 from ucm_server.testing.daemon import DaemonProcess
 
-REACHED, UNREACHED = "reached", "unreached"
 UNAUTH, DENIED, NO_SESSION = "UNAUTHENTICATED", "PERMISSION_DENIED", "FAILED_PRECONDITION"
-Outcome = str | None
 TARGETS = ("own", "other", "unowned")
 OPEN = ("local", "anonymous_tcp")
 TOKENED = ("no_token", "alice", "bob", "tenantless", "admin", "admin_no_tenant")
-BLOCK = 4096
 NS_UNOWNED = namespace_id(model="stored-before-tokens")
 
 
@@ -120,6 +138,16 @@ TABLE: dict[str, dict[str, tuple[Outcome, ...]]] = {
 """THE table: RPC -> principal -> outcome for its own, another tenant's and unowned targets."""
 
 
+DATA_PLANE_TABLE: dict[str, dict[str, tuple[Outcome, ...]]] = {
+    f"DataPlane/{entry}": {
+        **TABLE[f"KVStore/{entry}"],
+        "anonymous_tcp": (None, None, None),  # the data-plane socket is a Unix socket
+    }
+    for entry in ("Lookup", "Load", "Dump")
+}
+"""The data plane's lookups (from the table) and its ring's Load and Dump: the RPCs' rows."""
+
+
 def test_every_rpc_has_a_row() -> None:
     """Every method of every ``ucm.v1`` service has a row here and a rule in the daemon, and every
     row has every principal: a method added to the proto fails here until someone decides."""
@@ -131,140 +159,13 @@ def test_every_rpc_has_a_row() -> None:
         assert set(row) == {*OPEN, *TOKENED}, name
 
 
-# -- the callers ---------------------------------------------------------------------------------------
-@dataclass
-class Caller:
-    name: str
-    channel: grpc.Channel
-    token: str = ""
-    local: bool = True
-    """Over the Unix socket (only such a caller has memory of its own registered)."""
-    session: str = ""
-    region: int = 0
-    buffer: SharedBuffer | None = None
-    stored_ns: bytes = b""
-    """How ``NS`` is stored for this caller's tenant (found by listing, not computed)."""
-    _attach: Iterator[pb.SessionEvent] | None = None
-
-    @property
-    def kv(self) -> rpc.KVStoreStub:
-        return rpc.KVStoreStub(self.channel)
-
-    @property
-    def admin(self) -> rpc.AdminStub:
-        return rpc.AdminStub(self.channel)
-
-    def md(self, session: str | None = None) -> list[tuple[str, str]]:
-        out = [("authorization", f"Bearer {self.token}")] if self.token else []
-        session = self.session if session is None else session
-        return out + ([("ucm-session", session)] if session else [])
-
-
-@dataclass
-class World:
-    """One daemon's callers, and what the harness (an admin of that daemon) sees of its blocks."""
-
-    daemon: DaemonProcess
-    callers: dict[str, Caller]
-    harness: Caller
-    keep: list[SharedBuffer] = field(default_factory=list)
-
-    def state(self, ns: bytes, digest: bytes) -> tuple[object, ...] | None:
-        """What each tier holds of a block (size, stored_at) and its priority; ``None`` when absent.
-        Taken once write-back has settled, so that only a call's own effect changes it."""
-        md = self.harness.md("")
-        while self.harness.admin.Stats(pb.StatsRequest(), metadata=md, timeout=10).pending_writeback:
-            time.sleep(0.01)
-        try:
-            block = self.harness.admin.Inspect(
-                pb.InspectRequest(namespace=ns, key=digest), metadata=md, timeout=10
-            )
-        except grpc.RpcError as exc:
-            assert exc.code() is grpc.StatusCode.NOT_FOUND, exc
-            return None
-        held = []
-        for tier in block.block.tiers:
-            request = pb.ListBlocksRequest(namespace=ns, tier=tier, page_size=10000)
-            listed = self.harness.admin.ListBlocks(request, metadata=md, timeout=10).blocks
-            held += [(tier, b.size, b.stored_at) for b in listed if bytes(b.key) == digest]
-        return block.block.retention.priority, tuple(held)
-
-    def tier_of(self, ns: bytes, digest: bytes) -> str:
-        """The first tier that holds a block."""
-        request = pb.InspectRequest(namespace=ns, key=digest)
-        return str(
-            self.harness.admin.Inspect(request, metadata=self.harness.md(""), timeout=10).block.tiers[0]
-        )
-
-    def stored_ns(self, digest: bytes) -> bytes:
-        """The namespace a block of this digest is stored under (as the admin lists it)."""
-        reply = self.harness.admin.ListBlocks(
-            pb.ListBlocksRequest(page_size=10000), metadata=self.harness.md(""), timeout=10
-        )
-        (ns,) = {bytes(b.namespace) for b in reply.blocks if bytes(b.key) == digest}
-        return ns
-
-    def region(self, owner: Caller) -> int:
-        """A fresh region of ``owner``'s session (its memory handed over on the fd socket)."""
-        buf = SharedBuffer(BLOCK)
-        self.keep.append(buf)
-        token = hand_over(self.daemon.socket, buf.fileno(), BLOCK, trusted_uids())
-        return int(
-            owner.kv.RegisterRegion(
-                pb.RegisterRegionRequest(memfd_token=token, size=BLOCK), metadata=owner.md(), timeout=10
-            ).region_id
-        )
-
-
-def put(owner: Caller, digest: bytes, ns: bytes = NS) -> bytes:
-    data = os.urandom(BLOCK)
-    reply = owner.kv.PutBlocks(
-        iter([pb.BlockBytes(namespace=ns, key=digest, data=data)]), metadata=owner.md()
-    )
-    assert list(reply.block_status) == [pb.BLOCK_OK], reply
-    return data
-
-
-@dataclass
-class Target:
-    ns: bytes = b""
-    """The namespace as the caller names it in a data call."""
-    stored_ns: bytes = b""
-    """... as stored: how an Admin call names it."""
-    digest: bytes = b""
-    data: bytes = b""
-    session: str = ""
-    region: int = 0
-    task: int = 0
-    tier: str = ""
-    before: tuple[object, ...] | None = None
-
-
-# -- the probes: one per RPC, each says what its call reached --------------------------------------------
-Probe = Callable[[World, Caller, Target], Outcome]
-
-
-def _wait(c: Caller, task_id: int) -> pb.TaskStatus:
-    status = c.kv.Wait(pb.WaitRequest(task_id=task_id, timeout_s=20), metadata=c.md(), timeout=30)
-    assert status.state == pb.TASK_DONE, status
-    return status
-
-
-def _batch(c: Caller, t: Target) -> pb.BlockBatch:
-    return pb.BlockBatch(namespace=t.ns, keys=[t.digest], region_ids=[c.region], offsets=[0], lengths=[BLOCK])
-
-
-def _read_outcome(status: int, got: bytes, t: Target) -> Outcome:
-    """A read either hands over exactly the target's bytes, or nothing at all."""
-    if status == pb.BLOCK_OK:
-        assert got == t.data, "a read returned bytes that are not the block's"
-        return REACHED
-    assert status == pb.BLOCK_MISSING and got in (b"", bytes(BLOCK)), "a missing block left bytes behind"
-    return UNREACHED
-
-
-def _write_outcome(w: World, t: Target) -> Outcome:
-    return REACHED if w.state(t.stored_ns, t.digest) != t.before else UNREACHED
+def test_every_data_plane_entry_is_decided_as_an_rpc() -> None:
+    """The daemon decides each data-plane entry point under an RPC's rule, and this file plays the
+    ones a caller can aim at a block."""
+    assert set(DATA_PLANE.values()) <= set(RULES)
+    assert {DATA_PLANE[e] for e in ("load", "dump")} == {"/ucm.v1.KVStore/Load", "/ucm.v1.KVStore/Dump"}
+    assert {DATA_PLANE[e] for e in ("channel", "table")} == {"/ucm.v1.KVStore/Lookup"}
+    assert set(DATA_PLANE_TABLE) == {f"DataPlane/{r.rsplit('/', 1)[-1]}" for r in DATA_PLANE.values()}
 
 
 def probe_lookup(w: World, c: Caller, t: Target) -> Outcome:
@@ -276,33 +177,33 @@ def probe_get(w: World, c: Caller, t: Target) -> Outcome:
     (reply,) = c.kv.GetBlocks(
         pb.GetBlocksRequest(namespace=t.ns, keys=[t.digest]), metadata=c.md(), timeout=10
     )
-    return _read_outcome(reply.status, reply.data, t)
+    return read_outcome(reply.status, reply.data, t)
 
 
 def probe_load(w: World, c: Caller, t: Target) -> Outcome:
     assert c.buffer is not None
     c.buffer.buf[:BLOCK] = bytes(BLOCK)
-    handle = c.kv.Load(pb.LoadRequest(blocks=_batch(c, t)), metadata=c.md(), timeout=10)
-    status = _wait(c, handle.task_id)
-    return _read_outcome(status.block_status[0], bytes(c.buffer.buf[:BLOCK]), t)
+    handle = c.kv.Load(pb.LoadRequest(blocks=batch_of(c, t)), metadata=c.md(), timeout=10)
+    status = wait_done(c, handle.task_id)
+    return read_outcome(status.block_status[0], bytes(c.buffer.buf[:BLOCK]), t)
 
 
 def probe_dump(w: World, c: Caller, t: Target) -> Outcome:
     assert c.buffer is not None
     c.buffer.buf[:BLOCK] = os.urandom(BLOCK)
-    handle = c.kv.Dump(pb.DumpRequest(blocks=_batch(c, t)), metadata=c.md(), timeout=10)
-    assert list(_wait(c, handle.task_id).block_status) == [pb.BLOCK_OK]
-    return _write_outcome(w, t)
+    handle = c.kv.Dump(pb.DumpRequest(blocks=batch_of(c, t)), metadata=c.md(), timeout=10)
+    assert list(wait_done(c, handle.task_id).block_status) == [pb.BLOCK_OK]
+    return write_outcome(w, t)
 
 
 def probe_put(w: World, c: Caller, t: Target) -> Outcome:
     put(c, t.digest, t.ns)
-    return _write_outcome(w, t)
+    return write_outcome(w, t)
 
 
 def probe_prefetch(w: World, c: Caller, t: Target) -> Outcome:
     handle = c.kv.Prefetch(pb.PrefetchRequest(namespace=t.ns, keys=[t.digest]), metadata=c.md(), timeout=10)
-    status = _wait(c, handle.task_id).block_status[0]
+    status = wait_done(c, handle.task_id).block_status[0]
     return REACHED if status == pb.BLOCK_OK else UNREACHED
 
 
@@ -416,6 +317,8 @@ PROBES: dict[str, Probe] = {
     "Admin/Evict": probe_evict,
     "Admin/Verify": probe_verify,
 }
+
+
 SESSION_CALLS = {"KVStore/RegisterRegion", "KVStore/UnregisterRegion", "KVStore/Wait", "KVStore/Check"}
 SESSION_CALLS |= {"KVStore/Cancel", "KVStore/Attach"}
 
@@ -457,16 +360,20 @@ def _target(w: World, rpc_name: str, caller: str, kind: str) -> Target:
 
 def play(w: World, principals: tuple[str, ...]) -> dict[tuple[str, str, str], Outcome]:
     found: dict[tuple[str, str, str], Outcome] = {}
-    for rpc_name, row in TABLE.items():
-        for caller in principals:
-            for kind, expected in zip(TARGETS, row[caller], strict=True):
-                if expected is None:
-                    continue
-                t = _target(w, rpc_name, caller, kind)
-                try:
-                    found[rpc_name, caller, kind] = PROBES[rpc_name](w, w.callers[caller], t)
-                except grpc.RpcError as exc:
-                    found[rpc_name, caller, kind] = exc.code().name
+    tables = [(TABLE, PROBES)] + ([(DATA_PLANE_TABLE, DATA_PLANE_PROBES)] if native is not None else [])
+    for table, probes in tables:
+        for rpc_name, row in table.items():
+            for caller in principals:
+                for kind, expected in zip(TARGETS, row[caller], strict=True):
+                    if expected is None:
+                        continue
+                    t = _target(w, rpc_name, caller, kind)
+                    try:
+                        found[rpc_name, caller, kind] = probes[rpc_name](w, w.callers[caller], t)
+                    except grpc.RpcError as exc:
+                        found[rpc_name, caller, kind] = exc.code().name
+                    except UcmError as exc:  # the data plane refuses with the RPC's status codes
+                        found[rpc_name, caller, kind] = exc.code.name
     return found
 
 
@@ -481,6 +388,7 @@ def _attach(c: Caller) -> None:
 
 
 def _close(w: World) -> None:
+    close_planes(w)
     for c in [*w.callers.values(), w.harness]:
         if c._attach is not None:
             c._attach.cancel()  # type: ignore[attr-defined]
@@ -562,7 +470,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
         w = _open_world(d)
         try:
             found |= play(w, OPEN)
-            for rpc_name in TABLE:  # the later daemon's unowned blocks, stored in a namespace as named
+            for rpc_name in [*TABLE, *DATA_PLANE_TABLE]:  # the later daemon's unowned blocks, stored
                 for caller in TOKENED:
                     digest = key_digest(f"{rpc_name}/{caller}/unowned", 0)
                     UNOWNED[digest] = put(w.callers["local"], digest, NS_UNOWNED)
@@ -579,23 +487,40 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
     return found
 
 
+def _row_as_played(
+    row: dict[str, tuple[Outcome, ...]], name: str, outcomes: dict[tuple[str, str, str], Outcome]
+) -> None:
+    expected = {
+        (caller, kind): outcome
+        for caller, cells in row.items()
+        for kind, outcome in zip(TARGETS, cells, strict=True)
+        if outcome is not None
+    }
+    played = {(caller, kind): outcomes[name, caller, kind] for caller, kind in expected}
+    assert played == expected
+
+
 @pytest.mark.parametrize("rpc_name", list(TABLE))
 @pytest.mark.slow
 def test_authorization_matrix(rpc_name: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
     """Each RPC's row, as played against the daemons: every principal, every target."""
-    expected = {
-        (caller, kind): outcome
-        for caller, row in TABLE[rpc_name].items()
-        for kind, outcome in zip(TARGETS, row, strict=True)
-        if outcome is not None
-    }
-    played = {(caller, kind): outcomes[rpc_name, caller, kind] for caller, kind in expected}
-    assert played == expected
+    _row_as_played(TABLE[rpc_name], rpc_name, outcomes)
+
+
+@pytest.mark.skipif(native is None, reason=f"the local data plane is not built here: {MISSING}")
+@pytest.mark.parametrize("entry", list(DATA_PLANE_TABLE))
+@pytest.mark.slow
+def test_data_plane_matrix(entry: str, outcomes: dict[tuple[str, str, str], Outcome]) -> None:
+    """The data plane's lookups and ring requests, played like the RPCs they stand in for."""
+    _row_as_played(DATA_PLANE_TABLE[entry], entry, outcomes)
 
 
 @pytest.mark.slow
 def test_the_table_was_played_whole(outcomes: dict[tuple[str, str, str], Outcome]) -> None:
-    cells = sum(1 for row in TABLE.values() for r in row.values() for o in r if o is not None)
+    tables = [TABLE, DATA_PLANE_TABLE] if native is not None else [TABLE]
+    cells = sum(
+        1 for table in tables for row in table.values() for r in row.values() for o in r if o is not None
+    )
     assert len(outcomes) == cells > 300
     assert set(outcomes.values()) >= {REACHED, UNREACHED, UNAUTH, DENIED, NO_SESSION}
 
@@ -663,10 +588,10 @@ def _attack(w: World, c: Caller, ns: bytes, digest: bytes) -> None:
         except grpc.RpcError as exc:  # longer than the region
             assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT, exc
             continue
-        assert list(_wait(c, handle.task_id).block_status) == [pb.BLOCK_MISSING], c.name
+        assert list(wait_done(c, handle.task_id).block_status) == [pb.BLOCK_MISSING], c.name
     assert bytes(c.buffer.buf[:BLOCK]) == bytes(BLOCK)
     handle = c.kv.Prefetch(pb.PrefetchRequest(namespace=ns, keys=[digest]), metadata=md, timeout=10)
-    assert list(_wait(c, handle.task_id).block_status) == [pb.BLOCK_MISSING]
+    assert list(wait_done(c, handle.task_id).block_status) == [pb.BLOCK_MISSING]
     if "admin" in c.name:  # an admin sees the block as stored, and nothing of what it holds
         admin_md = c.md("")
         inspected = c.admin.Inspect(

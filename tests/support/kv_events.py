@@ -11,6 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from support.admin_cli import admin, json_of
 from support.polling import eventually
 from ucm_server.testing.daemon import DaemonProcess
@@ -20,6 +23,7 @@ from kv_events_indexer import NodeSubscriber
 
 __all__ = [
     "MEDIUM",
+    "Handshake",
     "NodeSubscriber",
     "listed",
     "node",
@@ -100,3 +104,22 @@ def node(tmp_path: Path, label: str, cfg: dict[str, Any], events: bool) -> Daemo
     path = tmp_path / f"{label}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return DaemonProcess(tmp_path / label, args=["--config", str(path)])
+
+
+class Handshake:
+    """A SUB socket's first completed ZMTP handshake, watched from before its publisher exists: once
+    it came, the subscription is on its way and later batches reach the subscriber. Without it, a
+    subscriber whose daemon publishes within a few milliseconds of starting (and sends no heartbeats)
+    misses those batches for good: a PUB socket drops what it sends before a subscriber is there."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+    def wait(self, timeout_s: float = 10.0) -> None:
+        try:
+            assert self._monitor.poll(int(timeout_s * 1000)), "the SUB socket never reached its publisher"
+            recv_monitor_message(self._monitor)
+        finally:
+            self._sock.disable_monitor()
+            self._monitor.close()

@@ -34,8 +34,8 @@ MAKE_BASE = IMAGE_DIR / "make-base.sh"
 # a proxy with its own CA (the CI machines do); mounted read-only into the build only, never the image.
 PIP_MOUNTS = ("/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt")
 # Build inputs of the ucm-server image: a change in any of them makes a new image tag.
-IMAGE_INPUTS = ("Dockerfile", ".dockerignore", "constraints.txt", "pyproject.toml", "README.md")
-IMAGE_TREES = ("ucm_server", "ucm_client", "deploy/image")
+IMAGE_INPUTS = ("Dockerfile", ".dockerignore", "constraints.txt", "pyproject.toml", "setup.py", "README.md")
+IMAGE_TREES = ("ucm_protocol", "ucm_server", "ucm_client", "deploy/image")
 
 
 class PodmanUnavailable(RuntimeError):
@@ -74,11 +74,14 @@ def podman_rc(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
 
 
 def digest(files: Iterable[Path], trees: Iterable[Path] = ()) -> str:
-    """A short digest of the files and of every file under the trees (caches and bytecode excluded)."""
+    """A short digest of the files and of every file under the trees (caches, bytecode and compiled
+    helpers excluded: .dockerignore keeps them out of the image too)."""
     h = hashlib.sha256()
     paths = list(files)
     for tree in trees:
-        paths += [p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        paths += [
+            p for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".so"
+        ]
     for path in sorted(paths):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:12]

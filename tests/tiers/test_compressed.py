@@ -81,6 +81,7 @@ def test_values_wider_than_e4m3_holds_are_left_raw(case: str) -> None:
 def test_encoding_matches_ml_dtypes_rounding() -> None:
     """An independent reference (JAX's fp8 types; a test dependency only, too slow for the daemon)."""
     import ml_dtypes
+
     vals = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
     finite = np.isfinite(vals) & (np.abs(vals) <= 448)
     ours = codec._encode_table(codec.DTYPES["bfloat16"], 0)[finite]

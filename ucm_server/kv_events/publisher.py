@@ -42,7 +42,7 @@ from ucm_server.kv_events.replay import MAX_FRAME_BYTES, LogLimit, ReplayRequest
 from ucm_server.kv_events.wire import END_SEQ, Cleared, Event, HashFormat, seq_bytes
 from ucm_server.kv_events.zap import ZAP_DOMAIN, ZapHandler, pump
 from ucm_server.store.base import Tier
-from ucm_server.store.watch import Watchable
+from ucm_server.store.watch import Watchable, add_watch
 
 if TYPE_CHECKING:
     from ucm_server.config import ServerConfig
@@ -105,7 +105,7 @@ class KvEventPublisher:
         for tier in tiers:
             if not isinstance(tier, Watchable):
                 raise TypeError(f"tier {tier.name!r}: no watchable index (the store assembly wraps it)")
-            tier.watch_index(self._watch(tier))
+            add_watch(tier, self._watch(tier))  # beside the data plane's watch
 
     def _watch(self, tier: Tier) -> TierWatch:
         return TierWatch(self.router, tier.name, medium_of(tier, self.settings.media))

@@ -20,7 +20,6 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_protocol.wire import SESSION_METADATA
 from ucm_server.engine import Engine
 from ucm_server.retention import Change
-from ucm_server.store.admitting import cache_only
 from ucm_server.tasks import Task, TaskKind
 
 
@@ -125,6 +124,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
         batch: pb.BlockBatch,
         context: aio.ServicerContext,
         durable: bool = False,
+        cache_only: bool = False,
         progress: pb.Segment | None = None,
     ) -> pb.TaskHandle:
         task = await self.engine.submit_io(
@@ -137,6 +137,7 @@ class KVStoreServicer(rpc.KVStoreServicer):
             list(batch.offsets),
             list(batch.lengths),
             durable=durable,
+            cache_only=cache_only,
             progress=(progress.region_id, progress.offset, progress.length) if progress is not None else None,
         )
         return pb.TaskHandle(
@@ -150,11 +151,13 @@ class KVStoreServicer(rpc.KVStoreServicer):
         return await self._submit(TaskKind.LOAD, request.blocks, context, progress=progress)
 
     async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        token = cache_only.set(request.cache_only)  # read by the pipeline in the task this call starts
-        try:
-            return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
-        finally:
-            cache_only.reset(token)
+        return await self._submit(
+            TaskKind.DUMP,
+            request.blocks,
+            context,
+            durable=request.wait_durable,
+            cache_only=request.cache_only,
+        )
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         task = self.engine.submit_prefetch(session_of(context), request.namespace, request.keys)

@@ -14,10 +14,11 @@ They are made on the event loop thread, where indexes change.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
-__all__ = ["IndexWatch", "Watchable"]
+__all__ = ["IndexWatch", "Watchable", "add_watch", "remove_watch"]
 
 
 class IndexWatch(Protocol):
@@ -43,3 +44,62 @@ class Watchable(Protocol):
 
     def watch_index(self, watch: IndexWatch) -> None:
         """Report every later change of the index to ``watch``, after reporting what it holds now."""
+
+
+class _Tee:
+    """Several watchers of one tier (KV events and the data plane's presence table, say): a tier holds
+    one watch, this one, which tells each of them. ``only``: while a later watcher is added, the
+    tier's report of what it holds goes to that watcher alone."""
+
+    __slots__ = ("only", "watches")
+
+    def __init__(self) -> None:
+        self.watches: list[IndexWatch] = []
+        self.only: IndexWatch | None = None
+
+    def stored(self, key: bytes) -> None:
+        for w in self.watches:
+            w.stored(key)
+
+    def stored_many(self, keys: Iterable[bytes]) -> None:
+        if self.only is not None:
+            self.only.stored_many(keys)
+            return
+        keys = keys if isinstance(keys, list) else list(keys)
+        for w in self.watches:
+            w.stored_many(keys)
+
+    def removed(self, key: bytes) -> None:
+        for w in self.watches:
+            w.removed(key)
+
+    def cleared(self) -> None:
+        for w in self.watches:
+            w.cleared()
+
+
+_tees: weakref.WeakKeyDictionary[Watchable, _Tee] = weakref.WeakKeyDictionary()
+
+
+def add_watch(tier: Watchable, watch: IndexWatch) -> None:
+    """Attach ``watch`` to ``tier`` beside any watcher attached this way before (``watch_index``
+    alone keeps one): ``watch`` hears what the tier holds now, then every change."""
+    tee = _tees.get(tier)
+    if tee is None:
+        tee = _tees[tier] = _Tee()
+        tee.watches.append(watch)
+        tier.watch_index(tee)
+        return
+    tee.watches.append(watch)
+    tee.only = watch
+    try:
+        tier.watch_index(tee)  # reports what it holds, to ``watch`` alone
+    finally:
+        tee.only = None
+
+
+def remove_watch(tier: Watchable, watch: IndexWatch) -> None:
+    """Stop telling ``watch`` (the tier keeps its tee; an empty one costs a loop over nothing)."""
+    tee = _tees.get(tier)
+    if tee is not None and watch in tee.watches:
+        tee.watches.remove(watch)

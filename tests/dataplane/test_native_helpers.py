@@ -1,0 +1,119 @@
+"""The compiled helper's per-block work: copies and checksums equal to the Python ones, without the GIL.
+
+``copy_pairs`` (what ``copy_all`` uses for blocks below ``RUN_COPY_MIN``) moves every byte, any
+segment split on either side, and refuses a pair whose sides differ in length before copying
+anything. ``xxh3_64`` is ``xxhash.xxh3_64_intdigest`` of the concatenated segments. Both let another
+thread run while they work: the point of having them (two cores, one GIL).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+from support.dataplane import needs_native
+
+from ucm_protocol.native import native
+
+pytestmark = needs_native
+needs_xxh3 = pytest.mark.skipif(
+    native is None or not hasattr(native, "xxh3_64"),
+    reason="the helper was built without the xxHash header (Debian: libxxhash-dev)",
+)
+
+
+def _split(view: memoryview, cuts: list[int]) -> list[memoryview]:
+    edges = [0, *cuts, len(view)]
+    return [view[a:b] for a, b in itertools.pairwise(edges)]
+
+
+def test_copy_pairs_moves_every_byte_whatever_the_segments() -> None:
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 255, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s, d = memoryview(src), memoryview(dst)
+    pairs = [
+        ([d[0:4096]], [s[0:4096]]),
+        (_split(d[4096:12288], [100, 5000]), _split(s[4096:12288], [3, 4, 8000])),
+        (_split(d[12288:12800], [0, 0, 512]), [s[12288:12800]]),  # empty segments on the way
+        ([d[20000 : 20000 + 300_000]], _split(s[20000 : 20000 + 300_000], [7, 150_000])),
+    ]
+    assert native.copy_pairs(pairs) == 4096 + 8192 + 512 + 300_000
+    for lo, hi in ((0, 12800), (20000, 320_000)):
+        assert (dst[lo:hi] == src[lo:hi]).all()
+    assert not dst[12800:20000].any() and not dst[320_000:].any()
+
+
+def test_copy_pairs_refuses_unequal_sides_before_copying() -> None:
+    src, dst = bytearray(os.urandom(8192)), bytearray(8192)
+    s, d = memoryview(src), memoryview(dst)
+    with pytest.raises(ValueError, match="pair 1: 4096 bytes of destination for 4095 of source"):
+        native.copy_pairs([([d[:4096]], [s[:4096]]), ([d[4096:]], [s[4096:8191]])])
+    assert dst == bytearray(8192)  # not even the good first pair
+    with pytest.raises(BufferError):  # a read-only destination
+        native.copy_pairs([([memoryview(bytes(4))], [s[:4]])])
+    with pytest.raises(TypeError, match="pair 0 is not a"):
+        native.copy_pairs([[[d[:4]], [s[:4]]]])
+
+
+@needs_xxh3
+def test_xxh3_equals_xxhash() -> None:
+    for size in (0, 1, 16, 240, 241, 4095, 65536, 1 << 20, (1 << 20) + 7):
+        data = os.urandom(size)
+        assert native.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), size
+        view = memoryview(data)
+        assert native.xxh3_64([view[: size // 3], view[size // 3 : size // 2], view[size // 2 :]]) == (
+            xxhash.xxh3_64_intdigest(data)
+        ), size
+
+
+def _ran_meanwhile(fn: object) -> int:
+    """How often another thread ran Python while this thread was inside ``fn()`` (a call that holds
+    the GIL throughout lets it run not once; 2 ms at each end are left out: the switch in and out)."""
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    end = time.perf_counter()
+    stop.set()
+    t.join()
+    return sum(1 for s in stamps if start + 0.002 < s < end - 0.002)
+
+
+@needs_xxh3
+def test_xxh3_of_many_blocks_at_once() -> None:
+    """A batch of small blocks hashed in one call, which lets other threads run meanwhile: xxhash
+    holds the GIL for each small block (it lets go only for large inputs)."""
+    blocks = [os.urandom(4096 + i) for i in range(64)]
+    views = [[memoryview(b)[:100], memoryview(b)[100:]] if i % 2 else b for i, b in enumerate(blocks)]
+    assert native.xxh3_64_many(views) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    assert native.xxh3_64_many([]) == []
+    many = [memoryview(os.urandom(64 << 10))] * 8192  # 512 MiB of 64 KiB blocks
+    assert _ran_meanwhile(lambda: native.xxh3_64_many(many)) > 0
+
+
+def test_copy_pairs_lets_other_threads_run() -> None:
+    size = 64 << 10
+    src, dst = np.ones(4096 * size, np.uint8), np.zeros(4096 * size, np.uint8)
+    s, d = memoryview(src), memoryview(dst)
+    pairs = [([d[i * size : (i + 1) * size]], [s[i * size : (i + 1) * size]]) for i in range(4096)]
+    native.copy_pairs(pairs)  # pages touched
+
+    def slices() -> None:
+        d[:] = s  # one slice assignment: the GIL held throughout, as for each block before
+
+    assert _ran_meanwhile(slices) == 0
+    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3)) > 0

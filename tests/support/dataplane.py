@@ -1,0 +1,21 @@
+"""Helpers for tests of the local data plane: skipping without the compiled helper, raw channels."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucm_client import UcmClient
+from ucm_client.dataplane.channel import Mapped, open_channel
+from ucm_client.trust import trusted_uids
+from ucm_protocol import dataplane as dp
+from ucm_protocol.native import MISSING, native
+
+needs_native = pytest.mark.skipif(native is None, reason=f"the local data plane is not built here: {MISSING}")
+
+
+def raw_channel(client: UcmClient, token: str | None = None) -> tuple[object, Mapped, Mapped]:
+    """A second channel handshake for ``client``'s session, done by hand (the attacker's view):
+    the connection, the ring mapped read-write, the table mapped read-only."""
+    path = client.aio.socket_path
+    assert path is not None and client.aio._session_id is not None
+    return open_channel(dp.dataplane_socket_path(path), trusted_uids(), client.aio._session_id, token, 5.0)

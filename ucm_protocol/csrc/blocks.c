@@ -1,0 +1,224 @@
+/* Per-block work without the GIL: copies of many blocks in one call, XXH3 checksums. */
+#include "native.h"
+
+/* ---- per-block work without the GIL: copies and checksums ------------------------------------- */
+
+#define RELEASE_GIL_BYTES (16 << 10)
+
+/* The buffers of a list/tuple of bytes-like objects (or one object), acquired; count in *n. */
+static Py_buffer *get_buffers(PyObject *obj, int writable, Py_ssize_t *n, Py_ssize_t *total) {
+    PyObject *seq = NULL;
+    PyObject **items = &obj;
+    Py_ssize_t count = 1;
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        seq = obj;
+        count = PySequence_Fast_GET_SIZE(obj);
+        items = PySequence_Fast_ITEMS(obj);
+    }
+    Py_buffer *views = PyMem_Calloc(count > 0 ? (size_t)count : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(items[i], &views[i], (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+            for (Py_ssize_t j = 0; j < i; j++) PyBuffer_Release(&views[j]);
+            PyMem_Free(views);
+            return NULL;
+        }
+        *total += views[i].len;
+    }
+    (void)seq;
+    *n = count;
+    return views;
+}
+
+static void release_buffers(Py_buffer *views, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+}
+
+/* Copy src segments into dst segments (equal totals), splitting where they differ. */
+static void copy_segments(Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, Py_ssize_t ns) {
+    Py_ssize_t di = 0, si = 0, doff = 0, soff = 0;
+    while (di < nd && si < ns) {
+        Py_ssize_t n = dst[di].len - doff;
+        if (src[si].len - soff < n) n = src[si].len - soff;
+        if (n > 0) memcpy((char *)dst[di].buf + doff, (char *)src[si].buf + soff, (size_t)n);
+        doff += n;
+        soff += n;
+        if (doff >= dst[di].len) {
+            di++;
+            doff = 0;
+        }
+        if (soff >= src[si].len) {
+            si++;
+            soff = 0;
+        }
+    }
+}
+
+const char ucm_copy_pairs_doc[] = (
+"copy_pairs(pairs) -> int\n\n"
+"Copy each ``(dst, src)`` pair of a batch, each side a list of memoryviews (a block's segments) of\n"
+"equal total length, with the GIL released for the copying: the bytes copied. A pair whose totals\n"
+"differ is refused (ValueError) before anything is copied.");
+
+PyObject *ucm_copy_pairs(PyObject *self, PyObject *args) {
+    PyObject *pairs;
+    if (!PyArg_ParseTuple(args, "O", &pairs)) return NULL;
+    PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence of (dst, src)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t np = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer **dsts = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_buffer *));
+    Py_buffer **srcs = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_buffer *));
+    Py_ssize_t *nds = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
+    Py_ssize_t *nss = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (!dsts || !srcs || !nds || !nss) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < np; got++) {
+        PyObject *pair = items[got];
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "pair %zd is not a (dst, src) tuple", got);
+            goto done;
+        }
+        Py_ssize_t dt, st;
+        dsts[got] = get_buffers(PyTuple_GET_ITEM(pair, 0), 1, &nds[got], &dt);
+        if (dsts[got] == NULL) goto done;
+        srcs[got] = get_buffers(PyTuple_GET_ITEM(pair, 1), 0, &nss[got], &st);
+        if (srcs[got] == NULL) {
+            release_buffers(dsts[got], nds[got]);
+            dsts[got] = NULL;
+            goto done;
+        }
+        if (dt != st) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: %zd bytes of destination for %zd of source", got, dt, st);
+            got++;
+            goto done;
+        }
+        total += dt;
+    }
+    if (total >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+    }
+    result = PyLong_FromSsize_t(total);
+done:
+    for (Py_ssize_t i = 0; i < got && dsts && srcs; i++) {
+        if (dsts[i]) release_buffers(dsts[i], nds[i]);
+        if (srcs[i]) release_buffers(srcs[i], nss[i]);
+    }
+    PyMem_Free(dsts);
+    PyMem_Free(srcs);
+    PyMem_Free(nds);
+    PyMem_Free(nss);
+    Py_DECREF(seq);
+    return result;
+}
+
+#ifdef UCM_HAVE_XXHASH
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+const char ucm_xxh3_64_doc[] = (
+"xxh3_64(data) -> int\n\n"
+"XXH3-64 (seed 0) of a bytes-like object, or of the concatenation of a list of them (a block's\n"
+"segments, never copied), as ``xxhash.xxh3_64_intdigest`` gives it, with the GIL released while it\n"
+"hashes 16 KiB or more.");
+
+PyObject *ucm_xxh3_64(PyObject *self, PyObject *args) {
+    PyObject *data;
+    if (!PyArg_ParseTuple(args, "O", &data)) return NULL;
+    Py_ssize_t n, total;
+    Py_buffer *views = get_buffers(data, 0, &n, &total);
+    if (views == NULL) return NULL;
+    XXH64_hash_t h;
+    if (n == 1) {
+        if (total >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            h = XXH3_64bits(views[0].buf, (size_t)views[0].len);
+            Py_END_ALLOW_THREADS
+        } else {
+            h = XXH3_64bits(views[0].buf, (size_t)views[0].len);
+        }
+    } else {
+        XXH3_state_t state;
+        XXH3_INITSTATE(&state);
+        XXH3_64bits_reset(&state);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) XXH3_64bits_update(&state, views[i].buf, (size_t)views[i].len);
+        h = XXH3_64bits_digest(&state);
+        Py_END_ALLOW_THREADS
+    }
+    release_buffers(views, n);
+    return PyLong_FromUnsignedLongLong((unsigned long long)h);
+}
+
+const char ucm_xxh3_64_many_doc[] = (
+"xxh3_64_many(blocks) -> list[int]\n\n"
+"``xxh3_64`` of each block of a batch (each a bytes-like object or a list of them), the GIL released\n"
+"once for the whole batch: per-record checksums of small blocks in one call, so a reader thread is\n"
+"not stopped block by block (xxhash itself releases the GIL only for large inputs, and a release\n"
+"per small block costs more than it gives when another thread holds on to the GIL).");
+
+PyObject *ucm_xxh3_64_many(PyObject *self, PyObject *args) {
+    PyObject *blocks;
+    if (!PyArg_ParseTuple(args, "O", &blocks)) return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t nb = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_buffer **views = PyMem_Calloc(nb > 0 ? (size_t)nb : 1, sizeof(Py_buffer *));
+    Py_ssize_t *counts = PyMem_Calloc(nb > 0 ? (size_t)nb : 1, sizeof(Py_ssize_t));
+    XXH64_hash_t *out = PyMem_Calloc(nb > 0 ? (size_t)nb : 1, sizeof(XXH64_hash_t));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0;
+    if (!views || !counts || !out) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < nb; got++) {
+        Py_ssize_t total;
+        views[got] = get_buffers(items[got], 0, &counts[got], &total);
+        if (views[got] == NULL) goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        if (counts[i] == 1) {
+            out[i] = XXH3_64bits(views[i][0].buf, (size_t)views[i][0].len);
+        } else {
+            XXH3_state_t state;
+            XXH3_INITSTATE(&state);
+            XXH3_64bits_reset(&state);
+            for (Py_ssize_t j = 0; j < counts[i]; j++) XXH3_64bits_update(&state, views[i][j].buf, (size_t)views[i][j].len);
+            out[i] = XXH3_64bits_digest(&state);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(nb);
+    for (Py_ssize_t i = 0; result != NULL && i < nb; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)out[i]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got && views; i++) release_buffers(views[i], counts[i]);
+    PyMem_Free(views);
+    PyMem_Free(counts);
+    PyMem_Free(out);
+    Py_DECREF(seq);
+    return result;
+}
+#endif
