@@ -22,8 +22,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# constraints.txt pins the daemon's dependencies: CI tests the versions the image ships.
-$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+# constraints.txt pins the daemon's dependencies: CI tests the versions the image ships. setup.py builds
+# the compiled helper (ucm_protocol/csrc) in place; a changed source rebuilds it.
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard ucm_protocol/csrc/*) | $(BIN)/python
 	$(PIP) install --quiet -c constraints.txt -e .
 	@touch $@
 
