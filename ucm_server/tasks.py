@@ -133,17 +133,19 @@ class TaskManager:
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
         self._active[session_id] = self._active.get(session_id, 0) + 1
+        self._queued += 1  # until it holds a slot: counted from now, not from its first step on the loop
         self._runners[task.task_id] = asyncio.create_task(
             self._run(task, body, release), name=f"ucm-task-{task.task_id}"
         )
         return task
 
     async def _run(self, task: Task, body: TaskBody, release: Callable[[Task], None] | None) -> None:
-        self._queued += 1
+        queued = True
         try:
             with io_class(class_of_task(task.kind.name)):  # its disk and copy work, in the pools' order
                 async with self._slots.hold():
                     self._queued -= 1
+                    queued = False
                     if not task.cancel_requested:
                         await body(task)
         except Exception as exc:  # a failure is data: every unfinished block fails with the reason
@@ -153,6 +155,8 @@ class TaskManager:
                     task.states[i] = BlockState.FAILED
                     task.reasons[i] = f"internal error: {exc}"
         finally:
+            if queued:  # it never held a slot (stopped while waiting): no longer queued either
+                self._queued -= 1
             if release is not None:
                 release(task)
             self._runners.pop(task.task_id, None)
