@@ -174,8 +174,8 @@ def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k() -> N
 def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
     """A Load whose body never ran (cancelled while 64 other Loads held every slot a Load may take)
     still ends its progress word at DONE, so a reader waiting on the word goes on to the task's result
-    instead of spinning until its deadline. The word of a queued, not yet cancelled Load reads 0
-    (control).
+    instead of spinning until its deadline, and the Cancel returns without waiting for a slot to free.
+    The word of a queued, not yet cancelled Load reads 0 (control).
 
     The busy tasks are Loads: dumps cannot keep a Load waiting (a Load never queues behind them, see
     ``ucm_server.store.io_classes``), so with dumps the Load ran at once while the dumps beyond their
@@ -207,6 +207,8 @@ def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
             assert words.read(index) == 0  # control: nothing ran, nothing written yet
             result = c.cancel(queued)
             assert result.states == [BlockState.CANCELLED] and result.bytes_done == 0, result
+            # it left the queue at once: the Cancel did not wait for a busy Load to free a slot
+            assert c.stats().tasks_running == busy_loads
             assert words.read(index) == LOAD_PROGRESS_DONE
             assert all(c.wait(t, 60).ok for t in busy)  # the Loads that held the slots were not disturbed
         assert d.healthy()
