@@ -185,9 +185,11 @@ def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
     from ucm_client import BlockState
 
     size, busy_loads = 4096, 64
-    # 2 s per block: the 65 Load calls (sent without waiting for each answer) and the Stats and Cancel
-    # calls are all made before the first busy Load ends, however slow a loaded machine makes them
-    with slow_daemon(tmp_path, 2.0) as d, UcmClient(d.target, client_name="progress-queued") as c:
+    # 8 s per block read: the 65 Load calls (sent without waiting for each answer) and the Stats and
+    # Cancel calls are all made before the first busy Load ends, however slow a loaded machine makes
+    # them (2 s was too short with five busy processes on two cores); writes are not slowed
+    daemon = slow_daemon(tmp_path, 8.0, write_delay_s=0.0)
+    with daemon as d, UcmClient(d.target, client_name="progress-queued") as c:
         with SharedBuffer((busy_loads + 1) * size) as buf:
             region = c.register(buf)
             stored = [BlockIO(key_digest("queued", 0), (Segment(region, 0, size),))]
