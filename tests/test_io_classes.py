@@ -26,14 +26,23 @@ from ucm_server.testing.daemon import DaemonProcess
 WAIT_S = 30
 
 
-def _held(executor: ClassedExecutor, cls: IoClass, gate: threading.Event, n: int) -> list[Future[IoClass]]:
-    """``n`` jobs of ``cls`` that run until ``gate`` opens; each returns the class it ran under."""
+def _held(
+    executor: ClassedExecutor, cls: IoClass, gate: threading.Event, n: int, *, running: int | None = None
+) -> list[Future[IoClass]]:
+    """``n`` jobs of ``cls`` that run until ``gate`` opens; each returns the class it ran under.
+    Returns once ``running`` of them (default all) have started: a thread started for a job takes
+    it a moment later, and on a busy machine that moment outlasted the caller's next submissions."""
+    started = threading.Semaphore(0)
 
     def job() -> IoClass:
+        started.release()
         assert gate.wait(WAIT_S)
         return current_class.get()
 
-    return [executor.submit_as(cls, job) for _ in range(n)]
+    jobs = [executor.submit_as(cls, job) for _ in range(n)]
+    for _ in range(n if running is None else running):
+        assert started.acquire(timeout=WAIT_S), "a held job never started"
+    return jobs
 
 
 class TestClassedExecutor:
@@ -41,7 +50,7 @@ class TestClassedExecutor:
         pool = ClassedExecutor(4)
         gate = threading.Event()
         try:
-            background = _held(pool, IoClass.BACKGROUND, gate, 40)
+            background = _held(pool, IoClass.BACKGROUND, gate, 40, running=3)
             load = pool.submit_as(IoClass.LOAD, lambda: sum(f.done() for f in background))
             # Background may hold at most max_workers - reserve threads: a thread is free for the load.
             assert load.result(WAIT_S) == 0, "the load waited for background work queued before it"

@@ -314,12 +314,15 @@ def test_a_subscriber_that_stays_connected_converges_after_a_crash(tmp_path: Pat
             assert ("CPU", vllm_hash(blocks[1].key)) in sub.state.pairs() and truth != sub.state.pairs()
 
             restarted = crash_and_restart("0.5", blocks[1].key)
-            truth = listed(d)
-            assert truth and all(m == "STORAGE" for m, _ in truth) and len(truth) == 6
-            while sub.state.pairs() != truth and time.monotonic() < restarted + 5:
+            # What the listing will say (the Cache died, two files are gone), known without asking: a
+            # listing is a ucm-admin process, and on a busy machine starting one took most of the 5 s
+            # this subscriber is given, measured from the restart, to converge (it is listed below).
+            expected = {("STORAGE", vllm_hash(b.key)) for b in blocks[2:]}
+            while sub.state.pairs() != expected and time.monotonic() < restarted + 5:
                 sub.poll(100)
             took = time.monotonic() - restarted
-            assert sub.state.pairs() == truth, f"not converged {took:.1f}s after the restart"
+            assert sub.state.pairs() == expected, f"not converged {took:.1f}s after the restart"
+            assert listed(d) == expected
     finally:
         sub.close()
         ctx.term()

@@ -176,35 +176,45 @@ def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k() -> N
 
 @pytest.mark.slow
 def test_a_load_cancelled_while_queued_still_reads_done(tmp_path: Path) -> None:
-    """A Load whose body never ran (cancelled while 64 other tasks held every slot) still ends its
-    progress word at DONE, so a reader waiting on the word goes on to the task's result instead of
-    spinning until its deadline. The word of a queued, not yet cancelled Load reads 0 (control)."""
+    """A Load whose body never ran (cancelled while 64 other Loads held every slot a Load may take)
+    still ends its progress word at DONE, so a reader waiting on the word goes on to the task's result
+    instead of spinning until its deadline, and the Cancel returns without waiting for a slot to free.
+    The word of a queued, not yet cancelled Load reads 0 (control).
+
+    The busy tasks are Loads: dumps cannot keep a Load waiting (a Load never queues behind them, see
+    ``ucm_server.store.io_classes``), so with dumps the Load ran at once while the dumps beyond their
+    share were the tasks counted queued."""
     from support.slow_tier import slow_daemon
 
     from ucm_client import BlockState
 
-    size = 4096
-    # 1 s per block: 80 dump calls, one round trip each, are all made before the first task ends,
-    # however slow a loaded machine makes the round trips (0.1 s let the first ones end: none queued)
-    with slow_daemon(tmp_path, 1.0) as d, UcmClient(d.target, client_name="progress-queued") as c:
-        with SharedBuffer(100 * size) as buf:
+    size, busy_loads = 4096, 64
+    # 8 s per block read: the 65 Load calls (sent without waiting for each answer) and the Stats and
+    # Cancel calls are all made before the first busy Load ends, however slow a loaded machine makes
+    # them (2 s was too short with five busy processes on two cores); writes are not slowed
+    daemon = slow_daemon(tmp_path, 8.0, write_delay_s=0.0)
+    with daemon as d, UcmClient(d.target, client_name="progress-queued") as c:
+        with SharedBuffer((busy_loads + 1) * size) as buf:
             region = c.register(buf)
             stored = [BlockIO(key_digest("queued", 0), (Segment(region, 0, size),))]
             assert c.wait(c.dump(NS, stored), 60).ok
-            busy = [
-                c.dump(NS, [BlockIO(key_digest("busy", t), (Segment(region, (t + 1) * size, size),))])
-                for t in range(64)
-            ]
             words = ProgressWords(4)
             words.region = c.register(words.buffer)
             index = words.take()
             assert index is not None
-            queued = c.load_nowait(NS, stored, progress=words.segment(index)).result(30)
-            assert c.stats().tasks_queued > 0, "the Load was not queued: make the tier slower"
+            sent = [  # sent without waiting for each answer; they reach the daemon in this order
+                c.load_nowait(NS, [BlockIO(stored[0].key, (Segment(region, (t + 1) * size, size),))])
+                for t in range(busy_loads)
+            ]
+            sent.append(c.load_nowait(NS, stored, progress=words.segment(index)))
+            *busy, queued = [future.result(30) for future in sent]
+            stats = c.stats()
+            assert stats.tasks_queued == 1, f"the Load was not queued ({stats.tasks_queued} queued)"
             assert words.read(index) == 0  # control: nothing ran, nothing written yet
             result = c.cancel(queued)
-            assert BlockState.CANCELLED in result.states
+            assert result.states == [BlockState.CANCELLED] and result.bytes_done == 0, result
+            # it left the queue at once: the Cancel did not wait for a busy Load to free a slot
+            assert c.stats().tasks_running == busy_loads
             assert words.read(index) == LOAD_PROGRESS_DONE
-            for t in busy:
-                c.wait(t, 60)
+            assert all(c.wait(t, 60).ok for t in busy)  # the Loads that held the slots were not disturbed
         assert d.healthy()

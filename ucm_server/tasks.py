@@ -103,6 +103,8 @@ class TaskManager:
         self._ids = itertools.count(1)
         self._slots = ClassedSlots(max_running)  # a Load never waits for a slot behind queued dumps
         self._queued = 0
+        self._waiting: set[int] = set()
+        """Tasks whose runner waits for a slot now: stopping one ends its wait at once."""
         self._active: dict[str, int] = {}  # running or queued tasks per session (the per-session cap)
         self.on_finish: list[Callable[[Task], None]] = []
 
@@ -134,19 +136,27 @@ class TaskManager:
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
         self._active[session_id] = self._active.get(session_id, 0) + 1
+        self._queued += 1  # until it holds a slot: counted from now, not from its first step on the loop
         self._runners[task.task_id] = asyncio.create_task(
             self._run(task, body, release), name=f"ucm-task-{task.task_id}"
         )
         return task
 
     async def _run(self, task: Task, body: TaskBody, release: Callable[[Task], None] | None) -> None:
-        self._queued += 1
+        queued = True
+        self._waiting.add(task.task_id)
         try:
             with io_class(class_of_task(task.kind.name)):  # its disk and copy work, in the pools' order
                 async with self._slots.hold():
                     self._queued -= 1
+                    self._waiting.discard(task.task_id)
+                    queued = False
                     if not task.cancel_requested:
                         await body(task)
+        except asyncio.CancelledError:
+            if not queued:
+                raise
+            # stopped while waiting for a slot (:meth:`_stop`): its body never ran
         except Exception as exc:  # a failure is data: every unfinished block fails with the reason
             log.exception("task %d failed", task.task_id)
             for i, s in enumerate(task.states):
@@ -154,6 +164,9 @@ class TaskManager:
                     task.states[i] = BlockState.FAILED
                     task.reasons[i] = f"internal error: {exc}"
         finally:
+            if queued:  # it never held a slot (stopped while waiting): no longer queued either
+                self._queued -= 1
+                self._waiting.discard(task.task_id)
             if release is not None:
                 release(task)
             self._runners.pop(task.task_id, None)
@@ -186,14 +199,23 @@ class TaskManager:
     async def cancel(self, task: Task) -> Task:
         """Ask the task to stop and wait until it has (it checks between chunks)."""
         if not task.done.is_set():
-            task.cancel_requested = True
+            self._stop(task)
             await task.done.wait()
         return task
+
+    def _stop(self, task: Task) -> None:
+        """Ask ``task`` to stop: a running one stops between chunks; one still waiting for a slot
+        leaves the queue now, its body never run, instead of holding its caller until a running
+        task ends and frees a slot only for it to give back unused."""
+        task.cancel_requested = True
+        runner = self._runners.get(task.task_id)
+        if runner is not None and task.task_id in self._waiting:
+            runner.cancel()
 
     async def release_session(self, session_id: str) -> int:
         mine = [t for t in self._tasks.values() if t.session_id == session_id]
         for t in mine:
-            t.cancel_requested = True
+            self._stop(t)
         await asyncio.gather(*(t.done.wait() for t in mine))
         for t in mine:
             self._tasks.pop(t.task_id, None)
@@ -206,7 +228,7 @@ class TaskManager:
             return
         await asyncio.wait([asyncio.create_task(t.done.wait()) for t in pending], timeout=grace_s)
         for t in pending:
-            t.cancel_requested = True
+            self._stop(t)
         await asyncio.gather(*(t.done.wait() for t in pending))
 
     def _reap(self) -> None:

@@ -11,15 +11,15 @@ from ucm_server.testing.daemon import DaemonProcess
 SLOW_TIER = "ucm_server.testing.faults:LatencyInjectingTier"
 
 
-def slow_daemon(root: Path, delay_s: float) -> DaemonProcess:
+def slow_daemon(root: Path, delay_s: float, *, write_delay_s: float | None = None) -> DaemonProcess:
     """An unstarted daemon under ``root`` whose only tier (Posix, not durable) sleeps ``delay_s`` per
-    block read and written."""
+    block read and written (``write_delay_s``, when given, per block written)."""
     settings = {
         SLOW_TIER: {
             "root": str(root / "blocks"),
             "durable": False,
             "read_delay_s": delay_s,
-            "write_delay_s": delay_s,
+            "write_delay_s": delay_s if write_delay_s is None else write_delay_s,
         }
     }
     return DaemonProcess(

@@ -512,6 +512,39 @@ def test_worker_registers_again_after_sleep(tmp_path: Path) -> None:
         worker.shutdown()
 
 
+def test_worker_saves_to_a_daemon_that_appeared_after_it_started(tmp_path: Path) -> None:
+    """Down when the worker registered its KV cache, then a daemon appears: the first step's save
+    after the retry interval reconnects, registers and stores. (The step's saturation check read the
+    link first and took its one retry per interval without making a call, so the save found the
+    daemon still down, and so did every later step's: nothing was ever saved again.)"""
+    import time
+    from types import SimpleNamespace
+
+    from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm_client.vllm.worker import UcmWorker
+
+    views = _layer_views(torch.zeros(RAW_BYTES, dtype=torch.int8))
+    keyspace = KeySpace(fields=(("model", "late-daemon"),), tp_size=1)
+    vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+    daemon = DaemonProcess(tmp_path / "ucm")
+    interval = 0.2
+    config = ConnectorConfig(
+        target=daemon.target, zero_copy=False, staging_buffer_gib=0.001, reconnect_interval_s=interval
+    )
+    worker = UcmWorker(vllm_config, keyspace, config, tp_rank=0)
+    worker.register_kv_caches(views)  # the daemon is not there yet: the link is down
+    key = b"k" * 32
+    with daemon, UcmClient(daemon.target) as client:
+        time.sleep(2 * interval)  # the retry is due
+        worker.save(UcmConnectorMetadata(saves=[BlockTransfer("r", (1,), (key,))]))  # one step's save
+        deadline = time.monotonic() + 10
+        while client.lookup(keyspace.namespace(0), [key]).hit_prefix != 1:
+            assert time.monotonic() < deadline, "the step's save after the daemon appeared was not stored"
+            worker.get_finished(set())
+            time.sleep(0.02)
+        worker.shutdown()
+
+
 @pytest.mark.slow
 def test_own_hit_of_blocks_the_daemon_lost_is_looked_up_and_saved_again(tmp_path: Path) -> None:
     """vLLM's own prefix cache holds 4 blocks the daemon no longer has (evicted, or a daemon restarted

@@ -92,6 +92,16 @@ class DaemonLink:
                 self._retry_at = self._clock() + self._interval
             return self._client
 
+    def current(self) -> UcmClient | None:
+        """The client while the daemon is not known to be down, else None; never connects.
+
+        For reading what the client already knows (the daemon's ``store_saturated`` word), where no
+        call follows: :meth:`client` would hand out its one retry per interval to such a reader, and
+        with no call made nothing would tell the link the daemon is back, so the call that follows
+        (a step's dump) would find the retry taken, step after step, for as long as vLLM ran."""
+        with self._lock:
+            return None if self._down else self._client
+
     def succeeded(self) -> None:
         """A call went through: if the daemon had been down, say it is back."""
         if self._down:

@@ -610,9 +610,10 @@ class UcmWorker:
 
     def _saturated(self, meta: UcmConnectorMetadata) -> bool:
         """The daemon said it cannot keep up with dumps (``store_saturated``, read off the session
-        stream and the last Load/Dump answer: no call); decided once per step."""
+        stream and the last Load/Dump answer: no call); decided once per step. A daemon known to be
+        down is not asked (nor reconnected to): the step's saves take the link's retry."""
         if self._pressure_step is not meta:
-            client = None if self._io_off else self._link.client()
+            client = None if self._io_off else self._link.current()
             self._pressure_step, self._pressure = meta, client is not None and client.store_saturated
         return self._pressure
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import threading
 import time
 from collections import deque
@@ -245,15 +246,17 @@ class ClassedExecutor(Executor):
                     job = self._pick()
                 self._running[job.cls] += 1
                 self._figures[job.cls].wait_s += _now() - job.queued_at
+            deliver: Callable[[], object] | None = None
             try:
                 if job.future.set_running_or_notify_cancel():
                     current_class.set(job.cls)  # this thread's context: what the job submits is its class
                     try:
                         result = job.fn()
                     except BaseException as exc:  # delivered to the waiter, as ThreadPoolExecutor does
-                        job.future.set_exception(exc)
+                        deliver = functools.partial(job.future.set_exception, exc)
                     else:
-                        job.future.set_result(result)
+                        deliver = functools.partial(job.future.set_result, result)
+                        del result
             finally:
                 with self._lock:
                     self._running[job.cls] -= 1
@@ -261,7 +264,10 @@ class ClassedExecutor(Executor):
                     # A capped job may run now (a load ended), and an idle thread may take it.
                     if any(self._queues.values()):
                         self._ready.notify_all()
-            del job
+            # Delivered once counted: whoever has the result reads figures that include its job.
+            if deliver is not None:
+                deliver()
+            del job, deliver
 
 
 class ClassedSlots:
