@@ -192,6 +192,31 @@ def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProc
     assert daemon.healthy()
 
 
+def test_wait_on_a_ring_task_whose_end_aged_out_answers_at_once(daemon: DaemonProcess) -> None:
+    """A Dump sent through the data plane's ring, then more ring tasks than the ring keeps ends of:
+    waiting on the first answers at once, from the daemon. (The ring waited out the whole timeout for
+    an end it had already dropped, and the client then waited again for a push that a task ending all
+    OK never gets.)"""
+    with UcmClient(daemon.target) as c, SharedBuffer(4 * SIZE) as buf:
+        channel = c._plane.channel()
+        if channel is None:
+            pytest.skip("no local data plane here (the compiled helper ucm_protocol._native is not built)")
+        channel.ring.keep_finished = 8  # the default keeps 4,096 ends
+        _fill(buf, 0x55)
+        region = c.register(buf)
+        first = c.dump(NS, blocks_in(region, 2, SIZE))
+        assert c._plane.owns(first), "the Dump did not go through the ring"
+        for i in range(24):
+            assert c.wait(c.dump(NS, blocks_in(region, 1, SIZE, first=2000 + i)), 10).ok
+        assert channel.ring.peek_finished(first) is None, "the first task's end was not dropped"
+        started = time.monotonic()
+        result = c.wait(first, 30)
+        took = time.monotonic() - started
+        assert took < 3, f"wait on a ring task whose end was dropped took {took:.1f}s"
+        assert result.task_id == first and result.ok
+    assert daemon.healthy()
+
+
 @pytest.mark.slow
 def test_wait_after_4096_results_with_the_default_retention(daemon: DaemonProcess) -> None:
     """The issue's scenario with the real default: 4,200 tasks, then wait on the first."""

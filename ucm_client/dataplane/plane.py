@@ -315,9 +315,10 @@ class ClientDataPlane:
                 return
             submitted = f.result()
             client.store_saturated = submitted.store_saturated
-            # A task that does not end all OK is pushed on the session stream as a gRPC one is: the
-            # client's wait takes it from there (scheduled before the caller can learn the task id).
-            self._loop.call_soon_threadsafe(client._finished.expect, submitted.task_id)
+            # A task that does not end all OK is pushed on the session stream as a gRPC one is, and
+            # the client's wait takes it from there if it came, else asks the daemon. It is not
+            # expected there: one that ends all OK is never pushed, and a wait after its end was
+            # dropped from the ring would wait out its timeout for a push that never comes.
             if progress is not None and not submitted.progress:
                 client._progress_done(progress)
             out.set_result(submitted.task_id)

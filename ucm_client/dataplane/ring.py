@@ -34,6 +34,8 @@ _U32 = 0xFFFFFFFF
 _CODES = {int(c.value[0]): c for c in grpc.StatusCode}
 KEEP_FINISHED = 4096
 """Task ends kept for tasks nobody has waited for yet (oldest dropped: their wait asks gRPC)."""
+KEEP_DROPPED = 1 << 16
+"""Ids of dropped task ends remembered, as many as the client remembers ring tasks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,10 @@ class RingClient:
         self._next_user_data = 1
         self._answers: dict[int, concurrent.futures.Future[Submitted]] = {}
         self._finished: collections.OrderedDict[int, Finished] = collections.OrderedDict()
+        self.keep_finished = KEEP_FINISHED
+        self._dropped: collections.OrderedDict[int, None] = collections.OrderedDict()
+        """Tasks whose end came and was dropped to stay within ``keep_finished``: a wait on one
+        answers at once (the caller asks gRPC) instead of waiting for an end that already came."""
         self.dead = ""
         """Why the ring is unusable ("" while it works)."""
         self._thread = threading.Thread(target=self._complete, name=f"{name}-ring", daemon=True)
@@ -283,8 +289,11 @@ class RingClient:
         )
         if kind == dp.CQ_FINISHED:
             self._finished[task_id] = Finished(task_id, state, bool(all_ok), done, elapsed, nblocks)
-            while len(self._finished) > KEEP_FINISHED:
-                self._finished.popitem(last=False)
+            while len(self._finished) > self.keep_finished:
+                dropped, _ = self._finished.popitem(last=False)
+                self._dropped[dropped] = None
+            while len(self._dropped) > KEEP_DROPPED:
+                self._dropped.popitem(last=False)
             return []
         self._arena.free(user_data)
         future = self._answers.pop(user_data, None)
@@ -299,7 +308,7 @@ class RingClient:
     def wait_finished(self, task_id: int, timeout_s: float) -> Finished | None:
         """The end of ``task_id`` (a task this ring submitted) within ``timeout_s``, else None."""
         with self._cond:
-            if task_id not in self._finished and timeout_s > 0:
+            if task_id not in self._finished and task_id not in self._dropped and timeout_s > 0:
                 self._cond.wait_for(lambda: task_id in self._finished or bool(self.dead), timeout_s)
             return self._finished.get(task_id)
 
