@@ -56,9 +56,9 @@ def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides
     """
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.passthrough import DenseInVllmMethod
-    from ucm_client.sparse.vllm_connector import scheduler_bridge
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.methods.passthrough import DenseInVllmMethod
+    from ucm_client.sparse.vllm.connector import scheduler_bridge
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     bridge = scheduler_bridge()
     if name is None:
@@ -94,7 +94,7 @@ def _run(llm: Any, measured: Measured, prompts: list[dict[str, list[int]]], deco
     """One run of 1 + ``decode`` tokens for the batch; its decode-only step times are kept."""
     from vllm import SamplingParams
 
-    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     runtime = measured.runtime
     vllm_runtime.install_runtime(runtime)
@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     from tests.support.tiny_llama import build_tiny_llama
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
-    from ucm_client.sparse.vllm_connector import kv_transfer_config
+    from ucm_client.sparse.vllm import plugin as vllm_plugin
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
+    from ucm_client.sparse.vllm.connector import kv_transfer_config
 
     vllm_plugin.register()
     vllm_runtime.reset_runtime()

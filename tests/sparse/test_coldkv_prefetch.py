@@ -14,8 +14,14 @@ import pytest
 import torch
 
 from ucm_client import UcmClient
-from ucm_client.sparse.coldkv import ColdDump, ColdKVConfig, ColdKVStepMeta, ColdRelease, cold_block_key
-from ucm_client.sparse.coldkv_worker import ColdKVWorker
+from ucm_client.sparse.coldkv.orders import (
+    ColdDump,
+    ColdKVConfig,
+    ColdKVStepMeta,
+    ColdRelease,
+    cold_block_key,
+)
+from ucm_client.sparse.coldkv.worker import ColdKVWorker
 from ucm_client.sparse.errors import SparseInputError
 from ucm_server.testing.daemon import DaemonProcess
 

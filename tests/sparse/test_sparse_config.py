@@ -13,8 +13,8 @@ import pytest
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.config import ENV_VAR, UcmSparseConfig, load_sparse_config
 from ucm_client.sparse.errors import SparseConfigError, UnknownSparseMethodError
-from ucm_client.sparse.esa import ESA, EsaSpec
 from ucm_client.sparse.factory import ENTRY_POINT_GROUP, UcmSparseFactory
+from ucm_client.sparse.methods.esa import ESA, EsaSpec
 
 SEED_CONFIG = {
     "enabled": True,
@@ -67,7 +67,8 @@ def test_unknown_method_lists_the_known_ones() -> None:
 
 
 def test_duplicate_registration_with_another_target_is_rejected() -> None:
-    UcmSparseFactory.register_sparse_method("ESA", "ucm_client.sparse.esa", "ESA")  # same target: fine
+    same = ("ESA", "ucm_client.sparse.methods.esa", "ESA")
+    UcmSparseFactory.register_sparse_method(*same)  # same target: fine
     with pytest.raises(SparseConfigError, match="already registered"):
         UcmSparseFactory.register_sparse_method("ESA", "elsewhere", "ESA")
 
@@ -76,7 +77,7 @@ def _write_plugin(root: Path, module: str) -> None:
     (root / f"{module}.py").write_text(
         textwrap.dedent(
             """
-            from ucm_client.sparse.passthrough import DenseInVllmMethod
+            from ucm_client.sparse.methods.passthrough import DenseInVllmMethod
 
             class Everything(DenseInVllmMethod):
                 pass
@@ -153,8 +154,8 @@ def _engine_config(sparse: dict[str, object] | None) -> SimpleNamespace:
 
 
 def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucm_client.sparse import vllm_runtime
-    from ucm_client.sparse.gsa import GSA
+    from ucm_client.sparse.methods.gsa import GSA
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     vllm_runtime.reset_runtime()

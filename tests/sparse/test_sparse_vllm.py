@@ -40,7 +40,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def test_runtime_built_from_the_sparse_config(engine: Any) -> None:
-    from ucm_client.sparse.esa import ESA
+    from ucm_client.sparse.methods.esa import ESA
 
     runtime = engine.ucm_runtime
     assert runtime is not None and isinstance(runtime.method, ESA)
@@ -57,7 +57,7 @@ PROMPTS = [
 def _generate(llm: Any, runtime: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
-    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_runtime.install_runtime(runtime)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
@@ -67,7 +67,7 @@ def _generate(llm: Any, runtime: Any) -> list[list[int]]:
 def _runtime(llm: Any, ratio: float, name: str = "ESA") -> Any:
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     method = UcmSparseFactory.create_sparse_method(
         name,
@@ -121,9 +121,9 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
     """
     import torch
 
-    from ucm_client.sparse.kernels import dense_decode_attention
-    from ucm_client.sparse.paged import read_request_kv
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.kernels.attention import dense_decode_attention
+    from ucm_client.sparse.kernels.paged import read_request_kv
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     base = _runtime(llm, ratio, name)
 
@@ -177,7 +177,7 @@ def test_low_budget_output_is_exact_attention_over_the_selection(engine: Any, na
 
 
 def test_verify_patches_reports_attention_hooks_active(engine: Any) -> None:
-    from ucm_client.sparse.vllm_plugin import verify_patches
+    from ucm_client.sparse.vllm.plugin import verify_patches
 
     rows = {r.hook: r for r in verify_patches()}
     for hook in ("attention_begin", "attention_finished", "execute_begin", "execute_finished"):
@@ -230,7 +230,7 @@ def test_seed_form_method_runs_in_the_engine(engine: Any) -> None:
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.config import UcmSparseConfig
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     config = UcmSparseConfig.from_dict(  # the same entry test_sparse_seed_form.py uses
         {

@@ -31,7 +31,7 @@ SPARSE = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    from ucm_client.sparse.vllm_connector import kv_transfer_config
+    from ucm_client.sparse.vllm.connector import kv_transfer_config
 
     with sparse_llm(
         tmp_path_factory.mktemp("models"),
@@ -46,7 +46,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def _runtime(llm: Any, ratio: float, *, scheduler_channel: bool = True) -> Any:
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     class WithoutSchedulerChannel(SparseWorkerRuntime):
         """Negative control: the worker never sees the scheduler's metadata (the old behaviour)."""
@@ -74,7 +74,7 @@ def _generate(llm: Any, runtime: Any) -> tuple[list[list[int]], int]:
     """Greedy answers to both questions, plus two seeded samples of the second; and the KV token count."""
     from vllm import SamplingParams
 
-    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_runtime.install_runtime(runtime)
     llm.reset_prefix_cache()
@@ -90,7 +90,7 @@ def _generate(llm: Any, runtime: Any) -> tuple[list[list[int]], int]:
 
 
 def test_full_budget_with_prefix_caching_equals_dense_and_runs_scheduler_hooks(engine: Any) -> None:
-    from ucm_client.sparse.vllm_connector import scheduler_bridge
+    from ucm_client.sparse.vllm.connector import scheduler_bridge
 
     dense, _ = _generate(engine, None)
     bridge = scheduler_bridge()
@@ -130,8 +130,8 @@ def test_shared_prefix_keeps_per_request_state_and_builds_features_once(engine: 
 
 
 def test_verify_patches_reports_the_scheduler_channel(engine: Any) -> None:
-    from ucm_client.sparse import vllm_runtime
-    from ucm_client.sparse.vllm_plugin import verify_patches
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
+    from ucm_client.sparse.vllm.plugin import verify_patches
 
     vllm_runtime.install_runtime(_runtime(engine, 1.0, scheduler_channel=False))
     _generate(engine, vllm_runtime.worker_runtime())

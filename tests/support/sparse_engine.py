@@ -29,7 +29,8 @@ def in_process_engine_env(**extra: str) -> Iterator[None]:
     wanted.update(extra)
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
+    from ucm_client.sparse.vllm import plugin as vllm_plugin
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_plugin.register()
     vllm_runtime.reset_runtime()
@@ -88,7 +89,7 @@ def sparse_llm(
     with in_process_engine_env(**(env or {})):
         from vllm import LLM
 
-        from ucm_client.sparse import vllm_runtime
+        from ucm_client.sparse.vllm import runtime as vllm_runtime
 
         model = build_tiny_llama(models_dir, layers=layers)
         llm = LLM(

@@ -23,7 +23,7 @@ from typing import Any, Protocol, final
 import torch
 
 from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSessionError
-from ucm_client.sparse.paged import PageLayout
+from ucm_client.sparse.kernels.paged import PageLayout
 from ucm_client.sparse.phase_clock import PhaseClock
 from ucm_client.sparse.session import ExecutionSession, check_tensor
 

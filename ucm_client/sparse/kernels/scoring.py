@@ -49,7 +49,7 @@ def block_max_logits(
     shrink: np.ndarray,
     block_size: int,
     out: np.ndarray,
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_token_max
+) -> None:  # pragma: no cover - compiled; tested through kernels.attention.channel_token_max
     """``out[x, h, b] = max over tokens t of block b of shrink[h, t] * Σ_j w[x,h,j] · k[h, c[x,h,j], t]``.
 
     ``codes`` int8 ``[H, C, m * block_size]`` with ``k = codes * scales[h, c, block]``; ``scales``
@@ -221,7 +221,7 @@ def _popcount(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
 )
 def block_min_hamming(
     words: np.ndarray, query: np.ndarray, mask: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.gsa
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.methods.gsa
     """``out[h, b] = min over tokens t of block b of popcount((words[b, t, h] ^ query[h]) & mask[h])``.
 
     GSA's retrieval in one pass over its packed codes (``words`` uint64 ``[m, block_size, H, W]``,
@@ -298,7 +298,7 @@ def hash_block_scores(
 )
 def code_blocks(
     keys: np.ndarray, block_size: int, codes: np.ndarray, scales: np.ndarray, sq_norms: np.ndarray
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_codes
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.attention.channel_codes
     """Code whole blocks of token-major float32 ``keys`` ``[m * block_size, H, C]`` in two passes per
     block that stay in cache: ``codes`` int8 ``[H, C, n]`` (round half to even, as torch rounds),
     ``scales`` float32 ``[H, C, m]`` (the block's largest magnitude / 127), ``sq_norms`` float32

@@ -2,7 +2,7 @@
 
 vLLM has no sparse-attention hook for dense models, but it has a backend registry: this module
 subclasses the CPU backend (``CPUAttentionBackendImpl``, internal and version-specific, hence the
-version check in :mod:`ucm_client.sparse.vllm_plugin`) and is registered in place of ``CPU_ATTN``. No
+version check in :mod:`ucm_client.sparse.vllm.plugin`) and is registered in place of ``CPU_ATTN``. No
 vLLM function is replaced at runtime. Decode rows that a method sparsifies get a shorter block table
 (the selected blocks in order) and matching ``seq_lens``; the kernel then attends exactly to those
 blocks. With a full budget nothing is rewritten, so output is bit-identical to the dense backend.
@@ -25,7 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime, runtime_for_engine, worker_runtime
+from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime, runtime_for_engine, worker_runtime
 
 __all__ = ["UcmSparseCPUAttentionBackend", "UcmSparseCPUAttentionImpl"]
 

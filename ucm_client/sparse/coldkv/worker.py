@@ -28,26 +28,26 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ucm_client.buffers import SharedBuffer
-from ucm_client.sparse.coldkv import ColdDump, ColdKVConfig, ColdKVStepMeta, cold_block_key
+from ucm_client.mover import BlockMover, Moved
+from ucm_client.sparse.coldkv.orders import ColdDump, ColdKVConfig, ColdKVStepMeta, cold_block_key
 from ucm_client.sparse.errors import SparseInputError
-from ucm_client.sparse.vllm_runtime import layer_index
+from ucm_client.sparse.vllm.runtime import layer_index
 from ucm_client.sync import UcmClient
-from ucm_client.types import BlockIO, BlockState, Segment
+from ucm_client.types import BlockState
 
 __all__ = ["ColdKVWorker"]
 
 _log = logging.getLogger(__name__)
 
 STAGING_BLOCKS = 64
-"""Block pages in the shared staging buffer: one dump or load task moves at most this many."""
+"""Block pages one dump or load task moves at most (the mover's slots a layer's own loads use)."""
 PREFETCH_BLOCKS = 64
-"""Block pages after those, where a layer's guess for the next layer lands (at most this many)."""
+"""Block pages a layer's guess for the next layer holds at most (the mover's other slots)."""
 
 
 @dataclass(slots=True)
@@ -61,12 +61,13 @@ class _ColdRequest:
 
 @dataclass(slots=True)
 class _Prefetch:
-    """A load sent for the next layer while this one runs, and where each of its pages lands."""
+    """A load sent for the next layer while this one runs, and the mover slot each of its pages lands in."""
 
     layer: int
     task: concurrent.futures.Future[int]
     pages: list[tuple[str, int]]
-    """(request, logical block) of staging page ``STAGING_BLOCKS + i``."""
+    """(request, logical block) of ``slots[i]``."""
+    slots: list[int]
 
 
 class ColdKVWorker:
@@ -81,9 +82,8 @@ class ColdKVWorker:
         self.page_shape, self.dtype = tuple(page.shape), page.dtype
         self.page_bytes = page.numel() * page.element_size()
         self.client = UcmClient(config.target, client_name="ucm-cold-kv-worker")
-        self._buffer = SharedBuffer((STAGING_BLOCKS + PREFETCH_BLOCKS) * self.page_bytes, label="cold-kv")
-        self._region = self.client.register(self._buffer)
-        self._view = self._buffer.torch()
+        self.mover = BlockMover(self.page_bytes, STAGING_BLOCKS + PREFETCH_BLOCKS, label="cold-kv")
+        self.mover.register(self.client)
         self._nonce = ""
         self._namespace = b""
         self._cold: dict[str, _ColdRequest] = {}
@@ -103,7 +103,7 @@ class ColdKVWorker:
     # ------------------------------------------------------------ per step, before the forward
     def apply(self, meta: ColdKVStepMeta) -> None:
         """Forget, dump and take over released ranges, in that order."""
-        self._take_prefetch(None)  # a step that ended early may have left one in flight
+        self._drop_guess(self._take_prefetch(None)[1])  # a step that ended early may have left one in flight
         if meta.nonce != self._nonce:
             self._nonce, self._namespace = meta.nonce, self.config.namespace_bytes(meta.nonce)
         for req_id in meta.forget:
@@ -119,11 +119,11 @@ class ColdKVWorker:
             for layer, cache in self.caches.items()
             for logical, physical in zip(dump.logical, dump.physical, strict=True)
         ]
-        for start in range(0, len(pages), STAGING_BLOCKS):
-            batch = pages[start : start + STAGING_BLOCKS]
-            for slot, (_, page) in enumerate(batch):
-                self._page(slot).copy_(page)
-            self._run("dump", [key for key, _ in batch])
+        self._move(
+            "dump",
+            [key for key, _ in pages],
+            fill=lambda i, slot: self.mover.copy_in([slot], [[pages[i][1]]]),
+        )
         self.stats["dumped_pages"] += len(pages)
 
     # ------------------------------------------------------------ per layer, inside attention
@@ -172,21 +172,28 @@ class ColdKVWorker:
                 changed.append(row)
             placed.extend((row, i, req.scratch[where[b]]) for i, b in wanted)
         staged: dict[tuple[str, int], int] = {}
+        guess_slots: list[int] = []
 
         def take_guess() -> None:
-            staged.update(self._take_prefetch(layer_idx))
+            nonlocal guess_slots
+            got, guess_slots = self._take_prefetch(layer_idx)
+            staged.update(got)
 
-        self._load(layer_idx, loads, meanwhile=take_guess)
-        if self._prefetch is not None:  # no load ran: the guess is still to be waited for
-            take_guess()
-        cache = self.caches[layer_idx]
-        missed = []  # in the guess, but its load did not end OK: the layer loads them itself
-        for request_id, b, scratch in from_guess:
-            page = staged.get((request_id, b))
-            if page is None:
-                missed.append((request_id, b, scratch))
-            else:
-                cache[scratch].copy_(self._page(page))
+        try:
+            self._load(layer_idx, loads, meanwhile=take_guess)
+            if self._prefetch is not None:  # no load ran: the guess is still to be waited for
+                take_guess()
+            cache = self.caches[layer_idx]
+            # In the guess, but its load did not end OK: the layer loads them itself.
+            missed: list[tuple[str, int, int]] = []
+            for request_id, b, scratch in from_guess:
+                page = staged.get((request_id, b))
+                if page is None:
+                    missed.append((request_id, b, scratch))
+                else:
+                    self.mover.copy_out([page], [[cache[scratch]]])
+        finally:
+            self._drop_guess(guess_slots)
         self._load(layer_idx, missed)
         self.stats["prefetch_hits"] += len(from_guess) - len(missed)
         self.stats["loaded_pages"] += len(loads) + len(missed)
@@ -214,24 +221,28 @@ class ColdKVWorker:
                 (request_id, b) for b in logical.tolist() if req.first <= b < req.last and b not in there
             )
         pages = pages[:PREFETCH_BLOCKS]
-        if not pages:
+        slots = self.mover.acquire(len(pages)) if pages else None
+        if not slots:
             return
-        ios = [
-            self._staged_io(cold_block_key(self._nonce, request_id, after, b), STAGING_BLOCKS + i)
-            for i, (request_id, b) in enumerate(pages)
-        ]
-        self._prefetch = _Prefetch(after, self.client.load_nowait(self._namespace, ios), pages)
+        keys = [cold_block_key(self._nonce, request_id, after, b) for request_id, b in pages]
+        try:
+            task = self.mover.submit(self.client, "load", self._namespace, keys, slots)
+        except Exception:
+            self.mover.release(slots)
+            raise
+        self._prefetch = _Prefetch(after, task, pages, slots)
         self.stats["prefetched_pages"] += len(pages)
         self.stats["prefetch_tasks"] += 1
 
-    def _take_prefetch(self, layer_idx: int | None) -> dict[tuple[str, int], int]:
-        """The prefetch in flight, finished: staging page per (request, block) that arrived OK for
-        ``layer_idx`` (empty for another layer, or when it failed: the layer then loads them itself).
+    def _take_prefetch(self, layer_idx: int | None) -> tuple[dict[tuple[str, int], int], list[int]]:
+        """The prefetch in flight, finished: the mover slot per (request, block) that arrived OK for
+        ``layer_idx`` (none for another layer, or when it failed: the layer then loads them itself),
+        and the slots it holds, for the caller to release once it copied what it uses.
 
-        It is always waited for, used or not: its pages share the staging buffer with the next one."""
+        It is always waited for, used or not: its slots cannot be handed out while it may write them."""
         fetch, self._prefetch = self._prefetch, None
         if fetch is None:
-            return {}
+            return {}, []
         start = time.perf_counter()
         try:
             task_id = fetch.task.result(self.config.timeout_s)
@@ -242,16 +253,22 @@ class ColdKVWorker:
             self.stats["prefetch_failed"] += 1
             self._prefetching = False
             _log.warning("cold KV prefetch failed (%s); layers load their own blocks from now on", exc)
-            return {}
+            # A task that did not end may still write its slots: they are never handed out again.
+            return {}, []
         finally:
             self.seconds["prefetch_wait"] += time.perf_counter() - start
         if fetch.layer != layer_idx:
-            return {}
-        return {
-            page: STAGING_BLOCKS + i
-            for i, (page, state) in enumerate(zip(fetch.pages, result.states, strict=True))
+            return {}, fetch.slots
+        staged = {
+            page: slot
+            for page, slot, state in zip(fetch.pages, fetch.slots, result.states, strict=True)
             if state is BlockState.OK
         }
+        return staged, fetch.slots
+
+    def _drop_guess(self, slots: list[int]) -> None:
+        self.mover.release(slots)
+        slots.clear()
 
     def _load(
         self,
@@ -260,51 +277,69 @@ class ColdKVWorker:
         *,
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        """Load into scratch blocks, a staging-buffer's worth per task; ``meanwhile`` runs while the
-        daemon works on the first one."""
+        """Load into scratch blocks, as many per task as the mover has slots free; ``meanwhile`` runs
+        while the daemon works on the first task."""
+        if not loads:
+            return
         cache = self.caches[layer_idx]
-        for start in range(0, len(loads), STAGING_BLOCKS):
-            batch = loads[start : start + STAGING_BLOCKS]
-            keys = [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in batch]
-            self._run("load", keys, meanwhile=meanwhile if start == 0 else None)
-            for slot, (_, _, scratch) in enumerate(batch):
-                cache[scratch].copy_(self._page(slot))
+        keys = [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in loads]
+        self._move(
+            "load",
+            keys,
+            take=lambda i, slot: self.mover.copy_out([slot], [[cache[loads[i][2]]]]),
+            meanwhile=meanwhile,
+        )
 
-    # ------------------------------------------------------------ plumbing
-    def _staged_io(self, key: bytes, slot: int) -> BlockIO:
-        """Block ``key`` moved through staging page ``slot`` of the registered buffer."""
-        return BlockIO(key, (Segment(self._region, slot * self.page_bytes, self.page_bytes),))
-
-    def _page(self, slot: int) -> torch.Tensor:
-        raw = self._view[slot * self.page_bytes : (slot + 1) * self.page_bytes]
-        return raw.view(self.dtype).view(self.page_shape)
-
-    def _run(self, op: str, keys: Iterable[bytes], *, meanwhile: Callable[[], None] | None = None) -> None:
-        """One dump or load task over the first staging slots; any block not OK fails the step.
-        ``meanwhile`` runs once the task is sent, before it is waited for.
+    def _move(
+        self,
+        op: str,
+        keys: list[bytes],
+        *,
+        fill: Callable[[int, int], None] | None = None,
+        take: Callable[[int, int], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> Moved:
+        """A dump or load through the mover, at most ``STAGING_BLOCKS`` blocks per task; any block not
+        OK fails the step.
 
         A cold block that cannot be written or read back would make attention silently differ from
         the sparse result it replaces, so it is an error naming the block count and the reasons.
         """
-        ios = [self._staged_io(key, slot) for slot, key in enumerate(keys)]
-        submit = self.client.dump if op == "dump" else self.client.load
         start = time.perf_counter()
-        task_id = submit(self._namespace, ios)
-        if meanwhile is not None:
-            meanwhile()
-        result = self.client.wait(task_id, self.config.timeout_s)
-        self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
-        self.stats[f"{op}_tasks"] += 1
-        if not result.ok:
-            bad = [i for i, s in enumerate(result.states) if s is not BlockState.OK]
-            raise RuntimeError(
-                f"cold KV {op} of {len(ios)} blocks failed for {len(bad)} of them (done={result.done}): "
-                f"{result.reasons or [result.states[i].name for i in bad]}"
+        moved = Moved()
+        for first in range(0, len(keys), STAGING_BLOCKS):
+            part = self.mover.move(
+                self.client,
+                op,
+                self._namespace,
+                keys[first : first + STAGING_BLOCKS],
+                timeout_s=self.config.timeout_s,
+                fill=_shifted(fill, first),
+                take=_shifted(take, first),
+                meanwhile=meanwhile if first == 0 else None,
             )
+            moved.states += part.states
+            moved.reasons += part.reasons
+            moved.tasks += part.tasks
+        self.seconds[op] = self.seconds.get(op, 0.0) + time.perf_counter() - start
+        self.stats[f"{op}_tasks"] += moved.tasks
+        if not moved.ok:
+            bad = moved.failed()
+            raise RuntimeError(
+                f"cold KV {op} of {len(keys)} blocks failed for {len(bad)} of them: "
+                f"{moved.reasons or [moved.states[i].name for i in bad]}"
+            )
+        return moved
 
     def close(self) -> None:
-        self._take_prefetch(None)
-        self.client.unregister(self._region)
-        del self._view
-        self._buffer.close()
+        self._drop_guess(self._take_prefetch(None)[1])
+        self.mover.unregister(self.client)
+        self.mover.close()
         self.client.close()
+
+
+def _shifted(call: Callable[[int, int], None] | None, by: int) -> Callable[[int, int], None] | None:
+    """``call`` for a chunk that starts at index ``by`` of the whole transfer."""
+    if call is None:
+        return None
+    return lambda i, slot: call(by + i, slot)

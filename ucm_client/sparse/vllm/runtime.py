@@ -29,7 +29,7 @@ from ucm_client.sparse.base import (
 from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.paged import detect_page_layout
+from ucm_client.sparse.kernels.paged import detect_page_layout
 
 __all__ = [
     "SparseWorkerRuntime",

@@ -30,7 +30,7 @@ from ucm_client.sparse.base import (
 )
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
-from ucm_client.sparse.kernels import (
+from ucm_client.sparse.kernels.attention import (
     ChannelCodes,
     aggregate_heads,
     blocks_to_tokens,
@@ -42,8 +42,8 @@ from ucm_client.sparse.kernels import (
     select_blocks_per_head,
     sparse_decode_attention,
 )
-from ucm_client.sparse.paged import read_request_kv
-from ucm_client.sparse.score_kernel import compile_now, grouped_block_max, top_blocks, unit_directions
+from ucm_client.sparse.kernels.paged import read_request_kv
+from ucm_client.sparse.kernels.scoring import compile_now, grouped_block_max, top_blocks, unit_directions
 
 __all__ = [
     "BlockResolver",
@@ -58,7 +58,7 @@ __all__ = [
 class BlockResolver(Protocol):
     """Where a selected block's KV is for the kernel, when some blocks live outside vLLM's cache.
 
-    Cold KV (:class:`~ucm_client.sparse.coldkv_worker.ColdKVWorker`) implements it: a request's cold
+    Cold KV (:class:`~ucm_client.sparse.coldkv.worker.ColdKVWorker`) implements it: a request's cold
     blocks are loaded into its scratch blocks and the table points there instead.
     """
 
@@ -548,7 +548,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
         scale: float,
     ) -> torch.Tensor:
         """``scale`` × each block's best approximate logit ``[G, H, m]`` for ``queries`` ``[G, num_heads,
-        D]`` in one compiled call (:func:`~ucm_client.sparse.score_kernel.grouped_block_max`);
+        D]`` in one compiled call (:func:`~ucm_client.sparse.kernels.scoring.grouped_block_max`);
         ``dims`` ``[H, R]`` names the query channel of each feature row."""
         block_size = int(state.aux["block_size"])
         out = torch.empty(queries.shape[0], features.shape[0], features.shape[-1] // block_size)
@@ -571,7 +571,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
 
     @staticmethod
     def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Each featured token's :func:`~ucm_client.sparse.kernels.norm_shrink` factor ``[H, n]``.
+        """Each featured token's :func:`~ucm_client.sparse.kernels.attention.norm_shrink` factor ``[H, n]``.
 
         Recomputed only when tokens were featured since the last retrieval (the median moves only
         then), so most retrievals read them instead of recomputing them.
