@@ -27,13 +27,22 @@ consecutive decode queries are nearly unrelated, so each method's drift refresh 
 steps and the stride's reuse rarely applies. This is a worst case for retrieval cost, not for the
 attention kernel; the breakdown below shows both.
 
-Run: ``python -m benchmarks.sparse_vllm_bench [--geometry gqa|mha64]`` (writes
-``benchmarks/results/sparse_vllm.md``, or ``sparse_vllm_mha64.md``).
+*Documented configuration* rows run the engine exactly as configured, with no runtime installed by
+the benchmark: the method at ``--ratio`` comes from ``ucm_sparse_config`` (in the connector's extra
+config, or ``$UCM_SPARSE_CONFIG`` with ``--config-source env``), the scheduler channel from the
+connector (``--connector sparse``: ``UcmSparseConnector``; ``ucm``: ``UCMConnector`` over a real
+``ucm-server``, prefix KV stored too).
+
+Run: ``python -m benchmarks.sparse_vllm_bench [--geometry gqa|mha64] [--connector sparse|ucm]
+[--config-source extra|env]`` (writes ``benchmarks/results/sparse_vllm.md``, or
+``sparse_vllm_<geometry>[_<connector>_<source>].md`` for the other settings).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import tempfile
@@ -41,11 +50,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ucm_client.sparse.config import ENV_VAR
+
 RESULTS = Path(__file__).parent / "results" / "sparse_vllm.md"
 SUFFIX = 64
 BLOCK = 128
 GEOMETRIES = {"gqa": (32, 8, 128), "mha64": (8, 8, 64)}
 """Query heads, KV heads, head dim of the benchmark model's attention, by ``--geometry``."""
+
+
+def _engine_kv_config(args: argparse.Namespace, sparse: dict[str, Any], target: str | None) -> dict[str, Any]:
+    """The engine's ``kv_transfer_config`` for ``--connector`` and ``--config-source``."""
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
+
+    extra: dict[str, Any] = {} if args.config_source == "env" else {"ucm_sparse_config": sparse}
+    if args.connector == "sparse":
+        config = kv_transfer_config(sparse)
+        config["kv_connector_extra_config"] = extra
+        return config
+    return {
+        "kv_connector": "UCMConnector",
+        "kv_connector_module_path": "ucm_client.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"target": target, **extra},
+    }
 
 
 def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides: Any) -> Any:
@@ -57,7 +85,7 @@ def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.factory import UcmSparseFactory
     from ucm_client.sparse.methods.passthrough import DenseInVllmMethod
-    from ucm_client.sparse.vllm.connector import scheduler_bridge
+    from ucm_client.sparse.vllm.channel import scheduler_bridge
     from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     bridge = scheduler_bridge()
@@ -118,6 +146,27 @@ def _compare(
         _run(llm, dense, prompts, decode)
         _run(llm, sparse, prompts, decode)
         ratios.append(statistics.median(dense.steps[d0:]) / statistics.median(sparse.steps[s0:]))
+    return statistics.median(ratios)
+
+
+def _compare_configured(
+    llm: Any,
+    dense: Measured,
+    documented: Measured,
+    bridge: Any,
+    scheduler_method: Any,
+    prompts: list[dict[str, list[int]]],
+    args: argparse.Namespace,
+) -> float:
+    """:func:`_compare` for the engine's own runtime: the scheduler half runs the configured method
+    for its runs (the dense runs swap in their own, as every dense run does)."""
+    ratios = []
+    for _ in range(args.repeat):
+        d0, s0 = len(dense.steps), len(documented.steps)
+        _run(llm, dense, prompts, args.decode)
+        bridge.method = scheduler_method
+        _run(llm, documented, prompts, args.decode)
+        ratios.append(statistics.median(dense.steps[d0:]) / statistics.median(documented.steps[s0:]))
     return statistics.median(ratios)
 
 
@@ -197,24 +246,56 @@ def main(argv: list[str] | None = None) -> int:
         help="attention shape: gqa = 32 query / 8 KV heads, head dim 128 (the quality patterns' shape,"
         " Llama-3-8B's); mha64 = 8 / 8 heads, head dim 64 (scoring's worst case: see the docstring)",
     )
+    parser.add_argument(
+        "--connector",
+        choices=("sparse", "ucm"),
+        default="sparse",
+        help="the connector carrying the scheduler channel: UcmSparseConnector, or UCMConnector over a"
+        " real ucm-server (prefix KV stored too)",
+    )
+    parser.add_argument(
+        "--config-source",
+        choices=("extra", "env"),
+        default="extra",
+        help="where ucm_sparse_config comes from: the connector's extra config, or $UCM_SPARSE_CONFIG",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default: results/sparse_vllm[_<geometry>].md")
     args = parser.parse_args(argv)
     heads, kv_heads, head_dim = GEOMETRIES[args.geometry]
     if args.out is None:
-        args.out = RESULTS if args.geometry == "gqa" else RESULTS.with_name(f"sparse_vllm_{args.geometry}.md")
+        name = "sparse_vllm" if args.geometry == "gqa" else f"sparse_vllm_{args.geometry}"
+        if (args.connector, args.config_source) != ("sparse", "extra"):
+            name += f"_{args.connector}_{args.config_source}"
+        args.out = RESULTS.with_name(f"{name}.md")
     os.environ.update(
         VLLM_CPU_KVCACHE_SPACE="3",
         HF_HUB_OFFLINE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_NUM_OF_RESERVED_CPU="1",
     )
+    sparse_config: dict[str, Any] = {"ESA": {"sparse_ratio": args.ratio}}
+    if args.config_source == "env":
+        os.environ[ENV_VAR] = json.dumps(sparse_config)
+    with contextlib.ExitStack() as stack:
+        target = None
+        if args.connector == "ucm":
+            from ucm_server.testing.daemon import DaemonProcess
+
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ucm-bench-")))
+            target = stack.enter_context(DaemonProcess(workdir)).target
+        return _measure(args, heads, kv_heads, head_dim, _engine_kv_config(args, sparse_config, target))
+
+
+def _measure(
+    args: argparse.Namespace, heads: int, kv_heads: int, head_dim: int, kv_config: dict[str, Any]
+) -> int:
     import torch
     from vllm import LLM
 
     from tests.support.tiny_llama import build_tiny_llama
     from ucm_client.sparse.vllm import plugin as vllm_plugin
     from ucm_client.sparse.vllm import runtime as vllm_runtime
-    from ucm_client.sparse.vllm.connector import kv_transfer_config
+    from ucm_client.sparse.vllm.channel import scheduler_bridge
 
     vllm_plugin.register()
     vllm_runtime.reset_runtime()
@@ -237,10 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK,
         enable_prefix_caching=True,
         seed=0,
-        kv_transfer_config=kv_transfer_config({"ESA": {"sparse_ratio": 1.0}}),
+        kv_transfer_config=kv_config,
     )
     base = vllm_runtime.worker_runtime()
-    assert base is not None, "the engine built no sparse runtime from its connector config"
+    assert base is not None, "the engine built no sparse runtime from its configuration"
+    bridge = scheduler_bridge()
+    assert bridge is not None, "the engine's connector carries no scheduler channel"
+    configured = bridge.method
     rows: list[str] = []
     breakdown: list[str] = []
     gen = torch.Generator().manual_seed(0)
@@ -251,6 +335,19 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(2)
         ]
         size = f"{tokens // 1024}k"
+        # The engine as configured: its own runtime and scheduler method, nothing installed.
+        dense = Measured(_runtime(base.vllm_config, None))
+        documented = Measured(base)
+        _warm(llm, dense, prompts, args.decode)
+        bridge.method = configured
+        _warm(llm, documented, prompts, args.decode)
+        speedup = _compare_configured(llm, dense, documented, bridge, configured, prompts, args)
+        label = f"documented configuration ({args.connector}, {args.config_source})"
+        rows.append(
+            f"| {label} | {size} | {args.ratio:.0%} | {documented.median_ms():.1f} | {dense.median_ms():.1f}"
+            f" | {speedup:.2f}× |"
+        )
+        print(rows[-1], flush=True)
         for name in args.methods:
             for ratio in (args.ratio, 1.0):
                 dense, sparse, speedup = _row(llm, base.vllm_config, prompts, args, name, ratio)
@@ -303,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
             *breakdown,
         ]
     )
+    if args.connector != "sparse" or args.config_source != "extra":
+        text = text.replace(
+            "This run:",
+            f"This run: connector ``{args.connector}``, ``ucm_sparse_config`` from ``{args.config_source}``;",
+            1,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
     print(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -147,10 +148,19 @@ def test_doctor_reports_hooks_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert "vllm" in sys.modules
 
 
-def _engine_config(sparse: dict[str, object] | None) -> SimpleNamespace:
-    """The two attributes of a VllmConfig the runtime reads: the connector's extra config."""
-    extra = {"ucm_sparse_config": sparse} if sparse is not None else {}
-    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+def _engine_config(
+    sparse: dict[str, object] | None,
+    connector: str | None = "UcmSparseConnector",
+    module_path: str | None = "ucm_client.sparse.vllm_connector",
+    **extra: object,
+) -> SimpleNamespace:
+    """The attributes of a VllmConfig the runtime reads: the connector and its extra config."""
+    if sparse is not None:
+        extra["ucm_sparse_config"] = sparse
+    transfer = SimpleNamespace(
+        kv_connector=connector, kv_connector_module_path=module_path, kv_connector_extra_config=extra
+    )
+    return SimpleNamespace(kv_transfer_config=transfer)
 
 
 def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,5 +180,58 @@ def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytes
         assert rt2 is not None and rt2 is not rt1 and isinstance(rt2.method, GSA)
         assert vllm_runtime.runtime_for_engine(_engine_config(None)) is None  # no config: dense
         assert vllm_runtime.runtime_for_engine(_engine_config({"enabled": False, "ESA": {}})) is None
+    finally:
+        vllm_runtime.reset_runtime()
+
+
+def test_an_engine_whose_connector_carries_no_channel_refuses_naming_the_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sparse attention never starts keyed by anything but the request: without a connector that carries
+    the scheduler's metadata the runtime refuses, and the error holds the configurations to use, with
+    the user's own ``ucm_sparse_config`` in them."""
+    pytest.importorskip("vllm")
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
+
+    monkeypatch.setenv(ENV_VAR, json.dumps(SEED_CONFIG))
+    vllm_runtime.reset_runtime()
+    try:
+        for engine, where in (
+            (SimpleNamespace(), "no kv_transfer_config"),
+            (_engine_config(None, None, None), "no kv_transfer_config"),
+            (
+                _engine_config(None, "LMCacheConnectorV1", "vllm.distributed.kv_transfer"),
+                "'LMCacheConnectorV1'",
+            ),
+        ):
+            with pytest.raises(SparseConfigError, match="Refusing to start") as refused:
+                vllm_runtime.runtime_for_engine(engine)
+            message = str(refused.value)
+            assert where in message
+            suggested = {c["kv_connector"]: c for c in map(json.loads, re.findall(r"'(\{.*?\})'", message))}
+            assert suggested["UCMConnector"]["kv_connector_module_path"] == "ucm_client.vllm.connector"
+            alone = suggested["UcmSparseConnector"]
+            assert alone["kv_connector_module_path"] == "ucm_client.sparse.vllm_connector"
+            assert alone["kv_connector_extra_config"]["ucm_sparse_config"]["ESA"] == SEED_CONFIG["ESA"]
+            assert alone["kv_connector_extra_config"]["ucm_sparse_config"]["min_seq_len"] == 256
+        # Either of ours carries it, alone or inside vLLM's MultiConnector.
+        for engine in (
+            _engine_config(None),
+            _engine_config(None, "UCMConnector", "ucm_client.vllm.connector"),
+            _engine_config(
+                None,
+                "MultiConnector",
+                None,
+                connectors=[
+                    {"kv_connector": "LMCacheConnectorV1"},
+                    {
+                        "kv_connector": "UcmSparseConnector",
+                        "kv_connector_module_path": "ucm_client.sparse.vllm_connector",
+                    },
+                ],
+            ),
+        ):
+            vllm_runtime.reset_runtime()
+            assert vllm_runtime.runtime_for_engine(engine) is not None
     finally:
         vllm_runtime.reset_runtime()

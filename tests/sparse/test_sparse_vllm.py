@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import run_vllm_script, sparse_llm
+from tests.support.sparse_engine import run_vllm_script, small_window_runtime, sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -27,14 +27,18 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format.
-    env = {ENV_VAR: json.dumps({"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}})}
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
+
+    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format
+    # (it wins over the connector's extra config, which carries the scheduler → worker channel).
+    sparse = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
     with sparse_llm(
         tmp_path_factory.mktemp("models"),
         layers=LAYERS,
         block_size=BLOCK,
-        env=env,
+        env={ENV_VAR: json.dumps(sparse)},
         enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer_config({"ESA": {"sparse_ratio": 0.5}}),
     ) as llm:
         yield llm
 
@@ -65,22 +69,7 @@ def _generate(llm: Any, runtime: Any) -> list[list[int]]:
 
 
 def _runtime(llm: Any, ratio: float, name: str = "ESA") -> Any:
-    from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
-
-    method = UcmSparseFactory.create_sparse_method(
-        name,
-        UcmSparseRole.WORKER,
-        {
-            "sparse_ratio": ratio,
-            "local_window_sz": 2,
-            "init_window_sz": 1,
-            "retrieval_stride": 2,
-            "min_blocks": 2,
-        },
-    )
-    return SparseWorkerRuntime(method, vllm_config=llm.ucm_runtime.vllm_config)
+    return small_window_runtime(llm, ratio, name=name, retrieval_stride=2, min_seq_len=0)
 
 
 def test_esa_full_budget_equals_dense_and_hooks_fire_on_every_layer(engine: Any) -> None:
@@ -218,7 +207,7 @@ def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) 
     hooks = json.loads(trace.read_text())
     assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
     assert hooks["hooks"]["bind_step_meta:-1"] >= 12  # scheduler metadata crossed into the worker
-    assert hooks["hooks"].get("row_key_fallback:-1", 0) == 0  # rows named by request id
+    assert hooks["hooks"].get("row_unnamed:-1", 0) == 0  # rows named by request id
     for layer in range(LAYERS):
         assert hooks["hooks"][f"attention_begin:{layer}"] >= 12
         assert hooks["hooks"][f"attention_finished:{layer}"] >= 12

@@ -119,8 +119,8 @@ class LayerSpec:
 class PagedAttentionMeta:
     """The backend-neutral view of a step's attention metadata for one layer.
 
-    Rows are requests. ``row_keys`` identify a row's request across steps (the request id when the
-    scheduler metadata is available, otherwise a stable surrogate the driver chooses).
+    Rows are requests. ``row_keys`` identify a row's request across steps (its request id); ``None``
+    marks a row whose request is unknown this step, which attends densely and leaves no state.
     """
 
     query_start_loc: torch.Tensor
@@ -130,7 +130,7 @@ class PagedAttentionMeta:
     block_table: torch.Tensor
     """``[num_rows, max_blocks]`` physical block ids per row."""
     num_actual_tokens: int
-    row_keys: Sequence[str]
+    row_keys: Sequence[str | None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,9 +130,10 @@ class ColdStepPlanner(Protocol):
 
 @runtime_checkable
 class SupportsColdKV(Protocol):
-    """A connector that carries cold-KV orders to the workers (``UcmSparseConnector``)."""
+    """A connector that carries cold-KV orders to the workers (``UCMConnector``, ``UcmSparseConnector``)."""
 
-    cold_config: ColdKVConfig | None
+    @property
+    def cold_config(self) -> ColdKVConfig | None: ...
 
     def sparse_budget(self) -> BlockBudget | None: ...
 

@@ -9,7 +9,8 @@ request fit. In their place the request gets ``num_kept(max blocks)`` scratch bl
 (enough for any ESA selection), which the workers fill with the selected cold blocks.
 
 :class:`ColdKVScheduler` is vLLM's scheduler with the planner wired in (``scheduler_cls``); it is
-used with :class:`~ucm_client.sparse.vllm.connector.UcmSparseConnector` and its ``cold_kv`` setting.
+used with a connector that carries the sparse channel (``UCMConnector`` or ``UcmSparseConnector``)
+and its ``cold_kv`` setting.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ class ColdKVScheduler(Scheduler):
         connector = self.connector
         if not isinstance(connector, SupportsColdKV) or connector.cold_config is None:
             raise SparseInputError(
-                "ColdKVScheduler needs kv_transfer_config with UcmSparseConnector and a cold_kv entry"
+                "ColdKVScheduler needs kv_transfer_config with UCMConnector or UcmSparseConnector, "
+                "ucm_sparse_config and a cold_kv entry"
             )
         if self.parallel_config.world_size != 1:
             # Keys carry no rank: two workers would overwrite each other's shard of a block.

@@ -415,11 +415,11 @@ class BlockSparseMethod(UcmSparseBase):
         selections: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
         pending = self._pending_features[spec.layer_idx] = []
         for row, row_key in enumerate(meta.row_keys):
-            self._rows_seen.add(row_key)
             n = int(seq_lens[row])
-            if n < max(self.min_seq_len, 1):
+            if row_key is None or n < max(self.min_seq_len, 1):
                 self.stats["dense_rows"] += 1
-                continue  # short: dense, and no features yet
+                continue  # unknown request, or short: dense, and no features yet
+            self._rows_seen.add(row_key)
             num_blocks = -(-n // spec.block_size)
             blocks = meta.block_table[row, :num_blocks]
             state = self._row_state(row_key, spec.layer_idx, blocks)

@@ -1,10 +1,9 @@
-"""``UcmSparseConnector``: the channel that carries sparse metadata from vLLM's scheduler to its workers.
+"""``UcmSparseConnector``: sparse attention's scheduler → worker channel, alone (no KV storage).
 
-vLLM has exactly one supported path from the scheduler to the workers for out-of-tree code: the KV
-connector's metadata (built by ``build_connector_meta`` in the engine core, bound by
-``bind_connector_metadata`` in every worker before the forward). This connector uses it for the
-sparse method's request-level hooks and nothing else: it moves no KV, so every load/save hook is a
-no-op. Configure it as::
+The channel itself (:class:`~ucm_client.sparse.vllm.channel.SparseChannel`) is what any connector of
+ours carries; ``UCMConnector`` carries it too when its extra config holds ``ucm_sparse_config``, so
+prefix storage in ``ucm-server`` plus sparse attention is one connector. This one is for sparse
+attention without storage: it moves no KV, so every load/save hook is a no-op. Configure it as::
 
     kv_transfer_config={"kv_connector": "UcmSparseConnector",
                         "kv_connector_module_path": "ucm_client.sparse.vllm_connector",
@@ -15,10 +14,9 @@ With a ``cold_kv`` entry in the extra config (and ``scheduler_cls`` set to
 :class:`~ucm_client.sparse.coldkv_scheduler.ColdKVScheduler`) it also carries the cold-KV orders: long
 requests' cold blocks go to ``ucm-server`` and leave vLLM's block pool (:mod:`ucm_client.sparse.coldkv`).
 
-With it, worker state is keyed by request id (prefix caching and parallel sampling are safe) and
-finished requests are dropped as the scheduler finishes them. Without it, the backend falls back to
-keying rows by their first physical block, which is wrong whenever requests share a prefix; to use
-it next to the UCM connector, list both in vLLM's ``MultiConnector``.
+With the channel, worker state is keyed by request id (prefix caching and parallel sampling are safe)
+and finished requests are dropped as the scheduler finishes them. Without a connector that carries
+it, the attention backend refuses to start sparse attention (:mod:`ucm_client.sparse.vllm.carrier`).
 """
 
 from __future__ import annotations
@@ -34,14 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ucm_client.sparse.base import SparseMeta, UcmSparseRole
 from ucm_client.sparse.coldkv.orders import ColdKVConfig, ColdKVStepMeta, ColdStepPlanner
-from ucm_client.sparse.coldkv.worker import ColdKVWorker
-from ucm_client.sparse.config import BlockBudget, load_sparse_config
-from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.methods.block_sparse import BlockSparseMethod
-from ucm_client.sparse.vllm.bridge import SparseSchedulerBridge
-from ucm_client.sparse.vllm.runtime import worker_runtime
+from ucm_client.sparse.config import BlockBudget
+from ucm_client.sparse.vllm.channel import SparseChannel, SparseStep, cold_worker, scheduler_bridge
 
 __all__ = [
     "SparseConnectorMetadata",
@@ -50,9 +43,6 @@ __all__ = [
     "kv_transfer_config",
     "scheduler_bridge",
 ]
-
-_BRIDGE: SparseSchedulerBridge | None = None
-_COLD_WORKER: ColdKVWorker | None = None
 
 
 def kv_transfer_config(
@@ -74,53 +64,40 @@ def kv_transfer_config(
     }
 
 
-def scheduler_bridge() -> SparseSchedulerBridge | None:
-    """The scheduler bridge of the connector built last in this process (tests read its trace)."""
-    return _BRIDGE
-
-
-def cold_worker() -> ColdKVWorker | None:
-    """The cold-KV worker of the connector registered last in this process (tests read its stats)."""
-    return _COLD_WORKER
-
-
 @dataclass(slots=True)
 class SparseConnectorMetadata(KVConnectorMetadata):
-    """One step's sparse metadata (``None`` when sparse attention is off)."""
+    """One step's sparse metadata (``None`` parts: that half is off)."""
 
-    sparse: SparseMeta | None
+    sparse: Any
     cold: ColdKVStepMeta | None = None
+
+    @property
+    def step(self) -> SparseStep:
+        return SparseStep(self.sparse, self.cold)
 
 
 class UcmSparseConnector(KVConnectorBase_V1):
     """KV connector whose only job is the sparse scheduler → worker channel."""
 
+    carries_sparse_channel = True
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        global _BRIDGE
         super().__init__(vllm_config, role, kv_cache_config)
-        self._bridge: SparseSchedulerBridge | None = None
-        self._cold_planner: ColdStepPlanner | None = None
-        self._cold_worker: ColdKVWorker | None = None
         raw_extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra = dict(raw_extra) if raw_extra else None
-        self.cold_config = ColdKVConfig.from_extra(extra)
+        self.channel = SparseChannel(vllm_config, role is KVConnectorRole.SCHEDULER, extra)
+
+    @property
+    def cold_config(self) -> ColdKVConfig | None:
         """The ``cold_kv`` setting (``None``: every block stays in vLLM's cache)."""
-        if role is KVConnectorRole.SCHEDULER:
-            config = load_sparse_config(extra)
-            if config is not None and config.enabled:
-                method = UcmSparseFactory.from_config(config, UcmSparseRole.SCHEDULER)
-                self._bridge = SparseSchedulerBridge(method, int(vllm_config.cache_config.block_size))
-            _BRIDGE = self._bridge
+        return self.channel.cold_config
 
     # ------------------------------------------------------------ scheduler
     def sparse_budget(self) -> BlockBudget | None:
-        """The block budget of the configured method, if it is block-sparse (what cold KV sizes by)."""
-        method = None if self._bridge is None else self._bridge.method
-        return method.spec.budget() if isinstance(method, BlockSparseMethod) else None
+        return self.channel.sparse_budget()
 
     def attach_cold_planner(self, planner: ColdStepPlanner) -> None:
-        """Called by :class:`~ucm_client.sparse.coldkv_scheduler.ColdKVScheduler` once it is built."""
-        self._cold_planner = planner
+        self.channel.attach_cold_planner(planner)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
@@ -129,48 +106,25 @@ class UcmSparseConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        sparse = None if self._bridge is None else self._bridge.build(scheduler_output)
-        cold = None if self._cold_planner is None else self._cold_planner.step_meta(scheduler_output)
-        return SparseConnectorMetadata(sparse, cold)
+        step = self.channel.step(scheduler_output)
+        return SparseConnectorMetadata(step.sparse, step.cold)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._bridge is not None:
-            self._bridge.finish(request.request_id)
+        self.channel.finish(request.request_id)
         return False, None
 
     # ------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        global _COLD_WORKER
-        if self.cold_config is not None:
-            if _COLD_WORKER is not None:  # a previous engine of this process that was not shut down
-                _COLD_WORKER.close()
-            _COLD_WORKER = self._cold_worker = ColdKVWorker(self.cold_config, kv_caches)
+        self.channel.register_kv_caches(kv_caches)
 
     def shutdown(self) -> None:
         """Release the cold-KV worker's daemon client and staging buffer (the worker's shutdown)."""
-        global _COLD_WORKER
-        worker, self._cold_worker = self._cold_worker, None
-        if worker is not None:
-            worker.close()
-            if _COLD_WORKER is worker:
-                _COLD_WORKER = None
+        self.channel.shutdown()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        runtime = worker_runtime()
-        if not isinstance(connector_metadata, SparseConnectorMetadata):
-            return
-        if runtime is not None:
-            runtime.bind_step_meta(connector_metadata.sparse)
-        cold = connector_metadata.cold
-        if cold is not None:
-            if _COLD_WORKER is None:
-                raise RuntimeError("cold KV metadata arrived before the worker registered its KV caches")
-            if cold.releases and (runtime is None or not isinstance(runtime.method, BlockSparseMethod)):
-                raise RuntimeError("cold KV released blocks, but this worker runs no block-sparse method")
-            _COLD_WORKER.apply(cold)
-            if runtime is not None and isinstance(runtime.method, BlockSparseMethod):
-                runtime.method.block_resolver = _COLD_WORKER
+        if isinstance(connector_metadata, SparseConnectorMetadata):
+            self.channel.bind(connector_metadata.step)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

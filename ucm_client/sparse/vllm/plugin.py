@@ -135,10 +135,10 @@ def verify_patches() -> list[HookStatus]:
             HookStatus(
                 hook,
                 channel,
-                "scheduler metadata arrives through UcmSparseConnector; rows keyed by request id"
+                "scheduler metadata arrives through the connector; rows keyed by request id"
                 if channel
-                else "configure ucm_client.sparse.vllm_connector.UcmSparseConnector (else rows are keyed "
-                "by first block, wrong under prefix caching)",
+                else "no scheduler metadata seen: configure UCMConnector or UcmSparseConnector with "
+                "ucm_sparse_config (an engine without one refuses to start sparse attention)",
             )
         )
     rows.append(
@@ -148,7 +148,7 @@ def verify_patches() -> list[HookStatus]:
             "vLLM 0.32 allocates every block; no scheduler hook (cold KV frees cold blocks after prefill)",
         )
     )
-    from ucm_client.sparse.vllm.connector import cold_worker
+    from ucm_client.sparse.vllm.channel import cold_worker
 
     cold = cold_worker()
     rows.append(

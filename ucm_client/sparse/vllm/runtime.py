@@ -27,9 +27,10 @@ from ucm_client.sparse.base import (
     UcmSparseRole,
 )
 from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
-from ucm_client.sparse.errors import SparseInputError
+from ucm_client.sparse.errors import SparseConfigError, SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.kernels.paged import detect_page_layout
+from ucm_client.sparse.vllm.carrier import channel_problem
 
 __all__ = [
     "SparseWorkerRuntime",
@@ -151,15 +152,14 @@ class SparseWorkerRuntime:
             self.trace[("sparse_rewrite", idx)] += 1
         return inputs
 
-    def _row_keys(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[str]:
-        """Request id per batch row, from the block each row writes this step (see ``SparseMeta``).
-
-        Without the scheduler channel a row is known by its first physical block: stable for one
-        request, but shared by every request with the same prefix under prefix caching.
-        """
+    def _row_keys(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> list[str | None]:
+        """Request id per batch row, from the block each row writes this step (see ``SparseMeta``);
+        ``None`` for a row no scheduled request writes into (it attends densely, keeps no state)."""
         memo_key = ("row_keys", id(block_table), id(seq_lens))
         if memo_key in self.step_memo:  # every layer of a step sees the same rows
-            keys: list[str] = self.step_memo[memo_key]
+            keys: list[str | None] = self.step_memo[memo_key]
             return keys
         keys = self._derive_row_keys(block_table, seq_lens, block_size)
         self.step_memo[memo_key] = keys
@@ -167,22 +167,21 @@ class SparseWorkerRuntime:
 
     def _derive_row_keys(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-    ) -> list[str]:
+    ) -> list[str | None]:
         rows = int(seq_lens.numel())
         meta = self._step_meta
         if meta is None or not meta.write_blocks:
-            self.trace[("row_key_fallback", -1)] += rows
-            return [f"blk{int(b)}" for b in block_table[:rows, 0].tolist()]
+            # No scheduler metadata this step: no row can be named. Never key a row by its blocks
+            # (requests sharing a prefix share them): attend densely instead, and count it.
+            self.trace[("row_unnamed", -1)] += rows
+            return [None] * rows
         last = ((seq_lens[:rows].to(torch.int64) - 1).clamp_min(0) // block_size)[:, None]
         written = block_table[:rows].to(torch.int64).gather(1, last).flatten().tolist()
-        keys: list[str] = []
-        for row, block in enumerate(written):
+        keys: list[str | None] = []
+        for block in written:
             req_id = meta.write_blocks.get(int(block))
-            if req_id is None:
-                # No scheduled request writes there (a vLLM path the bridge does not model): fall back
-                # for this row rather than fail the step, and count it.
-                self.trace[("row_key_fallback", -1)] += 1
-                req_id = f"blk{int(block_table[row, 0])}"
+            if req_id is None:  # a vLLM path the bridge does not model: dense for this row, counted
+                self.trace[("row_unnamed", -1)] += 1
             keys.append(req_id)
         return keys
 
@@ -245,6 +244,8 @@ def runtime_for_engine(vllm_config: Any) -> SparseWorkerRuntime | None:
     Built from that engine's ``ucm_sparse_config`` (``$UCM_SPARSE_CONFIG`` first, then the
     connector's extra config), once per engine: a second engine in the same process gets its own,
     never the first one's caches. A pinned runtime (:func:`install_runtime`) is kept and bound.
+    Refuses (``SparseConfigError``, naming the configuration to use) an engine whose connector does
+    not carry the scheduler's metadata: its rows could not be keyed by request.
     """
     global _RUNTIME
     if _EXPLICIT or (_RUNTIME is not None and _RUNTIME.vllm_config is vllm_config):
@@ -254,6 +255,9 @@ def runtime_for_engine(vllm_config: Any) -> SparseWorkerRuntime | None:
     config = load_sparse_config(_extra_config(vllm_config))
     _RUNTIME = None
     if config is not None and config.enabled:
+        problem = channel_problem(vllm_config, config)
+        if problem is not None:
+            raise SparseConfigError(problem)
         method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
         _RUNTIME = SparseWorkerRuntime(method, config, vllm_config=vllm_config)
     return _RUNTIME
