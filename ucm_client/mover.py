@@ -88,6 +88,10 @@ class BlockMover:
             raise IndexError(f"slot {slot} outside the mover's {self.num_slots} slots")
         return self._host[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
+    def view(self, slot: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """``slot``'s bytes as a ``dtype`` tensor of ``shape`` (no copy), to copy parts of a block."""
+        return self.slot(slot).view(dtype).view(tuple(shape))
+
     def segments(self, region: int, slot: int) -> tuple[Segment, ...]:
         return (Segment(region, slot * self.slot_bytes, self.slot_bytes),)
 

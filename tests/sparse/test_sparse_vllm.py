@@ -104,9 +104,9 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
     """A runtime that, after each sparse layer, recomputes the rows it rewrote with plain torch.
 
     For every rewritten decode row it records how far vLLM's output lies from exact attention over
-    the selected blocks (must be ~0: the kernel attended exactly what was selected) and from dense
-    attention over all blocks (must be clearly > 0: otherwise the selection changed nothing and the
-    first check is vacuous).
+    the selected blocks (must be ~0: the kernel attended exactly what was selected; per KV head where
+    the row attends per head, each head over its own blocks) and from dense attention over all blocks
+    (must be clearly > 0: otherwise the selection changed nothing and the first check is vacuous).
     """
     import torch
 
@@ -121,6 +121,7 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
             super().__init__(method, **kw)
             self.sparse_err: list[float] = []
             self.dense_diff: list[float] = []
+            self.head_rows = 0
 
         def begin_layer(self, layer_name: str, **kw: Any) -> Any:
             inputs = super().begin_layer(layer_name, **kw)
@@ -133,16 +134,26 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
                 spec = self.method.layer_specs[0]
                 qsl, cache = args["query_start_loc"].tolist(), args["kv_cache"]
                 out = output.view(output.shape[0], spec.num_heads, spec.head_dim)
+                heads = inputs.head_tables
+                per_head = {} if heads is None else {int(r): i for i, r in enumerate(heads.rows.tolist())}
                 for row in range(len(qsl) - 1):
-                    if qsl[row + 1] - qsl[row] != 1 or int(inputs.seq_lens[row]) == int(
-                        args["seq_lens"][row]
+                    if row not in per_head and (
+                        qsl[row + 1] - qsl[row] != 1
+                        or int(inputs.seq_lens[row]) == int(args["seq_lens"][row])
                     ):
                         continue
                     tok, q = qsl[row], args["query"][qsl[row]]
-                    n_sel, n_all = int(inputs.seq_lens[row]), int(args["seq_lens"][row])
-                    sel = inputs.block_table[row, : -(-n_sel // spec.block_size)]
-                    k, v = read_request_kv(cache, sel, n_sel, spec.layout)
-                    want = dense_decode_attention(q, k, v, spec.scale)
+                    n_all = int(args["seq_lens"][row])
+                    if row in per_head:
+                        assert heads is not None
+                        n_sel = int(heads.seq_lens[per_head[row]])
+                        want = _exact_per_head(cache, heads.block_table[per_head[row]], n_sel, q, spec)
+                        self.head_rows += 1
+                    else:
+                        n_sel = int(inputs.seq_lens[row])
+                        sel = inputs.block_table[row, : -(-n_sel // spec.block_size)]
+                        k, v = read_request_kv(cache, sel, n_sel, spec.layout)
+                        want = dense_decode_attention(q, k, v, spec.scale)
                     full = args["block_table"][row, : -(-n_all // spec.block_size)]
                     k, v = read_request_kv(cache, full, n_all, spec.layout)
                     dense = dense_decode_attention(q, k, v, spec.scale)
@@ -154,12 +165,32 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
     return Checking(base.method, vllm_config=base.vllm_config)
 
 
+def _exact_per_head(cache: Any, table: Any, n_sel: int, q: Any, spec: Any) -> Any:
+    """Exact attention where KV head ``h`` (and its query group) attends to blocks ``table[h]``."""
+    import torch
+
+    from ucm_client.sparse.kernels.attention import dense_decode_attention
+    from ucm_client.sparse.kernels.paged import read_request_kv
+
+    group = spec.num_heads // spec.num_kv_heads
+    outs = []
+    for head in range(spec.num_kv_heads):
+        blocks = table[head, : -(-n_sel // spec.block_size)]
+        k, v = read_request_kv(cache, blocks, n_sel, spec.layout)
+        heads = slice(head * group, (head + 1) * group)
+        outs.append(
+            dense_decode_attention(q[heads], k[:, head : head + 1], v[:, head : head + 1], spec.scale)
+        )
+    return torch.cat(outs)
+
+
 @pytest.mark.parametrize("name", ["ESA", "GSA", "KVStarMultiStep"])
 def test_low_budget_output_is_exact_attention_over_the_selection(engine: Any, name: str) -> None:
     runtime = _checking_runtime(engine, 0.25, name)
     _generate(engine, runtime)
     # seen: 2.9e-7 from exact-over-selection, 0.31 from dense (prompts of 8 blocks: windows only)
     assert len(runtime.sparse_err) >= LAYERS * 10
+    assert runtime.head_rows == len(runtime.sparse_err)  # every sparse row attended per KV head
     assert max(runtime.sparse_err) < 1e-4, max(runtime.sparse_err)
     # Negative control: the same output compared with dense attention differs clearly.
     assert max(runtime.dense_diff) > 100 * max(*runtime.sparse_err, 1e-6), runtime.dense_diff

@@ -30,6 +30,7 @@ from ucm_client.sparse.session import ExecutionSession, check_tensor
 __all__ = [
     "PUBLIC_HOOKS",
     "AttentionInputs",
+    "HeadTables",
     "LayerSpec",
     "PagedAttentionMeta",
     "RequestSparseMeta",
@@ -131,6 +132,26 @@ class PagedAttentionMeta:
     """``[num_rows, max_blocks]`` physical block ids per row."""
     num_actual_tokens: int
     row_keys: Sequence[str | None]
+    per_head: bool = False
+    """The backend can attend each KV head of a decode row to its own blocks (``HeadTables``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTables:
+    """Decode rows whose KV heads each attend to their own blocks.
+
+    ``block_table[i, h]`` lists the physical blocks KV head ``h`` of batch row ``rows[i]`` attends to
+    (padded past ``seq_lens[i]``'s blocks); every head of a row attends to ``seq_lens[i]`` tokens (the
+    same number of blocks, the partial last block last). The backend runs these rows in one kernel
+    call over the KV cache seen per (block, head) page.
+    """
+
+    rows: torch.Tensor
+    """``[S]`` batch rows."""
+    block_table: torch.Tensor
+    """``[S, kv_heads, k]`` physical block ids per row and KV head."""
+    seq_lens: torch.Tensor
+    """``[S]`` tokens every head of the row attends to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +159,9 @@ class AttentionInputs:
     """What ``attention_begin`` hands back to the backend.
 
     ``block_table`` / ``seq_lens`` are ``None`` to attend densely, or the per-row sparse replacement
-    (selected blocks in order, with ``seq_lens`` counting only the selected tokens).
+    (selected blocks in order, with ``seq_lens`` counting only the selected tokens). Rows listed in
+    ``head_tables`` attend per KV head; their row here is whatever is cheapest for the kernel's batch
+    call (their output is overwritten by the per-head call).
     """
 
     query: torch.Tensor
@@ -147,6 +170,7 @@ class AttentionInputs:
     output: torch.Tensor
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    head_tables: HeadTables | None = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

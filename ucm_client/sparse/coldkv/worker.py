@@ -55,8 +55,16 @@ class _ColdRequest:
     first: int
     last: int
     scratch: tuple[int, ...]
-    held: dict[int, dict[int, int]] = field(default_factory=dict)
-    """Per layer: scratch slot → logical block it holds now."""
+    held: dict[tuple[int, int | None], dict[int, int]] = field(default_factory=dict)
+    """Per (layer, KV head; ``None``: every head, whole pages): scratch slot → logical block it holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where a loaded page goes: a scratch block, whole (``head`` None) or one KV head's page of it."""
+
+    scratch: int
+    head: int | None
 
 
 @dataclass(slots=True)
@@ -137,40 +145,34 @@ class ColdKVWorker:
         copied from the previous layer's guess where it brought them, loaded in one task otherwise.
         Then the next layer's guess is sent.
 
+        A selection is ``[k]`` (every KV head attends to the same blocks: whole pages move) or
+        ``[kv_heads, k]`` (each head its own: a head's page of a cold block goes to the head's page of
+        one of the request's scratch blocks, so each head needs no more scratch than a shared
+        selection would). A block is loaded once however many heads selected it.
+
         The blocks the guess does not cover are sent first and the guess is waited for while the
         daemon loads them: a guess still running never delays a load the layer surely needs."""
         fetch = self._prefetch
         guessed = set(fetch.pages) if fetch is not None and fetch.layer == layer_idx else set()
         out = [physical[logical] for _, logical, physical in rows]
-        loads: list[tuple[str, int, int]] = []  # (request, logical block, scratch block)
-        from_guess: list[tuple[str, int, int]] = []  # the same, for blocks the guess should hold
-        placed: list[tuple[int, int, int]] = []  # (row, position in the selection, scratch block)
+        wanted: dict[tuple[str, int], list[_Target]] = {}  # (request, block) → where it goes
+        placed: list[tuple[int, int | None, int, int]] = []  # (row, head, position, scratch block)
         changed: list[int] = []  # rows whose selection at this layer brought in new blocks
         for row, (request_id, logical, _) in enumerate(rows):
             req = self._cold.get(request_id)
             if req is None:
                 continue
-            wanted = [(i, b) for i, b in enumerate(logical.tolist()) if req.first <= b < req.last]
-            if len(wanted) > len(req.scratch):
-                raise SparseInputError(
-                    f"request {request_id} layer {layer_idx} selected {len(wanted)} cold blocks, "
-                    f"but it has {len(req.scratch)} scratch blocks"
-                )
-            held = req.held.setdefault(layer_idx, {})
-            where = {b: slot for slot, b in held.items()}
-            chosen = {b for _, b in wanted}
-            free = iter(s for s in range(len(req.scratch)) if held.get(s) not in chosen)
-            need = sorted(chosen - set(where))
-            for b in need:
-                slot = next(free)
-                held[slot], where[b] = b, slot
-                (from_guess if (request_id, b) in guessed else loads).append(
-                    (request_id, b, req.scratch[slot])
-                )
-            self.stats["reused_pages"] += len(wanted) - len(need)
-            if need:
+            per_head = [(None, logical)] if logical.dim() == 1 else list(enumerate(logical))
+            new_blocks = False
+            for head, selection in per_head:
+                need = self._place(req, request_id, layer_idx, head, selection, placed, row)
+                for b, scratch in need:
+                    wanted.setdefault((request_id, b), []).append(_Target(scratch, head))
+                new_blocks = new_blocks or bool(need)
+            if new_blocks:
                 changed.append(row)
-            placed.extend((row, i, req.scratch[where[b]]) for i, b in wanted)
+        loads = [(page, targets) for page, targets in wanted.items() if page not in guessed]
+        from_guess = [(page, targets) for page, targets in wanted.items() if page in guessed]
         staged: dict[tuple[str, int], int] = {}
         guess_slots: list[int] = []
 
@@ -183,24 +185,67 @@ class ColdKVWorker:
             self._load(layer_idx, loads, meanwhile=take_guess)
             if self._prefetch is not None:  # no load ran: the guess is still to be waited for
                 take_guess()
-            cache = self.caches[layer_idx]
             # In the guess, but its load did not end OK: the layer loads them itself.
-            missed: list[tuple[str, int, int]] = []
-            for request_id, b, scratch in from_guess:
-                page = staged.get((request_id, b))
-                if page is None:
-                    missed.append((request_id, b, scratch))
+            missed: list[tuple[tuple[str, int], list[_Target]]] = []
+            for page, targets in from_guess:
+                slot = staged.get(page)
+                if slot is None:
+                    missed.append((page, targets))
                 else:
-                    self.mover.copy_out([page], [[cache[scratch]]])
+                    self._place_page(layer_idx, slot, targets)
         finally:
             self._drop_guess(guess_slots)
         self._load(layer_idx, missed)
         self.stats["prefetch_hits"] += len(from_guess) - len(missed)
         self.stats["loaded_pages"] += len(loads) + len(missed)
-        for row, i, scratch in placed:
-            out[row][i] = scratch
+        for row, head, i, scratch in placed:
+            if head is None:
+                out[row][i] = scratch
+            else:
+                out[row][head, i] = scratch
         self._send_prefetch(layer_idx, [rows[row] for row in changed])
         return out
+
+    def _place(
+        self,
+        req: _ColdRequest,
+        request_id: str,
+        layer_idx: int,
+        head: int | None,
+        selection: torch.Tensor,
+        placed: list[tuple[int, int | None, int, int]],
+        row: int,
+    ) -> list[tuple[int, int]]:
+        """Give each cold block of one head's ``selection`` a scratch slot (keeping the ones it holds);
+        the (block, scratch block) pairs that must be brought in."""
+        wanted = [(i, b) for i, b in enumerate(selection.tolist()) if req.first <= b < req.last]
+        if len(wanted) > len(req.scratch):
+            raise SparseInputError(
+                f"request {request_id} layer {layer_idx} selected {len(wanted)} cold blocks, "
+                f"but it has {len(req.scratch)} scratch blocks"
+            )
+        held = req.held.setdefault((layer_idx, head), {})
+        where = {b: slot for slot, b in held.items()}
+        chosen = {b for _, b in wanted}
+        free = iter(s for s in range(len(req.scratch)) if held.get(s) not in chosen)
+        need = []
+        for b in sorted(chosen - set(where)):
+            slot = next(free)
+            held[slot], where[b] = b, slot
+            need.append((b, req.scratch[slot]))
+        self.stats["reused_pages"] += len(wanted) - len(need)
+        placed.extend((row, head, i, req.scratch[where[b]]) for i, b in wanted)
+        return need
+
+    def _place_page(self, layer_idx: int, slot: int, targets: Sequence[_Target]) -> None:
+        """Copy a loaded page from mover ``slot`` where its heads want it: whole, or one head's page."""
+        cache = self.caches[layer_idx]
+        page = self.mover.view(slot, self.dtype, self.page_shape)
+        for target in targets:
+            if target.head is None:
+                cache[target.scratch].copy_(page)
+            else:
+                cache[target.scratch, target.head].copy_(page[target.head])
 
     def _send_prefetch(self, layer_idx: int, rows: Sequence[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Send a load of this layer's cold selection, as the next layer's objects, without waiting.
@@ -216,10 +261,12 @@ class ColdKVWorker:
             req = self._cold.get(request_id)
             if req is None:
                 continue
-            there = set(req.held.get(after, {}).values())
-            pages.extend(
-                (request_id, b) for b in logical.tolist() if req.first <= b < req.last and b not in there
-            )
+            there: set[int] = set()  # held by the next layer (by any of its heads: a guess, not a promise)
+            for (layer, _), held in req.held.items():
+                if layer == after:
+                    there.update(held.values())
+            blocks = sorted(set(logical.flatten().tolist()))  # a block once, however many heads chose it
+            pages.extend((request_id, b) for b in blocks if req.first <= b < req.last and b not in there)
         pages = pages[:PREFETCH_BLOCKS]
         slots = self.mover.acquire(len(pages)) if pages else None
         if not slots:
@@ -273,20 +320,19 @@ class ColdKVWorker:
     def _load(
         self,
         layer_idx: int,
-        loads: list[tuple[str, int, int]],
+        loads: Sequence[tuple[tuple[str, int], list[_Target]]],
         *,
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        """Load into scratch blocks, as many per task as the mover has slots free; ``meanwhile`` runs
-        while the daemon works on the first task."""
+        """Load (request, block) pages into their targets, as many per task as the mover has slots free;
+        ``meanwhile`` runs while the daemon works on the first task."""
         if not loads:
             return
-        cache = self.caches[layer_idx]
-        keys = [cold_block_key(self._nonce, req, layer_idx, b) for req, b, _ in loads]
+        keys = [cold_block_key(self._nonce, req, layer_idx, b) for (req, b), _ in loads]
         self._move(
             "load",
             keys,
-            take=lambda i, slot: self.mover.copy_out([slot], [[cache[loads[i][2]]]]),
+            take=lambda i, slot: self._place_page(layer_idx, slot, loads[i][1]),
             meanwhile=meanwhile,
         )
 

@@ -20,6 +20,7 @@ import torch
 
 from ucm_client.sparse.base import (
     AttentionInputs,
+    HeadTables,
     LayerSpec,
     PagedAttentionMeta,
     RequestSparseMeta,
@@ -442,6 +443,7 @@ class BlockSparseMethod(UcmSparseBase):
                 spec.block_size,
                 read_keys,
                 retrieve=None if row_meta is None else row_meta.retrieve,
+                per_head=meta.per_head,
                 written_tokens=n - 1,  # this step's key reaches the cache during attention
             )
             self.clock.add("selection", time.perf_counter() - start)
@@ -450,21 +452,39 @@ class BlockSparseMethod(UcmSparseBase):
                 new_lens = meta.seq_lens.clone()
             assert new_lens is not None
             selections.append((row, row_key, sel, blocks))
-            new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
+            tail = n - (num_blocks - 1) * spec.block_size  # tokens in the partial last block
+            # Per KV head: the row's own batch call attends its last block only (its output is
+            # overwritten by the per-head call), so it costs the kernel next to nothing.
+            kept = 1 if sel.dim() == 2 else sel.numel()
+            new_lens[row] = (kept - 1) * spec.block_size + tail
             self.stats["sparse_rows"] += 1
-        if new_table is not None:
-            # All rows' selections at once: a resolver that loads blocks does it in one batched task.
-            resolver = self.block_resolver
-            physical = (
-                [blocks[sel] for _, _, sel, blocks in selections]
-                if resolver is None
-                else resolver.resolve_rows(
-                    spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
-                )
+        if new_table is None or new_lens is None:
+            return AttentionInputs(query, key, value, output)
+        # All rows' selections at once: a resolver that loads blocks does it in one batched task.
+        resolver = self.block_resolver
+        physical = (
+            [blocks[sel] for _, _, sel, blocks in selections]
+            if resolver is None
+            else resolver.resolve_rows(
+                spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
             )
-            for (row, _, sel, _), ids in zip(selections, physical, strict=True):
+        )
+        heads: list[tuple[int, torch.Tensor]] = []
+        for (row, _, sel, blocks), ids in zip(selections, physical, strict=True):
+            if sel.dim() == 2:
+                new_table[row, 0] = blocks[-1]  # the local window's last block: never cold
+                heads.append((row, ids))
+            else:
                 new_table[row, : sel.numel()] = ids
-        return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
+        return AttentionInputs(
+            query,
+            key,
+            value,
+            output,
+            block_table=new_table,
+            seq_lens=new_lens,
+            head_tables=_head_tables(heads, new_lens, spec.block_size) if heads else None,
+        )
 
     def _row_state(self, row_key: str, layer_idx: int, blocks: torch.Tensor) -> DecodeState:
         state = self._states.setdefault((row_key, layer_idx), DecodeState())
@@ -581,6 +601,19 @@ class ChannelMajorFeatures(BlockSparseMethod):
         if shrink is None or shrink.shape[-1] != n:
             state.aux["shrink"] = shrink = norm_shrink(state.aux["sq_norms"])
         return shrink
+
+
+def _head_tables(rows: list[tuple[int, torch.Tensor]], lens: torch.Tensor, block_size: int) -> HeadTables:
+    """The per-KV-head rows of a step: each row's ``[kv_heads, k]`` physical blocks, padded to the
+    longest; every head of a row attends ``k - 1`` full blocks and the row's partial last one."""
+    longest = max(ids.shape[-1] for _, ids in rows)
+    table = torch.zeros(len(rows), rows[0][1].shape[0], longest, dtype=torch.int32)
+    seq_lens = torch.empty(len(rows), dtype=torch.int32)
+    for i, (row, ids) in enumerate(rows):
+        table[i, :, : ids.shape[-1]] = ids
+        seq_lens[i] = (ids.shape[-1] - 1) * block_size + int(lens[row])  # lens holds the tail now
+    index = torch.tensor([row for row, _ in rows], dtype=torch.int64)
+    return HeadTables(rows=index, block_table=table, seq_lens=seq_lens)
 
 
 def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:

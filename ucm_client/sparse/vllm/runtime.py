@@ -75,6 +75,9 @@ class SparseWorkerRuntime:
         """Values every layer of one step can share (the attention backend's); emptied each step."""
         self.decode_step_s: list[float] = []
         """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
+        self.per_head = True
+        """Let each KV head attend to its own blocks where the backend can (False: one block table
+        for all heads of a row, as vLLM's kernel takes it; kept to measure what per-head buys)."""
 
     def bind_step_meta(self, meta: SparseMeta | None) -> None:
         """The scheduler's metadata for the next step (from the sparse connector), before the forward.
@@ -126,6 +129,7 @@ class SparseWorkerRuntime:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         num_actual_tokens: int,
+        per_head: bool = False,
     ) -> AttentionInputs:
         idx = layer_index(layer_name)
         if not self._registered:
@@ -143,6 +147,7 @@ class SparseWorkerRuntime:
             block_table=block_table[: seq_lens.numel()],
             num_actual_tokens=num_actual_tokens,
             row_keys=row_keys,
+            per_head=per_head and self.per_head,
         )
         start = time.perf_counter()
         inputs = self.method.attention_begin(idx, query, key, value, meta, output=output)
@@ -150,6 +155,8 @@ class SparseWorkerRuntime:
         self.trace[("attention_begin", idx)] += 1
         if inputs.block_table is not None:
             self.trace[("sparse_rewrite", idx)] += 1
+        if inputs.head_tables is not None:
+            self.trace[("per_head_rows", idx)] += int(inputs.head_tables.rows.numel())
         return inputs
 
     def _row_keys(
