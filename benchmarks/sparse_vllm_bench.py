@@ -13,14 +13,16 @@ attention: a retrieval reads 16 channels of each KV head's keys once for its who
 i.e. 1/4 of a QK pass when every query head has its own 64-channel KV head, 1/32 with four query
 heads per 128-channel KV head.
 
-*step ms*: median wall time of the decode-only steps (first attention layer to last layer, i.e. the
-whole model but embedding, final norm and sampling) for the batch of two, over ``--repeat`` rounds
-that each run dense then sparse for 1 + D tokens with the prompts already in vLLM's prefix cache;
-the speed-up is the median over rounds of each round's dense / sparse medians (a shared machine's
-noise hits neighbouring runs alike). *dense* runs vLLM's own kernel through the same hooks with a
-method that never sparsifies. Sparse rows use each method's defaults but ``sparse_ratio``, and the
-scheduler side runs the same method (its retrieval decisions follow the method's own stride);
-``100%`` rows run the sparse backend at full budget (the cost of the hooks alone).
+*step ms*: median CPU time of this process over the decode-only steps (first attention layer to last
+layer, i.e. the whole model but embedding, final norm and sampling) for the batch of two, over
+``--repeat`` rounds that each run dense then sparse for 1 + D tokens with the prompts already in
+vLLM's prefix cache; the speed-up is the median over rounds of each round's dense / sparse medians,
+in CPU time (what the step computed, whatever else a shared machine runs) and in wall time (a shared
+machine's noise hits neighbouring runs alike, but not evenly). *dense* runs vLLM's own kernel
+through the same hooks with a method that never sparsifies. Sparse rows use each method's defaults
+but ``sparse_ratio``, and the scheduler side runs the same method (its retrieval decisions follow the
+method's own stride); ``100%`` rows run the sparse backend at full budget (the cost of the hooks
+alone). Decode rows attend per KV head (each head to its own blocks), as the backend runs them.
 
 The model is random-weight and the prompts random tokens: attention is spread evenly and
 consecutive decode queries are nearly unrelated, so each method's drift refresh fires on most
@@ -102,19 +104,21 @@ def _runtime(vllm_config: Any, name: str | None, ratio: float = 1.0, **overrides
 
 @dataclass
 class Measured:
-    """Decode-only step times of one runtime over the rounds, and its phase clock."""
+    """Decode-only step times (wall and CPU) of one runtime over the rounds, and its phase clock."""
 
     runtime: Any
     steps: list[float] = field(default_factory=list)
+    cpu_steps: list[float] = field(default_factory=list)
 
-    def median_ms(self) -> float:
-        return 1e3 * statistics.median(self.steps)
+    def median_cpu_ms(self) -> float:
+        return 1e3 * statistics.median(self.cpu_steps)
 
 
 def _warm(llm: Any, measured: Measured, prompts: list[dict[str, list[int]]], decode: int) -> None:
     """One untimed run: prompts into vLLM's prefix cache, the method's first-request costs paid."""
     _run(llm, measured, prompts, decode)
     measured.steps.clear()
+    measured.cpu_steps.clear()
     measured.runtime.method.clock.clear()
 
 
@@ -127,47 +131,46 @@ def _run(llm: Any, measured: Measured, prompts: list[dict[str, list[int]]], deco
     runtime = measured.runtime
     vllm_runtime.install_runtime(runtime)
     runtime.decode_step_s.clear()
+    runtime.decode_step_cpu_s.clear()
     params = SamplingParams(max_tokens=1 + decode, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     measured.steps.extend(runtime.decode_step_s)
+    measured.cpu_steps.extend(runtime.decode_step_cpu_s)
 
 
 def _compare(
-    llm: Any, dense: Measured, sparse: Measured, prompts: list[dict[str, list[int]]], decode: int, rounds: int
-) -> float:
-    """Dense and sparse runs interleaved ``rounds`` times; the median over rounds of dense / sparse.
-
-    On a shared, noisy box a disturbance hits the runs next to each other alike, so the ratio of
-    each round's medians is steadier than a ratio of two separately taken figures.
-    """
-    ratios = []
-    for _ in range(rounds):
-        d0, s0 = len(dense.steps), len(sparse.steps)
-        _run(llm, dense, prompts, decode)
-        _run(llm, sparse, prompts, decode)
-        ratios.append(statistics.median(dense.steps[d0:]) / statistics.median(sparse.steps[s0:]))
-    return statistics.median(ratios)
-
-
-def _compare_configured(
     llm: Any,
     dense: Measured,
-    documented: Measured,
-    bridge: Any,
-    scheduler_method: Any,
+    sparse: Measured,
     prompts: list[dict[str, list[int]]],
     args: argparse.Namespace,
-) -> float:
-    """:func:`_compare` for the engine's own runtime: the scheduler half runs the configured method
-    for its runs (the dense runs swap in their own, as every dense run does)."""
-    ratios = []
+    before_sparse: Any = None,
+) -> tuple[float, float]:
+    """Dense and sparse runs interleaved ``--repeat`` times; the medians over rounds of dense / sparse,
+    in CPU time and in wall time. ``before_sparse`` runs before each sparse run.
+
+    On a shared, noisy box a disturbance hits the runs next to each other alike, so the ratio of
+    each round's medians is steadier than a ratio of two separately taken figures; CPU time counts
+    only what the step itself computed, whatever else the machine runs.
+    """
+    cpu, wall = [], []
     for _ in range(args.repeat):
-        d0, s0 = len(dense.steps), len(documented.steps)
+        d0, s0 = len(dense.steps), len(sparse.steps)
         _run(llm, dense, prompts, args.decode)
-        bridge.method = scheduler_method
-        _run(llm, documented, prompts, args.decode)
-        ratios.append(statistics.median(dense.steps[d0:]) / statistics.median(documented.steps[s0:]))
-    return statistics.median(ratios)
+        if before_sparse is not None:
+            before_sparse()
+        _run(llm, sparse, prompts, args.decode)
+        cpu.append(statistics.median(dense.cpu_steps[d0:]) / statistics.median(sparse.cpu_steps[s0:]))
+        wall.append(statistics.median(dense.steps[d0:]) / statistics.median(sparse.steps[s0:]))
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def _table_row(label: str, size: str, ratio: float, dense: Measured, sparse: Measured, speedup: Any) -> str:
+    cpu, wall = speedup
+    return (
+        f"| {label} | {size} | {ratio:.0%} | {sparse.median_cpu_ms():.1f} | {dense.median_cpu_ms():.1f}"
+        f" | {cpu:.2f}× | {wall:.2f}× |"
+    )
 
 
 BREAKDOWN_DOC = (
@@ -192,13 +195,26 @@ def _row(
     name: str,
     ratio: float,
     **overrides: Any,
-) -> tuple[Measured, Measured, float]:
+) -> tuple[Measured, Measured, tuple[float, float]]:
     """One table row: fresh dense and sparse runtimes, both warmed, then interleaved rounds."""
     dense = Measured(_runtime(vllm_config, None))
     sparse = Measured(_runtime(vllm_config, name, ratio, **overrides))
     _warm(llm, dense, prompts, args.decode)
     _warm(llm, sparse, prompts, args.decode)
-    return dense, sparse, _compare(llm, dense, sparse, prompts, args.decode, args.repeat)
+    return dense, sparse, _compare(llm, dense, sparse, prompts, args)
+
+
+def _heads_row(
+    llm: Any, vllm_config: Any, prompts: list[dict[str, list[int]]], args: argparse.Namespace, name: str
+) -> tuple[Measured, Measured, tuple[float, float]]:
+    """``name`` at ``--ratio`` with one block table per row (every KV head the same blocks, vLLM's
+    kernel as it is) against the same per KV head: the speed-up column is one table / per KV head."""
+    one_table = Measured(_runtime(vllm_config, name, args.ratio))
+    one_table.runtime.per_head = False
+    per_head = Measured(_runtime(vllm_config, name, args.ratio))
+    _warm(llm, one_table, prompts, args.decode)
+    _warm(llm, per_head, prompts, args.decode)
+    return one_table, per_head, _compare(llm, one_table, per_head, prompts, args)
 
 
 PHASES = ("step", "kernel", "kernel_meta", "selection", "features", "hooks_begin", "hooks_finish")
@@ -233,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5, help="interleaved dense/sparse rounds per row")
     parser.add_argument("--methods", nargs="+", default=["ESA", "GSA", "KVStarMultiStep"])
+    parser.add_argument(
+        "--one-table",
+        nargs="*",
+        default=["ESA"],
+        help="methods also run with one block table per row, against themselves per KV head",
+    )
     parser.add_argument(
         "--stride-only",
         nargs="*",
@@ -341,38 +363,38 @@ def _measure(
         _warm(llm, dense, prompts, args.decode)
         bridge.method = configured
         _warm(llm, documented, prompts, args.decode)
-        speedup = _compare_configured(llm, dense, documented, bridge, configured, prompts, args)
+
+        def scheduler_as_configured() -> None:
+            bridge.method = configured
+
+        speedup = _compare(llm, dense, documented, prompts, args, scheduler_as_configured)
         label = f"documented configuration ({args.connector}, {args.config_source})"
-        rows.append(
-            f"| {label} | {size} | {args.ratio:.0%} | {documented.median_ms():.1f} | {dense.median_ms():.1f}"
-            f" | {speedup:.2f}× |"
-        )
+        rows.append(_table_row(label, size, args.ratio, dense, documented, speedup))
         print(rows[-1], flush=True)
         for name in args.methods:
             for ratio in (args.ratio, 1.0):
                 dense, sparse, speedup = _row(llm, base.vllm_config, prompts, args, name, ratio)
-                rows.append(
-                    f"| {name} | {size} | {ratio:.0%} | {sparse.median_ms():.1f} | {dense.median_ms():.1f}"
-                    f" | {speedup:.2f}× |"
-                )
+                rows.append(_table_row(name, size, ratio, dense, sparse, speedup))
                 print(rows[-1], flush=True)
                 if tokens == longest:
                     if not breakdown:
                         breakdown.append(_breakdown_row(f"dense {size}", dense))
                     breakdown.append(_breakdown_row(f"{name} {size} {ratio:.0%}", sparse))
                     print(breakdown[-1], flush=True)
+        for name in args.one_table:
+            one_table, per_head, speedup = _heads_row(llm, base.vllm_config, prompts, args, name)
+            label = f"{name} per KV head, against one table per row (the *dense* columns: one table)"
+            rows.append(_table_row(label, size, args.ratio, one_table, per_head, speedup))
+            print(rows[-1], flush=True)
         if tokens == longest:
             for name in args.stride_only:
                 # Diagnostic, not a default: what reuse between retrievals buys when queries do not
                 # drift (the drift refresh fires on every step of this random model).
-                _, sparse, speedup = _row(
+                dense, sparse, speedup = _row(
                     llm, base.vllm_config, prompts, args, name, args.ratio, drift_cosine=0.0
                 )
                 label = f"{name} (stride reuse only, drift refresh off: diagnostic)"
-                rows.append(
-                    f"| {label} | {size} | {args.ratio:.0%} | {sparse.median_ms():.1f}"
-                    f" | {dense.median_ms():.1f} | {speedup:.2f}× |"
-                )
+                rows.append(_table_row(label, size, args.ratio, dense, sparse, speedup))
                 print(rows[-1], flush=True)
                 breakdown.append(_breakdown_row(f"{name} {size} {args.ratio:.0%} stride only", sparse))
     vllm_runtime.reset_runtime()
@@ -387,9 +409,9 @@ def _measure(
             f" {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; figures of a loaded run are noisy"
             " beyond what interleaving removes.",
             "",
-            "| method | tokens | budget | decode step ms (batch of 2, median) | dense ms (median) |"
-            " speed-up vs dense (median of rounds) |",
-            "|---|---|---|---|---|---|",
+            "| method | tokens | budget | decode step CPU ms (batch of 2, median) | dense CPU ms (median) |"
+            " speed-up vs dense, CPU time (median of rounds) | the same in wall time |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
             BREAKDOWN_DOC,

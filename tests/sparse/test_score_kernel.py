@@ -157,6 +157,32 @@ def test_compiled_top_blocks_equals_aggregate_then_select() -> None:
         assert out[:count].tolist() != want.tolist()  # negative control: reversed scores
 
 
+def test_compiled_top_blocks_per_head_equals_select_per_head() -> None:
+    """``top_blocks_per_head`` (windows forced, each KV head's own top-k, sorted) against
+    ``select_blocks_per_head`` on scores where only a featured prefix of blocks is scored."""
+    import numpy as np
+
+    from ucm_client.sparse.kernels.attention import select_blocks_per_head
+    from ucm_client.sparse.kernels.scoring import top_blocks_per_head
+
+    gen = torch.Generator().manual_seed(8)
+    for heads, full, num_blocks, keep, init, local in (
+        (8, 255, 256, 52, 1, 2),
+        (2, 9, 10, 5, 1, 2),
+        (4, 40, 40, 8, 0, 1),
+    ):
+        block_scores = torch.randn(heads, full, generator=gen) * 3
+        padded = torch.full((heads, num_blocks), float("-inf"))
+        padded[:, :full] = block_scores
+        want = select_blocks_per_head(padded, keep, init, local)
+        out = np.empty((heads, num_blocks), np.int64)
+        count = top_blocks_per_head(block_scores.numpy(), num_blocks, keep, init, local, out)
+        assert out[:, :count].tolist() == want.tolist()
+        assert len({tuple(row) for row in out[:, :count].tolist()}) > 1  # the heads chose differently
+        count = top_blocks_per_head((-block_scores).numpy(), num_blocks, keep, init, local, out)
+        assert out[:, :count].tolist() != want.tolist()  # negative control: reversed scores
+
+
 def test_compiled_query_directions_equal_torch() -> None:
     """The drift anchor: unit direction of each KV head's summed query group, compiled vs torch."""
     from ucm_client.sparse.kernels.attention import group_query

@@ -189,6 +189,34 @@ def top_blocks(scores: np.ndarray, num_blocks: int, keep: int, init: int, local:
 @njit(  # type: ignore[untyped-decorator]
     cache=True, nogil=True, fastmath=False, boundscheck=False
 )
+def top_blocks_per_head(
+    scores: np.ndarray, num_blocks: int, keep: int, init: int, local: int, out: np.ndarray
+) -> int:  # pragma: no cover - compiled; tested against kernels.attention.select_blocks_per_head
+    """``select_blocks_per_head`` of ``scores`` float32 ``[H, full]`` padded to ``num_blocks`` in one
+    call: per KV head the first ``init`` and last ``local`` blocks forced in and the ``keep`` best
+    (at least the windows) written to ``out[h]`` in ascending order; returns the count per head."""
+    heads, full = scores.shape
+    first = min(init, num_blocks)
+    local_start = max(first, num_blocks - local)
+    count = min(max(keep, first + num_blocks - local_start), num_blocks)
+    row = np.empty(num_blocks, np.float32)
+    for h in range(heads):
+        for b in range(num_blocks):
+            row[b] = scores[h, b] if b < full else -np.inf
+        for b in range(first):
+            row[b] = np.inf
+        for b in range(local_start, num_blocks):
+            row[b] = np.inf
+        order = np.argsort(-row, kind="mergesort")
+        chosen = np.sort(order[:count])
+        for i in range(count):
+            out[h, i] = chosen[i]
+    return count
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=False, boundscheck=False
+)
 def unit_directions(query: np.ndarray, heads: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """``out[h]``: the unit direction of KV head ``h``'s summed query group (``query`` ``[num_heads, D]``
     float32), the anchor a drift check compares the next query with."""
@@ -364,6 +392,7 @@ def compile_now() -> None:
         out,
     )
     top_blocks(np.zeros((1, 1), np.float32), 2, 1, 1, 1, np.empty(2, np.int64))
+    top_blocks_per_head(np.zeros((1, 1), np.float32), 2, 1, 1, 1, np.empty((1, 2), np.int64))
     unit_directions(np.ones((1, 4), np.float32), 1, np.empty((1, 4), np.float32))
     words = np.zeros((1, 1, 1, 1), np.uint64)
     block_min_hamming(words, words[0, 0], words[0, 0], np.empty((1, 1), np.int64))

@@ -44,7 +44,13 @@ from ucm_client.sparse.kernels.attention import (
     sparse_decode_attention,
 )
 from ucm_client.sparse.kernels.paged import read_request_kv
-from ucm_client.sparse.kernels.scoring import compile_now, grouped_block_max, top_blocks, unit_directions
+from ucm_client.sparse.kernels.scoring import (
+    compile_now,
+    grouped_block_max,
+    top_blocks,
+    top_blocks_per_head,
+    unit_directions,
+)
 
 __all__ = [
     "BlockResolver",
@@ -270,12 +276,16 @@ class BlockSparseMethod(UcmSparseBase):
         block_scores = self._score(self._queries_for_retrieval(state), state.features, state)
         heads = block_scores.shape[0]
         init, local = self._budget.init_window_sz, self._budget.local_window_sz
-        if not per_head and block_scores.device.type == "cpu":
-            chosen = torch.empty(num_blocks, dtype=torch.int64)  # one compiled call, the host's case
-            count = top_blocks(
-                block_scores.float().contiguous().numpy(), num_blocks, keep, init, local, chosen.numpy()
-            )
-            state.selection = chosen[:count]
+        if block_scores.device.type == "cpu":  # one compiled call, the host's case
+            host = block_scores.float().contiguous().numpy()
+            if per_head:
+                chosen = torch.empty(heads, num_blocks, dtype=torch.int64)
+                count = top_blocks_per_head(host, num_blocks, keep, init, local, chosen.numpy())
+                state.selection = chosen[:, :count]
+            else:
+                chosen = torch.empty(num_blocks, dtype=torch.int64)
+                count = top_blocks(host, num_blocks, keep, init, local, chosen.numpy())
+                state.selection = chosen[:count]
         else:
             scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
             scores[:, :full] = block_scores

@@ -146,12 +146,14 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
         module docstring); writes those rows' output."""
         kv_heads, group, dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
         count = int(heads.rows.numel())
-        tokens = md.query_start_loc[heads.rows].to(torch.int64)
-        in_place = bool(torch.equal(tokens, torch.arange(count)))  # decode rows first, as vLLM orders them
+        # A decode-only step (every row one token, every row per KV head): rows are tokens 0..count-1.
+        in_place = count == md.seq_lens.numel() == md.num_actual_tokens
         if in_place:
+            tokens = None
             q = query[:count].reshape(count * kv_heads, group, dim)
             out = output[:count].view(count * kv_heads, group, dim)
         else:
+            tokens = md.query_start_loc[heads.rows].to(torch.int64)
             q = query.index_select(0, tokens).view(count * kv_heads, group, dim)
             out = torch.empty_like(q)
         num_blocks, _, block_size, _ = kv_cache.shape
@@ -183,7 +185,7 @@ class UcmSparseCPUAttentionImpl(CPUAttentionBackendImpl):
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        if not in_place:
+        if tokens is not None:
             output.index_copy_(0, tokens, out.view(count, self.num_heads, dim))
 
     def _scheduler_metadata(

@@ -70,11 +70,14 @@ class SparseWorkerRuntime:
         self._trace_path = os.environ.get(TRACE_ENV)
         self._step_meta: SparseMeta | None = None
         self._step_start = 0.0
+        self._step_cpu_start = 0.0
         self._decode_only = False
         self.step_memo: dict[Any, Any] = {}
         """Values every layer of one step can share (the attention backend's); emptied each step."""
         self.decode_step_s: list[float] = []
         """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
+        self.decode_step_cpu_s: list[float] = []
+        """The same steps' CPU time of this process: what a step costs whatever else the machine runs."""
         self.per_head = True
         """Let each KV head attend to its own blocks where the backend can (False: one block table
         for all heads of a row, as vLLM's kernel takes it; kept to measure what per-head buys)."""
@@ -136,6 +139,7 @@ class SparseWorkerRuntime:
             self._register(layer_name, kv_cache, key[0], int(slot_mapping[0]), num_heads)
         if not self.method.session.is_open:
             self._step_start = time.perf_counter()
+            self._step_cpu_start = time.process_time()
             self._decode_only = num_actual_tokens == int(seq_lens.numel())
             self.step_memo.clear()
             self.method.execute_begin(self._step_meta)
@@ -206,6 +210,7 @@ class SparseWorkerRuntime:
             self._step_meta = None
             if self._decode_only:
                 self.decode_step_s.append(time.perf_counter() - self._step_start)
+                self.decode_step_cpu_s.append(time.process_time() - self._step_cpu_start)
                 clock.add("step", self.decode_step_s[-1])
             clock.end_step(keep=self._decode_only)
             self.trace[("execute_finished", -1)] += 1
