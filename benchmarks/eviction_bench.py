@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.results_file import publish
-from ucm_protocol.keys import BlockKey
+from ucm_protocol.keys import BlockKey, Namespace
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.store.posix import PosixTier
@@ -74,6 +74,27 @@ def _digest(*parts: object) -> bytes:
     return hashlib.sha256(repr(parts).encode()).digest()
 
 
+async def serve(
+    pipeline: Pipeline, cache: CacheTier, namespace: bytes, digests: list[bytes]
+) -> tuple[int, int]:
+    """One request as the connector serves it: a Lookup of its keys (the daemon's Lookup path), a
+    Load of the stored prefix (promoted to the Cache when read from disk), a Dump of the blocks it
+    computed. Returns the blocks it found stored (a prefix), and how many of them were in the Cache."""
+    block = cache.arena.page_size
+    keys = [BlockKey(namespace, d) for d in digests]
+    sizes, _ = await pipeline.lookup_presence(Namespace(namespace), digests)
+    hit = next((i for i, s in enumerate(sizes) if s is None), len(keys))  # the stored prefix
+    in_cache = sum(s is not None for s in await cache.lookup(keys[:hit]))
+    if hit:
+        outs = [[memoryview(bytearray(block))] for _ in range(hit)]
+        results = await pipeline.read_many(list(zip(keys[:hit], outs, strict=True)), owned=True)
+        hit = next((i for i, r in enumerate(results) if not r.ok), hit)
+    if hit < len(keys):
+        data = memoryview(bytes(block))
+        await pipeline.write_many([(k, [data]) for k in keys[hit:]], owned=True)
+    return hit, min(in_cache, hit)
+
+
 async def replay(trace: Trace, policy: str, args: argparse.Namespace, root: Path) -> Figures:
     block = args.block_size
     cache = CacheTier(capacity=args.cache_blocks * block, page_size=block, eviction=policy)
@@ -81,22 +102,12 @@ async def replay(trace: Trace, policy: str, args: argparse.Namespace, root: Path
     pipeline = Pipeline([cache, posix], write_back=False)
     await pipeline.open()
     figures = Figures(policy)
-    data = memoryview(bytes(block))
     try:
         for digests, shared in trace.requests:
-            keys = [BlockKey(NS, d) for d in digests]
-            sizes = await pipeline.lookup(keys)
-            hit = next((i for i, s in enumerate(sizes) if s is None), len(keys))  # the stored prefix
-            in_cache = sum(s is not None for s in await cache.lookup(keys[:hit]))
-            if hit:
-                outs = [[memoryview(bytearray(block))] for _ in range(hit)]
-                results = await pipeline.read_many(list(zip(keys[:hit], outs, strict=True)), owned=True)
-                hit = next((i for i, r in enumerate(results) if not r.ok), hit)
-            if hit < len(keys):
-                await pipeline.write_many([(k, [data]) for k in keys[hit:]], owned=True)
-            figures.blocks += len(keys)
+            hit, in_cache = await serve(pipeline, cache, NS, digests)
+            figures.blocks += len(digests)
             figures.store_hits += hit
-            figures.cache_hits += min(in_cache, hit)
+            figures.cache_hits += in_cache
             figures.shared_blocks += shared
             figures.shared_hits += min(hit, shared)
         figures.disk_bytes = posix.stats().write_bytes
@@ -132,8 +143,8 @@ def table(rows: list[Figures], args: argparse.Namespace) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace's and the store's arguments (the admission benchmark replays the same trace)."""
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--prefixes", type=int, default=400)
     p.add_argument("--zipf", type=float, default=1.0)
@@ -145,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--disk-blocks", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=18)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_arguments(p)
     p.add_argument("--no-write", action="store_true", help="Do not write benchmarks/results/eviction.md.")
     args = p.parse_args(argv)
     trace = make_trace(args)

@@ -1,5 +1,5 @@
 """Where a benchmark's table goes: printed, and written to ``benchmarks/results/<name>.md`` (which
-``python -m benchmarks`` copies into README.md between the ``bench-<name>`` markers)."""
+``python -m benchmarks`` copies into the docs between the ``bench-<name>`` markers)."""
 
 from __future__ import annotations
 

@@ -37,9 +37,9 @@ from pathlib import Path
 
 from ucm_client import UcmClient, key_digest, namespace_id
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.block_index import BlockIndex
 from ucm_server.store.format import encode_header, payload_checksum
 from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix.block_index import BlockIndex
 from ucm_server.testing.daemon import DaemonProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
@@ -392,13 +392,13 @@ def snapshot_rows(opts: Options) -> list[Row]:
         writes, loads = [], []
         for _ in range(opts.repeats):
             started = time.perf_counter()
-            writer._write_snapshots(*writer._index.columns())
+            writer.recovery.write_snapshots(*writer._index.columns())
             writes.append(time.perf_counter() - started)
             epoch = (root / "index.clean").read_bytes()
             reader = PosixTier(roots=[root])
             started = time.perf_counter()
-            loaded, total, _ = reader._load_snapshots([epoch])
-            reader._index.install(loaded, total, set())
+            loaded, total, _, _ = reader.recovery.load_snapshots([epoch])
+            reader._index.install(loaded, total)
             loads.append(time.perf_counter() - started)
         write, write_noise = _med(writes)
         load, load_noise = _med(loads)

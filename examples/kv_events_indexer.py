@@ -3,12 +3,14 @@
 It is written for vLLM's KV events and nothing else (vLLM's own ``KVEventBatch`` classes, a ZeroMQ
 SUB socket, vLLM's replay protocol), so it consumes ``ucm-server``'s events and a vLLM instance's
 (``kv_events_config``) alike. A router asks :meth:`Indexer.score` which node holds the longest prefix
-of a request's block hashes, weighting the medium (GPU beats CPU beats DISK beats SHARED).
+of a request's block hashes, weighting the medium (GPU beats CPU beats STORAGE beats SHARED).
 
-Usage, against a daemon started with ``kv_events_endpoint: tcp://*:5557`` and
-``kv_events_replay_endpoint: tcp://*:5558``::
+Usage, against a daemon started with ``kv_events_endpoint: local`` and
+``kv_events_replay_endpoint: local`` (ipc sockets in its socket directory, run as the daemon's uid)::
 
-    python examples/kv_events_indexer.py node-a=tcp://host-a:5557,tcp://host-a:5558 ...
+    python examples/kv_events_indexer.py node-a=ipc:///run/ucm/kv-events.pub,ipc:///run/ucm/kv-events.replay
+
+(over TCP, a daemon with CURVE keys: :class:`CurveKeys`, docs/security.md)
 
 prints each node's block count per medium as events arrive. Gaps in the sequence numbers (a
 subscriber that joined late, a dropped message, a restarted daemon) are repaired by asking the
@@ -27,7 +29,7 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-MEDIUM_WEIGHT = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "SHARED": 0.3}
+MEDIUM_WEIGHT = {"GPU": 1.0, "CPU": 0.8, "STORAGE": 0.5, "DISK": 0.5, "SHARED": 0.3}
 """What one block hit is worth to a router, by where it must be loaded from."""
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT = END_SEQ
@@ -56,29 +58,56 @@ class NodeState:
         return {(m, h) for m, hashes in self.media.items() for h in hashes}
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """A subscriber's ZeroMQ CURVE identity, for a daemon with ``kv_events_curve_secret_key_file``:
+    the daemon's public key and this subscriber's key pair (Z85), the public one listed in the
+    daemon's ``kv_events_subscribers_file``."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
 class NodeSubscriber:
     """One node's event stream: a SUB socket plus the replay socket that repairs gaps."""
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, replay_endpoint: str | None
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        replay_endpoint: str | None,
+        curve: CurveKeys | None = None,
+        topic: bytes = b"",
     ) -> None:
         self.state = NodeState()
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if curve is not None:
+            curve.apply(self.sub)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(endpoint)
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint:
             self._replay = ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve.apply(self._replay)
             self._replay.connect(replay_endpoint)
 
     def sync(self, start: bytes = SNAPSHOT, timeout_s: float = 10.0) -> None:
         """Ask the replay socket for batches from ``start`` (default: a snapshot) and apply them."""
         if self._replay is None:
             return
-        self._replay.send_multipart([b"", start])
         deadline = time.monotonic() + timeout_s
+        if not self._replay.poll(int(timeout_s * 1000), zmq.POLLOUT):  # not connected (yet)
+            raise TimeoutError("the replay socket accepted no connection")
+        self._replay.send_multipart([b"", start])
         while time.monotonic() < deadline:
             if not self._replay.poll(100):
                 continue

@@ -1,7 +1,7 @@
-"""Write the configuration reference into README.md from the config schema (``ucm_server.config``).
+"""Write the configuration reference into docs/configuration.md from the settings (``ucm_server.config``).
 
 The table sits between ``<!-- config-reference:begin -->`` and ``<!-- config-reference:end -->``;
-``--check`` fails when it is stale (a test runs that), so the README never drifts from the code.
+``--check`` fails when it is stale (a test runs that), so the reference never drifts from the code.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from ucm_server.config import FIELDS  # noqa: E402
 
+TARGET = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 
@@ -51,10 +52,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    name = TARGET.relative_to(ROOT)
+    text = TARGET.read_text()
     if BEGIN not in text or END not in text:
-        print(f"README.md has no {BEGIN} … {END} markers", file=sys.stderr)
+        print(f"{name} has no {BEGIN} … {END} markers", file=sys.stderr)
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
@@ -62,12 +63,12 @@ def main() -> int:
     if args.check:
         if new != text:
             print(
-                "README.md configuration reference is stale; run `python scripts/gen_config_docs.py`",
+                f"{name}: the configuration reference is stale; run `python scripts/gen_config_docs.py`",
                 file=sys.stderr,
             )
             return 1
         return 0
-    readme.write_text(new)
+    TARGET.write_text(new)
     return 0
 
 

@@ -19,13 +19,21 @@ Cycles are strongly connected components (size > 1, or a module importing itself
   runtime                 the loops Python itself would meet at import time
   runtime+typing          adds TYPE_CHECKING edges: layering loops a deferred type hides
   all                     adds in-function imports: every loop, however it is hidden
-tests/test_layering.py fails on any cycle of the `all` graph: the loops issue #12 named (client ->
-gpu -> sync -> client, config <-> store.registry, engine <-> metrics) were each closed by a
-TYPE_CHECKING or in-function import and would have passed a runtime-only check.
+tests/test_layering.py fails on any cycle of the `all` graph: loops such as client -> gpu -> sync ->
+client, config <-> store.registry or engine <-> metrics were each closed by a TYPE_CHECKING or
+in-function import and would have passed a runtime-only check.
+
+Arrows running back up. Each package is also read as a plan of *rooms*: its own modules, and each of
+its sub-packages taken whole (``ucm_server.regions`` is a room of ``ucm_server``, and so is the
+folder ``ucm_server.gpu``). A room stands above every room it imports, so the rooms of a package
+must import each other without a loop: an import that closes a loop between rooms (``regions.py``
+importing from ``gpu/`` while ``gpu/`` imports ``regions.py``) runs back up, from a room below to
+one above, even when no two modules import each other. Every edge of such a loop is reported.
 
 Usage:  python import_graph.py [--root DIR] [--json] [--top N] [--check]
-  --check  exit 1 if the `all` graph has a cycle or a forbidden cross-package import
-           (ucm_client -> ucm_server, ucm_server -> ucm_client, ucm_protocol -> anything else of UCM).
+  --check  exit 1 if the `all` graph has a cycle, an import runs back up (a loop between rooms), or
+           a forbidden cross-package import is found (ucm_client -> ucm_server, ucm_server ->
+           ucm_client, ucm_protocol -> anything else of UCM).
 """
 
 from __future__ import annotations
@@ -201,6 +209,39 @@ def sccs(nodes: list[str], adj: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def room_of(package: str, module: str) -> str | None:
+    """The room of ``package`` that holds ``module``: a module of it, or a sub-package taken whole."""
+    if not module.startswith(package + "."):
+        return None
+    return f"{package}.{module[len(package) + 1 :].split('.', maxsplit=1)[0]}"
+
+
+def back_up(mods: dict[str, Path], internal: list[Edge]) -> list[dict[str, object]]:
+    """The loops between the rooms of each package (see the module docstring), all import kinds
+    counted, with the edges that make them."""
+    packages = sorted(m for m, p in mods.items() if p.name == "__init__.py")
+    found: list[dict[str, object]] = []
+    for package in packages:
+        adj: dict[str, set[str]] = {}
+        edges: dict[tuple[str, str], list[Edge]] = {}
+        for e in internal:
+            a, b = room_of(package, e.src), room_of(package, e.dst)
+            if a and b and a != b:
+                adj.setdefault(a, set()).add(b)
+                edges.setdefault((a, b), []).append(e)
+        rooms = sorted({r for a, bs in adj.items() for r in (a, *bs)})
+        for comp in sccs(rooms, adj):
+            members = set(comp)
+            closing = sorted(
+                f"{e.file}:{e.line} {e.src} -> {e.dst} [{e.kind}]"
+                for (a, b), es in edges.items()
+                if a in members and b in members
+                for e in es
+            )
+            found.append({"package": package, "rooms": comp, "edges": closing})
+    return found
+
+
 def docline(path: Path) -> str:
     try:
         doc = ast.get_docstring(ast.parse(path.read_text()))
@@ -227,19 +268,25 @@ def analyse(root: Path, top: int) -> dict[str, object]:
         for comp in sccs(sorted(mods), adj):
             members = set(comp)
             closing = sorted(
-                {f"{e.file}:{e.line} {e.src} -> {e.dst} [{e.kind}]"
-                 for e in internal if e.kind in kinds and e.src in members and e.dst in members}
+                {
+                    f"{e.file}:{e.line} {e.src} -> {e.dst} [{e.kind}]"
+                    for e in internal
+                    if e.kind in kinds and e.src in members and e.dst in members
+                }
             )
             found.append({"modules": comp, "edges": closing})
         cycles[gname] = found
+    climbs = back_up(mods, internal)
     cross = [
-        asdict(e) for e in edges
-        if e.dst.partition(".")[0] in FORBIDDEN.get(e.src.partition(".")[0], set())
+        asdict(e) for e in edges if e.dst.partition(".")[0] in FORBIDDEN.get(e.src.partition(".")[0], set())
     ]
     cross_files = sorted({c["file"] for c in cross})
     sizes = sorted(
-        ((len(p.read_text().splitlines()), m, docline(p)) for m, p in mods.items()
-         if not m.startswith(GENERATED)),
+        (
+            (len(p.read_text().splitlines()), m, docline(p))
+            for m, p in mods.items()
+            if not m.startswith(GENERATED)
+        ),
         reverse=True,
     )[:top]
     return {
@@ -248,6 +295,7 @@ def analyse(root: Path, top: int) -> dict[str, object]:
         "modules": len(mods),
         "edge_counts": {k: sum(1 for e in internal if e.kind == k) for k in KINDS},
         "cycles": cycles,
+        "back_up": climbs,
         "forbidden_imports": cross,
         "forbidden_summary": {
             "statements": len({(c["file"], c["line"]) for c in cross}),
@@ -259,16 +307,24 @@ def analyse(root: Path, top: int) -> dict[str, object]:
 
 
 def render(r: dict[str, object]) -> str:
-    out = [f"root {r['root']}  packages {', '.join(r['packages'])}  modules {r['modules']}",  # type: ignore[arg-type]
-           f"internal import edges by kind: {r['edge_counts']}"]
+    out = [
+        f"root {r['root']}  packages {', '.join(r['packages'])}  modules {r['modules']}",  # type: ignore[arg-type]
+        f"internal import edges by kind: {r['edge_counts']}",
+    ]
     for gname, found in r["cycles"].items():  # type: ignore[attr-defined]
         out.append(f"\ncycles in graph '{gname}': {len(found)}")
         for i, comp in enumerate(found, 1):
             out.append(f"  {i}. {' , '.join(comp['modules'])}")
             out.extend(f"       {e}" for e in comp["edges"])
+    out.append(f"\nloops between rooms (imports running back up): {len(r['back_up'])}")  # type: ignore[arg-type]
+    for i, loop in enumerate(r["back_up"], 1):  # type: ignore[attr-defined]
+        out.append(f"  {i}. in {loop['package']}: {' , '.join(loop['rooms'])}")
+        out.extend(f"       {e}" for e in loop["edges"])
     s = r["forbidden_summary"]
-    out.append(f"\nforbidden cross-package imports: {s['statements']} statements, "  # type: ignore[index]
-               f"{s['names']} names, {s['files']} files")  # type: ignore[index]
+    out.append(
+        f"\nforbidden cross-package imports: {s['statements']} statements, "  # type: ignore[index]
+        f"{s['names']} names, {s['files']} files"
+    )  # type: ignore[index]
     for c in r["forbidden_imports"]:  # type: ignore[attr-defined]
         names = ", ".join(c["names"]) if c["names"] else "(module)"
         out.append(f"  {c['file']}:{c['line']} [{c['kind']}] {c['dst']}: {names}")
@@ -287,7 +343,7 @@ def main() -> int:
     a = ap.parse_args()
     r = analyse(a.root.resolve(), a.top)
     print(json.dumps(r, indent=1) if a.json else render(r))
-    if a.check and (r["cycles"]["all"] or r["forbidden_imports"]):  # type: ignore[index]
+    if a.check and (r["cycles"]["all"] or r["back_up"] or r["forbidden_imports"]):  # type: ignore[index]
         return 1
     return 0
 

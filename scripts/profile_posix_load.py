@@ -6,7 +6,7 @@ the files one daemon wrote (page cache warm):
 - ``daemon``: a Load task through gRPC into registered shared memory until Wait returns;
 - ``tier``: :meth:`PosixTier.read_checked_many` in this process (the pipeline's call for a
   Posix-only daemon), no gRPC, task or pipeline;
-- ``groups``: the tier's executor job (``_read_group``) called directly in one thread;
+- ``groups``: the tier's executor job (``posix.files.read_group``) called directly in one thread;
 - ``plain``: ``open`` + ``preadv`` + ``close`` of each file (the baseline of
   ``benchmarks.small_objects``).
 
@@ -35,6 +35,7 @@ import numpy as np
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix.files import read_group
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(bench="profile_posix_load")
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tier": lambda: asyncio.run_coroutine_threadsafe(
                     tier.read_checked_many(items), loop
                 ).result(),
-                "group": lambda: tier._read_group(items, True),
+                "group": lambda: read_group(tier.disk, items, True),
                 "plain": plain,
             }
             got = await loop.run_in_executor(None, _interleaved, fns, n, a.repeat)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, us, base in (
             ("daemon Load (gRPC, task, pipeline, tier)", first["daemon"], first["plain"]),
             ("tier read_checked_many (in process)", second["tier"], second["plain"]),
-            ("tier _read_group (one thread)", second["group"], second["plain"]),
+            ("posix.files.read_group (one thread)", second["group"], second["plain"]),
             ("plain open+preadv+close", first["plain"], first["plain"]),
         ):
             print(f"  {name:44s} {us:8.2f}  ({base / us:.2f}x plain's rate)")

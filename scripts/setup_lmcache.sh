@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create /work/main/.venv-lmcache (i.e. <repo>/.venv-lmcache) with LMCache 0.5.6, CPU-only.
+# Create <repo>/.venv-lmcache with LMCache 0.5.6, CPU-only.
 #
 # Why a separate venv: LMCache pins protobuf<7, numpy<=2.2.6 and setuptools<81, which clash with the
 # daemon's own dependencies (protobuf>=7), so the peer benchmark runs it in its own interpreter

@@ -19,7 +19,7 @@ from ucm_protocol.keys import BlockKey, make_keys
 from ucm_server.regions import SegmentColumns, check_segments, host_iovecs, single_segment_iovecs
 from ucm_server.store.base import iov_len
 from ucm_server.store.format import CorruptBlock
-from ucm_server.store.packs import Pack
+from ucm_server.store.posix.packs import Pack
 from ucm_server.store.vector_io import IOV_MAX, preadv_all, pwritev_all, vector_io
 
 

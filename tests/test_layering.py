@@ -1,6 +1,13 @@
-"""Issue #12 "Done means": the layering holds. ``ucm_protocol`` is the floor both sides stand on and
-imports nothing else of UCM; a client process never loads a daemon module; no import loops anywhere in
-the three packages; the old import paths still give the very same objects.
+"""The layering holds. ``ucm_protocol`` is the floor both sides stand on and imports nothing else of
+UCM; a client process never loads a daemon module; no import loops anywhere in the three packages;
+no import runs back up; the old import paths still give the very same objects.
+
+What "up" means: inside a package, each module and each sub-package (a folder, taken whole) is a
+*room*, and a room stands above every room it imports. So the rooms of one package must import
+each other without a loop; an import that closes such a loop runs back up, from a room below to a
+room above it, even where no two modules import each other (``regions.py`` importing from ``gpu/``
+while ``gpu/service.py`` imports ``regions.py`` was one). ``scripts/import_graph.py --check``
+fails on it too.
 
 Loading is checked in a fresh interpreter (what a vLLM host really gets); the static checks walk every
 import statement with ``ast`` (``scripts/import_graph.py``), so imports inside functions and under
@@ -22,8 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Loops still present on purpose, each with the package of issue #12 that removes it. A listed loop
 # that is no longer found fails the test too, so whoever breaks a loop deletes its line here.
-KNOWN: set[frozenset[str]] = {
-}
+KNOWN: set[frozenset[str]] = {}
 
 
 def _import_graph() -> ModuleType:
@@ -96,6 +102,31 @@ def test_no_import_cycles() -> None:
     assert unexpected == {}, "import loops (each closing edge listed)"
     stale = [sorted(m) for m in KNOWN if m not in found]
     assert stale == [], "these loops are gone: delete them from KNOWN"
+
+
+def test_no_import_runs_back_up() -> None:
+    """No loop between the rooms of any package (see the module docstring), whatever the import's
+    kind; a found loop lists every import that makes it."""
+    analysis = _analysis()
+    loops = {" , ".join(loop["rooms"]): loop["edges"] for loop in analysis["back_up"]}
+    assert loops == {}, "imports running back up (the loop's rooms, then its imports)"
+
+
+def test_a_loop_between_rooms_is_found(tmp_path: Path) -> None:
+    """The check sees a loop between a module and a folder that no module-level loop shows (the
+    negative control of the test above)."""
+    pkg = tmp_path / "ucm_server"
+    (pkg / "gpu").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gpu" / "__init__.py").write_text("")
+    (pkg / "gpu" / "region.py").write_text("class GpuRegion: ...\n")
+    (pkg / "gpu" / "service.py").write_text("from ucm_server.regions import RegionTable\n")
+    (pkg / "regions.py").write_text("from ucm_server.gpu.region import GpuRegion\nclass RegionTable: ...\n")
+    analysis = _import_graph().analyse(tmp_path, 0)
+    assert analysis["cycles"]["all"] == []
+    (loop,) = analysis["back_up"]
+    assert loop["rooms"] == ["ucm_server.gpu", "ucm_server.regions"]
+    assert len(loop["edges"]) == 2
 
 
 def test_no_forbidden_cross_package_import() -> None:

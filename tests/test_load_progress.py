@@ -18,7 +18,7 @@ from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import InvalidArgument
 from ucm_client.load_progress import LOAD_PROGRESS_DONE, ProgressWords
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
-from ucm_server.store.base import copy_in_order
+from ucm_server.store.copying import copy_in_order
 from ucm_server.testing.daemon import DaemonProcess
 
 LAYERS, BLOCKS, PAGE = 8, 24, 256 << 10

@@ -20,6 +20,7 @@ import yaml
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey, Digest, Namespace
 from ucm_server.kv_events.ledger import Ledger
+from ucm_server.store.assembly import observation
 from ucm_server.store.base import Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.observed import ObservedTier
@@ -54,9 +55,8 @@ def test_wrapped_tier_reports_what_its_calls_find(tmp_path: Path) -> None:
     async def scenario() -> None:
         posix = PosixTier("Posix", roots=[tmp_path / "blocks"])
         plain = LatencyInjectingTier(posix)  # a tier without a watchable index, like a plugin's
-        pipeline = Pipeline([CacheTier("Cache", capacity=1 << 20), plain])
         assert isinstance(posix, Watchable) and not isinstance(plain, Watchable)
-        pipeline.make_watchable()
+        pipeline = Pipeline([CacheTier("Cache", capacity=1 << 20), observation(plain)])
         tier = pipeline.tiers[1]
         assert isinstance(tier, ObservedTier) and tier.inner is plain and tier.kind == "LatencyInjecting"
         assert pipeline.tier("Posix") is tier and isinstance(pipeline.top, CacheTier)
@@ -67,16 +67,16 @@ def test_wrapped_tier_reports_what_its_calls_find(tmp_path: Path) -> None:
             ns = Namespace(os.urandom(16))
             a, b, c = (BlockKey(ns, Digest(os.urandom(32))) for _ in range(3))
             assert all(r.ok for r in await tier.write_many([(a, [memoryview(b"x" * 64)])]))
-            assert ledger.held() == {"DISK": {a.digest}}
+            assert ledger.held() == {"STORAGE": {a.digest}}
             assert (await tier.write_from(b, [memoryview(b"y" * 64)])).ok
             await posix.delete([b])  # behind the wrapper's back: unknown until a call finds out
             await posix.write_from(c, [memoryview(b"z" * 64)])
-            assert ledger.held() == {"DISK": {a.digest, b.digest}}
+            assert ledger.held() == {"STORAGE": {a.digest, b.digest}}
             assert await tier.lookup([b, c]) == [None, 64]
-            assert ledger.held() == {"DISK": {a.digest, c.digest}}
+            assert ledger.held() == {"STORAGE": {a.digest, c.digest}}
             await posix.delete([c])
             assert not (await tier.read_many([(c, [memoryview(bytearray(64))])]))[0].ok
-            assert ledger.held() == {"DISK": {a.digest}}
+            assert ledger.held() == {"STORAGE": {a.digest}}
             assert await tier.delete([a, b]) == 1  # fewer than asked: one lookup says which stayed
             assert ledger.held() == {}
         finally:
@@ -100,7 +100,7 @@ def test_a_third_party_tier_publishes_in_a_daemon(tmp_path: Path) -> None:
     }
     (tmp_path / "ucm.yaml").write_text(yaml.safe_dump(cfg))
     ctx: zmq.Context[Any] = zmq.Context()
-    MEDIUM[SLOW_TIER] = "DISK"  # persistent and not shared: the wrapped Posix tier's medium
+    MEDIUM[SLOW_TIER] = "STORAGE"  # persistent and not shared: the wrapped Posix tier's medium
     try:
         with (
             DaemonProcess(tmp_path / "ucm", args=["--config", str(tmp_path / "ucm.yaml")]) as d,
@@ -113,14 +113,14 @@ def test_a_third_party_tier_publishes_in_a_daemon(tmp_path: Path) -> None:
                 assert client.put_blocks(NS, [(k, os.urandom(4096)) for k in keys]).ok
                 assert client.delete(NS, keys[:2]) == 2
                 want = listed(d)
-                assert {m for m, _ in want} == {"CPU", "DISK"} and len(want) == 6
+                assert {m for m, _ in want} == {"CPU", "STORAGE"} and len(want) == 6
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and sub.state.pairs() != want:
                     sub.poll(100)
                 assert sub.state.pairs() == want
-                # the lower tier's medium is DISK and holds what was not deleted (before the wrapper
-                # existed, this tier published nothing: the DISK set was empty)
-                assert sub.state.media.get("DISK") == {vllm_hash(k) for k in keys[2:]}
+                # the lower tier's medium is STORAGE and holds what was not deleted (before the wrapper
+                # existed, this tier published nothing: the STORAGE set was empty)
+                assert sub.state.media.get("STORAGE") == {vllm_hash(k) for k in keys[2:]}
             finally:
                 sub.close()
     finally:

@@ -3,7 +3,9 @@
 Each rule is checked with a negative control beside it: the pinned blocks survive pressure that
 evicts their unpinned neighbours of the same dump; an expired block leaves the Cache, the Posix
 tier and its file on disk while a block without a TTL stays; a low-priority block goes before an
-older one of default priority. Pins and TTLs outlive a restart (clean and ``kill -9``); a pin past a
+older one of default priority. A pin is held where the block durably lives: pins four times the
+Cache hold on disk and read back whole, while a pinned block the Cache alone holds (its write-down
+failed) never leaves it. Pins and TTLs outlive a restart (clean and ``kill -9``); a pin past a
 tenant's quota is refused whole; contradictory or out-of-range changes get INVALID_ARGUMENT naming
 the field; a tier that cannot hold a pin (a shared one) is named, and ``require_all_tiers`` refuses.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.blocks import NS, blocks_in
+from support.blocks import NS, blocks_in, dump_random
 from support.tokens import tokens_file
 from test_admin import admin, json_of
 
@@ -90,10 +92,16 @@ def test_pinned_blocks_survive_pressure_in_cache_and_posix(small: DaemonProcess)
         assert client.lookup(NS, pinned).hits == 0
 
 
-def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evicted(
-    small: DaemonProcess,
-) -> None:
-    with UcmClient(small.target) as client, SharedBuffer(8 * BLOCK) as buf:
+def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evicted(tmp_path: Path) -> None:
+    # Pins take a whole tier only where the operator lets them (no reserve, no per-principal share):
+    # see tests/security/test_pin_fairness.py for the defaults, which keep room for everyone else.
+    # The Cache is half the Posix tier: it holds a pin only until the block is safe on disk.
+    args = [*SMALL, "--pin-reserve", "0", "--pin-share", "1"]
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as small,
+        UcmClient(small.target) as client,
+        SharedBuffer(8 * BLOCK) as buf,
+    ):
         keys: list[bytes] = []
         for first in range(0, 32, 8):
             keys += keys_of(dump(client, buf, first, 8))
@@ -103,6 +111,103 @@ def test_pins_fill_the_posix_tier_then_writes_are_refused_there_not_the_pins_evi
         result = client.wait(client.dump(NS, extra, wait_durable=True), 30)
         assert not result.ok and "pinned" in result.reasons[0], result.reasons
         assert client.lookup(NS, keys).hits == 32
+
+
+def test_pins_four_times_the_cache_are_held_on_disk_and_read_back_whole(tmp_path: Path) -> None:
+    # A Cache of 16 blocks above a Posix tier with room: the pins live on disk, not in the Cache.
+    args = ["--cache-capacity", "1MiB", "--cache-page-size", "64KiB"]
+    with (
+        DaemonProcess(tmp_path / "ucm", args=args) as d,
+        UcmClient(d.target) as client,
+        SharedBuffer(8 * BLOCK) as buf,
+    ):
+        pinned = dump_random(client, 0, 64, BLOCK)
+        r = client.set_retention(NS, list(pinned), pin=True)  # 4 MiB of pins, a 1 MiB Cache
+        assert (r.applied, r.missing, r.not_enforced) == (64, 0, [])
+        dump(client, buf, 100, 64)  # pressure: four times the Cache
+        cached = [k for k in pinned if where(d, k)[0] == ["Cache", "Posix"]]
+        assert len(cached) < 16, "the Cache kept pinned blocks safe on disk over newer unpinned ones"
+        for key in pinned:
+            tiers, retention = where(d, key)
+            assert "Posix" in tiers and retention is not None and retention.pinned
+        assert client.get_blocks(NS, list(pinned)) == list(pinned.values()), "a pinned block was lost"
+
+
+def _pressure_not_written_down(client: UcmClient, buf: SharedBuffer) -> None:
+    """64 new blocks, four times the Cache, whose write-downs fail (the Posix tier is full of pins)."""
+    for first in range(1000, 1064, 8):
+        region = client.register(buf)
+        buf.buf[:] = os.urandom(8 * BLOCK)
+        assert client.wait(client.dump(NS, blocks_in(region, 8, BLOCK, first=first)), 30).ok
+        client.unregister(region)
+
+
+def _cached(d: DaemonProcess, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if "Cache" in where(d, k)[0]]
+
+
+def _write_backs_done(client: UcmClient) -> None:
+    while client.stats().pending_writeback:
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def posix_full_of_pins(tmp_path: Path) -> Iterator[tuple[DaemonProcess, UcmClient, dict[bytes, bytes]]]:
+    """A daemon whose Posix tier is full of pinned blocks (the operator let pins take it all), so
+    no write-down succeeds there; its client and the pinned blocks' bytes."""
+    args = [*SMALL, "--pin-reserve", "0", "--pin-share", "1"]
+    with DaemonProcess(tmp_path / "ucm", args=args) as d, UcmClient(d.target) as client:
+        on_disk = dump_random(client, 0, 32, BLOCK)
+        assert client.set_retention(NS, list(on_disk), pin=True).applied == 32  # the whole Posix tier
+        yield d, client, on_disk
+
+
+def test_a_pinned_block_the_cache_alone_holds_is_never_evicted_from_it(
+    posix_full_of_pins: tuple[DaemonProcess, UcmClient, dict[bytes, bytes]],
+) -> None:
+    # A new block's write-down fails in the Posix tier full of pins: once pinned, the Cache is
+    # the block's only home.
+    d, client, on_disk = posix_full_of_pins
+    with SharedBuffer(8 * BLOCK) as buf:
+        region = client.register(buf)
+        buf.buf[:BLOCK] = only = os.urandom(BLOCK)
+        (block,) = blocks_in(region, 1, BLOCK, first=500)
+        assert client.wait(client.dump(NS, [block]), 30).ok  # in the Cache; its write-down fails
+        client.unregister(region)
+        _write_backs_done(client)
+        assert where(d, block.key)[0] == ["Cache"]
+        first = next(iter(on_disk))
+        assert client.set_retention(NS, [first], pin=False).applied == 1  # room in the budget
+        assert client.set_retention(NS, [block.key], pin=True).applied == 1
+        still = [k for k in on_disk if k != first]
+        cached = _cached(d, still)
+        client.get_blocks(NS, cached)  # used after it: the block is the least recently used pin
+        _pressure_not_written_down(client, buf)
+        assert where(d, block.key)[0] == ["Cache"], "the Cache evicted the only copy of a pinned block"
+        assert client.get_blocks(NS, [block.key]) == [only]
+        # Negative control: pinned blocks safe on disk did leave the Cache for the new ones.
+        assert len(_cached(d, still)) < len(cached)
+        assert all("Posix" in where(d, k)[0] for k in still)
+        assert client.get_blocks(NS, still) == [on_disk[k] for k in still]
+
+
+def test_a_pinned_block_rewritten_but_not_written_down_stays_in_the_cache(
+    posix_full_of_pins: tuple[DaemonProcess, UcmClient, dict[bytes, bytes]],
+) -> None:
+    # The pinned block's new version cannot reach the Posix tier (full of pins): the older version
+    # stays there, and the Cache's copy is the block. Evicting it would serve the old bytes.
+    d, client, on_disk = posix_full_of_pins
+    with SharedBuffer(8 * BLOCK) as buf:
+        key = next(iter(on_disk))
+        assert client.put_blocks(NS, [(key, new := os.urandom(BLOCK))]).ok  # its write-down fails
+        _write_backs_done(client)
+        others = [k for k in on_disk if k != key]
+        cached = _cached(d, others)
+        client.get_blocks(NS, cached)  # used after it: the block is the least recently used pin
+        _pressure_not_written_down(client, buf)
+        assert where(d, key)[0] == ["Cache", "Posix"], "the Cache evicted a pinned block's only new copy"
+        assert client.get_blocks(NS, [key]) == [new]
+        assert len(_cached(d, others)) < len(cached)  # negative control: pins safe on disk left it
 
 
 def test_ttl_expiry_removes_blocks_from_every_tier_and_disk(small: DaemonProcess) -> None:

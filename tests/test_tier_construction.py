@@ -24,6 +24,7 @@ from ucm_protocol.errors import ConfigError
 from ucm_server import config as config_module
 from ucm_server.config import FIELDS, ServerConfig, load_config
 from ucm_server.store import registry
+from ucm_server.store.assembly import assemble
 from ucm_server.store.base import Tier, TierContext
 from ucm_server.store.cache import CacheTier
 from ucm_server.store.ds3fs import DS3FSTier
@@ -86,7 +87,7 @@ def test_daemon_config_reaches_cache_and_posix_as_settings(tmp_path: Path) -> No
         },
     )
     with ThreadPoolExecutor(1) as pool:
-        pipeline = registry.build_pipeline(cfg, pool)
+        pipeline = assemble(cfg, pool)
     cache, posix = pipeline.tiers
     assert isinstance(cache, CacheTier) and isinstance(posix, PosixTier)
     assert (cache.arena.capacity, cache.arena.page_size) == (8 << 20, 8 << 10)
@@ -169,5 +170,5 @@ def test_ds3fs_built_by_the_daemon_knows_its_block_limit(tmp_path: Path) -> None
         tier_settings={"DS3FS": {"mount": str(tmp_path / "mnt"), "usrbio": "off"}},
     ).validate()
     with ThreadPoolExecutor(1) as pool:
-        ds3fs = registry.build_pipeline(cfg, pool).tiers[1]
+        ds3fs = assemble(cfg, pool).tiers[1]
     assert isinstance(ds3fs, DS3FSTier) and ds3fs.max_block_bytes == 1 << 20

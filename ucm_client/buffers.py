@@ -9,7 +9,9 @@ Two properties protect both sides:
 
 - every page is allocated up front (``posix_fallocate``), so the memory is billed to this process's
   cgroup, not to the daemon's when it first writes a page, and a memory limit that is too small fails
-  here, with :class:`SharedMemoryError` naming the size, instead of as a ``SIGBUS`` later;
+  here, with :class:`SharedMemoryError` naming the size, instead of as a ``SIGBUS`` later. The daemon
+  takes no other memory: a memfd with holes is refused, and one punched after registration is
+  dropped (and its pages freed), so keep a registered buffer's pages allocated;
 - the file is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``, then
   ``F_SEAL_SEAL``): nothing this process does to it can pull pages from under the daemon's mapping
   (which would crash the daemon with ``SIGBUS``). The daemon refuses memory without ``F_SEAL_SHRINK``.

@@ -32,6 +32,7 @@ import grpc
 from grpc import aio
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.cuda_ipc import CudaIpcExport, CudaUnavailable, as_export
 from ucm_client.errors import ArgumentTypeError, RegionLost
@@ -145,6 +146,10 @@ class AsyncUcmClient:
         self._lock: asyncio.Lock | None = None
         self._finished = FinishedTasks()
         self.server_version = ""
+        self.store_saturated = False
+        """The daemon's word that it cannot keep up with dumps now (``SessionEvent.store_saturated``):
+        updated from every session event and Load/Dump answer, so reading it costs no call. A serving
+        engine skips the saves it can do without while it is set."""
 
     # -- connection -----------------------------------------------------------------------------------
     @property
@@ -206,6 +211,7 @@ class AsyncUcmClient:
                 raise Unavailable(f"ucm-server at {self.target} closed the session at once")
             self._session_id = first.session_id
             self.server_version = first.server_version
+            self.store_saturated = first.store_saturated
             self._stream = stream
             self._finished.reset(enabled=True)  # task ids restart with a restarted daemon
             self._session_task = asyncio.create_task(self._watch(stream))
@@ -237,6 +243,7 @@ class AsyncUcmClient:
         """Read the session stream: heartbeats, and the results of this session's tasks as they end."""
         try:
             while (event := await stream.read()) is not aio.EOF:
+                self.store_saturated = event.store_saturated
                 for status in event.finished:
                     self._finished.deliver(TaskResult.from_pb(status))
                 if event.task_events_stopped:
@@ -291,7 +298,8 @@ class AsyncUcmClient:
         return bearer_metadata(self._token)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata())
+        # tracing.outgoing(): the caller's trace context (W3C traceparent), empty while tracing is off
+        return ((SESSION_METADATA, self._session_id or ""), *self._auth_metadata(), *tracing.outgoing())
 
     async def _call(self, fn: Callable[[], Awaitable[T]], *, retry: bool = True) -> T:
         """Run one RPC; map errors; on a lost daemon or session reconnect once and retry.
@@ -501,6 +509,7 @@ class AsyncUcmClient:
             raise
         if not resp.progress:
             self._progress_done(progress)
+        self.store_saturated = resp.store_saturated
         return self._finished.expect(int(resp.task_id))
 
     def _progress_done(self, progress: Segment | None) -> None:
@@ -513,18 +522,28 @@ class AsyncUcmClient:
         if progress.length == 8 and offset % 8 == 0 and 0 <= offset <= record.size - 8:
             struct.pack_into("<Q", record.buffer.buf, offset, LOAD_PROGRESS_DONE)
 
-    async def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        """Start storing blocks from registered memory; returns the task id."""
+    async def dump(
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
+    ) -> int:
+        """Start storing blocks from registered memory; returns the task id. ``cache_only``: keep
+        them in the daemon's Cache only, never written to disk (a one-off prompt)."""
         resp = await self._call(
             lambda: self.kv.Dump(
                 pb.DumpRequest(
                     blocks=args.block_batch(namespace, blocks, self._server_ids()),
                     wait_durable=bool(wait_durable),
+                    cache_only=bool(cache_only),
                 ),
                 metadata=self._metadata(),
                 timeout=self.rpc_timeout_s,
             )
         )
+        self.store_saturated = resp.store_saturated
         return self._finished.expect(int(resp.task_id))
 
     async def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:

@@ -7,13 +7,14 @@ thread. The daemon's uid is checked (``SO_PEERCRED``) before the descriptor is s
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import grpc
 
 from ucm_client.trust import check_peer
-from ucm_protocol.errors import UcmError, Unavailable, error_for_status
+from ucm_protocol.errors import InvalidArgument, UcmError, Unavailable, error_for_status
 from ucm_protocol.fdpass import (
     MAX_REPLY_PAYLOAD,
     REPLY,
@@ -41,7 +42,16 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 def hand_over(
     grpc_socket: Path, fd: int, size: int, trusted: frozenset[int], *, timeout_s: float = 10.0
 ) -> bytes:
-    """Send ``fd`` (a memfd sealed against shrinking, ``size`` bytes) to the daemon; its token."""
+    """Send ``fd`` (a memfd sealed against shrinking, ``size`` bytes, every page allocated) to the
+    daemon; its token. Memory with holes is refused here already, naming them: the daemon refuses
+    it too (pages it touched first would be charged to it)."""
+    st = os.fstat(fd)
+    if st.st_blocks * 512 < st.st_size:
+        raise InvalidArgument(
+            f"the memory has holes: only {st.st_blocks * 512} of {st.st_size} bytes are allocated; "
+            "allocate all of it (posix_fallocate, as SharedBuffer does) and keep it allocated while "
+            "the daemon holds it"
+        )
     path = fd_socket_path(grpc_socket)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout_s)

@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
 from ucm_client import arguments as args
+from ucm_client import tracing
 from ucm_client.buffers import SharedBuffer
 from ucm_client.client import AsyncUcmClient
+from ucm_client.client_loop import close_at_exit, shared_loop
 from ucm_client.types import (
     BlockIO,
     LookupResult,
@@ -49,34 +50,25 @@ class UcmClient:
         daemon_uid: int | None = None,
     ) -> None:
         """Same arguments as :class:`AsyncUcmClient` (timeouts checked before the loop thread starts)."""
-        timeouts = {"connect_timeout_s": connect_timeout_s, "rpc_timeout_s": rpc_timeout_s}
-        args.client_options(target, client_name, token, daemon_uid, timeouts)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ucm-client-loop", daemon=True)
-        self._thread.start()
+        # Built here, before the loop is taken: a refused argument (a missing TLS file) starts nothing.
+        self._async = AsyncUcmClient(
+            target,
+            client_name=client_name,
+            connect_timeout_s=connect_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            daemon_uid=daemon_uid,
+        )
+        self._loop = shared_loop()
         self._closed = False
-        try:
-            self._async = self._make_async(
-                target,
-                client_name=client_name,
-                connect_timeout_s=connect_timeout_s,
-                rpc_timeout_s=rpc_timeout_s,
-                token=token,
-                tls_ca=tls_ca,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                daemon_uid=daemon_uid,
-            )
-        except BaseException:  # e.g. an unreadable TLS file: stop the loop thread started above
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
-            raise
+        self._calls: set[concurrent.futures.Future[Any]] = set()
+        """This client's calls still running on the shared loop (close() cancels them)."""
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
-
-    def _make_async(self, target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
-        return self._on_loop(_make(target, **kwargs))  # built on the loop it will run on
+        close_at_exit(self)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the client's loop and wait for it (:meth:`_submit`)."""
@@ -88,7 +80,10 @@ class UcmClient:
         if self._closed:
             coro.close()
             raise FailedPrecondition("this UcmClient is closed; open a new one")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        call = asyncio.run_coroutine_threadsafe(tracing.carry(coro), self._loop)  # the caller's trace too
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -111,18 +106,16 @@ class UcmClient:
         return self
 
     def close(self) -> None:
+        """End the session and its channels; calls still running (``*_nowait``) are cancelled. The
+        loop goes on serving the process's other clients (:mod:`ucm_client.client_loop`)."""
         if self._closed:
             return
         self._closed = True
         if self._channel is not None:
             self._channel.close()
-        try:
-            self._on_loop(self._async.close(), timeout=10)
-            self._on_loop(_finish_leftover_tasks(), timeout=5)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            self._loop.close()
+        for call in list(self._calls):
+            call.cancel()
+        self._on_loop(self._async.close(), timeout=10)
 
     def __enter__(self) -> UcmClient:
         return self.connect()
@@ -157,7 +150,7 @@ class UcmClient:
         try:
             resp = self._stub.Lookup(
                 request,
-                metadata=self._async._auth_metadata(),
+                metadata=(*self._async._auth_metadata(), *tracing.outgoing()),
                 timeout=self._async.rpc_timeout_s,
             )
         except grpc.RpcError as exc:
@@ -184,16 +177,36 @@ class UcmClient:
         :meth:`AsyncUcmClient.load`."""
         return self._submit(self._async.load(namespace, blocks, progress=progress))
 
-    def dump(self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False) -> int:
-        return self._run(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+    def dump(
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
+    ) -> int:
+        """Store blocks from registered memory (see :meth:`AsyncUcmClient.dump`); returns the task id."""
+        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+        return self._run(dump)
 
     def dump_nowait(
-        self, namespace: bytes, blocks: Sequence[BlockIO], *, wait_durable: bool = False
+        self,
+        namespace: bytes,
+        blocks: Sequence[BlockIO],
+        *,
+        wait_durable: bool = False,
+        cache_only: bool = False,
     ) -> concurrent.futures.Future[int]:
         """Send a ``Dump`` without waiting for the daemon's answer (the task id, or the error that
         refused it, lands in the future), in order with this client's other calls. The vLLM
         connector saves a step's new blocks this way, so no step waits for a round trip of a save."""
-        return self._submit(self._async.dump(namespace, blocks, wait_durable=wait_durable))
+        dump = self._async.dump(namespace, blocks, wait_durable=wait_durable, cache_only=cache_only)
+        return self._submit(dump)
+
+    @property
+    def store_saturated(self) -> bool:
+        """The daemon says it cannot keep up with dumps now (:attr:`AsyncUcmClient.store_saturated`)."""
+        return self._async.store_saturated
 
     def prefetch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._run(self._async.prefetch(namespace, keys))
@@ -241,17 +254,3 @@ class UcmClient:
 
     def stats(self) -> pb.StatsResponse:
         return self._run(self._async.stats())
-
-
-async def _make(target: str | os.PathLike[str] | None, **kwargs: Any) -> AsyncUcmClient:
-    return AsyncUcmClient(target, **kwargs)  # built on the loop it will run on
-
-
-async def _finish_leftover_tasks() -> None:
-    """Cancel and reap what gRPC left on the loop (a call's status handler can outlive its channel by a
-    moment), as ``asyncio.run`` does, so closing never prints "Task was destroyed but it is pending"."""
-    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in leftover:
-        task.cancel()
-    await asyncio.gather(*leftover, return_exceptions=True)
-    await asyncio.get_running_loop().shutdown_asyncgens()

@@ -9,6 +9,11 @@ status code value of the refusal) and closes the connection. The token then goes
 
 Both ends check the other: the daemon reads the client's ``SO_PEERCRED`` (uid and pid) and the client
 the daemon's, before anything is sent.
+
+The socket is shared by every local process, so the daemon shares it out by peer: a client sends its
+request whole, in one message with its descriptor, at once (the daemon waits a second at most), and
+a connection of a process holding more than its share may be closed unanswered to make room for
+another process (then connect again). See :mod:`ucm_server.handover` for the limits.
 """
 
 from __future__ import annotations

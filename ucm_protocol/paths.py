@@ -11,6 +11,16 @@ from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import read_yaml_mapping
 
 SOCKET_ENV = "UCM_SOCKET"
+SERVER_CONFIG_ENV = "UCM_SERVER_CONFIG"
+"""The daemon's config file when no ``--config`` is given, read by ``ucm-server`` and ``ucm-admin``
+alike (the image sets it), so the admin tool finds the socket the daemon listens on with no flag.
+It names a file, it is no setting: the file's settings still lose to ``UCM_*`` settings variables."""
+
+
+def server_config_path(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``$UCM_SERVER_CONFIG`` (``~`` expanded), or None."""
+    value = (os.environ if environ is None else environ).get(SERVER_CONFIG_ENV)
+    return Path(os.path.expanduser(value)) if value else None
 
 
 def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:

@@ -19,8 +19,13 @@ tests and small setups, with a warning)::
         tenant: ops
         admin: true
 
-Without a tokens file the Unix socket's 0600 mode is the access control, and every caller is an
-admin of the default (unmapped) tenant.
+A token without a tenant belongs to the *default tenant*, which under a tokens file is a tenant of
+its own like the named ones: its namespaces are private too (keyed by :data:`DEFAULT_TENANT_KEY`, which
+no tenant name can produce), so it reaches no named tenant's blocks, not even by naming a namespace
+exactly as that tenant's is stored. Without a tokens file the Unix socket's 0600 mode is the access
+control, and every caller is an admin of the default tenant, whose namespaces are then stored as
+named (one principal: nothing to keep apart). What each principal may call is decided in
+:mod:`ucm_server.authz`.
 """
 
 from __future__ import annotations
@@ -44,19 +49,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: their tenant ("" = the default, unmapped tenant), rights and quota."""
+    """Who is calling: their tenant ("" = the default tenant), rights and quota."""
 
     tenant: str = ""
     admin: bool = True
     quota: int = 0  # bytes; 0 = no quota
     key_file: str = ""
     """The tenant's at-rest key file (:mod:`ucm_server.store.encrypted`); its path only, never the key."""
+    confined: bool = False
+    """The default tenant's namespaces are private as well (a token of a tokens file, without a
+    tenant); a named tenant's always are."""
 
     def scope(self, namespace: bytes) -> Namespace:
-        """The namespace as stored: private to the tenant (unchanged for the default tenant)."""
-        if not self.tenant or not namespace:
+        """The namespace as stored: private to the tenant (unchanged only for the default tenant of a
+        daemon without tokens)."""
+        if self.tenant:
+            key = tenant_key(self.tenant)
+        elif self.confined:
+            key = DEFAULT_TENANT_KEY
+        else:
             return Namespace(bytes(namespace))
-        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=tenant_key(self.tenant))
+        mac = hashlib.blake2b(bytes(namespace), digest_size=NAMESPACE_BYTES, key=key)
         return Namespace(mac.digest())
 
 
@@ -75,6 +88,11 @@ def tenant_key(tenant: str) -> bytes:
         return raw
     return hashlib.blake2b(raw, digest_size=64, person=b"ucm-tenant-key").digest()
 
+
+DEFAULT_TENANT_KEY = hashlib.blake2b(b"", digest_size=64, person=b"ucm-default-ten").digest()
+"""The key that makes the default tenant's namespaces private under a tokens file: a domain-separated
+digest, which no tenant name's key (:func:`tenant_key`) equals (:meth:`Authenticator.from_file`
+checks it like any two tenants' keys)."""
 
 ANONYMOUS = Principal()
 NETWORK_ANONYMOUS = Principal(admin=False)
@@ -99,7 +117,7 @@ class Authenticator:
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"auth_tokens_file {path}: expected a non-empty 'tokens:' list")
         principals: dict[bytes, Principal] = {}
-        keys: dict[bytes, str] = {}
+        keys: dict[bytes, str] = {DEFAULT_TENANT_KEY: ""}
         key_files: dict[str, str] = {}
         for i, entry in enumerate(entries):
             where = f"auth_tokens_file {path}: tokens[{i}]"
@@ -136,10 +154,10 @@ class Authenticator:
                 raise ConfigError(f"{where}: the same token appears twice")
             if tenant and keys.setdefault(tenant_key(tenant), tenant) != tenant:
                 raise ConfigError(f"{where}.tenant: its namespaces would be another tenant's; rename it")
-            principals[digest] = Principal(tenant=tenant, admin=admin, quota=quota, key_file=key_file)
+            principals[digest] = Principal(tenant, admin, quota, key_file, confined=True)
         for digest, p in principals.items():  # every token of a tenant carries its key file
             if p.tenant in key_files and not p.key_file:
-                principals[digest] = Principal(p.tenant, p.admin, p.quota, key_files[p.tenant])
+                principals[digest] = Principal(p.tenant, p.admin, p.quota, key_files[p.tenant], confined=True)
         return cls(principals)
 
     def authenticate(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from ucm_protocol.errors import ConfigError
+from ucm_protocol.paths import server_config_path
 from ucm_server import __version__
 from ucm_server.config import FIELDS, describe, load_config
 
@@ -42,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration file.")
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE", help="YAML configuration file (default: $UCM_SERVER_CONFIG)."
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="Print the effective configuration and exit."
     )
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     _exit_with_parent()
     overrides = {name: getattr(args, name) for name in FIELDS if name != "tier_settings"}
     try:
-        config, warnings = load_config(args.config, overrides)
+        config, warnings = load_config(args.config or server_config_path(), overrides)
     except ConfigError as exc:
         print(f"ucm-server: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The daemon's configuration: one typed dataclass, loaded from defaults < YAML < ``UCM_*`` env < flags.
 
 Every field documents itself (``help`` metadata), which is what ``ucm-server --help``, ``--print-config``
-and the README's configuration reference are generated from. Unknown keys and bad values stop
+and docs/configuration.md are generated from. Unknown keys and bad values stop
 start-up with a :class:`ConfigError` that names the key and where it came from; nothing is silently
 ignored.
 
@@ -24,9 +24,11 @@ from typing import Any, Literal, get_type_hints
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, parse_size, read_yaml_mapping
 from ucm_server.api.paths import default_data_dir, default_socket_path
+from ucm_server.store.admission import policy_class
 from ucm_server.store.codec import CODECS
 from ucm_server.store.codec import DTYPES as CODEC_DTYPES
 from ucm_server.store.registry import BUILTIN_TIERS, known_tiers
+from ucm_server.tracing import check_settings as check_tracing
 
 __all__ = ["FIELDS", "ServerConfig", "describe", "load_config", "parse_size", "read_env", "read_yaml"]
 
@@ -34,6 +36,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # UCM_* variables read by clients or by other parts of the product, not by the daemon's config.
 _CLIENT_ENV = {
     "UCM_CONFIG_FILE",
+    "UCM_SERVER_CONFIG",  # which file --config defaults to (ucm_protocol.paths.SERVER_CONFIG_ENV)
     "UCM_LOG_LEVEL",
     "UCM_TOKEN",
     "UCM_TARGET",
@@ -152,6 +155,45 @@ class ServerConfig:
             "Replacement Cache: blocks read again are kept apart from one-off ones, so a burst of long "
             "unique prompts does not flush shared prefixes; see benchmarks/eviction_bench.py). Pins and "
             "priorities apply on top of either."
+        ),
+    )
+    admission_daemon: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy at the daemon's door (a dumped block is stored at all): always, "
+            "second-use (only a block used again within admission_window_s: a one-off prompt is never "
+            "stored, a shared prefix from its second dump on) or tinylfu (only when its estimated "
+            "frequency beats that of the Cache block it would evict), or package.module:Class. A "
+            "refused block's Dump still reports it OK. See docs/operations.md, Admission."
+        ),
+    )
+    admission_local: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy from the Cache to the local tiers below it (Posix): always, second-use "
+            "(a block is written to disk only once it is looked up or read again within "
+            "admission_window_s; until then it lives in the Cache only), tinylfu (only when there is "
+            "room or its estimated frequency beats that of the block the tier would evict), or "
+            "package.module:Class. Fewer bytes written: less disk wear, and one-off prompts no "
+            "longer evict shared prefixes (benchmarks/admission_bench.py)."
+        ),
+    )
+    admission_shared: str = field(
+        default="always",
+        metadata=_help(
+            "Admission policy to the shared tiers (DS3FS, Mooncake, S3): the choices of "
+            "admission_local. A block reaches a tier only through the one above it."
+        ),
+    )
+    admission_window_s: float = field(
+        default=3600.0,
+        metadata=_help("How long admission policies remember a use of a block (second-use's window)."),
+    )
+    admission_window_keys: int = field(
+        default=1 << 20,
+        metadata=_help(
+            "Distinct blocks an admission window holds before it turns over early; sizes the policies' "
+            "filters (about 16 bytes per block for second-use, 12 for tinylfu, per boundary)."
         ),
     )
     region_prefault: bool = field(
@@ -301,6 +343,24 @@ class ServerConfig:
             "refused with RESOURCE_EXHAUSTED until some finish."
         ),
     )
+    pin_reserve: float = field(
+        default=0.25,
+        metadata=_help(
+            "Share of each bounded tier (Cache; Posix with posix_capacity) that pins can never "
+            "take, all principals together, counting the pinned blocks the tier must hold (in "
+            "Cache|Posix: all of them in Posix, in the Cache only those not yet safe on disk): a "
+            "pin past it is refused with RESOURCE_EXHAUSTED, so other principals' blocks always "
+            "find room by evicting unpinned ones. 0 to 0.99."
+        ),
+    )
+    pin_share: float = field(
+        default=0.5,
+        metadata=_help(
+            "Share of each bounded tier one principal without a quota may pin (a tenant without "
+            "quota, a token without a tenant, the local clients of a daemon without tokens), "
+            "counted as pin_reserve is; a tenant with a quota pins within its quota. 0 to 1."
+        ),
+    )
     shared_lookup_ttl_s: float = field(
         default=2.0,
         metadata=_help(
@@ -328,7 +388,17 @@ class ServerConfig:
         default=256,
         metadata=_help(
             "Most memfds handed over on the fd socket and not yet registered (each holds a file "
-            "descriptor for up to 60 s); one process may hold a quarter of them."
+            "descriptor for up to 10 s); one process may hold a quarter of them, and when all are taken a "
+            "newcomer takes the place of the oldest of the process (or uid) holding the most."
+        ),
+    )
+    max_retention_rules: int = field(
+        default=1_000_000,
+        metadata=_help(
+            "Most blocks with a retention rule (pin, TTL or priority) the daemon holds, all clients "
+            "together; a change that would add more is refused with RESOURCE_EXHAUSTED. retention.json "
+            "and the daemon's memory stay proportional to the rules in force (about 150 bytes each on "
+            "disk)."
         ),
     )
     task_retention_s: float = field(
@@ -354,16 +424,61 @@ class ServerConfig:
         default="",
         metadata=_help(
             "Publish what every tier holds as vLLM KV events (BlockStored / BlockRemoved / "
-            "AllBlocksCleared, msgpack over ZeroMQ PUB) on this address: tcp://*:5557 or ipc:///path "
-            "binds, tcp://host:port connects; empty = off."
+            "AllBlocksCleared, msgpack over ZeroMQ PUB) on this address: local = "
+            "ipc://<socket directory>/kv-events.pub (only the daemon's uid can connect), "
+            "ipc:///path or tcp://*:5557 binds, tcp://host:port connects; empty = off. Who sees "
+            "which tenant's events: docs/security.md."
         ),
     )
     kv_events_replay_endpoint: str = field(
         default="",
         metadata=_help(
             "ZeroMQ ROUTER address for replay: missed batches from the ring, or a snapshot of the "
-            "whole index for a subscriber that joins late or fell too far behind; empty = off."
+            "whole index for a subscriber that joins late or fell too far behind; local = "
+            "ipc://<socket directory>/kv-events.replay; empty = off."
         ),
+    )
+    kv_events_heartbeat_s: float = field(
+        default=1.0,
+        metadata=_help(
+            "Every this many seconds without a batch, the last batch's number is sent again with no "
+            "events, so a subscriber that missed batches (a daemon restarted while it stayed "
+            "connected) sees the gap and repairs it through the replay socket; 0 = off."
+        ),
+    )
+    kv_events_curve_secret_key_file: str = field(
+        default="",
+        metadata=_help(
+            "The daemon's ZeroMQ CURVE secret key (a 0600 file of 40 Z85 characters, python -m "
+            "ucm_server.kv_events.keygen makes one): the event sockets then encrypt and admit only "
+            "the subscribers of kv_events_subscribers_file, each seeing its own tenant's events."
+        ),
+    )
+    kv_events_subscribers_file: str = field(
+        default="",
+        metadata=_help(
+            "YAML list of the subscribers' CURVE public keys and what each sees "
+            "(subscribers: [{public_key: ..., tenant: NAME}] or {public_key: ..., all: true}); "
+            "needs kv_events_curve_secret_key_file."
+        ),
+    )
+    kv_events_allow_open_tcp: bool = field(
+        default=False,
+        metadata=_help(
+            "Let a KV event endpoint bind every interface (tcp://*:PORT) without CURVE: anyone who "
+            "reaches the port reads the block hashes of the namespaces no tenant owns. Off: refused."
+        ),
+    )
+    kv_events_persistent_medium: str = field(
+        default="STORAGE",
+        metadata=_help(
+            "The medium KV events name for a persistent tier of this node (Posix): vLLM's "
+            "STORAGE; DISK is what earlier releases sent."
+        ),
+    )
+    kv_events_shared_medium: str = field(
+        default="SHARED",
+        metadata=_help("The medium KV events name for a tier other nodes write too (DS3FS, Mooncake, S3)."),
     )
     kv_events_topic: str = field(
         default="",
@@ -389,6 +504,27 @@ class ServerConfig:
         metadata=_help(
             "GPU regions (CUDA IPC, needs cupy): auto = start the GPU path and pin the Cache arena at the "
             "first GPU client; on = at start-up, failing if there is no cupy or no device; off = refuse them."
+        ),
+    )
+    tracing_exporter: Literal["off", "otlp"] = field(
+        default="off",
+        metadata=_help(
+            "OpenTelemetry traces of the daemon's calls, tasks and tier reads and writes: off, or otlp "
+            "(OTLP over HTTP/protobuf to tracing_endpoint). Off costs nothing (docs/operations.md, Tracing)."
+        ),
+    )
+    tracing_endpoint: str = field(
+        default="",
+        metadata=_help(
+            "OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces; empty = "
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4318."
+        ),
+    )
+    tracing_sample_ratio: float = field(
+        default=1.0,
+        metadata=_help(
+            "Fraction (0 to 1) of calls from untraced clients that are recorded; a call whose caller "
+            "records its trace (a connector with tracing on) is always recorded."
         ),
     )
 
@@ -496,9 +632,21 @@ class ServerConfig:
             "max_session_regions",
             "max_session_region_bytes",
             "max_pending_handovers",
+            "max_retention_rules",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if not 0 <= self.pin_reserve < 1:
+            raise ConfigError(f"pin_reserve: expected a share in [0, 1), got {self.pin_reserve}")
+        if not 0 <= self.pin_share <= 1:
+            raise ConfigError(f"pin_share: expected a share in [0, 1], got {self.pin_share}")
+        for name in ("admission_daemon", "admission_local", "admission_shared"):
+            policy_class(getattr(self, name), name)  # a clear error naming the setting and the choices
+        if not self.admission_window_s > 0 or self.admission_window_keys <= 0:
+            raise ConfigError(
+                f"admission_window_s / admission_window_keys: must be positive, got "
+                f"{self.admission_window_s} / {self.admission_window_keys}"
+            )
         if not 0 <= self.writeback_wait_s <= 60:
             raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
         if self.writeback_max_bytes < 0:
@@ -538,14 +686,34 @@ class ServerConfig:
             _check_host_port("metrics_address", self.metrics_address)
         for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, key)
-            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise ConfigError(f"{key}: {value!r} is not a ZeroMQ address (tcp://, ipc:// or inproc://)")
+            if value and value != "local" and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    f"{key}: {value!r} is not a ZeroMQ address (local, tcp://, ipc:// or inproc://)"
+                )
+        if self.kv_events_heartbeat_s < 0:
+            raise ConfigError(
+                f"kv_events_heartbeat_s: must be 0 (off) or more, got {self.kv_events_heartbeat_s}"
+            )
+        if self.kv_events_subscribers_file and not self.kv_events_curve_secret_key_file:
+            raise ConfigError(
+                "kv_events_subscribers_file: subscribers are told apart by their CURVE keys: set "
+                "kv_events_curve_secret_key_file too"
+            )
+        if self.kv_events_curve_secret_key_file and not self.kv_events_subscribers_file:
+            raise ConfigError(
+                "kv_events_curve_secret_key_file: set kv_events_subscribers_file too (whose keys may "
+                "subscribe, and to which tenant's events)"
+            )
+        for key in ("kv_events_persistent_medium", "kv_events_shared_medium"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key}: must not be empty")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ConfigError("kv_events_replay_endpoint: set kv_events_endpoint too (replay of what?)")
         if self.kv_events_buffer_batches < 1:
             raise ConfigError(
                 f"kv_events_buffer_batches: must be 1 or more, got {self.kv_events_buffer_batches}"
             )
+        check_tracing(self)
         unknown = set(self.tier_settings) - set(tiers)
         if unknown:
             raise ConfigError(

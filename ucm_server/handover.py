@@ -7,11 +7,24 @@ anything the daemon's user can open). It passes the memory itself: a memfd seale
 never vanish under the daemon's mapping, so no ``SIGBUS``, whatever the client does to its own copy.
 
 The listener checks the peer (``SO_PEERCRED``: the daemon's own uid, or root) and the descriptor (a
-regular shmem file with the seal, at least the declared size), then parks it under a fresh random
-token for ``ttl_s``; ``RegisterRegion`` takes it by that token, once. Pending descriptors are bounded
-in total and per peer process, so a client cannot exhaust the daemon's file descriptors. Whatever
+regular shmem file with the seal, at least the declared size, every page allocated), then parks it
+under a fresh random token for ``ttl_s``; ``RegisterRegion`` takes it by that token, once. Whatever
 arrives on the socket (garbage, half messages, several or no descriptors, a pipe, ``/dev/zero``) is
 answered with a reason or dropped, and every descriptor received is closed unless it is kept.
+
+The socket is shared by every local process, so it is fair (:mod:`ucm_server.peer_share`):
+
+- a process may hold :data:`CONNECTIONS_PER_PROCESS` connections (a new one closes its own
+  oldest), and all together :data:`MAX_CONNECTIONS`; a newcomer to a full set takes the place of
+  the oldest connection of the peer (uid, then pid) holding the most;
+- a request must arrive whole within :data:`HANDSHAKE_S` (a client sends it at once); at most two
+  descriptors are received per connection, and a connection that sends a second one is refused then;
+- a process may have a quarter of ``max_pending_handovers`` pending; a newcomer to a full table takes
+  the place of the oldest handover of the peer holding the most, so nobody is locked out until
+  tokens expire (:data:`TTL_S`);
+- every descriptor those hold comes out of a part of the daemon's descriptor budget carved out for
+  the fd socket (:mod:`ucm_server.descriptors`): the daemon's own reserve is never touched, and
+  client memory registered for good cannot starve handovers either.
 """
 
 from __future__ import annotations
@@ -51,14 +64,27 @@ from ucm_protocol.fdpass import (
     PeerCredentials,
     peer_credentials,
 )
+from ucm_server.client_memory import ALLOCATE, unallocated
+from ucm_server.descriptors import DescriptorBudget, process_budget
+from ucm_server.peer_share import PeerShares
 
 log = logging.getLogger(__name__)
 
-TTL_S = 60.0
-CONNECTION_TIMEOUT_S = 5.0
+TTL_S = 10.0
+"""How long a handed-over memfd waits for its RegisterRegion (a client registers at once)."""
+HANDSHAKE_S = 1.0
+"""How long a connection may take to send its request, and to take the reply."""
 MAX_CONNECTIONS = 64
-MAX_FDS_PER_MESSAGE = 8  # room to receive (and then close) a few too many
+CONNECTIONS_PER_PROCESS = 4
+PENDING_SHARE = 4
+"""A process may have a quarter of max_pending_handovers pending (at least 2). A full table locks no
+one out (the heaviest peer gives way), so the share need not be small: a process whose registrations
+were refused leaves its tokens behind until they expire and still has room."""
+FDS_RECEIVED = 2
+"""Descriptors taken in per connection at most: one too many is refused (the kernel closes more)."""
+FDS_PER_CONNECTION = 1 + FDS_RECEIVED
 HUGETLBFS_MAGIC = 0x958458F6
+_ERROR_LOG_S = 60.0
 
 
 @dataclass(slots=True)
@@ -96,8 +122,8 @@ def _fs_magic(fd: int) -> int | None:
 
 
 def check_memfd(fd: int, declared: int) -> int:
-    """Refuse anything but shmem memory sealed against shrinking and at least ``declared`` bytes;
-    return its size."""
+    """Refuse anything but shmem memory sealed against shrinking, at least ``declared`` bytes and
+    fully allocated (pages the daemon touched first would be charged to it); return its size."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise InvalidArgument(
@@ -122,17 +148,26 @@ def check_memfd(fd: int, declared: int) -> int:
         raise InvalidArgument(f"declared size must be positive, got {declared}")
     if st.st_size < declared:
         raise InvalidArgument(f"the memfd holds {st.st_size} bytes, less than the declared {declared}")
+    if (why := unallocated(st)) is not None:
+        raise InvalidArgument(f"the memfd has holes: {why}; {ALLOCATE}")
     return int(st.st_size)
 
 
 class HandoverTable:
-    """Descriptors handed over and not yet registered, by token; bounded, and expiring."""
+    """Descriptors handed over and not yet registered, by token; bounded, fair among peers, expiring."""
 
-    def __init__(self, max_pending: int, *, ttl_s: float = TTL_S) -> None:
+    def __init__(
+        self, max_pending: int, *, ttl_s: float = TTL_S, budget: DescriptorBudget | None = None
+    ) -> None:
         self.max_pending = max_pending
-        self.max_per_pid = max(1, max_pending // 4)
+        self.max_per_pid = max(2, max_pending // PENDING_SHARE)
         self.ttl_s = ttl_s
+        self.budget = budget if budget is not None else process_budget().carve(max_pending)
+        """One descriptor per pending handover, carved out for this table alone."""
         self._pending: dict[bytes, Handover] = {}
+        self._shares: PeerShares[bytes] = PeerShares()
+        self.evicted = 0
+        """Handovers dropped to make room for a peer holding fewer (a figure for tests)."""
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -142,23 +177,29 @@ class HandoverTable:
         try:
             size = check_memfd(fd, declared)
             self.expire()
-            if len(self._pending) >= self.max_pending:
-                raise ResourceExhausted(
-                    f"{len(self._pending)} memory handovers are pending registration, the limit "
-                    "(max_pending_handovers); register or drop them, or raise max_pending_handovers"
-                )
-            mine = sum(1 for h in self._pending.values() if h.pid == peer.pid)
+            mine = self._shares.of_process(peer.uid, peer.pid)
             if mine >= self.max_per_pid:
                 raise ResourceExhausted(
                     f"process {peer.pid} has {mine} memory handovers pending registration, the limit "
                     f"per process (a quarter of max_pending_handovers = {self.max_pending}); call "
                     "RegisterRegion with the tokens already received"
                 )
+            while len(self._pending) >= self.max_pending or not self.budget.take():
+                victim = self._shares.victim(peer.uid, peer.pid)
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"{len(self._pending)} memory handovers are pending registration, the limit "
+                        "(max_pending_handovers, or the descriptors for them), and no other process holds "
+                        "more than this one; register or drop them, or raise max_pending_handovers"
+                    )
+                self._pop(victim).close()
+                self.evicted += 1
         except BaseException:
             os.close(fd)
             raise
         token = secrets.token_bytes(TOKEN_BYTES)
         self._pending[token] = Handover(fd, size, peer.uid, peer.pid, time.monotonic() + self.ttl_s)
+        self._shares.add(token, peer.uid, peer.pid)
         return token
 
     def take(self, token: bytes) -> Handover:
@@ -166,23 +207,29 @@ class HandoverTable:
         self.expire()
         if len(token) != TOKEN_BYTES:
             raise InvalidArgument(f"memfd_token must be {TOKEN_BYTES} bytes, got {len(token)}")
-        handover = self._pending.pop(bytes(token), None)
-        if handover is None:
+        if bytes(token) not in self._pending:
             raise FailedPrecondition(
                 "unknown or expired memfd_token: hand the memory over again on the fd socket "
-                f"(a token works once, for {self.ttl_s:.0f}s)"
+                f"(a token works once, for {self.ttl_s:.0f}s, and may give way to other processes' "
+                "handovers when the table is full)"
             )
+        return self._pop(bytes(token))
+
+    def _pop(self, token: bytes) -> Handover:
+        handover = self._pending.pop(token)
+        self._shares.remove(token)
+        self.budget.give()
         return handover
 
     def expire(self) -> None:
         now = time.monotonic()
         for token in [t for t, h in self._pending.items() if h.expires <= now]:
-            self._pending.pop(token).close()
+            self._pop(token).close()
 
     def close(self) -> None:
-        for h in self._pending.values():
-            h.close()
-        self._pending.clear()
+        for token in list(self._pending):
+            self._pop(token).close()
+        self.budget.close()
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -219,15 +266,29 @@ async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Non
 class HandoverListener:
     """The fd socket: accepts connections on the event loop, one request each, never blocking."""
 
-    def __init__(self, path: Path, table: HandoverTable, *, timeout_s: float = CONNECTION_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        path: Path,
+        table: HandoverTable,
+        *,
+        timeout_s: float = HANDSHAKE_S,
+        budget: DescriptorBudget | None = None,
+    ) -> None:
         self.path = path
         self.table = table
         self.timeout_s = timeout_s
+        self.budget = (
+            budget if budget is not None else process_budget().carve(MAX_CONNECTIONS * FDS_PER_CONNECTION)
+        )
+        """The descriptors of open connections (theirs, and what they carry), for this socket alone."""
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._expiring: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: PeerShares[asyncio.Task[None]] = PeerShares()
         self.uid = os.geteuid()
+        self.turned_away = 0
+        """Connections closed unserved: over a process's share, or making room for a lighter peer."""
+        self._last_error_log = -_ERROR_LOG_S
 
     def bind(self) -> None:
         """Create the socket, mode 0600 (the caller has checked its directory and cleared a stale one)."""
@@ -252,19 +313,18 @@ class HandoverListener:
         self._expiring = asyncio.create_task(self._expire_loop())
 
     async def close(self) -> None:
-        for task in (self._accepting, self._expiring, *self._conns):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(
-            *(t for t in (self._accepting, self._expiring, *self._conns) if t is not None),
-            return_exceptions=True,
-        )
+        tasks = [t for t in (self._accepting, self._expiring) if t is not None]
+        tasks += self._conns.entries()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         self.table.close()
+        self.budget.close()
 
     async def _expire_loop(self) -> None:
         while True:
@@ -279,16 +339,48 @@ class HandoverListener:
                 conn, _ = await loop.sock_accept(self._sock)
             except asyncio.CancelledError:
                 raise
-            except OSError as exc:  # EMFILE and the like: say so, back off, keep serving
-                log.warning("fd socket: accept failed: %s", exc)
+            except OSError as exc:  # EMFILE and the like: say so (now and then), back off, keep serving
+                if time.monotonic() - self._last_error_log >= _ERROR_LOG_S:
+                    self._last_error_log = time.monotonic()
+                    log.warning("fd socket: accept failed: %s (said once a minute)", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._conns) >= MAX_CONNECTIONS:
-                conn.close()  # too many half-open connections: this one gets nothing
+            try:
+                peer = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            if not self._room_for(peer):
+                self.turned_away += 1
+                conn.close()
                 continue
             task = asyncio.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._conns.add(task, peer.uid, peer.pid)
+            task.add_done_callback(self._ended)
+
+    def _room_for(self, peer: PeerCredentials) -> bool:
+        """Whether a connection of ``peer`` may be served now, making room by closing the oldest
+        connection of a heavier peer when all are taken; its descriptors are then taken."""
+        if self._conns.of_process(peer.uid, peer.pid) >= CONNECTIONS_PER_PROCESS:
+            # A process at its share: its own oldest connection gives way (the newest is the one
+            # most likely to be sent at once; a process can only ever displace itself here).
+            self._close_conn(self._conns.oldest_of(peer.uid, peer.pid))
+        while len(self._conns) >= MAX_CONNECTIONS or not self.budget.take(FDS_PER_CONNECTION):
+            victim = self._conns.victim(peer.uid, peer.pid)
+            if victim is None:
+                return False
+            self._close_conn(victim)
+        return True
+
+    def _close_conn(self, task: asyncio.Task[None] | None) -> None:
+        if task is not None:
+            self._ended(task)
+            task.cancel()  # its descriptors close as it ends, at the next turn of the loop
+            self.turned_away += 1
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if self._conns.remove(task):
+            self.budget.give(FDS_PER_CONNECTION)
 
     async def _serve(self, conn: socket.socket) -> None:
         fds: list[int] = []
@@ -298,6 +390,11 @@ class HandoverListener:
                 data = await asyncio.wait_for(self._read_request(conn, fds), self.timeout_s)
             except TimeoutError:
                 return  # a client that sends half a request and waits gets the connection closed
+            except UcmError as exc:  # too many descriptors: refused as soon as they arrive
+                _close_fds(fds)
+                fds = []
+                await self._reply(conn, exc.code, exc.message.encode())
+                return
             if data is None:
                 return  # closed early
             try:
@@ -316,19 +413,23 @@ class HandoverListener:
             conn.close()
 
     async def _read_request(self, conn: socket.socket, fds: list[int]) -> bytes | None:
-        """Up to REQUEST.size bytes and every descriptor that came with them (into ``fds``)."""
+        """Up to REQUEST.size bytes and the descriptors that came with them (into ``fds``); more
+        than one descriptor is refused at once (``INVALID_ARGUMENT``)."""
         loop = asyncio.get_running_loop()
         data = b""
-        space = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+        space = socket.CMSG_SPACE(FDS_RECEIVED * array.array("i").itemsize)
         while len(data) < REQUEST.size:
             try:
-                chunk, ancdata, _flags, _ = conn.recvmsg(
+                chunk, ancdata, flags, _ = conn.recvmsg(
                     REQUEST.size - len(data), space, socket.MSG_CMSG_CLOEXEC
                 )
             except BlockingIOError:
                 await _readable(loop, conn)
                 continue
             fds.extend(_fds_of(ancdata))
+            if flags & socket.MSG_CTRUNC or len(fds) > 1:
+                got = f"more than {len(fds)}" if flags & socket.MSG_CTRUNC else str(len(fds))
+                raise InvalidArgument(f"a handover carries exactly one file descriptor, got {got}")
             if not chunk:
                 return None
             data += chunk
@@ -358,7 +459,7 @@ class HandoverListener:
         loop = asyncio.get_running_loop()
         payload = payload[:MAX_REPLY_PAYLOAD]
         status = 0 if code == grpc.StatusCode.OK else int(code.value[0])
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, TimeoutError):
             await asyncio.wait_for(
                 loop.sock_sendall(conn, REPLY.pack(REPLY_MAGIC, status, len(payload)) + payload),
                 self.timeout_s,

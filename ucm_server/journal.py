@@ -12,7 +12,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ucm_protocol.errors import ConfigError
@@ -63,10 +63,19 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def read_regular(path: Path, what: str, fix: str, max_bytes: int, *, private: bool = False) -> bytes | None:
+def read_regular(
+    path: Path,
+    what: str,
+    fix: str,
+    max_bytes: int,
+    *,
+    private: bool = False,
+    check: Callable[[os.stat_result], str | None] | None = None,
+) -> bytes | None:
     """The file's bytes, or None if absent; a FIFO, device or symlink is refused, never opened
     blocking, and with ``private`` so is a file others may read (:class:`ConfigError` reading
-    ``"<what>: <why>; <fix>"``)."""
+    ``"<what>: <why>; <fix>"``). ``check`` judges the opened file's ``fstat`` first (its answer, when
+    not None, is the whole ``"<why>; <fix>"``): the file read is the file checked."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -77,6 +86,8 @@ def read_regular(path: Path, what: str, fix: str, max_bytes: int, *, private: bo
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{what}: not a regular file; {fix}")
+        if check is not None and (why := check(st)) is not None:
+            raise ConfigError(f"{what}: {why}")
         if private and st.st_mode & 0o077:
             raise ConfigError(f"{what}: readable by others (mode {st.st_mode & 0o777:o}); {fix}")
         if st.st_size > max_bytes:

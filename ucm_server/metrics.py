@@ -147,6 +147,7 @@ class _SnapshotCollector(Collector):
             value=snap.pending_writeback,
         )
         yield from _writeback_metrics(snap)
+        yield from _admission_metrics(snap)
         plain: tuple[tuple[Callable[..., Metric], str, str, float], ...] = (
             (GaugeMetricFamily, "ucm_pinned_blocks", "Blocks pinned now", snap.pinned_blocks),
             (
@@ -173,6 +174,32 @@ class _SnapshotCollector(Collector):
         )
         for family, name, documentation, value in plain:
             yield family(name, documentation, value=value)
+
+
+ADMISSION_COUNTERS = (
+    ("offered", "Blocks offered at an admission boundary"),
+    ("admitted", "Offered blocks an admission policy let through"),
+    ("deferred", "Offered blocks an admission policy turned away (kept above, or not stored at the door)"),
+    ("readmitted", "Turned-away blocks written down later, at a use that made the policy admit them"),
+)
+
+
+def _admission_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+    """Back-pressure and admission: ``ucm_store_saturated``, ``ucm_admission_*{boundary}`` (``daemon``
+    for the door, else the tier's name), present where a policy other than ``always`` is set."""
+    yield GaugeMetricFamily(
+        "ucm_store_saturated",
+        "1 while the daemon cannot keep up with dumps (clients skip saves)",
+        value=float(snap.store_saturated),
+    )
+    boundaries = [("daemon", snap.door_admission)] + [(t.stats.name, t.stats.extra) for t in snap.tiers]
+    for name, help_ in ADMISSION_COUNTERS:
+        fam = CounterMetricFamily(f"ucm_admission_{name}", help_, labels=["boundary"])
+        for boundary, figures in boundaries:
+            if f"admission_{name}" in figures:
+                fam.add_metric([boundary], figures[f"admission_{name}"])
+        if fam.samples:
+            yield fam
 
 
 def _writeback_metrics(snap: EngineSnapshot) -> Iterator[Metric]:

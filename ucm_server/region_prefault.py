@@ -4,11 +4,13 @@ The daemon maps client memory at registration; until it touches a page, its firs
 page fault. A fresh vLLM process loading a 4,000-token prefix (62 MiB of KV) paid ~16,000 of them in
 the daemon, three times the copy itself (benchmarks/e2e_vllm.py shows the faults per warm request).
 
-The client has allocated every page already (``SharedBuffer`` fallocates its memfd), so populating the
-daemon's page tables (``MADV_POPULATE_WRITE``) allocates nothing: it only maps pages that exist. A
-region with unallocated pages (memory its owner never allocated) is left alone, so the daemon never
-allocates a client's memory on its behalf. One thread at the lowest CPU priority works through regions
-in steps and stops on a region that was unregistered meanwhile; a kernel without
+The client has allocated every page already (the daemon registers nothing else, see
+:mod:`ucm_server.client_memory`), so populating the daemon's page tables (``MADV_POPULATE_WRITE``)
+allocates nothing: it only maps pages that exist. Each step is taken under the memory's lock, with
+the memory checked before and after: memory found with holes (punched since registration, which
+the step would have allocated on the daemon's account) stops the work and is reported, and the
+table then drops and releases it. One thread at the lowest CPU priority works through regions in
+steps and stops on a region that was unregistered meanwhile; a kernel without
 ``MADV_POPULATE_WRITE`` (< 5.14) turns it off with one log line.
 """
 
@@ -22,6 +24,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +36,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def fully_allocated(fd: int, size: int) -> bool:
-    """Whether every page of ``fd`` (at least ``size`` bytes long) is allocated: its blocks cover the
-    whole file. (``SEEK_HOLE`` cannot tell: shmem reports fallocated, never-written pages as holes.)"""
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    return st.st_size >= size and st.st_blocks * 512 >= st.st_size
+class Memory(Protocol):
+    """What the prefaulter needs of a region's memory (:class:`ucm_server.client_memory.ClientMemory`)."""
+
+    lock: threading.Lock
+    closed: bool
+    tampered: bool
+
+    def holes(self) -> str | None: ...
+
+
+_Item = tuple[memoryview, Memory, Callable[[], bool], Callable[[str], None]]
 
 
 class RegionPrefaulter:
@@ -50,18 +56,21 @@ class RegionPrefaulter:
         self.enabled = enabled
         self.populated_bytes = 0
         """Bytes whose page tables were populated so far (all regions)."""
-        self._queue: queue.SimpleQueue[tuple[memoryview, Callable[[], bool]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def add(self, view: memoryview, fd: int, closing: Callable[[], bool]) -> bool:
-        """Queue the mapping behind ``view`` (``fd`` is the memfd it maps, still open); whether it was
-        queued. ``closing`` says when the region was unregistered (stop early)."""
-        if not self.enabled or not fully_allocated(fd, view.nbytes):
+    def add(
+        self, view: memoryview, memory: Memory, closing: Callable[[], bool], holes: Callable[[str], None]
+    ) -> bool:
+        """Queue the mapping behind ``view`` (of ``memory``); whether it was queued. ``closing`` says
+        when the region was unregistered (stop early); ``holes`` is told why, when the memory is found
+        with holes."""
+        if not self.enabled or memory.holes() is not None:
             return False
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ucm-region-prefault", daemon=True)
             self._thread.start()
-        self._queue.put((view[:], closing))  # the slice keeps the mapping alive while it is populated
+        self._queue.put((view[:], memory, closing, holes))  # the slice keeps the mapping alive meanwhile
         return True
 
     def close(self) -> None:
@@ -74,24 +83,34 @@ class RegionPrefaulter:
         with contextlib.suppress(OSError):  # Linux: a thread id names one thread; lowest priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (item := self._queue.get()) is not None:
-            view, closing = item
+            view, memory, closing, holes = item
             try:
-                self._populate(view, closing)
+                self._populate(view, memory, closing, holes)
             finally:
                 view.release()
 
-    def _populate(self, view: memoryview, closing: Callable[[], bool]) -> None:
+    def _populate(
+        self, view: memoryview, memory: Memory, closing: Callable[[], bool], holes: Callable[[str], None]
+    ) -> None:
         address = ctypes.addressof(ctypes.c_char.from_buffer(view))
         for start in range(0, view.nbytes, STEP):
-            if closing() or not self.enabled:
-                return
             length = min(STEP, view.nbytes - start)
-            if _libc.madvise(address + start, length, MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                if err == 22:  # EINVAL: a kernel before 5.14 has no MADV_POPULATE_WRITE
-                    log.info(
-                        "client regions: not prefaulted (%s); pages fault in on first use", os.strerror(err)
-                    )
-                    self.enabled = False
-                return  # EFAULT/ENOMEM: the client changed its memory; first use faults as before
+            with memory.lock:  # never while the memory is released (punched and closed)
+                if closing() or not self.enabled or memory.closed or memory.tampered:
+                    return
+                if (why := memory.holes()) is not None:
+                    holes(why)
+                    return
+                if _libc.madvise(address + start, length, MADV_POPULATE_WRITE) != 0:
+                    err = ctypes.get_errno()
+                    if err == 22:  # EINVAL: a kernel before 5.14 has no MADV_POPULATE_WRITE
+                        log.info(
+                            "client regions: not prefaulted (%s); pages fault in on first use",
+                            os.strerror(err),
+                        )
+                        self.enabled = False
+                    return  # EFAULT/ENOMEM: the client changed its memory; first use faults as before
+                if (why := memory.holes()) is not None:  # this step may have refilled them: released
+                    holes(why)
+                    return
             self.populated_bytes += length

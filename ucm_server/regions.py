@@ -7,6 +7,13 @@ cross the socket. Because the memory cannot shrink, nothing the client does to i
 pages from under the mapping. A session may hold at most ``max_regions`` regions of at most
 ``max_bytes`` bytes in all (``RESOURCE_EXHAUSTED`` beyond).
 
+The memory must be fully allocated by the client when registered and stay so: the daemon keeps one
+descriptor per memfd and checks it before and after every task that copies through it
+(:mod:`ucm_server.client_memory`); memory found with holes is refused, its regions dropped and its
+pages released, so no client can make the daemon allocate (and be charged for) the client's memory.
+The descriptors kept are bounded: at most 1/16 of the daemon's share for them per session
+(:mod:`ucm_server.descriptors`).
+
 Every segment is checked against its region before anything is copied; a bad one fails the whole
 request with ``INVALID_ARGUMENT`` naming the block and the bounds. A region belongs to the session that
 registered it and is unmapped when that session ends; while a task is copying into it the mapping is
@@ -19,9 +26,12 @@ the GPU copy path, and a request mixing host and GPU regions is refused.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import logging
@@ -34,12 +44,17 @@ from typing import Any
 
 import numpy as np
 
-from ucm_protocol.errors import InvalidArgument, PermissionDenied, ResourceExhausted
-from ucm_server.gpu.region import GpuRegion
+from ucm_protocol.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from ucm_server.client_memory import ALLOCATE, ClientMemory, unallocated
+from ucm_server.descriptors import DescriptorBudget, process_budget
+from ucm_server.gpu_region import GpuRegion
 from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.store.base import IoVec
 
 log = logging.getLogger(__name__)
+
+SESSION_SHARE = 16
+"""One session may hold at most this fraction (1/16) of the descriptors kept for client memfds."""
 
 
 @dataclass(slots=True, eq=False)  # identity: regions are pinned in sets
@@ -56,6 +71,8 @@ class Region:
     owner_uid: int = -1
     """uid and pid of the process that handed the memory over (``SO_PEERCRED``)."""
     owner_pid: int = 0
+    memory: ClientMemory | None = None
+    """The memfd it maps, checked around every copy (None: a region made without one, in tests)."""
 
     def close(self) -> None:
         try:
@@ -129,19 +146,35 @@ class RegionTable:
     """All registered regions, by id, with per-session ownership."""
 
     def __init__(
-        self, *, max_regions: int = 4096, max_bytes: int = 1 << 40, prefaulter: RegionPrefaulter | None = None
+        self,
+        *,
+        max_regions: int = 4096,
+        max_bytes: int = 1 << 40,
+        prefaulter: RegionPrefaulter | None = None,
+        budget: DescriptorBudget | None = None,
     ) -> None:
         self.prefaulter = prefaulter
         """Populates new regions' page tables in the background (see :mod:`ucm_server.region_prefault`)."""
+        self.budget = budget if budget is not None else process_budget()
+        """Descriptors of client memfds come out of it (one per memfd)."""
         self._regions: dict[int, Region | GpuRegion] = {}
         self._ids = itertools.count(1)
         self._gpu = 0  # GPU regions registered: host-only daemons skip the GPU check entirely
         self._usage: dict[str, tuple[int, int]] = {}  # session -> (regions, bytes)
+        self._memories: dict[tuple[int, int], ClientMemory] = {}  # (st_dev, st_ino) -> memfd kept
+        self._memories_of: dict[str, int] = {}  # session -> memfds it registered first
         self.max_regions = max_regions
         self.max_bytes = max_bytes
+        self.tampered = 0
+        """Client memfds found with holes after registration, and released (a figure for tests)."""
 
     def __len__(self) -> int:
         return len(self._regions)
+
+    @property
+    def memories(self) -> int:
+        """Client memfds the daemon holds a descriptor of."""
+        return len(self._memories)
 
     @property
     def total_bytes(self) -> int:
@@ -152,20 +185,41 @@ class RegionTable:
     def register_fd(
         self, session_id: str, fd: int, size: int, label: str, *, uid: int = -1, pid: int = 0, name: str = ""
     ) -> Region:
-        """Map ``size`` bytes of a checked, sealed memfd (the caller keeps and closes ``fd``)."""
+        """Map ``size`` bytes of a checked, sealed memfd (the caller keeps and closes ``fd``; the table
+        keeps a descriptor of its own, one per memfd). Refused unless the memory is fully allocated."""
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size}")
         self.check_limits(session_id, size)
+        st = os.fstat(fd)
+        memory = self._memories.get((st.st_dev, st.st_ino))
+        if memory is None:
+            if (why := unallocated(st)) is not None:
+                raise InvalidArgument(f"the handed-over memory has holes: {why}; {ALLOCATE}")
+            memory = self._keep(session_id, fd, st, uid=uid, pid=pid)
+        elif memory.tampered:
+            raise FailedPrecondition(
+                f"this memory was found with holes after registration and dropped; {ALLOCATE}"
+            )
         try:
-            view = map_shared(fd, size)
-        except OSError as exc:
-            if exc.errno == errno.ENOMEM:
-                raise ResourceExhausted(
-                    f"cannot map {size} more bytes of client memory: {exc.strerror} (the daemon's "
-                    "mappings or address space are exhausted)"
-                ) from None
-            msg = f"the handed-over memory cannot be mapped read-write: {exc.strerror}"
-            raise InvalidArgument(msg) from None
+            try:
+                view = map_shared(fd, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOMEM:
+                    raise ResourceExhausted(
+                        f"cannot map {size} more bytes of client memory: {exc.strerror} (the daemon's "
+                        "mappings or address space are exhausted)"
+                    ) from None
+                msg = f"the handed-over memory cannot be mapped read-write: {exc.strerror}"
+                raise InvalidArgument(msg) from None
+            if (why := memory.holes()) is not None:  # after mapping: holes punched since the handover
+                view.release()
+                if memory.regions:
+                    self._tampered(memory, why)
+                raise InvalidArgument(f"the handed-over memory has holes: {why}; {ALLOCATE}")
+        except BaseException:
+            if not memory.regions:
+                self._forget(memory)
+            raise
         region = Region(
             region_id=next(self._ids),
             session_id=session_id,
@@ -175,10 +229,12 @@ class RegionTable:
             view=view,
             owner_uid=uid,
             owner_pid=pid,
+            memory=memory,
         )
+        memory.regions.add(region)
         self._insert(region)
         if self.prefaulter is not None:
-            self.prefaulter.add(view, fd, lambda: region.closing)
+            self.prefaulter.add(view, memory, lambda: region.closing, self._tamper_callback(memory))
         log.debug(
             "registered region %d (%d bytes from pid %d uid %d) for session %s",
             region.region_id,
@@ -188,6 +244,81 @@ class RegionTable:
             session_id,
         )
         return region
+
+    def _keep(self, session_id: str, fd: int, st: os.stat_result, *, uid: int, pid: int) -> ClientMemory:
+        """A descriptor of the memfd of its own, out of the budget (1/:data:`SESSION_SHARE` of it per
+        session, so a few sessions cannot take it all)."""
+        mine = self._memories_of.get(session_id, 0)
+        share = max(1, self.budget.capacity // SESSION_SHARE)
+        if mine >= share:
+            raise ResourceExhausted(
+                f"session {session_id[:8]} has {mine} distinct memfds registered, its share "
+                f"(1/{SESSION_SHARE}) of the daemon's {self.budget.describe()}; register regions of "
+                "fewer, larger buffers"
+            )
+        if not self.budget.take():
+            raise ResourceExhausted(
+                f"the daemon holds {self.budget.used} memfds of clients' regions, all of its "
+                f"{self.budget.describe()}; unregister memory no longer used, or raise the daemon's "
+                "descriptor limit"
+            )
+        try:
+            kept = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+        except OSError as exc:
+            self.budget.give()
+            raise ResourceExhausted(f"cannot keep a descriptor of the memory: {exc.strerror}") from None
+        memory = ClientMemory(kept, st, pid=pid, uid=uid, session_id=session_id)
+        self._memories[memory.key] = memory
+        self._memories_of[session_id] = mine + 1
+        return memory
+
+    def _forget(self, memory: ClientMemory) -> None:
+        """The memfd has no region left: release it (punched first when it was tampered with)."""
+        if self._memories.get(memory.key) is memory:
+            del self._memories[memory.key]
+            left = self._memories_of.pop(memory.session_id, 1) - 1
+            if left > 0:
+                self._memories_of[memory.session_id] = left
+        if not memory.closed:
+            memory.release()
+            self.budget.give()
+
+    def _tamper_callback(self, memory: ClientMemory) -> Callable[[str], None]:
+        """For the prefault thread: report holes found there to the table, on the event loop."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+
+        def report(why: str) -> None:
+            memory.tampered = True  # the next pin refuses it at once, whatever the loop is doing
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # a loop already closed: shutting down
+                    loop.call_soon_threadsafe(self._tampered, memory, why)
+
+        return report
+
+    def _tampered(self, memory: ClientMemory, why: str) -> None:
+        """Memory found with holes: drop its regions; it is punched and closed once no copy uses it."""
+        memory.tampered = True
+        if memory.dropped:
+            return
+        memory.dropped = True
+        if memory.regions:
+            self.tampered += 1
+            log.warning(
+                "client memory of pid %d (uid %d) changed after registration (%s): its %d region(s) "
+                "are dropped and its pages released",
+                memory.pid,
+                memory.uid,
+                why,
+                len(memory.regions),
+            )
+        for region in list(memory.regions):
+            if isinstance(region, Region) and not region.closing:
+                self._drop(region)
+        if not memory.regions:
+            self._forget(memory)
 
     def check_limits(self, session_id: str, size: int) -> None:
         """``RESOURCE_EXHAUSTED`` if one more region of ``size`` bytes would pass the session's limits."""
@@ -252,17 +383,56 @@ class RegionTable:
             if isinstance(region, GpuRegion):
                 self._gpu -= 1
         if region.users == 0:
-            region.close()
+            self._close(region)
+
+    def _close(self, region: Region | GpuRegion) -> None:
+        """No copy uses the region any more: unmap it, and release its memfd after its last region."""
+        region.close()
+        memory = region.memory if isinstance(region, Region) else None
+        if memory is not None and region in memory.regions:
+            memory.regions.discard(region)
+            if not memory.regions:
+                self._forget(memory)
 
     def pin(self, regions: Iterable[Region | GpuRegion]) -> None:
+        """Before a task copies through ``regions``: each host region's memory is still whole (else
+        ``FAILED_PRECONDITION``, the memory dropped, and nothing pinned)."""
+        regions = list(regions)
+        if (found := self._check_memory(regions)) is not None:
+            region, why = found
+            raise FailedPrecondition(
+                f"region {region.region_id}: its memory has holes now ({why}): the region is dropped and "
+                f"the memory released; {ALLOCATE}"
+            )
         for r in regions:
             r.users += 1
 
     def unpin(self, regions: Iterable[Region | GpuRegion]) -> None:
+        """After a task copied through ``regions``: memory found with holes now is dropped and
+        released (the copy may have been the one to allocate them)."""
+        regions = list(regions)
+        self._check_memory(regions)
         for r in regions:
             r.users -= 1
             if r.users == 0 and r.closing:
-                r.close()
+                self._close(r)
+
+    def _check_memory(self, regions: list[Region | GpuRegion]) -> tuple[Region, str] | None:
+        """Check the memory of every host region (one ``fstat`` per memfd); each found with holes is
+        dropped. The first such region and why, or None."""
+        first: tuple[Region, str] | None = None
+        seen: set[int] = set()
+        for r in regions:
+            memory = r.memory if isinstance(r, Region) else None
+            if memory is None or id(memory) in seen:
+                continue
+            seen.add(id(memory))
+            why = "it was found with holes before" if memory.tampered else memory.holes()
+            if why is not None:
+                assert isinstance(r, Region)
+                self._tampered(memory, why)
+                first = first or (r, why)
+        return first
 
     def segments(
         self, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int, *, gpu: bool

@@ -31,6 +31,7 @@ from ucm_protocol.wire import (
     MAX_MESSAGE_BYTES,  # noqa: F401 (kept as ucm_server.server.MAX_MESSAGE_BYTES)
     channel_options,
 )
+from ucm_server import tracing
 from ucm_server.api.paths import make_private_dirs
 from ucm_server.auth import Authenticator
 from ucm_server.config import ServerConfig
@@ -140,15 +141,15 @@ def _tls_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 class Daemon:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        tracing.start(config)  # before the engine: its tiers and tasks are traced from the start
         self.authenticator = (
             Authenticator.from_file(Path(config.auth_tokens_file)) if config.auth_tokens_file else None
         )
         self.engine = Engine(config, authenticator=self.authenticator)
         self.server = aio.server(
             interceptors=[
-                ErrorMappingInterceptor(
-                    self.engine.metrics, self.authenticator, tcp_anonymous=config.tcp_anonymous
-                )
+                *tracing.interceptors(),  # outermost: its span sees the status code errors become
+                ErrorMappingInterceptor(self.engine.metrics, self.engine.authz),
             ],
             options=[
                 *channel_options(),
@@ -161,7 +162,12 @@ class Daemon:
         self.tcp_port: int | None = None
         self._locks: list[int] = []
         self.fds = HandoverListener(fd_socket_path(config.socket), self.engine.handovers)
-        self.kv_events = kv_event_publisher(config, self.engine.pipeline)
+        self.kv_events = kv_event_publisher(  # checks its settings; binds nothing until start()
+            config,
+            self.engine.pipeline,
+            {t for t in self.authenticator.tenants if t} if self.authenticator is not None else None,
+            lambda ns: self.engine.ledger.owner_of(ns) if self.engine.ledger is not None else None,
+        )
 
     async def start(self) -> None:
         cfg = self.config
@@ -172,8 +178,6 @@ class Daemon:
                 self.metrics_port = self.engine.metrics.serve(cfg.metrics_address)
             except OSError as exc:
                 raise ConfigError(f"metrics_address {cfg.metrics_address}: {exc.strerror}") from exc
-        if self.kv_events is not None:  # before the tiers open: the re-adopted index is announced
-            self.kv_events.start()
         await self.engine.open()
         ucm_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.engine), self.server)
         ucm_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.engine), self.server)
@@ -184,6 +188,8 @@ class Daemon:
         )
 
         _prepare_socket(cfg.socket)
+        if self.kv_events is not None:  # after the socket checks; what the tiers re-adopted is announced
+            self.kv_events.start()
         old_umask = os.umask(0o177)  # the socket is created 0600
         try:
             self.server.add_insecure_port(f"unix://{cfg.socket}")
@@ -235,8 +241,7 @@ class Daemon:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         log.info("shutting down: finishing running tasks (up to %.0fs)", grace_s)
         await self.health.enter_graceful_shutdown()
-        self.engine.closing = True
-        await self.engine.tasks.shutdown(grace_s)
+        await self.engine.stop_serving(grace_s)
         await self.server.stop(1.0)
         await self.fds.close()
         await self.engine.close(grace_s)
@@ -247,6 +252,7 @@ class Daemon:
         for fd in self._locks:  # the data directories are free for the next daemon
             os.close(fd)
         self._locks = []
+        tracing.stop()  # exports the spans still queued
         log.info("stopped")
 
 

@@ -8,7 +8,8 @@ calls it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ucm_server.store.base import TierStats
 from ucm_server.store.writeback import WriteBackFigures
@@ -21,6 +22,16 @@ class TierFigures:
     stats: TierStats
     persistent: bool
     shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SessionFigures:
+    """One attached session as ``Admin.Stats`` lists it (its client name escaped and capped)."""
+
+    client_name: str
+    pid: int
+    tenant: str
+    attached_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +60,8 @@ class EngineSnapshot:
     reply_bytes_held: int = 0
     reply_waits: int = 0
     """``GetBlocks`` replies: block bytes held now for replies being sent, replies that waited."""
+    store_saturated: bool = False
+    """The daemon cannot keep up with dumps now (:mod:`ucm_server.pressure`)."""
+    door_admission: Mapping[str, float] = field(default_factory=dict)
+    """The admission policy at the daemon's door, its ``admission_*`` figures (empty: ``always``);
+    the boundaries below the Cache report theirs in their tier's ``extra``."""

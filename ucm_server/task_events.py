@@ -14,6 +14,7 @@ once (``task_events_stopped``) so the client goes back to ``Wait``/``Check`` for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from ucm_server.tasks import Task
@@ -28,7 +29,7 @@ BATCH = 256
 
 class TaskEvents:
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[Task]] = {}
+        self._queues: dict[str, asyncio.Queue[Task | None]] = {}
         self._stopped: set[str] = set()
 
     def open(self, session_id: str) -> None:
@@ -54,6 +55,13 @@ class TaskEvents:
                 BACKLOG,
             )
 
+    def poke(self, *_: object) -> None:
+        """Send every session an event now (a heartbeat: the daemon's state changed, e.g. the
+        ``store_saturated`` flag, :mod:`ucm_server.pressure`)."""
+        for queue in self._queues.values():
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+
     async def next(self, session_id: str, timeout_s: float) -> tuple[list[Task], bool]:
         """Tasks that ended since the last call, waiting up to ``timeout_s`` for the first one (an
         empty list is a heartbeat); the flag is True exactly once, when the session's events stop."""
@@ -71,4 +79,4 @@ class TaskEvents:
         batch = [first]
         while len(batch) < BATCH and not queue.empty():
             batch.append(queue.get_nowait())
-        return batch, False
+        return [t for t in batch if t is not None], False

@@ -19,7 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ucm_protocol.errors import NotFound, PermissionDenied
+from ucm_server import tracing
 from ucm_server.store.base import OK, BlockResult, BlockState
+from ucm_server.store.io_classes import ClassedSlots, class_of_task, io_class
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class TaskManager:
         self._tasks: dict[int, Task] = {}
         self._runners: dict[int, asyncio.Task[None]] = {}
         self._ids = itertools.count(1)
-        self._slots = asyncio.Semaphore(max_running)
+        self._slots = ClassedSlots(max_running)  # a Load never waits for a slot behind queued dumps
         self._queued = 0
         self._active: dict[str, int] = {}  # running or queued tasks per session (the per-session cap)
         self.on_finish: list[Callable[[Task], None]] = []
@@ -127,6 +129,7 @@ class TaskManager:
         once when the task ends, also when it was cancelled while queued and ``body`` never ran: a
         release inside ``body`` was skipped then, and the client's memory stayed mapped for good."""
         self._reap()
+        body = tracing.task_body(kind, body)  # inside its span when tracing is on (a child of the caller's)
         task = Task(task_id=next(self._ids), kind=kind, session_id=session_id, nblocks=nblocks)
         self._tasks[task.task_id] = task
         self._active[session_id] = self._active.get(session_id, 0) + 1
@@ -138,10 +141,11 @@ class TaskManager:
     async def _run(self, task: Task, body: TaskBody, release: Callable[[Task], None] | None) -> None:
         self._queued += 1
         try:
-            async with self._slots:
-                self._queued -= 1
-                if not task.cancel_requested:
-                    await body(task)
+            with io_class(class_of_task(task.kind.name)):  # its disk and copy work, in the pools' order
+                async with self._slots.hold():
+                    self._queued -= 1
+                    if not task.cancel_requested:
+                        await body(task)
         except Exception as exc:  # a failure is data: every unfinished block fails with the reason
             log.exception("task %d failed", task.task_id)
             for i, s in enumerate(task.states):

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey
 from ucm_protocol.text import printable
 from ucm_server.journal import JournalFile, read_regular, remember_names
-from ucm_server.store.encrypted import LOCKED, TenantKey
+from ucm_server.store.encrypted import LOCKED, TenantKey, read_key_file
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,6 @@ class TenantLedger:
         tenant = self.owner(key)
         blocks = self._blocks.get(tenant) if tenant else None
         return blocks.get(key, 0) if blocks is not None else 0
-
-    def pinned_bytes(self, tenant: str, pinned: Iterable[bytes]) -> int:
-        """Bytes of ``tenant``'s blocks among ``pinned`` (they count against its quota like any)."""
-        blocks = self._blocks.get(tenant)
-        if not blocks:
-            return 0
-        return sum(blocks.get(key, 0) for key in pinned)  # type: ignore[call-overload]
 
     def stored(self, key: BlockKey, size: int) -> list[BlockKey]:
         """Account a stored block; returns the owner's blocks to evict to get back under quota:
@@ -226,20 +219,62 @@ class TenantKeyring:
     """Each namespace's at-rest key: its owner's (the ledger says who owns it; a namespace is
     claimed before its first block is written), ``None`` for namespaces of tenants without one."""
 
-    def __init__(self, ledger: TenantLedger, keys: dict[str, TenantKey], sealed: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        ledger: TenantLedger,
+        keys: dict[str, TenantKey],
+        sealed: Iterable[str] = (),
+        may_open: Callable[[str], bool] = lambda owner: True,
+    ) -> None:
         """``sealed``: tenants whose blocks were ever encrypted here; those without a key now are
-        locked (their blocks sealed, reported missing, never read or written in clear)."""
+        locked (their blocks sealed, reported missing, never read or written in clear).
+        ``may_open(owner)``: whether the task asking may use ``owner``'s key at all
+        (:meth:`ucm_server.authz.Authorizer.may_open`); where not, the blocks are locked to it."""
         self.ledger = ledger
         self.keys = dict(keys)
+        self.may_open = may_open
         for tenant in sealed:
             self.keys.setdefault(tenant, LOCKED)
 
     def key_for(self, namespace: bytes) -> TenantKey | None:
         tenant = self.ledger.owner_of(namespace)
-        return self.keys.get(tenant) if tenant else None
+        if not tenant:
+            return None
+        key = self.keys.get(tenant)
+        return key if key is None or self.may_open(tenant) else LOCKED
 
 
 SEALED_FILE = "sealed_tenants.json"
+
+
+def tenant_keyring(
+    encrypt_tiers: Sequence[str],
+    data_dir: Path,
+    key_files: Mapping[str, str],
+    ledger: TenantLedger | None,
+    may_open: Callable[[str], bool],
+) -> TenantKeyring | None:
+    """The tenants' at-rest keys for the ``encrypt_tiers`` (``None`` when none are named), read now:
+    a bad key file stops start-up naming the file, never showing the key. ``key_files``: tenant ->
+    path. Start-up also stops where blocks would be stored in clear, or sealed ones left unreadable."""
+    sealed_file = data_dir / SEALED_FILE
+    if not encrypt_tiers and sealed_file.exists():
+        raise ConfigError(
+            f"encrypt_tiers is empty, but {sealed_file} lists tenants whose blocks are encrypted at "
+            "rest: name the tiers again (or delete those blocks and the file)"
+        )
+    if key_files and not encrypt_tiers:
+        raise ConfigError(
+            f"auth_tokens_file gives tenant {sorted(key_files)[0]!r} a key_file, but encrypt_tiers is empty: "
+            "its blocks would be stored in clear (name the tiers to encrypt)"
+        )
+    if not encrypt_tiers:
+        return None
+    if not key_files or ledger is None:
+        raise ConfigError("encrypt_tiers is set, but no tenant in auth_tokens_file has a key_file")
+    keys = {t: read_key_file(Path(path), t) for t, path in key_files.items()}
+    log.info("at-rest keys for %d tenant(s)", len(keys))
+    return TenantKeyring(ledger, keys, remember_sealed(sealed_file, keys), may_open)
 
 
 def remember_sealed(path: Path, keyed: Iterable[str]) -> set[str]:

@@ -1,9 +1,10 @@
 """Operator upkeep: list, inspect, evict and verify (with repair) the blocks the tiers hold.
 
 One job, apart from the data path: what ``ucm-admin ls/inspect/evict/verify`` asks of the daemon. It
-reads the tiers directly (an operator looks at each tier, not at the pipeline's merged view) and takes
-the engine's key check as a callable, so the batch limit and tenant scoping of keys stay where the
-data path defines them.
+reads the tiers directly (an operator looks at each tier, not at the pipeline's merged view) and names
+blocks as they are stored (:func:`ucm_server.authz.store_namespace`: an operator's names are the
+ones ``ucm-admin ls`` shows); it takes the engine's key check as a callable, so the batch limit stays
+where the data path defines it. It answers names, sizes and figures, never a block's bytes.
 """
 
 from __future__ import annotations
@@ -14,19 +15,25 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from ucm_protocol.errors import InvalidArgument, NotFound
 from ucm_protocol.keys import BlockKey, Namespace, check_namespace, make_keys
+from ucm_server.retention import RetentionTable, Rule
 from ucm_server.store.base import BlockInfo, Tier
 from ucm_server.store.pipeline import Pipeline
 
 KeyCheck = Callable[[bytes, Sequence[bytes]], list[BlockKey]]
-"""``(namespace, digests) -> keys``: the engine's batch limit, checks and tenant scoping."""
+"""``(namespace, digests) -> keys``: the engine's batch limit and checks, namespaces as stored."""
+
+
+Listed = tuple[BlockInfo, list[str], Rule]
+"""A block as an operator sees it: what a tier knows of it, the tiers holding it, its retention."""
 
 
 class Upkeep:
-    def __init__(self, pipeline: Pipeline, keys: KeyCheck) -> None:
+    def __init__(self, pipeline: Pipeline, keys: KeyCheck, rules: RetentionTable) -> None:
         self.pipeline = pipeline
         self._keys = keys
+        self.rules = rules
 
-    async def inspect(self, namespace: bytes, digest: bytes) -> tuple[BlockInfo, list[str]]:
+    async def inspect(self, namespace: bytes, digest: bytes) -> Listed:
         (key,) = make_keys(namespace, [digest])
         best: BlockInfo | None = None
         where: list[str] = []
@@ -38,11 +45,11 @@ class Upkeep:
                     best = info
         if best is None:
             raise NotFound(f"block {key.hex()} is in no tier")
-        return best, where
+        return best, where, self.rules.get(key)
 
     async def list_blocks(
         self, namespace: bytes, tier: str, page_size: int, page_token: str
-    ) -> tuple[list[tuple[BlockInfo, list[str]]], str, int]:
+    ) -> tuple[list[Listed], str, int]:
         ns = Namespace(check_namespace(namespace)) if namespace else None
         if tier:
             self.tier_named(tier)
@@ -66,7 +73,7 @@ class Upkeep:
         later = [k for k in merged if k > after] if after else list(merged)
         page_keys = heapq.nsmallest(page_size + 1, later)
         more = len(page_keys) > page_size
-        page = [merged[k] for k in page_keys[:page_size]]
+        page = [(*merged[k], self.rules.get(k)) for k in page_keys[:page_size]]
         next_token = page_keys[page_size - 1].hex() if more else ""
         return page, next_token, len(merged)
 

@@ -31,7 +31,7 @@ def base_images(podman_ready: None) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def server_image(base_images: tuple[str, str]) -> str:
-    return pm.build_server_image(base_images[1])
+    return pm.build_server_image(base_images)
 
 
 @pytest.fixture

@@ -61,6 +61,9 @@ DAEMON_DEPENDENCIES = {
     "rich",
     "numpy",
     "pyzmq",  # KV events (issue #17)
+    "opentelemetry-api",  # tracing (off by default; imported only when on)
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-http",
     "msgpack",
     "cryptography",  # encryption at rest (issue #18)
 }
@@ -73,6 +76,7 @@ CLIENT_ENV = CONNECTOR_ENV | {
     "UCM_TARGET",
     "UCM_TOKEN",
     "UCM_CONFIG_FILE",
+    "UCM_SERVER_CONFIG",
     "UCM_SPARSE_CONFIG",
     "UCM_LOG_LEVEL",
     "UCM_ADMIN_DEBUG",
@@ -185,9 +189,15 @@ class Image:
         return int(user)
 
     def expand(self, text: str) -> str:
-        return re.sub(
-            r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), self.env.get(m.group(1), "")), text
-        )
+        """``text`` with ``$X`` / ``${X}`` replaced by ARG defaults (which may name earlier ARGs) or ENV."""
+        for _ in range(10):
+            expanded = re.sub(
+                r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), self.env.get(m.group(1), "")), text
+            )
+            if expanded == text:
+                return text
+            text = expanded
+        raise AssertionError(f"Dockerfile: {text!r} does not settle (ARGs naming each other?)")
 
 
 @pytest.fixture(scope="module")
@@ -269,9 +279,6 @@ def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
     # Item 3: no parser directive that makes BuildKit pull a frontend image (air-gapped builds).
     first = (ROOT / "Dockerfile").read_text().splitlines()[0]
     assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
-    for stage in image.stages:
-        base = image.expand(stage[0].args.split()[0])
-        assert base.startswith("localhost/ucm-base"), f"FROM {base}: not a deploy/image/make-base.sh base"
     runs = " ".join(i.args for stage in image.stages for i in self_and(stage, "RUN"))
     installs = re.findall(r"pip install ([^&;|]+)", runs)
     assert installs, "no pip install in the Dockerfile"
@@ -284,16 +291,36 @@ def test_dockerfile_builds_the_daemon_image(image: Image) -> None:
         build_env.update(parse_env(ins.args))
     assert build_env.get("PIP_CONSTRAINT", "").endswith("constraints.txt")
     assert "uninstall --yes pip setuptools" in runs, "pip and setuptools must leave the runtime venv"
-    entry = exec_form(image.one("ENTRYPOINT").args)
-    assert entry[0] == "ucm-server" and entry[entry.index("--config") + 1] == IMAGE_CONFIG_PATH
+    # The daemon reads its config file from UCM_SERVER_CONFIG, as ucm-admin does: one place names it.
+    assert exec_form(image.one("ENTRYPOINT").args) == ["ucm-server"]
+    assert image.env["UCM_SERVER_CONFIG"] == IMAGE_CONFIG_PATH
     assert image.one("STOPSIGNAL").args == "SIGTERM"
     assert image.uid != 0, "the daemon must not run as root"
     assert image.one("USER").args.split(":")[0] not in ("root", "0")
 
 
-def test_dockerfile_sets_no_ucm_env_and_bakes_its_config(image: Image) -> None:
-    """Item 1: environment beats the file in ucm-server, so an image ENV would override a mounted config."""
-    assert not [k for k in image.env if k.startswith("UCM_")], image.env
+PINNED_PUBLIC_BASE = re.compile(r"(docker\.io/)?(library/)?(python|debian):[\w.-]+@sha256:[0-9a-f]{64}")
+
+
+def test_dockerfile_builds_from_a_pinned_public_base_by_default(image: Image) -> None:
+    """A plain `docker build .` works from an official image pinned by digest; the air-gapped bases of
+    deploy/image/make-base.sh are build arguments (the podman tests build that way)."""
+    bases = [image.expand(stage[0].args.split()[0]) for stage in image.stages]
+    for base in bases:
+        assert PINNED_PUBLIC_BASE.fullmatch(base), f"FROM {base}: not an official image pinned by digest"
+    assert len(set(bases)) == 1, "both stages need the same Python at the same path (the venv points at it)"
+    froms = [stage[0].args.split()[0] for stage in image.stages]
+    assert froms == ["${BUILD_BASE}", "${RUNTIME_BASE}"], froms
+    readme = (ROOT / "README.md").read_text() + (ROOT / "docs" / "operations.md").read_text()
+    assert "BUILD_BASE=localhost/ucm-base-build:" in readme and "RUNTIME_BASE=localhost/ucm-base:" in readme
+
+
+def test_dockerfile_sets_no_ucm_setting_and_bakes_its_config(image: Image) -> None:
+    """Item 1: environment beats the file in ucm-server, so a setting's ENV in the image would override a
+    mounted config. The one UCM_* variable names the file itself (for ucm-server and ucm-admin)."""
+    ucm_env = {k: v for k, v in image.env.items() if k.startswith("UCM_")}
+    assert ucm_env == {"UCM_SERVER_CONFIG": IMAGE_CONFIG_PATH}, ucm_env
+    assert read_env(ucm_env) == ({}, []), "UCM_SERVER_CONFIG must be no setting (nor an unknown one)"
     copies = [exec_form(i.args) for i in image.all("COPY")]
     assert ["deploy/image/ucm.yaml", IMAGE_CONFIG_PATH] in copies
     config, warnings = load_config(IMAGE_CONFIG, environ={})
@@ -309,8 +336,9 @@ def test_dockerfile_healthcheck_reads_the_daemon_config(image: Image) -> None:
     options, _, command = image.one("HEALTHCHECK").args.partition("CMD ")
     words = shlex.split(command.split("||")[0])
     assert words[0] == "ucm-admin" and words[-1] == "health", words
-    assert words[words.index("--config") + 1] == IMAGE_CONFIG_PATH
-    assert "--socket" not in words and "--target" not in words
+    # no flag: UCM_SERVER_CONFIG names the daemon's config, exactly as `docker exec ... ucm-admin` finds it
+    assert "--config" not in words and "--socket" not in words and "--target" not in words
+    assert image.env["UCM_SERVER_CONFIG"] == IMAGE_CONFIG_PATH
     assert "|| exit 1" in command, "Docker health checks define only exit codes 0 and 1"
     opts = dict(o.lstrip("-").split("=") for o in options.split())
     assert {"interval", "timeout", "start-period", "retries"} <= opts.keys()
@@ -406,13 +434,15 @@ def test_configmap_config_loads(
 ) -> None:
     _, warnings = load_config(configmap_yaml, environ={})
     assert not warnings
-    # Item 1: nothing in the pod beats the ConfigMap: no UCM_* env (image or DaemonSet), no setting flags.
+    # Item 1: nothing in the pod beats the ConfigMap: no UCM_* setting (image or DaemonSet), no setting
+    # flags; the image's UCM_SERVER_CONFIG names the file the DaemonSet's --config does.
     c = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")
-    env = {**image.env, **env_of(c)}
-    assert not [k for k in env if k.startswith("UCM_")], env
+    env = {k: v for k, v in {**image.env, **env_of(c)}.items() if k.startswith("UCM_")}
+    assert set(env) == {"UCM_SERVER_CONFIG"} and read_env(env) == ({}, []), env
     words = [*c.get("command", []), *c.get("args", [])]
     flags = [w for w in words if w.startswith("--") and w != "--config"]
     assert not flags, f"DaemonSet: settings flags {flags} override the ConfigMap"
+    assert words[words.index("--config") + 1] == env["UCM_SERVER_CONFIG"]
 
 
 def test_daemonset_runs_the_configured_daemon(
@@ -645,9 +675,10 @@ def test_health_check_commands_against_a_real_daemon(
     no_client_libraries: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    """The image's HEALTHCHECK and the DaemonSet's probes, run as written with the config path swapped
-    for a file naming the live daemon's socket (or an absent one). Like ucm-server, they let UCM_SOCKET
-    beat the file, so `docker run -e UCM_SOCKET=...` moves the daemon and its health check together."""
+    """The image's HEALTHCHECK and the DaemonSet's probes, run as written with the config file (the
+    image's UCM_SERVER_CONFIG, the probes' --config) swapped for a file naming the live daemon's socket
+    (or an absent one). Like ucm-server, they let UCM_SOCKET beat the file, so `docker run -e
+    UCM_SOCKET=...` moves the daemon and its health check together."""
     if shutil.which("ucm-admin", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("the ucm-admin entry point is not installed next to this Python")
     d, _ = live
@@ -655,7 +686,7 @@ def test_health_check_commands_against_a_real_daemon(
     good.write_text(f"socket: {d.socket}\n")
     bad.write_text(f"socket: {tmp_path / 'absent.sock'}\n")
     command = image.one("HEALTHCHECK").args.partition("CMD ")[2]
-    assert IMAGE_CONFIG_PATH in command
+    assert image.env["UCM_SERVER_CONFIG"] == IMAGE_CONFIG_PATH
     cases: list[tuple[Path, dict[str, str], int]] = [
         (good, {}, 0),
         (bad, {}, 1),
@@ -664,8 +695,8 @@ def test_health_check_commands_against_a_real_daemon(
         (tmp_path / "missing.yaml", {}, 1),
     ]
     for config, extra, expected in cases:
-        env = _admin_env({**no_client_libraries, **extra})
-        argv = ["sh", "-c", command.replace(IMAGE_CONFIG_PATH, str(config))]
+        env = _admin_env({**no_client_libraries, "UCM_SERVER_CONFIG": str(config), **extra})
+        argv = ["sh", "-c", command]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == expected, (config.name, extra, proc.stderr)
     probe = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")["livenessProbe"]

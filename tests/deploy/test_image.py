@@ -126,11 +126,13 @@ def test_image_keeps_its_healthcheck_and_runs_as_10001(server_image: str) -> Non
     config = info["Config"]
     health = info.get("Healthcheck") or config.get("Healthcheck")
     assert health, "the image has no HEALTHCHECK (built without --format docker?)"
-    assert "ucm-admin --config /etc/ucm/ucm.yaml" in " ".join(health["Test"])
+    assert "ucm-admin --timeout 5 -q health" in " ".join(health["Test"])
     assert config["User"] == f"{UCM_UID}:{UCM_UID}"
-    assert config["Entrypoint"] == ["ucm-server", "--config", "/etc/ucm/ucm.yaml"]
-    # Item 1: no UCM_* variable that would beat a mounted config file.
-    assert not [e for e in config.get("Env", []) if e.startswith("UCM_")], config["Env"]
+    assert config["Entrypoint"] == ["ucm-server"]
+    # Item 1: no UCM_* setting that would beat a mounted config file; one variable names the file, for
+    # the daemon and ucm-admin alike.
+    ucm_env = [e for e in config.get("Env", []) if e.startswith("UCM_")]
+    assert ucm_env == ["UCM_SERVER_CONFIG=/etc/ucm/ucm.yaml"], config["Env"]
 
 
 def test_image_holds_the_daemon_and_nothing_to_install_with(server_image: str) -> None:
@@ -185,6 +187,21 @@ def test_healthcheck_passes_on_the_configured_socket(served: Served) -> None:
     assert served.container.health_status() == "healthy"
     assert served.socket.exists() and not (served.dirs.run / "ucm.sock").exists()
     assert served.first_health < 60, f"first healthy after {served.first_health:.1f} s"
+
+
+def test_admin_tool_in_the_container_finds_the_daemon_with_no_flag(served: Served) -> None:
+    """`docker exec ucm ucm-admin health` / `stats`, exactly as an operator types them: the image's
+    UCM_SERVER_CONFIG leads the admin tool to the socket of the mounted config (daemon.sock, not the
+    image's default ucm.sock, so following the file is what finds it)."""
+    health = served.container.exec_rc("ucm-admin", "health")
+    assert health.returncode == 0, health.stdout + health.stderr
+    assert f"SERVING unix:///run/ucm/{SOCKET_NAME}" in health.stdout
+    stats = served.container.exec_rc("ucm-admin", "stats")
+    assert stats.returncode == 0, stats.stdout + stats.stderr
+    assert f" at unix:///run/ucm/{SOCKET_NAME}" in stats.stdout and "Posix" in stats.stdout
+    # negative control: without the variable the admin tool looks at its per-user default and says so
+    lost = served.container.exec_rc("env", "-u", "UCM_SERVER_CONFIG", "ucm-admin", "health")
+    assert lost.returncode == 3 and "no ucm-server socket at" in lost.stderr, lost.stderr
 
 
 def test_metrics_follow_the_mounted_config(served: Served) -> None:

@@ -152,7 +152,7 @@ def test_round_trip_through_the_pinned_cache(tmp_path: Path) -> None:
             # Write-back took the blocks to Posix too.
             await engine.pipeline.drain()
             posix = engine.pipeline.tiers[1]
-            assert await posix.lookup(engine._keys(NS, keys(n))) == [BLOCK] * n
+            assert await posix.lookup(engine.keys(NS, keys(n))) == [BLOCK] * n
 
     run(body)
 

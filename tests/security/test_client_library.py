@@ -158,6 +158,17 @@ def test_every_error_during_restarts_is_a_ucm_error(tmp_path: Path) -> None:
     assert d.proc is None
 
 
+def _until_aged_out(c: UcmClient, task_id: int) -> None:
+    """Until the task's pushed result has come and been dropped again (the client keeps only the
+    newest ``kept_results``): what the tests below are about. A fixed sleep instead let them pass on a
+    slow machine with the result still kept, answered at once for the wrong reason."""
+    finished = c.aio._finished  # the client's table of pushed results (no public view of it)
+    deadline = time.monotonic() + 30
+    while finished.peek(task_id) is not None or task_id in finished._running:
+        assert time.monotonic() < deadline, f"task {task_id}'s result never aged out"
+        time.sleep(0.02)
+
+
 def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProcess) -> None:
     """The first of many tasks, its pushed result long dropped: wait(30 s) answers in well under it."""
     with UcmClient(daemon.target) as c, SharedBuffer(4 * SIZE) as buf:
@@ -167,7 +178,7 @@ def test_wait_on_a_task_whose_result_aged_out_answers_at_once(daemon: DaemonProc
         first = c.dump(NS, blocks_in(region, 2, SIZE))
         later = [c.prefetch(NS, [blocks_in(region, 1, SIZE, first=1000 + i)[0].key]) for i in range(200)]
         assert c.wait(later[-1], 10).done
-        time.sleep(0.2)  # let the last pushed events arrive: the first result is long gone now
+        _until_aged_out(c, first)
         started = time.monotonic()
         result = c.wait(first, 30)
         took = time.monotonic() - started
@@ -186,7 +197,7 @@ def test_wait_after_4096_results_with_the_default_retention(daemon: DaemonProces
         first = c.prefetch(NS, [b"\x01" * 32])
         ids = [c.prefetch(NS, [b"\x02" * 32]) for _ in range(4200)]
         assert c.wait(ids[-1], 30).done
-        time.sleep(0.2)
+        _until_aged_out(c, first)
         started = time.monotonic()
         result = c.wait(first, 30)
         assert time.monotonic() - started < 3
@@ -243,3 +254,67 @@ def test_several_clients_in_one_process_exit_without_tracebacks(
     for bad in ("Traceback", "Event loop is closed", "Task was destroyed", "never awaited"):
         assert bad not in proc.stderr, proc.stderr
     assert daemon.healthy()
+
+
+_CLOSING = textwrap.dedent(
+    """
+    import asyncio, sys
+    from support.blocks import NS, blocks_in
+    from ucm_client import AsyncUcmClient, SharedBuffer, UcmClient
+    from ucm_client.errors import ResourceExhausted
+
+    target, rounds = sys.argv[1], int(sys.argv[2])
+    refused = 0
+    for i in range(rounds):
+        with SharedBuffer(2 << 20) as big:  # past max_session_region_bytes: refused by the daemon
+            c = UcmClient(target, client_name=f"refused-{i}")
+            c.connect()
+            try:
+                c.register(big)
+            except ResourceExhausted:
+                refused += 1
+            c.close()
+        with SharedBuffer(64 << 10) as small, UcmClient(target, client_name=f"plain-{i}") as c:
+            region = c.register(small)
+            c.dump_nowait(NS, blocks_in(region, 2, 4096, first=2 * i))  # still running at close: cancelled
+            c.lookup(NS, [b.key for b in blocks_in(region, 2, 4096)])
+
+    async def refused_async() -> None:
+        with SharedBuffer(2 << 20) as big:
+            c = AsyncUcmClient(target, client_name="refused-async")
+            try:
+                await c.register(big)
+            except ResourceExhausted:
+                pass
+            await c.close()
+
+    asyncio.run(refused_async())
+    never_closed = UcmClient(target, client_name="left-open")  # closed at exit by the library
+    never_closed.connect()
+    print("refused", refused)
+    """
+)
+
+
+def test_closing_clients_print_nothing(tmp_path: Path) -> None:
+    """gRPC hands a late event of a closed client's loop to whichever loop polls next, which printed
+    "Exception in callback ... Event loop is closed" (each time after a refused registration,
+    intermittently otherwise). Many clients, refused and plain, one left open at exit, in processes
+    of their own: stderr stays empty."""
+    tests_dir = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    script = tmp_path / "closing.py"
+    script.write_text(_CLOSING)
+    with DaemonProcess(tmp_path / "ucm", args=["--max-session-region-bytes", "1MiB"]) as d:
+        for _ in range(3):
+            proc = subprocess.run(
+                [sys.executable, "-X", "dev", str(script), d.target, "25"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.strip() == "refused 25", proc.stdout
+            assert proc.stderr == "", proc.stderr
+        assert d.healthy()

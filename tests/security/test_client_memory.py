@@ -30,6 +30,7 @@ from support.blocks import NS
 from support.slow_tier import slow_daemon
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
+from ucm_client.errors import FailedPrecondition, InvalidArgument
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 64 << 10
@@ -183,7 +184,7 @@ def _attack(buf: SharedBuffer, action: str) -> SharedBuffer | None:
         with pytest.raises(PermissionError):
             os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_TRUNC)
         return None
-    if action == "punch":  # allowed by the seals; the daemon then reads zeros, it cannot fault
+    if action == "punch":  # allowed by the seals; the daemon then refuses the memory, never faults
         _punch_holes(fd, buf.size)
         return None
     buf.close()  # "unlink": the client drops its descriptor and its mapping
@@ -222,7 +223,10 @@ def test_client_memory_attacked_in_every_state(slow: DaemonProcess, state: str, 
             for i, state_ in enumerate(result.states):
                 assert state_ in (BlockState.OK, BlockState.FAILED), (i, state_, result.reasons.get(i))
         assert slow.healthy(), f"the daemon died after {action} {state}:\n{slow.log()}"
-        if state == "registered":  # the region stays usable: a dump from it completes block by block
+        if state == "registered" and action == "punch":  # memory with holes: refused and dropped
+            with pytest.raises((FailedPrecondition, InvalidArgument), match=r"has holes|unknown region"):
+                c.dump(NS, _blocks(region, tag + "-again"))
+        elif state == "registered":  # the region stays usable: a dump from it completes block by block
             result = c.wait(c.dump(NS, _blocks(region, tag + "-again")), 60)
             assert result.done and len(result.states) == N
         if state == "mid-dump" and action == "truncate":  # nothing changed: every byte was stored
@@ -270,3 +274,19 @@ def test_client_exits_mid_task(slow: DaemonProcess, state: str) -> None:
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert "STARTED" in proc.stdout, proc.stderr
     _round_trip_works(slow, tag + "-after")
+
+
+def test_the_vllm_kv_memory_is_allocated_in_full_before_it_is_handed_over() -> None:
+    """Both ways the vLLM connector puts its KV cache in shared memory, the allocation answered from
+    a SharedBuffer and an existing cache moved into one, give the daemon memory with no holes (the
+    daemon refuses any other)."""
+    torch = pytest.importorskip("torch", reason="the vLLM KV memory is torch tensors")
+    from ucm_client.vllm.kv_memory import ShmAllocation, adopt
+
+    with ShmAllocation() as mode:
+        torch.zeros(8 << 20, dtype=torch.int8, device="cpu")
+    assert mode.buffer is not None
+    moved, _ = adopt({"layer.0": torch.ones(4 << 20, dtype=torch.int8)}, [])
+    for buf in (mode.buffer, moved):
+        st = os.fstat(buf.fileno())
+        assert st.st_blocks * 512 >= st.st_size == buf.size, (st.st_blocks, st.st_size)

@@ -3,10 +3,10 @@
 Two tenants with their own key files, ``encrypt_tiers: Posix``: a tenant's block round-trips through
 the disk (Cache evicted) while its file holds no byte of the plaintext; the default tenant's block
 is stored in clear beside it (the negative control). Then as an attacker with the disk would: an
-envelope moved under another tenant's block name (its outer header rewritten so the tier's own
-checks pass) fails authentication and is never served; a restart with another key, or without the
-key, makes the tenant's blocks missing, never garbage. Bad key files stop start-up naming the file,
-never showing the key; the key appears in no log.
+envelope moved under another block's name, another tenant's or the same tenant's (its outer header
+rewritten so the tier's own checks pass), fails authentication and is never served; a restart with
+another key, or without the key, makes the tenant's blocks missing, never garbage. Bad key files stop
+start-up naming the file, never showing the key; the key appears in no log.
 """
 
 from __future__ import annotations
@@ -119,31 +119,40 @@ def test_encrypted_blocks_round_trip_and_hold_no_plaintext_on_disk(
         assert KEY_A.hex() not in log and KEY_B.hex() not in log
 
 
-def test_an_envelope_moved_under_another_tenants_block_is_never_served(
-    tmp_path: Path, keys: tuple[Path, Path]
+def _move_envelope(d: DaemonProcess, source: bytes, target: bytes) -> None:
+    """As an attacker with the disk: copy ``source``'s block file over ``target``'s and fix the outer
+    header to name ``target`` (no secret is needed: the tier's own header and checksum then pass)."""
+    files = _files(d)
+    (source_key,) = [k for k in files if k.endswith(source)]
+    (target_key,) = [k for k in files if k.endswith(target)]
+    raw = files[source_key].read_bytes()
+    old = decode_header(raw[:HEADER_SIZE])
+    header = encode_header(
+        decode_header(files[target_key].read_bytes()[:HEADER_SIZE]).key,
+        old.payload_len,
+        old.checksum,
+        old.created_ns,
+        header_len=old.header_len,
+    )
+    files[target_key].write_bytes(header + raw[old.header_len :])
+
+
+@pytest.mark.parametrize("victim", ["another tenant", "the same tenant"])
+def test_an_envelope_moved_under_another_block_is_never_served(
+    tmp_path: Path, keys: tuple[Path, Path], victim: str
 ) -> None:
+    """The envelope binds the block's own namespace and key: moved under another tenant's block, or
+    under another block of the same tenant (same key, same namespace), it fails authentication."""
     with _daemon(tmp_path, *keys) as d:
         with UcmClient(d.target, token=ALICE) as alice, UcmClient(d.target, token=BOB) as bob:
-            a = _dump(alice, PLAIN)
-            b = _dump(bob, os.urandom(BLOCK), first=1)
-            files = _files(d)
-            (a_key,) = [k for k in files if k.endswith(a)]
-            (b_key,) = [k for k in files if k.endswith(b)]
-            # The attacker copies alice's file over bob's and fixes the outer header to name bob's
-            # block (it has no secret: the tier's own header and checksum then pass).
-            raw = files[a_key].read_bytes()
-            old = decode_header(raw[:HEADER_SIZE])
-            header = encode_header(
-                decode_header(files[b_key].read_bytes()[:HEADER_SIZE]).key,
-                old.payload_len,
-                old.checksum,
-                old.created_ns,
-                header_len=old.header_len,
-            )
-            files[b_key].write_bytes(header + raw[old.header_len :])
+            owner, reader = (alice, bob) if victim == "another tenant" else (alice, alice)
+            a = _dump(owner, PLAIN)
+            other = os.urandom(BLOCK)
+            b = _dump(reader, other, first=1)
+            _move_envelope(d, a, b)
             _evict_cache(d)
-            ok, data = _load(bob, b)
-            assert not ok and data == bytes(BLOCK), "a swapped envelope was served"
+            ok, data = _load(reader, b)
+            assert not ok and data == bytes(BLOCK), f"an envelope moved under {victim}'s block was served"
             assert PLAIN[:64] not in data
             assert _load(alice, a) == (True, PLAIN)  # negative control: the original still opens
 
@@ -173,25 +182,52 @@ def test_a_wrong_or_missing_key_makes_blocks_missing_not_garbage(
             assert _load(bob, theirs) == (True, PLAIN)
 
 
+NOBODY = 65534
 BAD_KEYS = {
     "short": (b"\x01" * 31, 0o600, "expected 32 bytes or 64 hex digits"),
     "bad hex": (b"zz" * 32, 0o600, "expected 32 bytes or 64 hex digits"),
     "world readable": (os.urandom(32), 0o644, "readable by others"),
+    "group writable": (os.urandom(32), 0o620, "writable by group or others"),
+    "owned by another user": (os.urandom(32), 0o600, f"owned by uid {NOBODY}, not by the daemon's uid"),
+    "in a directory others can write": (os.urandom(32), 0o600, "is writable by group or others"),
+    "in a directory of another user": (os.urandom(32), 0o600, f"is owned by uid {NOBODY}"),
 }
+NEEDS_ROOT = {"owned by another user", "in a directory of another user"}
 
 
 @pytest.mark.parametrize("case", list(BAD_KEYS))
 def test_a_bad_key_file_stops_start_up_naming_the_file(tmp_path: Path, case: str) -> None:
+    """Whoever can write the key file or its directory chooses the tenant's key: such a file (and a
+    short, malformed or readable one) stops start-up naming the file, never showing the key."""
+    if case in NEEDS_ROOT and os.geteuid() != 0:
+        pytest.skip("giving a file to another uid (os.chown) needs root; CI runs as root")
     content, mode, words = BAD_KEYS[case]
-    bad = tmp_path / "alice.key"
+    where = tmp_path / "keys"
+    where.mkdir(mode=0o700)
+    bad = where / "alice.key"
     bad.write_bytes(content)
     bad.chmod(mode)
+    if case == "owned by another user":
+        os.chown(bad, NOBODY, NOBODY)
+    elif case == "in a directory others can write":
+        where.chmod(0o1777)  # even sticky, like /tmp: another user could have put the file there
+    elif case == "in a directory of another user":
+        os.chown(where, NOBODY, NOBODY)
     d = _daemon(tmp_path, bad, _key_file(tmp_path / "bob.key", KEY_B))
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
     proc = subprocess.run(d.command(), capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stderr
-    assert f"key_file {bad}" in proc.stderr and words in proc.stderr
+    assert f"key_file {bad}" in proc.stderr and words in proc.stderr, proc.stderr
     assert content.hex() not in proc.stderr and "Traceback" not in proc.stderr
+    # Negative control: the same key, fixed, starts.
+    where.chmod(0o700)
+    os.chown(where, os.geteuid(), os.getegid())
+    os.chown(bad, os.geteuid(), os.getegid())
+    if case in ("short", "bad hex"):
+        return
+    bad.chmod(0o600)
+    with _daemon(tmp_path, bad, _key_file(tmp_path / "bob.key", KEY_B)) as d:
+        assert d.healthy()
 
 
 def test_turning_encryption_off_over_sealed_blocks_is_refused(

@@ -296,7 +296,7 @@ def test_posix_tier_refuses_planted_files_with_either_resolver(
 ) -> None:
     """The same refusals whether paths resolve by ``openat2`` or, on kernels without it (simulated
     here by hiding it), by walking components: symlinked file, symlinked directory, FIFO."""
-    from ucm_server.store import confined
+    from ucm_server.store.posix import confined
 
     if resolver != "openat2":
         monkeypatch.setattr(confined, "_syscall", None)

@@ -11,6 +11,7 @@ token works once; and pending handovers are bounded per process and in total (se
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import shutil
@@ -29,7 +30,7 @@ import pytest
 from support.blocks import NS, blocks_in
 
 from ucm_client import SharedBuffer, UcmClient, key_digest
-from ucm_client.errors import PermissionDenied, ResourceExhausted
+from ucm_client.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from ucm_client.handover import hand_over
 from ucm_client.trust import trusted_uids
 from ucm_protocol.fdpass import REPLY, REQUEST, fd_socket_path
@@ -178,9 +179,12 @@ def _exchange(
         s.close()
 
 
-def _memfd(size: int, seals: int) -> int:
+def _memfd(size: int, seals: int, *, allocate: bool = True) -> int:
+    """A memfd of ``size`` bytes with ``seals``, every page allocated unless told otherwise."""
     fd = os.memfd_create("attacker", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
@@ -191,7 +195,7 @@ def _open_fds(pid: int) -> int:
 
 
 def _memfds(pid: int) -> int:
-    """Memfds the process holds open (pending handovers; a registered region keeps a mapping, no fd)."""
+    """Memfds the process holds open (pending handovers, and one per memfd behind registered regions)."""
     n = 0
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -226,6 +230,9 @@ def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> No
     unsealed = _memfd(8192, 0)
     grow_only = _memfd(8192, fcntl.F_SEAL_GROW)
     small = _memfd(1024, seal_shrink)
+    unallocated = _memfd(8192, seal_shrink, allocate=False)
+    half = _memfd(8192, seal_shrink)
+    _punch(half, 4096)
     good = _memfd(8192, seal_shrink)
     unix_a, unix_b = socket.socketpair()
     directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
@@ -247,6 +254,8 @@ def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> No
             "an unsealed memfd": [(_header(), [unsealed])],
             "a memfd sealed against growing only": [(_header(), [grow_only])],
             "a sealed memfd smaller than declared": [(_header(4096), [small])],
+            "a memfd never allocated": [(_header(), [unallocated])],
+            "a memfd with a hole": [(_header(), [half])],
             "a declared size of 0": [(_header(0), [good])],
             "two descriptors": [(_header(), [good, read_end])],
             "twenty descriptors": [(_header(), many)],
@@ -272,7 +281,21 @@ def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> No
         for s in stalled:
             s.close()
     finally:
-        for fd in (read_end, write_end, zero, disk, shm, unsealed, grow_only, small, good, directory, *many):
+        for fd in (
+            read_end,
+            write_end,
+            zero,
+            disk,
+            shm,
+            unsealed,
+            grow_only,
+            small,
+            unallocated,
+            half,
+            good,
+            directory,
+            *many,
+        ):
             os.close(fd)
         unix_a.close()
         unix_b.close()
@@ -293,6 +316,8 @@ def test_fd_socket_survives_garbage(daemon: DaemonProcess, tmp_path: Path) -> No
         "an unsealed memfd": "not sealed with F_SEAL_SHRINK",
         "a memfd sealed against growing only": "not sealed with F_SEAL_SHRINK",
         "a sealed memfd smaller than declared": "holds 1024 bytes, less than the declared 4096",
+        "a memfd never allocated": "only 0 of 8192 bytes are allocated",
+        "a memfd with a hole": "only 4096 of 8192 bytes are allocated",
         "a declared size of 0": "declared size must be positive",
         "two descriptors": "exactly one file descriptor, got 2",
         "twenty descriptors": "exactly one file descriptor",
@@ -366,6 +391,7 @@ _STDLIB_HANDOVER = textwrap.dedent(
     for _ in range(count):
         fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 4096)
+        os.posix_fallocate(fd, 0, 4096)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         s = socket.socket(socket.AF_UNIX)
         s.connect(path)
@@ -406,8 +432,10 @@ def test_fd_socket_checks_the_peer_uid(tmp_path: Path) -> None:
 
 
 def test_pending_handovers_are_bounded(tmp_path: Path) -> None:
-    """8 pending in all, 2 per process: more are refused with RESOURCE_EXHAUSTED naming the setting,
-    and the daemon never holds more descriptors than that."""
+    """8 pending in all, 2 per process (a quarter of 8): a process past its share is refused
+    with RESOURCE_EXHAUSTED, and the daemon never holds more descriptors than that. A full table
+    locks nobody out: a newcomer takes the place of the oldest handover of a process holding the
+    most, whose token then fails clearly."""
     with DaemonProcess(tmp_path / "ucm", args=["--max-pending-handovers", "8"]) as d:
         assert d.proc is not None
         path = fd_socket_path(d.socket)
@@ -432,21 +460,30 @@ def test_pending_handovers_are_bounded(tmp_path: Path) -> None:
                 hand_over(d.socket, buf.fileno(), 4096, trusted_uids())
             kv = rpc.KVStoreStub(ch)
             stream, md = _attach(kv)
-            kv.RegisterRegion(
-                pb.RegisterRegionRequest(memfd_token=tokens[0], size=4096), metadata=md, timeout=5
-            )
-            # Registering one frees its place.
-            tokens[0] = hand_over(d.socket, buf.fileno(), 4096, trusted_uids())
+
+            def register(token: bytes) -> None:
+                kv.RegisterRegion(
+                    pb.RegisterRegionRequest(memfd_token=token, size=4096), metadata=md, timeout=5
+                )
+
+            register(tokens.pop(0))  # registering one frees its place
+            tokens.insert(0, hand_over(d.socket, buf.fileno(), 4096, trusted_uids()))
             for _ in range(2):  # two more processes fill the table: 8 pending in all
                 assert run_child(2) == ["0 token", "0 token"]
-            last = run_child(1)[0]
-            assert last.startswith(f"{RESOURCE_EXHAUSTED} ") and "max_pending_handovers" in last
-            assert _memfds(d.proc.pid) == own + 8
+            # Full: newcomers get in; the first child's two handovers (the oldest of the processes
+            # holding the most) give way, then this process's oldest (tokens[1], handed over first).
+            for _ in range(3):
+                assert run_child(1) == ["0 token"]
+            assert _memfds(d.proc.pid) == own + 8 + 1  # and the registered region's memfd, kept to check it
+            with pytest.raises(grpc.RpcError) as gone:
+                register(tokens[1])
+            assert gone.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "unknown or expired memfd_token" in (gone.value.details() or "")
+            register(tokens[0])  # the newer one still works
             stream.cancel()  # type: ignore[attr-defined]
         assert d.healthy()
         with UcmClient(d.target) as c, SharedBuffer(4096) as buf:
-            with pytest.raises(ResourceExhausted, match="max_pending_handovers"):
-                c.register(buf)
+            c.register(buf)  # a full table of other processes' handovers locks no one out
 
 
 def test_handover_wire_format_is_what_the_client_sends() -> None:
@@ -472,3 +509,37 @@ def test_pending_handovers_expire_and_close_their_descriptor() -> None:
     assert len(table) == 0
     with pytest.raises(OSError):  # the table closed it
         os.fstat(fd)
+
+
+def _punch(fd: int, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    assert libc.fallocate(fd, 0x02 | 0x01, 0, size) == 0  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+@pytest.mark.parametrize("when", ["before the load", "between two loads"])
+def test_memory_with_holes_is_refused_for_loads_and_dropped(tmp_path: Path, when: str) -> None:
+    """Holes punched into registered memory (which the daemon's copy would allocate on its own
+    account): the next Load is FAILED_PRECONDITION naming the region, the region is gone, other
+    regions of the session and other clients carry on. The background prefault is off, so the check
+    before the copy is the one that answers (tests/security/test_client_memory_limits.py shows the
+    memory bound under a real cgroup limit)."""
+    with DaemonProcess(tmp_path / "ucm", args=["--no-region-prefault"]) as d:
+        with UcmClient(d.target) as c, SharedBuffer(8 * 4096) as src, SharedBuffer(8 * 4096) as dst:
+            src.buf[:] = os.urandom(src.size)
+            assert c.wait(c.dump(NS, blocks_in(c.register(src), 8, 4096)), 10).ok
+            region = c.register(dst)
+            if when == "between two loads":
+                assert c.wait(c.load(NS, blocks_in(region, 8, 4096)), 10).ok
+                assert bytes(dst.buf) == bytes(src.buf)
+            _punch(dst.fileno(), 4096)  # one page is enough
+            with pytest.raises(FailedPrecondition, match=r"region \d+: its memory has holes now \(only"):
+                c.load(NS, blocks_in(region, 8, 4096))
+            with pytest.raises(InvalidArgument, match="unknown region"):
+                c.load(NS, blocks_in(region, 8, 4096))
+            other = c.register(src)  # the session's other memory is untouched
+            assert c.wait(c.dump(NS, blocks_in(other, 8, 4096, first=50)), 10).ok
+        assert "changed after registration (only" in d.log()
+        with UcmClient(d.target) as c, SharedBuffer(8 * 4096) as buf:
+            assert c.wait(c.load(NS, blocks_in(c.register(buf), 8, 4096)), 10).ok
+        assert d.healthy()

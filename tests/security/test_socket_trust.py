@@ -240,12 +240,24 @@ class FakeDaemon:
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "READY"
 
     def connections(self) -> list[tuple[int, int, bytes]]:
-        time.sleep(1.3)  # the fake reads each connection for up to a second
-        out = []
-        for line in self.log.read_text().splitlines():
-            n, fds, hexed = [*line.split(), ""][:3]
-            out.append((int(n), int(fds), bytes.fromhex(hexed)))
-        return out
+        """Every connection the fake served before this call. A marker connection goes last and is
+        waited for: the fake serves connections in order, so once the marker is in the log every
+        earlier connection is too (a fixed sleep let "nothing was received" pass on a slow machine
+        before the fake had read anything)."""
+        marker = b"MARKER-" + os.urandom(8).hex().encode()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(self.path))
+            s.sendall(marker)
+        deadline = time.monotonic() + 60
+        while True:
+            out = []
+            for line in self.log.read_text().splitlines():
+                n, fds, hexed = [*line.split(), ""][:3]
+                out.append((int(n), int(fds), bytes.fromhex(hexed)))
+            if out and out[-1][2] == marker:
+                return out[:-1]
+            assert time.monotonic() < deadline, f"the fake daemon never logged the marker: {out}"
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.proc.kill()

@@ -29,7 +29,7 @@ __all__ = [
     "vllm_hash",
 ]
 
-MEDIUM = {"Cache": "CPU", "Posix": "DISK", "DS3FS": "SHARED", "Mooncake": "SHARED", "S3": "SHARED"}
+MEDIUM = {"Cache": "CPU", "Posix": "STORAGE", "DS3FS": "SHARED", "Mooncake": "SHARED", "S3": "SHARED"}
 
 
 def vllm_hash(digest: bytes) -> int:

@@ -105,13 +105,15 @@ def build_args_for_pip() -> list[str]:
     return out
 
 
-def build_server_image(runtime_base: str) -> str:
-    """The ucm-server image, built from the repository's Dockerfile as docs/operations.md says."""
+def build_server_image(bases: tuple[str, str]) -> str:
+    """The ucm-server image, built from the repository's Dockerfile the air-gapped way
+    docs/operations.md describes: ``bases`` = (build base, runtime base) of make-base.sh, passed as
+    the ``BUILD_BASE`` / ``RUNTIME_BASE`` build arguments (no registry is reachable here)."""
+    build_base, runtime_base = bases
     tag = digest([ROOT / f for f in IMAGE_INPUTS], [ROOT / t for t in IMAGE_TREES])
     name = f"localhost/ucm-server:test-{tag}"
     if image_exists(name):
         return name
-    base_tag = runtime_base.rpartition(":")[2]
     podman(
         "build",
         "--format",
@@ -120,7 +122,9 @@ def build_server_image(runtime_base: str) -> str:
         "host",
         *build_args_for_pip(),
         "--build-arg",
-        f"BASE_TAG={base_tag}",
+        f"BUILD_BASE={build_base}",
+        "--build-arg",
+        f"RUNTIME_BASE={runtime_base}",
         "-t",
         name,
         str(ROOT),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from support.blocks import NS
 from ucm_client import UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.format import FLAT_LAYOUT_VERSION, encode_header, payload_checksum
-from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix import PosixTier, Profile
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 4096
@@ -97,6 +98,46 @@ def alive(d: DaemonProcess, c: UcmClient) -> None:
     assert c.get_blocks(NS, [key]) == [b"x" * SIZE]
 
 
+class DumpsUntilKilled:
+    """Blocks ``first``, ``first + 1``, ... dumped ``batch`` at a time from a thread of its own until
+    :meth:`kill` SIGKILLs the daemon under them. ``durable`` holds every block acknowledged. A
+    failure before the kill (a refused dump, a timeout, an error) is the test's failure; after it,
+    the daemon's death is what ends the thread."""
+
+    def __init__(self, d: DaemonProcess, first: int, batch: int) -> None:
+        self.durable: list[int] = []
+        self.errors: list[str] = []
+        self._killed = threading.Event()
+        self._thread = threading.Thread(target=self._dump, args=(d, first, batch))
+        self._thread.start()
+
+    def _dump(self, d: DaemonProcess, first: int, batch: int) -> None:
+        try:
+            with UcmClient(d.target, rpc_timeout_s=30) as c:
+                i = first
+                while not self._killed.is_set():
+                    result = c.put_blocks(
+                        NS, [(k, payload(i + j)) for j, k in enumerate(index_keys(batch, i))]
+                    )
+                    if not result.ok:
+                        raise AssertionError(f"blocks {i} .. {i + batch - 1} refused: {result}")
+                    self.durable.extend(range(i, i + batch))
+                    i += batch
+        except Exception as exc:
+            if not self._killed.is_set():
+                self.errors.append(repr(exc))
+
+    def kill(self, d: DaemonProcess) -> None:
+        """SIGKILL the daemon while the dumps run; the thread must then end, every dump before the
+        kill must have been acknowledged, and at least one was."""
+        self._killed.set()
+        d.kill()
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the dumping thread did not end after the kill"
+        assert self.errors == [], self.errors
+        assert self.durable, "no dump was acknowledged before the kill"
+
+
 class FileSizeLimitedDaemon(DaemonProcess):
     """The daemon under ``prlimit --fsize``: writing past the limit fails with EFBIG, a real refusal
     standing in for a full disk (ENOSPC) that a test cannot cause without its own file system."""
@@ -109,11 +150,8 @@ def previous_release_sizes(root: Path, n: int) -> list[int | None]:
     """Blocks 0 .. ``n - 1`` as a release without index snapshots sees them: its start-up scan (kept
     as the DS3FS path) over ``root``, checked to quarantine and skip nothing."""
 
-    class PreviousRelease(PosixTier):
-        index_snapshots = False
-
     async def read() -> list[int | None]:
-        tier = PreviousRelease(roots=[root])
+        tier = PosixTier(roots=[root], profile=Profile(index_snapshots=False))
         await tier.open()
         sizes = await tier.lookup([BlockKey(NS, k) for k in index_keys(n)])
         stats = tier.stats()

@@ -16,9 +16,8 @@ import xxhash
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store import format as block_format
-from ucm_server.store import posix
 from ucm_server.store.base import BlockResult, IoVec, Tier, copy_iov
-from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix import PosixTier, files
 from ucm_server.testing.tier_suite import TierSuite
 
 _XOR = bytes(b ^ 0x5A for b in range(256))
@@ -78,7 +77,7 @@ def wrong_checksum(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return h.intdigest()
 
     monkeypatch.setattr(block_format, "payload_checksum", xxh64)
-    monkeypatch.setattr(posix, "payload_checksum", xxh64)
+    monkeypatch.setattr(files, "payload_checksum", xxh64)
     yield
 
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from ucm_server.store.base import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
+from ucm_server.store.copying import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
 
 
 def _cut(view: memoryview, pos: int, size: int, rng: random.Random) -> tuple[list[memoryview], int]:

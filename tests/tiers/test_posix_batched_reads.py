@@ -20,7 +20,7 @@ from ucm_client import key_digest
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import BlockState
 from ucm_server.store.format import encode_header, payload_checksum
-from ucm_server.store.posix import PosixTier
+from ucm_server.store.posix import PosixTier, files
 
 SIZE = 4096
 COUNT = 8
@@ -143,13 +143,13 @@ def test_a_good_batch_takes_only_the_fast_path(tmp_path: Path, monkeypatch: pyte
     """Negative control for the tests above: with nothing unusual on disk no block goes the careful
     way (the fast loop is what the batches above tested), and with one removed file exactly one does."""
     careful: list[bytes] = []
-    original = PosixTier._read_careful
+    original = files.read_careful
 
-    def spy(self: PosixTier, key: BlockKey, *args: object) -> bool:
+    def spy(disk: files.Disk, key: BlockKey, *args: object) -> bool:
         careful.append(key)
-        return original(self, key, *args)  # type: ignore[arg-type]
+        return original(disk, key, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(PosixTier, "_read_careful", spy)
+    monkeypatch.setattr(files, "read_careful", spy)
 
     async def main() -> None:
         t = await _stored(tmp_path)

@@ -24,11 +24,13 @@ from ucm_client.errors import UcmError
 from ucm_server.keys import Namespace
 from ucm_server.store import posix
 from ucm_server.store.base import BlockState as TierState
-from ucm_server.store.posix import TMP_MARK, PosixTier
+from ucm_server.store.posix import TMP_MARK, PosixTier, group_commit
 from ucm_server.testing.daemon import DaemonProcess
 from ucm_server.testing.tier_suite import key, payload
 
-needs_syncfs = pytest.mark.skipif(posix._SYNCFS is None, reason="group commit needs syncfs (Linux >= 5.8)")
+needs_syncfs = pytest.mark.skipif(
+    group_commit.SYNCFS is None, reason="group commit needs syncfs (Linux >= 5.8)"
+)
 
 
 @needs_syncfs
@@ -212,7 +214,7 @@ def test_without_syncfs_a_durable_batch_fsyncs_per_file_and_still_round_trips(
 ) -> None:
     """The fallback for kernels whose syncfs hides errors (< 5.8), forced here by hiding syncfs:
     each file fsynced before its rename, each directory once per job; no group sync counted."""
-    monkeypatch.setattr(posix, "_SYNCFS", None)
+    monkeypatch.setattr(group_commit, "SYNCFS", None)
     datas = [payload(i, 4096) for i in range(70)]
 
     async def main() -> tuple[dict[str, float], list[bytes]]:

@@ -13,7 +13,6 @@ import hashlib
 import random
 import struct
 import sys
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -22,6 +21,7 @@ from support.blocks import NS
 from support.posix_store import (
     POSIX_ONLY,
     SIZE,
+    DumpsUntilKilled,
     FileSizeLimitedDaemon,
     alive,
     blocks_root,
@@ -37,8 +37,8 @@ from support.posix_store import (
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.block_index import BlockIndex
-from ucm_server.store.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
+from ucm_server.store.posix.block_index import BlockIndex
+from ucm_server.store.posix.index_snapshot import MARKER_NAME, SNAPSHOT_NAME
 from ucm_server.testing.daemon import DaemonProcess
 
 
@@ -171,29 +171,10 @@ def test_kill_9_while_dumping_after_a_snapshot_loses_no_durable_block(tmp_path: 
     with d, UcmClient(d.target) as c:
         put(c, 0, 200)
     d.start()
-    durable: list[int] = []
-    stop = threading.Event()
-
-    def dump() -> None:
-        with UcmClient(d.target, rpc_timeout_s=5) as c:
-            i = 200
-            while not stop.is_set():
-                try:
-                    if not c.put_blocks(
-                        NS, [(k, payload(i + j)) for j, k in enumerate(index_keys(16, i))]
-                    ).ok:
-                        return
-                except Exception:
-                    return
-                durable.extend(range(i, i + 16))
-                i += 16
-
-    worker = threading.Thread(target=dump)
-    worker.start()
+    dumps = DumpsUntilKilled(d, 200, 16)
     time.sleep(random.uniform(0.3, 0.8))
-    d.kill()
-    stop.set()
-    worker.join(30)
+    dumps.kill(d)
+    durable = dumps.durable
     with d.start(), UcmClient(d.target) as c:
         index_done(c)
         check_all(c, range(200))

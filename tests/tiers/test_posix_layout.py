@@ -22,7 +22,7 @@ from ucm_server.store.format import (
     encode_header,
     payload_checksum,
 )
-from ucm_server.store.posix import QUARANTINE, PosixTier, block_file_header
+from ucm_server.store.posix import QUARANTINE, PosixTier, Profile, block_file_header
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 4096
@@ -168,12 +168,8 @@ def test_a_release_reading_only_versions_1_and_2_skips_new_files_and_quarantines
     _legacy(tmp_path, 10)
     files_before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.blk"))
 
-    class PreviousRelease(PosixTier):
-        flat_layout = False
-        index_snapshots = False
-
     async def downgraded() -> tuple[list[int | None], int]:
-        t = PreviousRelease(roots=[tmp_path])
+        t = PosixTier(roots=[tmp_path], profile=Profile(flat_layout=False, index_snapshots=False))
         await t.open()
         sizes = await t.lookup([_key(i) for i in (0, 1, 2, 3, 10)])
         corrupt = t.stats().corrupt

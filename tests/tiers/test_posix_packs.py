@@ -1,4 +1,4 @@
-"""Pack files in the Posix tier (issue #13, item 2; :mod:`ucm_server.store.packs`).
+"""Pack files in the Posix tier (issue #13, item 2; :mod:`ucm_server.store.posix.packs`).
 
 With ``posix_pack_max_block_bytes`` set, the small blocks of a dump batch share one ``.pack`` file.
 Against a real Posix-only daemon: byte-exact round trips of packed blocks of several sizes beside
@@ -33,9 +33,8 @@ from support.posix_store import (
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_protocol.keys import BlockKey
-from ucm_server.store import index_snapshot, packs, posix
 from ucm_server.store.format import HEADER_SIZE, decode_header, encode_header, payload_checksum
-from ucm_server.store.posix import SUFFIX, TMP_MARK, PosixTier
+from ucm_server.store.posix import SUFFIX, TMP_MARK, PosixTier, group_commit, index_snapshot, packs
 from ucm_server.testing.daemon import DaemonProcess
 
 PACKS = ("--posix-pack-max-block-bytes", "65536")
@@ -340,7 +339,7 @@ def test_a_symlinked_pack_directory_is_never_followed(tmp_path: Path) -> None:
     assert list(outside.rglob("*")) == []
 
 
-@pytest.mark.skipif(posix._SYNCFS is None, reason="group commit needs syncfs (Linux >= 5.8)")
+@pytest.mark.skipif(group_commit.SYNCFS is None, reason="group commit needs syncfs (Linux >= 5.8)")
 def test_a_durable_packed_batch_costs_two_syncs_per_root(tmp_path: Path) -> None:
     """300 blocks of 4 KiB, durable, into two roots: a few pack files, committed as a group (two
     ``syncfs`` per root for the whole batch, not a sync per pack or per block)."""

@@ -17,7 +17,6 @@ import re
 import struct
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from support.blocks import NS
 from support.posix_store import (
     POSIX_ONLY,
     SIZE,
+    DumpsUntilKilled,
     FileSizeLimitedDaemon,
     alive,
     blocks_root,
@@ -42,8 +42,8 @@ from support.posix_store import (
 )
 
 from ucm_client import UcmClient, key_digest
-from ucm_server.store import index_snapshot
-from ucm_server.store.index_snapshot import PERIODIC_MARKER, PERIODIC_PREFIX
+from ucm_server.store.posix import index_snapshot
+from ucm_server.store.posix.index_snapshot import PERIODIC_MARKER, PERIODIC_PREFIX
 from ucm_server.testing.daemon import DaemonProcess
 
 MAX_BLOCK = 1 << 30
@@ -172,29 +172,12 @@ def test_kill_9_at_random_points_of_periodic_writes_never_leaves_a_torn_base(tmp
     interrupted = seen_writing = 0
     for attempt in range(6):
         d.start()
-        stop = threading.Event()
-
-        def dump(first: int, stop: threading.Event) -> None:
-            with UcmClient(d.target, rpc_timeout_s=5) as c:
-                i = first
-                while not stop.is_set():
-                    try:
-                        items = [(k, payload(i + j)) for j, k in enumerate(index_keys(8, i))]
-                        if not c.put_blocks(NS, items).ok:
-                            return
-                    except Exception:
-                        return
-                    durable.extend(range(i, i + 8))
-                    i += 8
-
-        worker = threading.Thread(target=dump, args=(next_block, stop))
-        worker.start()
+        dumps = DumpsUntilKilled(d, next_block, 8)
         time.sleep(rng.uniform(0.5, 2.0))
         if attempt % 2:
             seen_writing += _wait_for_a_write(root, rng)
-        d.kill()
-        stop.set()
-        worker.join(30)
+        dumps.kill(d)
+        durable += dumps.durable
         next_block = max([next_block, *durable]) + 64
         interrupted += any(".tmp." in p.name for p in root.iterdir())
         if (root / PERIODIC_MARKER).exists():

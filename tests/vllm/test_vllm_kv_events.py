@@ -81,13 +81,13 @@ def test_one_stream_for_gpu_and_ucm_tiers_matching_admin_ls(tiny_model: Path, tm
         gpu = hashes(events, BlockStored, ("GPU",))
         assert p1 <= gpu
         want = settle(ucm, daemon)
-        assert {("DISK", h) for h in p1} <= want and {("CPU", h) for h in p1} <= want
+        assert {("STORAGE", h) for h in p1} <= want and {("CPU", h) for h in p1} <= want
         # ... and vLLM's stream carries them too, forwarded by the connector's take_events
-        assert p1 <= hashes(events, BlockStored, ("DISK",))
+        assert p1 <= hashes(events, BlockStored, ("STORAGE",))
         assert p1 <= hashes(events, BlockStored, ("CPU",))
         # negative control: no forwarded removals yet, and no foreign medium
-        assert not hashes(events, BlockRemoved, ("DISK", "CPU"))
-        assert {e.medium for e in events if isinstance(e, BlockStored)} <= {"GPU", "CPU", "DISK"}
+        assert not hashes(events, BlockRemoved, ("STORAGE", "CPU"))
+        assert {e.medium for e in events if isinstance(e, BlockStored)} <= {"GPU", "CPU", "STORAGE"}
 
         first_key, second_key = p1_keys[:2]
         first, second = vllm_hash(first_key), vllm_hash(second_key)
@@ -96,7 +96,7 @@ def test_one_stream_for_gpu_and_ucm_tiers_matching_admin_ls(tiny_model: Path, tm
         assert not any(medium == "CPU" for medium, _ in want)
         ns = json_of(admin(daemon, "--json", "ls", "--all"))["blocks"][0]["namespace"]
         assert admin(daemon, "delete", f"{ns}/{first_key.hex()}").returncode == 0
-        assert ("DISK", first) not in settle(ucm, daemon)
+        assert ("STORAGE", first) not in settle(ucm, daemon)
 
         name = second_key.hex()
         path = daemon.data_dir / "blocks" / ns / name[:2] / f"{name}.blk"
@@ -104,13 +104,13 @@ def test_one_stream_for_gpu_and_ucm_tiers_matching_admin_ls(tiny_model: Path, tm
         data[-1] ^= 0x01
         path.write_bytes(bytes(data))
         assert admin(daemon, "verify").returncode == 1
-        assert ("DISK", second) not in settle(ucm, daemon)
+        assert ("STORAGE", second) not in settle(ucm, daemon)
 
         daemon.stop()
         daemon.start()
         time.sleep(0.5)
         want = settle(ucm, daemon, timeout_s=20)
-        assert want and {m for m, _ in want} == {"DISK"}
+        assert want and {m for m, _ in want} == {"STORAGE"}
         assert {h for _, h in want} >= p1 - {first, second}
     finally:
         ucm.close()
@@ -148,17 +148,17 @@ def test_forwarder_turns_restarts_into_differences_never_all_cleared(tmp_path: P
             blocks = blocks_in(region, 6, 4096)
             assert client.wait(client.dump(NS, blocks, wait_durable=True), 30).ok
             keys = {vllm_hash(b.key) for b in blocks}
-            take_until(lambda: forwarder.held.get("DISK") == keys and forwarder.held.get("CPU") == keys)
+            take_until(lambda: forwarder.held.get("STORAGE") == keys and forwarder.held.get("CPU") == keys)
             assert all(e.block_size == 16 for e in seen if isinstance(e, BlockStored))
             assert client.delete(NS, [blocks[0].key]) == 1
-            take_until(lambda: vllm_hash(blocks[0].key) in hashes(seen, BlockRemoved, ("DISK",)))
+            take_until(lambda: vllm_hash(blocks[0].key) in hashes(seen, BlockRemoved, ("STORAGE",)))
         daemon.stop()
         daemon.start()
         # the Cache is gone after the restart: its blocks must be removed, the disk's stay
         take_until(
             lambda: (
                 not forwarder.held.get("CPU")
-                and forwarder.held.get("DISK") == keys - {vllm_hash(blocks[0].key)}
+                and forwarder.held.get("STORAGE") == keys - {vllm_hash(blocks[0].key)}
             )
         )
         assert hashes(seen, BlockRemoved, ("CPU",)) >= keys - {vllm_hash(blocks[0].key)}

@@ -47,7 +47,8 @@ examples:
   ucm-admin watch --interval 2
   ucm-admin --socket /run/ucm/ucm.sock doctor
 
-target: --target, else --socket, else the socket of --config FILE, else $UCM_TARGET, else $UCM_SOCKET,
+target: --target, else --socket, else the socket of --config FILE, else $UCM_TARGET, else the socket of
+$UCM_SERVER_CONFIG (ucm-server's default config file; the image sets it), else $UCM_SOCKET,
 else $XDG_RUNTIME_DIR/ucm/ucm.sock, else /tmp/ucm-<uid>/ucm.sock (the same default as ucm-server).
 Set UCM_ADMIN_DEBUG=1 to see a traceback for unexpected errors.
 
@@ -297,9 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = retention_command(
         "pin",
         "Pin blocks: never evicted (by capacity or quota) until unpinned.",
-        "Pins hold in every tier whose eviction this daemon decides (Cache, Posix); tiers that cannot\n"
-        "hold one (shared tiers) are named on stderr, or the pin is refused with --require-all-tiers.\n"
-        "Pinned bytes count against the owning tenant's quota; a pin past it is refused.",
+        "A pin is held where the block durably lives (Posix; the Cache when nothing below holds\n"
+        "pins): the Cache above Posix lets a pinned block go once it is safe on disk, after every\n"
+        "unpinned one. Tiers that cannot hold a pin (shared tiers) are named on stderr, or the pin is\n"
+        "refused with --require-all-tiers. Pinned bytes count against the owner's quota (pin_share\n"
+        "of a tier without one), and pins leave pin_reserve of each tier unpinned, each tier counting\n"
+        "the pins it must hold; a pin past either is refused.",
         "  ucm-admin pin 3f2a...e1/9c0d...77\n"
         "  ucm-admin ls -q --namespace 3f2a...e1 --all | ucm-admin pin --priority 10 -",
     )

@@ -20,18 +20,23 @@ import grpc
 from ucm_client.admin.errors import DaemonUnreachable
 from ucm_client.trust import trusted_uids, verify_daemon
 from ucm_protocol.errors import Unavailable, domain_error
-from ucm_protocol.paths import default_socket_path, socket_from_config, target_for
+from ucm_protocol.paths import default_socket_path, server_config_path, socket_from_config, target_for
 from ucm_protocol.wire import bearer_metadata
 
 T = TypeVar("T")
 CONNECTIVITY_POLL_S = 0.25
 """A little over grpc's connectivity poll period (0.2 s in ``grpc._channel._poll_connectivity``)."""
-START_HINT = "start it with `ucm-server`, or point --socket/--target (or $UCM_SOCKET) at a running one"
+START_HINT = (
+    "start it with `ucm-server`, or point --socket/--target/--config (or $UCM_SOCKET, $UCM_SERVER_CONFIG) "
+    "at a running one"
+)
 
 
 def resolve_target(socket: str | None, target: str | None, config: str | None = None) -> str:
     """The gRPC target: ``--target`` > ``--socket`` > the socket of the daemon config ``--config`` >
-    ``$UCM_TARGET`` > ``$UCM_SOCKET`` > the default path.
+    ``$UCM_TARGET`` > the socket of the daemon config ``$UCM_SERVER_CONFIG`` (the file ``ucm-server``
+    reads when started without ``--config``: the image sets it, so ``docker exec ... ucm-admin stats``
+    needs no flag) > ``$UCM_SOCKET`` > the default path.
 
     ``--config`` resolves the socket exactly as ``ucm-server --config FILE`` does (file, then
     ``$UCM_SOCKET``, then the default), so a container health check reading the same file and environment
@@ -47,6 +52,8 @@ def resolve_target(socket: str | None, target: str | None, config: str | None = 
         return target_for(socket_from_config(Path(config)))
     if env := os.environ.get("UCM_TARGET"):
         return target_for(env)
+    if server_config := server_config_path():
+        return target_for(socket_from_config(server_config))
     return target_for(default_socket_path())
 
 

@@ -166,8 +166,31 @@ def sessions_table(stats: Json) -> Table:
     return table
 
 
+def admission_summary(stats: Json) -> str | None:
+    """Whether the daemon keeps up with dumps, and what its admission policies turned away (None when
+    it keeps up and every policy is ``always``)."""
+    tiers = stats["tiers"]
+    parts = []
+    if tiers and tiers[0]["extra"].get("store_saturated"):
+        parts.append("[bold red]store saturated[/]: clients skip saves")
+    for i, t in enumerate(tiers):
+        x = t["extra"]
+        if "admission_offered" in x:
+            where = "at the door" if i == 0 else f"to {shown(t['name'])}"
+            parts.append(
+                f"admission {where}: {int(x['admission_admitted']):,} of {int(x['admission_offered']):,} "
+                f"admitted, {int(x['admission_deferred']):,} turned away "
+                f"({human_bytes(int(x['admission_deferred_bytes']))}), "
+                f"{int(x['admission_readmitted']):,} written at a later use"
+            )
+    return " · ".join(parts) or None
+
+
 def stats_view(stats: Json, rates: dict[str, tuple[float, float]] | None = None) -> RenderableType:
-    parts: list[RenderableType] = [stats_summary(stats), stats_table(stats, rates)]
+    parts: list[RenderableType] = [stats_summary(stats)]
+    if (admission := admission_summary(stats)) is not None:
+        parts.append(admission)
+    parts.append(stats_table(stats, rates))
     if stats.get("session_list"):
         parts.append(sessions_table(stats))
     return Group(*parts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,17 @@ __all__ = [
     "SparseRequest",
     "UcmSparseBase",
     "UcmSparseRole",
+    "layer_index",
 ]
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` → 7 (the first integer path component): how vLLM's layer
+    names map to the layer indices methods and cold KV keep their state by."""
+    match = re.search(r"\.(\d+)\.", f".{layer_name}.")
+    if match is None:
+        raise SparseInputError(f"cannot find a layer index in layer name {layer_name!r}")
+    return int(match.group(1))
 
 
 class UcmSparseRole(enum.Enum):

@@ -7,7 +7,10 @@ from ucm_client.sparse.methods.blend import (
     BlendSpec,
     Chooser,
     ChunkKV,
+    DeviationInputs,
+    Scorer,
     blend,
+    kv_deviation,
     prefill,
     top_deviation,
 )
@@ -19,7 +22,10 @@ __all__ = [
     "BlendSpec",
     "Chooser",
     "ChunkKV",
+    "DeviationInputs",
+    "Scorer",
     "blend",
+    "kv_deviation",
     "prefill",
     "top_deviation",
 ]

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
 
+from ucm_client import tracing
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.settings import coerce, load_fields, read_yaml_mapping
+from ucm_protocol.tracing import ConnectorTracingExporter
 
 __all__ = ["ConfigError", "ConnectorConfig", "load_config"]
 
@@ -128,6 +130,19 @@ class ConnectorConfig:
     """The daemon's ``kv_events_replay_endpoint``: the forwarder starts from a snapshot and repairs
     gaps through it. None: forwarding starts from whatever is published after vLLM starts."""
 
+    tracing_exporter: ConnectorTracingExporter = "off"
+    """OpenTelemetry traces of the connector's lookups, loads and saves, each joined by the daemon's
+    spans for it: ``off``; ``otlp`` (OTLP over HTTP/protobuf to ``tracing_endpoint``, else to the
+    standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``); ``global`` (the
+    tracer provider the process already has: vLLM's own with ``--otlp-traces-endpoint``)."""
+
+    tracing_endpoint: str | None = None
+    """OTLP/HTTP traces URL for ``tracing_exporter: otlp``, e.g. ``http://collector:4318/v1/traces``."""
+
+    tracing_sample_ratio: float = 1.0
+    """Fraction (0 to 1] of requests whose connector spans are recorded (and so the daemon's for
+    them: the daemon records what its caller records)."""
+
     ucm_connectors: tuple[Mapping[str, Any], ...] = ()
     """Seed store list (``store_pipeline``, ``storage_backends``...): daemon settings, not ours."""
 
@@ -167,6 +182,7 @@ _OPTIONAL_STRINGS = (
     "metrics_config_path",
     "kv_events_endpoint",
     "kv_events_replay_endpoint",
+    "tracing_endpoint",
 )
 
 
@@ -230,6 +246,7 @@ def _check(config: ConnectorConfig) -> ConnectorConfig:
             "use_layerwise: true needs zero_copy: true: the staging buffer used with zero_copy: false "
             "moves whole blocks only (set one of them the other way)"
         )
+    tracing.check_settings(config)
     if config.load_only_first_rank:
         raise ConfigError(
             "load_only_first_rank: true is not supported by UCMConnector: every TP rank loads its "

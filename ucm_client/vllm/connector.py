@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ucm_client import tracing
 from ucm_client.sparse.coldkv.orders import ColdKVConfig, ColdStepPlanner
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.vllm.channel import SparseChannel
@@ -101,6 +102,7 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version(vllm.__version__, self.ucm_config)
         check_hash_stability(str(vllm_config.cache_config.prefix_caching_hash_algo), self.ucm_config)
         check_parallelism(vllm_config)
+        tracing.configure(self.ucm_config)  # off unless tracing_exporter says otherwise
         if daemon_keys := self.ucm_config.daemon_side_keys():
             logger.warning(
                 "UCMConnector: %s configure ucm-server, not the connector; they have no effect here",

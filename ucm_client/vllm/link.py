@@ -43,13 +43,19 @@ class DaemonLink:
         on_connect: Callable[[UcmClient], None] | None = None,
         role: str = "connector",
         clock: Callable[[], float] = time.monotonic,
+        engine: str = "vLLM",
+        token: str | None = None,
     ) -> None:
+        """``engine`` names the engine in messages and in the client name (``<engine>-<role>``);
+        ``token``: the client's bearer token (default ``$UCM_TOKEN``)."""
         self._target = target
         self._interval = reconnect_interval_s
         self._timeouts = (connect_timeout_s, rpc_timeout_s)
         self._on_connect = on_connect
         self._role = role
         self._clock = clock
+        self._engine = engine
+        self._token = token
         self._client: UcmClient | None = None
         self._retry_at = 0.0
         self._down = False
@@ -67,9 +73,10 @@ class DaemonLink:
             if self._client is None:
                 client = UcmClient(
                     target=self._target,
-                    client_name=f"vllm-{self._role}",
+                    client_name=f"{self._engine.lower()}-{self._role}",
                     connect_timeout_s=self._timeouts[0],
                     rpc_timeout_s=self._timeouts[1],
+                    token=self._token,
                 )
                 try:
                     client.connect()
@@ -118,10 +125,11 @@ class DaemonLink:
                 _WARNED.add(self._where())
             if first:
                 logger.warning(
-                    "UCM: daemon at %s is unavailable (%s); vLLM keeps serving without the external "
+                    "UCM: daemon at %s is unavailable (%s); %s keeps serving without the external "
                     "KV cache (prefixes are recomputed) and retries every %g s",
                     self._where(),
                     exc,
+                    self._engine,
                     self._interval,
                 )
 

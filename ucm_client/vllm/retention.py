@@ -6,7 +6,9 @@ A request may ask the daemon to keep its prefix::
 
 ``pin`` (bool): never evicted until unpinned (``ucm-admin unpin``); ``ttl_s`` (seconds > 0): removed
 from every tier that long after the request ends; ``priority`` (-100..100, default 0): lower is
-evicted first. Any subset may be given. The scheduler half applies it, once per TP rank's namespace,
+evicted first; ``store`` (bool, default true): false saves none of the request's blocks (a one-off
+prompt: nothing to evict shared prefixes or wear the disk; its hits still load). Any subset may be
+given. The scheduler half applies it, once per TP rank's namespace,
 to the request's blocks when they are stored: at ``request_finished`` for a request with nothing
 to save (or whose saves the workers already reported), after the workers report its saves done
 otherwise (``update_connector_output``), and at shutdown for saves never reported. A bad
@@ -27,7 +29,7 @@ from ucm_client.vllm.config import LOGGER_NAME
 logger = logging.getLogger(LOGGER_NAME)
 
 ENTRY = "ucm"
-_KNOWN = ("pin", "ttl_s", "priority")
+_KNOWN = ("pin", "ttl_s", "priority", "store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,13 @@ class Retention:
     pin: bool | None = None
     ttl_s: float | None = None
     priority: int | None = None
+    store: bool | None = None
+    """False: none of the request's blocks is saved."""
+
+    @property
+    def retains(self) -> bool:
+        """Whether it asks the daemon anything of stored blocks (pin, TTL or priority)."""
+        return self.pin is not None or self.ttl_s is not None or self.priority is not None
 
 
 def retention_of(request: Any) -> Retention | None:
@@ -77,6 +86,9 @@ def parse(entry: object) -> Retention | None:
         isinstance(priority, bool) or not isinstance(priority, int) or not -100 <= priority <= 100
     ):
         raise ValueError(f"'priority' must be an integer from -100 to 100, got {priority!r}")
-    if pin is None and ttl_s is None and priority is None:
+    store = entry.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise ValueError(f"'store' must be true or false, got {store!r}")
+    if pin is None and ttl_s is None and priority is None and store is None:
         return None
-    return Retention(pin, ttl_s, priority)
+    return Retention(pin, ttl_s, priority, store)

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm_client import UcmClient
+from ucm_client import UcmClient, tracing
 from ucm_client.errors import UcmError
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.disagg import PdRole
@@ -256,7 +256,10 @@ class UcmScheduler:
             return 0, False
         if state.stored_blocks is None:
             keys = self._keys(state)
-            stored = self._lookup(keys, request.num_tokens)
+            trace_headers = getattr(request, "trace_headers", None)
+            with tracing.scheduler_lookup(request.request_id, trace_headers, len(keys)) as found:
+                stored = self._lookup(keys, request.num_tokens)
+                found(stored)
             if self._pd.must_wait(request, stored, len(keys)):  # a prefill's saves not all visible yet
                 return None, False
             state.stored_blocks = stored
@@ -361,6 +364,10 @@ class UcmScheduler:
         start = max(state.saved_blocks, state.stored_blocks or 0)
         if full <= start:
             return
+        if state.retention is not None and state.retention.store is False:  # {"ucm": {"store": false}}
+            self._stats.add(save_declined_blocks=full - start)
+            state.saved_blocks = full
+            return
         for group, table in enumerate(state.block_ids):
             pairs = [
                 (table[i], keys[i]) for i in range(start, min(full, len(table))) if table[i] != NULL_BLOCK_ID
@@ -376,7 +383,7 @@ class UcmScheduler:
         """Hold the blocks of a request with saves until the workers report them stored."""
         state = self._requests.pop(request.request_id, None)
         self._pd.forget(request.request_id)
-        if state is not None and state.retention is not None:
+        if state is not None and state.retention is not None and state.retention.retains:
             stored = max(state.saved_blocks, state.stored_blocks or 0)
             keys = self._keys(state)[:stored]
             saved = request.request_id in self._saved

@@ -43,6 +43,11 @@ COUNTERS: dict[str, str] = {
         "Blocks a TP rank other than 0 did not store because their KV is the same on every rank (MLA): "
         "rank 0 stores the one copy every rank loads."
     ),
+    "save_skipped_blocks": (
+        "Blocks not saved because the daemon said it could not keep up with dumps (store_saturated): "
+        "skipped rather than stall a step; a later request recomputes them."
+    ),
+    "save_declined_blocks": 'Blocks not saved because their request asked so ({"ucm": {"store": false}}).',
     "daemon_unavailable": "Calls skipped or failed because the daemon was down.",
     "hook_seconds": "Time vLLM's scheduler and workers spent inside connector calls (its direct cost).",
 }

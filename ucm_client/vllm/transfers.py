@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ucm_client import BlockIO, UcmClient
+from ucm_client import BlockIO, UcmClient, tracing
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
 from ucm_client.errors import UcmError, Unavailable
 from ucm_client.load_progress import LOAD_PROGRESS_DONE
@@ -282,6 +282,13 @@ class DaemonTransfers:
             return False
         return words.wait(part.word, segment + 1, job.deadline)
 
+    @property
+    def store_saturated(self) -> bool:
+        """The daemon said it cannot keep up with dumps (read off the session stream and the last
+        Load/Dump answer: no call); False while no bytes move or the daemon is unreachable."""
+        client = None if self._io_off else self._link.client()
+        return client is not None and client.store_saturated
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -319,9 +326,11 @@ class DaemonTransfers:
                 words = kv.progress if layer is None and isinstance(kv, SharedMemoryKV) else None
                 part.word = words.take() if words is not None and self._segment_of else None
                 progress = words.segment(part.word) if words is not None and part.word is not None else None
-                part.submitted = client.load_nowait(namespace, blocks, progress=progress)
+                with tracing.job_context(job):  # the daemon's task joins the job's trace
+                    part.submitted = client.load_nowait(namespace, blocks, progress=progress)
                 return part
-            part.submitted = client.dump_nowait(namespace, blocks)  # answered like a load's
+            with tracing.job_context(job):
+                part.submitted = client.dump_nowait(namespace, blocks)  # answered like a load's
         except UcmError as exc:
             self._refused(job, part, exc)
         return part

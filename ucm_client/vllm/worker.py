@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ucm_client import tracing
 from ucm_client.vllm.config import LOGGER_NAME, ConnectorConfig
 from ucm_client.vllm.identity import KeySpace
 from ucm_client.vllm.jobs import TransferJob
@@ -64,12 +65,14 @@ class _SaveState:
 def _combine(req_id: str, transfers: Iterable[BlockTransfer]) -> BlockTransfer:
     """Several requests' blocks of one KV cache group as one transfer (one daemon task per step or layer)."""
     transfers = list(transfers)
-    return BlockTransfer(
+    combined = BlockTransfer(
         req_id,
         tuple(b for t in transfers for b in t.block_ids),
         tuple(k for t in transfers for k in t.keys),
         group=transfers[0].group if transfers else 0,
     )
+    tracing.combined_from(combined, transfers)  # its span names every request in it
+    return combined
 
 
 def _by_group(transfers: Iterable[BlockTransfer]) -> list[list[BlockTransfer]]:
@@ -138,6 +141,9 @@ class UcmWorker:
         """This step's layerwise dump, filled layer by layer until ``save`` seals it."""
         self._layer_marks: list[tuple[int, Any]] = []
         """Layers written but not yet dumped: on CUDA, until their kernels have finished."""
+        self._pressure_step: UcmConnectorMetadata | None = None
+        self._pressure = False
+        """Whether the step ``_pressure_step`` skips its saves (see ``_saturated``)."""
         self._loads_started: UcmConnectorMetadata | None = None
         """This step's metadata when ``handle_preemptions`` already submitted its loads."""
 
@@ -177,7 +183,10 @@ class UcmWorker:
     def _new_job(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         now = time.monotonic()
         timeout = self._config.load_timeout_s if load else self._config.save_timeout_s
-        return TransferJob(transfer, load, now, now + timeout)
+        job = TransferJob(transfer, load, now, now + timeout)
+        parts = len(self._layers) if self._layerwise else 1
+        tracing.job_started(job, parts=parts, is_async=transfer.is_async)  # its span, when tracing is on
+        return job
 
     def _start(self, transfer: BlockTransfer, *, load: bool) -> TransferJob:
         """A job with every part submitted now: whole blocks, or all layers at once (layerwise)."""
@@ -195,6 +204,7 @@ class UcmWorker:
         job.accounted = True
         good = sum(job.block_ok())
         nbytes, seconds = good * job.block_bytes, time.monotonic() - job.started
+        tracing.job_ended(job, good=good, count=job.count, nbytes=nbytes)
         if job.load:
             self._stats.add(
                 load_blocks=good, load_bytes=nbytes, load_seconds=seconds, load_failed_blocks=job.count - good
@@ -269,6 +279,9 @@ class UcmWorker:
         if not self._writer:
             self._skip_replica_saves(meta.saves)
             return
+        if meta.saves and self._saturated(meta):
+            self._skip_saturated_saves(meta.saves)
+            return
         if self._layerwise:
             self._seal_layer_saves()
             return
@@ -287,7 +300,7 @@ class UcmWorker:
         it, and the host is not stalled to get there.
         """
         layer = self._layer_index.get(layer_name)
-        if layer is None or not meta.saves or not self._writer:
+        if layer is None or not meta.saves or not self._writer or self._saturated(meta):
             return
         job = self._layer_save_job(meta)
         if job.parts[layer] is None and all(pending != layer for pending, _ in self._layer_marks):
@@ -328,6 +341,20 @@ class UcmWorker:
                 self._io.submit_store(job, layer)
         self._layer_save = None
         self._track_save(job, meta.saves)
+
+    def _saturated(self, meta: UcmConnectorMetadata) -> bool:
+        """The daemon said it cannot keep up with dumps (``store_saturated``, read off the session
+        stream and the last Load/Dump answer: no call); decided once per step."""
+        if self._pressure_step is not meta:
+            self._pressure_step, self._pressure = meta, self._io.store_saturated
+        return self._pressure
+
+    def _skip_saturated_saves(self, transfers: Iterable[BlockTransfer]) -> None:
+        """A saturated daemon: this step's saves are skipped, never waited for (counted); their
+        requests are reported saved at once, so vLLM frees their blocks as usual."""
+        for transfer in transfers:
+            self._saves.setdefault(transfer.req_id, _SaveState())
+            self._stats.add(save_skipped_blocks=len(transfer.block_ids))
 
     def _skip_replica_saves(self, transfers: Iterable[BlockTransfer]) -> None:
         """A replica rank (MLA, TP rank > 0) dumps nothing: rank 0 stores the same bytes. Its requests

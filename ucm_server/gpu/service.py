@@ -53,14 +53,15 @@ from ucm_server.gpu.backend import (
     Piece,
     load_backend,
 )
-from ucm_server.gpu.region import GpuRegion
+from ucm_server.gpu_region import CudaImport, GpuRegion
+from ucm_server.regions import RegionTable, SegmentColumns, check_disjoint
 from ucm_server.store.base import OK, BlockResult, failed
 from ucm_server.store.leasing import Leasing
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
 
 if TYPE_CHECKING:
-    from ucm_server.regions import RegionTable, SegmentColumns
+    from ucm_server.movers import OffLoop, Plan, Settle
     from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,23 @@ class DeviceBlock:
 
 @dataclass(slots=True)
 class GpuPlan:
-    """A validated GPU request: one :class:`DeviceBlock` per key, and the regions to pin meanwhile."""
+    """A validated GPU request: one :class:`DeviceBlock` per key, and the regions to pin meanwhile
+    (a :class:`~ucm_server.movers.Plan`)."""
 
     blocks: list[DeviceBlock]
     regions: set[GpuRegion]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [block.nbytes for block in self.blocks]
+
+    @property
+    def reports_progress(self) -> bool:
+        """A progress word is a host Load's only."""
+        return False
+
+    def done(self) -> None:
+        """Nothing to give back: the task unpins the regions."""
 
 
 @dataclass(slots=True)
@@ -194,19 +208,28 @@ class _PinnedPool:
 
 
 class GpuService:
-    """GPU regions and device copies for one engine; starts (imports cupy, pins the arena) on first use."""
+    """GPU regions and device copies for one engine; starts (imports cupy, pins the arena) on first use.
+
+    The submit path's :class:`~ucm_server.movers.Mover` for GPU memory (:meth:`prepare`, :meth:`run`)."""
 
     def __init__(
         self,
         pipeline: Pipeline,
         executor: Executor | None,
         *,
+        regions: RegionTable | None = None,
+        off_loop: OffLoop | None = None,
+        max_block_bytes: int = 0,
         mode: GpuMode = "auto",
         backend_factory: Callable[[], CudaBackend] = load_backend,
         streams_per_device: int = STREAMS_PER_DEVICE,
     ) -> None:
+        """``regions``, ``off_loop``, ``max_block_bytes``: what :meth:`prepare` checks requests with."""
         self.pipeline = pipeline
         self.executor = executor
+        self.regions = regions
+        self.off_loop = off_loop
+        self.max_block_bytes = max_block_bytes
         self.mode = mode
         self.backend_factory = backend_factory
         self.streams_per_device = streams_per_device
@@ -298,19 +321,9 @@ class GpuService:
             self._pool.close()
 
     # -- regions --------------------------------------------------------------------------------------
-    async def register(
-        self,
-        table: RegionTable,
-        session_id: str,
-        *,
-        handle: bytes,
-        offset: int,
-        size: int,
-        device: int,
-        device_uuid: bytes,
-        label: str,
-    ) -> GpuRegion:
+    async def register(self, table: RegionTable, session_id: str, cuda: CudaImport) -> GpuRegion:
         """Open (or share an already open) IPC mapping and add a region of it to ``table``."""
+        handle, offset, size, label = cuda.handle, cuda.offset, cuda.size, cuda.label
         backend = await self.start()
         if len(handle) != IPC_HANDLE_BYTES:
             raise InvalidArgument(
@@ -318,7 +331,7 @@ class GpuService:
             )
         if size <= 0:
             raise InvalidArgument(f"region size must be positive, got {size}")
-        dev = self._device(device, device_uuid)
+        dev = self._device(cuda.device, cuda.device_uuid)
         key = (dev, bytes(handle))
         assert self._lock is not None
         async with self._lock:  # one open per handle, even for concurrent registrations
@@ -389,6 +402,36 @@ class GpuService:
         return len(self._mappings)
 
     # -- requests -------------------------------------------------------------------------------------
+    async def prepare(
+        self,
+        kind: TaskKind,
+        session_id: str,
+        columns: SegmentColumns,
+        counts: list[int],
+        progress: tuple[int, int, int] | None,
+    ) -> GpuPlan:
+        """The regions the request names (pinned while the plan is made, perhaps in a worker thread),
+        every segment checked, overlapping Load destinations refused; the plan's regions pinned.
+        A progress word is a host Load's only: not taken here."""
+        assert self.regions is not None and self.off_loop is not None
+        table = self.regions
+        held = set(table.regions_for(session_id, columns, counts, gpu=True).values())
+        table.pin(held)
+        try:
+            plan = await self.off_loop(len(columns.region_ids), self._plan, kind, session_id, columns, counts)
+            table.pin(plan.regions)
+        finally:
+            table.unpin(held)
+        return plan
+
+    def _plan(self, kind: TaskKind, session_id: str, columns: SegmentColumns, counts: list[int]) -> GpuPlan:
+        """:meth:`plan` for the request, and overlapping Load destinations refused (thread-safe)."""
+        assert self.regions is not None
+        plan = self.plan(self.regions, session_id, columns, len(counts), self.max_block_bytes)
+        if kind is TaskKind.LOAD:
+            check_disjoint(columns, counts)
+        return plan
+
     def plan(
         self, table: RegionTable, session_id: str, columns: SegmentColumns, nblocks: int, max_block_bytes: int
     ) -> GpuPlan:
@@ -407,8 +450,12 @@ class GpuService:
             )
         return GpuPlan(blocks, used)
 
-    async def run(self, task: Task, keys: Sequence[BlockKey], plan: GpuPlan, durable: bool) -> None:
-        """Copy a task's blocks chunk by chunk, keeping up to QUEUE_DEPTH chunks queued on the device."""
+    async def run(
+        self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
+    ) -> None:
+        """Copy a task's blocks chunk by chunk, keeping up to QUEUE_DEPTH chunks queued on the device;
+        each chunk's outcome is told to ``settle`` once its copies completed."""
+        assert isinstance(plan, GpuPlan)
         load = task.kind is TaskKind.LOAD
         queued: deque[_Flight] = deque()
         try:
@@ -417,10 +464,10 @@ class GpuService:
                     break
                 queued.append(await self._issue(load, start, keys[start:stop], plan.blocks[start:stop]))
                 if len(queued) >= QUEUE_DEPTH:
-                    await self._finish(task, load, queued.popleft(), durable)
+                    await self._finish(task, load, queued.popleft(), durable, settle)
         finally:
             while queued:  # also on errors: never leave copies running into client memory
-                await self._finish(task, load, queued.popleft(), durable)
+                await self._finish(task, load, queued.popleft(), durable, settle)
 
     # -- copies ---------------------------------------------------------------------------------------
     def _stream(self, device: int) -> int:
@@ -523,8 +570,9 @@ class GpuService:
             self._pool.give(flight.pinned)
         flight.pinned = None
 
-    async def _finish(self, task: Task, load: bool, flight: _Flight, durable: bool) -> None:
-        """Wait for a chunk's copies, publish what a dump wrote, and record every block's outcome."""
+    async def _finish(self, task: Task, load: bool, flight: _Flight, durable: bool, settle: Settle) -> None:
+        """Wait for a chunk's copies, publish what a dump wrote, record every block's outcome and
+        tell it to ``settle``."""
         await self._wait(flight)
         try:
             if flight.error:
@@ -536,10 +584,13 @@ class GpuService:
                 flight.results = [r or reason for r in flight.results]
             elif not load:
                 await self._publish(flight, durable)
-            for j, block in enumerate(flight.blocks):
-                task.record(flight.start + j, flight.results[j] or OK, block.nbytes)
+            results = [r or OK for r in flight.results]
+            sizes = [block.nbytes for block in flight.blocks]
+            for j, r in enumerate(results):
+                task.record(flight.start + j, r, sizes[j])
         finally:
             self._drop(flight)
+        await settle(task.kind, flight.keys, sizes, results)
 
     async def _publish(self, flight: _Flight, durable: bool) -> None:
         """A dump's copies are complete: make its blocks visible and send them down the pipeline."""

@@ -5,7 +5,9 @@ one medium: two tiers of one medium, and every namespace (each TP rank's shard i
 own). So the ledger counts holders per ``(medium, digest)`` and reports only the transitions a
 router can see: the first holder (``BlockStored``) and the last one leaving (``BlockRemoved``).
 Each tier's watcher keeps the set of keys that tier holds, which makes the index's statements
-idempotent (a replaced block is not counted twice) and lets a cleared tier report what it lost.
+idempotent (a replaced block is not counted twice) and lets a cleared tier report what it lost; it
+hands each transition of a key to a sink (one ledger, or :class:`~ucm_server.kv_events.audience.
+AudienceRouter`, which feeds the ledgers of the audiences allowed to see the key's namespace).
 
 Everything runs on the event loop thread (where indexes change); :meth:`Ledger.take` drains the
 transitions in the order they happened, :meth:`Ledger.snapshot` describes the present.
@@ -14,31 +16,46 @@ transitions in the order they happened, :meth:`Ledger.snapshot` describes the pr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from ucm_protocol.keys import NAMESPACE_BYTES
 from ucm_server.kv_events.wire import Cleared, Event, HashFormat, Removed, Stored, external_hashes
 from ucm_server.store.base import Tier
 
-__all__ = ["HASHES_PER_EVENT", "Ledger", "TierWatch", "medium_of"]
+__all__ = ["HASHES_PER_EVENT", "Ledger", "MediumNames", "Sink", "TierWatch", "medium_of"]
 
 HASHES_PER_EVENT = 4096
 """Most hashes one ``BlockStored``/``BlockRemoved`` carries (a million-block snapshot is many events)."""
 
+Sink = Callable[[bool, str, bytes], None]
+"""Where a watcher sends a key's transition: ``(stored, medium, namespace + digest)``."""
 
-def medium_of(tier: Tier) -> str:
-    """``SHARED`` for a tier other nodes write too, ``DISK`` for a persistent one, else ``CPU``."""
+
+@dataclass(frozen=True, slots=True)
+class MediumNames:
+    """What the events call each kind of tier: vLLM's names (``vllm.distributed.kv_events``:
+    ``GPU``, ``CPU``, ``STORAGE``) where vLLM has one; it has none for a tier other nodes write."""
+
+    memory: str = "CPU"
+    persistent: str = "STORAGE"
+    shared: str = "SHARED"
+
+
+def medium_of(tier: Tier, names: MediumNames = MediumNames()) -> str:
+    """``names.shared`` for a tier other nodes write too, ``names.persistent`` for a persistent one,
+    else ``names.memory``."""
     if tier.shared:
-        return "SHARED"
-    return "DISK" if tier.persistent else "CPU"
+        return names.shared
+    return names.persistent if tier.persistent else names.memory
 
 
 class TierWatch:
-    """One tier's :class:`~ucm_server.store.watch.IndexWatch`: its held keys, feeding the ledger."""
+    """One tier's :class:`~ucm_server.store.watch.IndexWatch`: its held keys, feeding the sink."""
 
-    __slots__ = ("_held", "_ledger", "medium", "name")
+    __slots__ = ("_held", "_sink", "medium", "name")
 
-    def __init__(self, ledger: Ledger, name: str, medium: str) -> None:
-        self._ledger = ledger
+    def __init__(self, sink: Sink, name: str, medium: str) -> None:
+        self._sink = sink
         self.name = name
         self.medium = medium
         self._held: set[bytes] = set()
@@ -46,7 +63,7 @@ class TierWatch:
     def stored(self, key: bytes) -> None:
         if key not in self._held:
             self._held.add(key)
-            self._ledger.up(self.medium, key[NAMESPACE_BYTES:])
+            self._sink(True, self.medium, key)
 
     def stored_many(self, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -55,12 +72,12 @@ class TierWatch:
     def removed(self, key: bytes) -> None:
         if key in self._held:
             self._held.remove(key)
-            self._ledger.down(self.medium, key[NAMESPACE_BYTES:])
+            self._sink(False, self.medium, key)
 
     def cleared(self) -> None:
         held, self._held = self._held, set()
         for key in held:
-            self._ledger.down(self.medium, key[NAMESPACE_BYTES:])
+            self._sink(False, self.medium, key)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -70,19 +87,30 @@ class Ledger:
     """Holders per ``(medium, digest)`` and the pending visible transitions, oldest first."""
 
     def __init__(
-        self, on_change: Callable[[], None] = lambda: None, hash_format: HashFormat = "int64"
+        self,
+        on_change: Callable[[], None] = lambda: None,
+        hash_format: HashFormat = "int64",
+        media: MediumNames = MediumNames(),
     ) -> None:
         self.hash_format: HashFormat = hash_format
+        self.media = media
         self._counts: dict[str, dict[bytes, int]] = {}
         self._pending: list[tuple[bool, str, bytes]] = []
         self._on_change = on_change
         self.watches: list[TierWatch] = []
 
     def watch(self, tier: Tier) -> TierWatch:
-        """A watcher for ``tier`` (attach it with the tier's ``watch_index``)."""
-        w = TierWatch(self, tier.name, medium_of(tier))
+        """A watcher for ``tier`` feeding this ledger alone (attach it with the tier's ``watch_index``)."""
+        w = TierWatch(self.apply, tier.name, medium_of(tier, self.media))
         self.watches.append(w)
         return w
+
+    def apply(self, stored: bool, medium: str, key: bytes) -> None:
+        """A watcher's transition of ``key`` (namespace + digest): the digest gained or lost a holder."""
+        if stored:
+            self.up(medium, key[NAMESPACE_BYTES:])
+        else:
+            self.down(medium, key[NAMESPACE_BYTES:])
 
     def up(self, medium: str, digest: bytes) -> None:
         counts = self._counts.setdefault(medium, {})

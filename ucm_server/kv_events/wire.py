@@ -19,7 +19,6 @@ import msgpack
 
 __all__ = ["END_SEQ", "Cleared", "Removed", "Stored", "encode_batch", "external_hashes", "seq_bytes"]
 
-Medium = Literal["CPU", "DISK", "SHARED"]
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end-of-replay marker, as vLLM's ``ZmqEventPublisher.END_SEQ``."""
 

@@ -59,6 +59,9 @@ class AdminServicer(rpc.AdminServicer):
         tiers = [tier_stats(tier) for tier in snap.tiers]
         if tiers and snap.writeback.max_bytes:  # the write-back queue drains the top tier's blocks
             tiers[0].extra.update(snap.writeback.as_extra())
+        if tiers:  # whether the daemon keeps up with dumps, and what its door admits
+            tiers[0].extra["store_saturated"] = float(snap.store_saturated)
+            tiers[0].extra.update(snap.door_admission)
         return pb.StatsResponse(
             version=snap.version,
             uptime_s=snap.uptime_s,
@@ -80,7 +83,7 @@ class AdminServicer(rpc.AdminServicer):
                 pb.SessionInfo(
                     client_name=s.client_name, pid=s.pid, tenant=s.tenant, age_s=now - s.attached_at
                 )
-                for s in sorted(list(self.engine.sessions.values()), key=lambda s: s.attached_at)
+                for s in self.engine.session_list()
             ],
         )
 
@@ -91,14 +94,14 @@ class AdminServicer(rpc.AdminServicer):
             request.namespace, request.tier, request.page_size, request.page_token
         )
         return pb.ListBlocksResponse(
-            blocks=[block_info(info, tiers, self.engine.retention.get(info.key)) for info, tiers in page],
+            blocks=[block_info(info, tiers, rule) for info, tiers, rule in page],
             next_page_token=token,
             total=total,
         )
 
     async def Inspect(self, request: pb.InspectRequest, context: aio.ServicerContext) -> pb.InspectResponse:
-        info, tiers = await self.engine.inspect(request.namespace, request.key)
-        return pb.InspectResponse(block=block_info(info, tiers, self.engine.retention.get(info.key)))
+        info, tiers, rule = await self.engine.inspect(request.namespace, request.key)
+        return pb.InspectResponse(block=block_info(info, tiers, rule))
 
     async def Evict(self, request: pb.EvictRequest, context: aio.ServicerContext) -> pb.EvictResponse:
         blocks, nbytes = await self.engine.evict(

@@ -1,10 +1,11 @@
-"""Server interceptor: authentication, then domain errors as precise gRPC status codes.
+"""Server interceptor: authorization, then domain errors as precise gRPC status codes.
 
-Every UCM handler is wrapped so that, in the handler's own task, the caller's token is checked and
-the resulting :class:`~ucm_server.auth.Principal` is put in a context variable the engine reads (Admin
-calls need an admin principal). Servicers raise :mod:`ucm_server.api.errors` exceptions; each becomes
-``context.abort(code, message)``. Anything else is a bug: it is logged with its traceback and answered
-``INTERNAL`` with a short message, and the daemon keeps serving.
+Every UCM handler is wrapped so that, in the handler's own task,
+:meth:`ucm_server.authz.Authorizer.admit` decides whether the call may run and as whom (the one spot
+every RPC goes through), and the resulting grant is put in context variables the engine reads.
+Servicers raise :mod:`ucm_server.api.errors` exceptions; each becomes ``context.abort(code,
+message)``. Anything else is a bug: it is logged with its traceback and answered ``INTERNAL`` with a
+short message, and the daemon keeps serving.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
+from ucm_protocol.errors import InvalidArgument, UcmError
 from ucm_protocol.text import printable
-from ucm_server.auth import NETWORK_ANONYMOUS, Authenticator, current_principal
+from ucm_server.authz import Authorizer, enter
 from ucm_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,18 +48,15 @@ def detail(message: str) -> str:
 
 def is_local(context: aio.ServicerContext) -> bool:
     """The peer came in over the Unix socket (whose 0600 mode is its access control), not TCP."""
-    return str(context.peer()).startswith("unix:")
+    return str(context.peer() or "").startswith("unix:")
 
 
 class ErrorMappingInterceptor(aio.ServerInterceptor):
-    def __init__(
-        self, metrics: Metrics, authenticator: Authenticator | None = None, *, tcp_anonymous: bool = False
-    ) -> None:
-        """``tcp_anonymous``: the TCP listener checks no credentials, so its peers are
-        :data:`~ucm_server.auth.NETWORK_ANONYMOUS` (never admin); Unix-socket peers keep full rights."""
+    def __init__(self, metrics: Metrics, authorizer: Authorizer | None = None) -> None:
+        """``authorizer``: who may call what (``None``: a daemon without tokens or TCP, every
+        caller local)."""
         self._metrics = metrics
-        self._auth = authenticator
-        self._tcp_anonymous = tcp_anonymous
+        self._authz = authorizer or Authorizer(None)
 
     async def intercept_service(
         self,
@@ -71,29 +69,11 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
         full_method = handler_call_details.method
         method = full_method.rsplit("/", 1)[-1]
         metrics = self._metrics
-        auth = self._auth
-        tcp_anonymous = self._tcp_anonymous
-        guarded = full_method.startswith(("/ucm.v1.KVStore/", "/ucm.v1.Admin/"))
-        admin_only = full_method.startswith("/ucm.v1.Admin/")
+        authz = self._authz
 
         def admit(context: aio.ServicerContext) -> None:
-            """Authenticate and authorize the call; the principal is visible to this task only."""
-            if not guarded:
-                return
-            if auth is None:
-                if tcp_anonymous and not is_local(context):
-                    if admin_only:
-                        raise PermissionDenied(
-                            f"{method} is an Admin call: not allowed to an anonymous TCP peer "
-                            "(the daemon needs auth_tokens_file or tls_client_ca for remote admins; "
-                            "or use the Unix socket)"
-                        )
-                    current_principal.set(NETWORK_ANONYMOUS)
-                return
-            principal = auth.authenticate(context.invocation_metadata())
-            if admin_only and not principal.admin:
-                raise PermissionDenied(f"{method} needs an admin token")
-            current_principal.set(principal)
+            """Authorize the call; the grant is visible to this task only."""
+            enter(authz.admit(full_method, context.invocation_metadata(), local=is_local(context)))
 
         async def fail(context: aio.ServicerContext, exc: BaseException) -> None:
             if isinstance(exc, UcmError):

@@ -17,9 +17,10 @@ from ucm_protocol.errors import InvalidArgument, PermissionDenied
 from ucm_protocol.keys import PackedDigests
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_protocol.wire import SESSION_METADATA, WAIT_CAP_S
+from ucm_protocol.wire import SESSION_METADATA
 from ucm_server.engine import Engine
 from ucm_server.retention import Change
+from ucm_server.store.admitting import cache_only
 from ucm_server.tasks import Task, TaskKind
 
 
@@ -28,11 +29,6 @@ def session_of(context: aio.ServicerContext) -> str | None:
         if key == SESSION_METADATA:
             return str(value)
     return None
-
-
-def is_local(context: aio.ServicerContext) -> bool:
-    """Whether the call came over the Unix socket (grpc names such peers ``unix:...``)."""
-    return str(context.peer() or "").startswith("unix:")
 
 
 def task_status(task: Task) -> pb.TaskStatus:
@@ -57,20 +53,22 @@ class KVStoreServicer(rpc.KVStoreServicer):
         session = self.engine.attach(
             request.client_name, request.pid, task_events=request.task_events, peer=context.peer() or ""
         )
-        interval = self.engine.config.heartbeat_interval_s
+        interval = self.engine.heartbeat_interval_s
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,
                 heartbeat_interval_s=interval,
                 server_version=self.engine.version,
+                store_saturated=self.engine.store_saturated,
             )
             while True:  # a heartbeat every interval, or sooner with the statuses of tasks that ended
-                finished, stopped = await self.engine.task_events.next(session.session_id, interval)
+                finished, stopped = await self.engine.session_events(session.session_id)
                 yield pb.SessionEvent(
                     session_id=session.session_id,
                     heartbeat_interval_s=interval,
                     finished=[task_status(task) for task in finished],
                     task_events_stopped=stopped,
+                    store_saturated=self.engine.store_saturated,
                 )
         finally:
             # Runs when the client closes the stream, dies (socket closed) or the server stops.
@@ -79,10 +77,6 @@ class KVStoreServicer(rpc.KVStoreServicer):
     async def RegisterRegion(
         self, request: pb.RegisterRegionRequest, context: aio.ServicerContext
     ) -> pb.RegisterRegionResponse:
-        if not is_local(context):
-            raise PermissionDenied(
-                "memory registration needs a local Unix-socket client; over TCP use GetBlocks/PutBlocks"
-            )
         if request.cuda_ipc_handle:  # GPU memory shared by CUDA IPC (ucm_server.gpu)
             gpu = await self.engine.register_cuda_region(
                 session_of(context),
@@ -145,30 +139,38 @@ class KVStoreServicer(rpc.KVStoreServicer):
             durable=durable,
             progress=(progress.region_id, progress.offset, progress.length) if progress is not None else None,
         )
-        return pb.TaskHandle(task_id=task.task_id, progress=task.reports_progress)
+        return pb.TaskHandle(
+            task_id=task.task_id,
+            progress=task.reports_progress,
+            store_saturated=self.engine.poll_store_saturated(),
+        )
 
     async def Load(self, request: pb.LoadRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         progress = request.progress if request.HasField("progress") else None
         return await self._submit(TaskKind.LOAD, request.blocks, context, progress=progress)
 
     async def Dump(self, request: pb.DumpRequest, context: aio.ServicerContext) -> pb.TaskHandle:
-        return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+        token = cache_only.set(request.cache_only)  # read by the pipeline in the task this call starts
+        try:
+            return await self._submit(TaskKind.DUMP, request.blocks, context, durable=request.wait_durable)
+        finally:
+            cache_only.reset(token)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: aio.ServicerContext) -> pb.TaskHandle:
         task = self.engine.submit_prefetch(session_of(context), request.namespace, request.keys)
         return pb.TaskHandle(task_id=task.task_id)
 
     async def Wait(self, request: pb.WaitRequest, context: aio.ServicerContext) -> pb.TaskStatus:
-        task = self.engine.task(session_of(context), request.task_id)
-        timeout = max(0.0, min(request.timeout_s, WAIT_CAP_S))
-        return task_status(await self.engine.tasks.wait(task, timeout, request.cancel_on_timeout))
+        task = await self.engine.wait(
+            session_of(context), request.task_id, request.timeout_s, request.cancel_on_timeout
+        )
+        return task_status(task)
 
     async def Check(self, request: pb.TaskHandle, context: aio.ServicerContext) -> pb.TaskStatus:
         return task_status(self.engine.task(session_of(context), request.task_id))
 
     async def Cancel(self, request: pb.CancelRequest, context: aio.ServicerContext) -> pb.TaskStatus:
-        task = self.engine.task(session_of(context), request.task_id)
-        return task_status(await self.engine.tasks.cancel(task))
+        return task_status(await self.engine.cancel(session_of(context), request.task_id))
 
     async def Delete(self, request: pb.DeleteRequest, context: aio.ServicerContext) -> pb.DeleteResponse:
         return pb.DeleteResponse(deleted=await self.engine.delete(request.namespace, request.keys))

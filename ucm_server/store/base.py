@@ -6,9 +6,10 @@ primitives — ``open``, ``close``, ``lookup``, ``read_into``, ``write_from``, `
 class, where a backend overrides it only to go faster. Capabilities are class flags, never optional
 methods that raise at run time.
 
-Bytes move through *iovecs*: a sequence of writable (or readable) memoryviews whose concatenation is
-the block. A block whose layers sit apart in the client's memory is thus copied straight to and from
-those places, with no staging buffer, and POSIX tiers hand the iovec to ``preadv``/``pwritev``.
+Bytes move through *iovecs* (:mod:`ucm_server.store.copying`, the copy engine): a sequence of writable
+(or readable) memoryviews whose concatenation is the block. A block whose layers sit apart in the
+client's memory is thus copied straight to and from those places, with no staging buffer, and POSIX
+tiers hand the iovec to ``preadv``/``pwritev``.
 
 Missing is a value and failures are data: reads and writes return a :class:`BlockResult`, they do not
 raise for a missing or corrupt block. Exceptions are for programming errors and for a tier that cannot
@@ -19,200 +20,27 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import ctypes
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Self, TypeVar
-
-import numpy as np
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import NAMESPACE_BYTES as _NS
 from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState as BlockState  # noqa: PLC0414 (re-export until 0.2)
+
+# The iovec type and the copy functions, importable from here for every tier (re-exported).
+from ucm_server.store.copying import IoVec as IoVec  # noqa: PLC0414
+from ucm_server.store.copying import copy_all as copy_all  # noqa: PLC0414
+from ucm_server.store.copying import copy_in_order as copy_in_order  # noqa: PLC0414
+from ucm_server.store.copying import copy_iov as copy_iov  # noqa: PLC0414
+from ucm_server.store.copying import iov_len as iov_len  # noqa: PLC0414
 from ucm_server.store.watch import IndexWatch
 
 T = TypeVar("T")
 V = TypeVar("V")
-
-IoVec = Sequence[memoryview]
-"""A block's bytes as an ordered list of memory segments (scatter/gather)."""
-
-
-def iov_len(iov: IoVec) -> int:
-    if len(iov) == 1:  # the usual block: one segment (a third of the generator's cost)
-        return iov[0].nbytes
-    return sum(m.nbytes for m in iov)
-
-
-def copy_iov(dst: IoVec, src: IoVec) -> None:
-    """Copy ``src`` into ``dst`` (equal total length) segment by segment, splitting where they differ."""
-    di = si = doff = soff = 0
-    while di < len(dst) and si < len(src):
-        d, s = dst[di], src[si]
-        n = min(d.nbytes - doff, s.nbytes - soff)
-        d[doff : doff + n] = s[soff : soff + n]
-        doff += n
-        soff += n
-        if doff == d.nbytes:
-            di, doff = di + 1, 0
-        if soff == s.nbytes:
-            si, soff = si + 1, 0
-
-
-RUN_COPY_MIN = 256 << 10
-"""Blocks at least this large are copied as address runs (:func:`copy_all`); smaller ones as slices."""
-
-
-def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
-    """Copy each ``(dst, src)`` pair of a batch, large blocks as few, long ``memmove`` runs.
-
-    Where consecutive blocks continue each other on both sides (a client's KV blocks side by side,
-    the arena's pages allocated in order), their copies merge into one: one long copy runs at memcpy
-    speed (the C library switches to non-temporal stores for long copies), while a slice assignment
-    per 64 KiB page costs a Python step each and keeps the cache busy. ``ctypes.memmove`` also
-    releases the GIL, so the event loop answers calls meanwhile. Addresses come from the very
-    memoryviews (:func:`_address`), within their bounds. A block of one segment on each side (the
-    usual case) skips the segment walk.
-    """
-    runs: list[list[int]] = []
-    for dst, src in pairs:
-        if len(dst) == 1 and len(src) == 1 and (n := dst[0].nbytes) == src[0].nbytes:
-            if n < RUN_COPY_MIN:  # one segment on each side (the usual block): no walk
-                dst[0][:] = src[0]
-                continue
-            pieces = [(_address(dst[0]), _address(src[0]), n, 0)]
-        elif iov_len(dst) < RUN_COPY_MIN:
-            copy_iov(dst, src)
-            continue
-        else:
-            pieces = _pieces(dst, src)
-        for d, s, n, _ in pieces:
-            last = runs[-1] if runs else None
-            if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
-                last[2] += n
-            else:
-                runs.append([d, s, n])
-    _memmove_runs(runs)
-
-
-def copy_in_order(pairs: Sequence[tuple[IoVec, IoVec]], report: Callable[[int], None]) -> None:
-    """Copy each ``(dst, src)`` pair of a batch segment by segment of the destinations: segment 0 of
-    every block, ``report(1)``, then segment 1 of every block, ``report(2)``, and so on (a block with
-    fewer segments is complete from its last one on). A Load's client can so read the first
-    segments of every block (vLLM's first layers) while later ones are still copied
-    (:mod:`ucm_server.load_progress`). The first round is split over two threads like any large
-    copy (the reader waits for it, its core idle); later rounds run on this thread alone, in
-    order, while the reader computes on the other core: a split there would take that core.
-    """
-    walks = [_walk(dst, src) for dst, src in pairs]  # each block's pieces, walked one round at a time
-    pending = [next(walk, None) for walk in walks]
-    segment = 0
-    while any(piece is not None for piece in pending):
-        runs: list[list[int]] = []
-        for i, walk in enumerate(walks):
-            piece = pending[i]
-            while piece is not None and piece[3] == segment:
-                d, s, n, _ = piece
-                last = runs[-1] if runs else None
-                if last is not None and last[0] + last[2] == d and last[1] + last[2] == s:
-                    last[2] += n
-                else:
-                    runs.append([d, s, n])
-                piece = next(walk, None)
-            pending[i] = piece
-        if segment == 0:
-            _memmove_runs(runs, FIRST_ROUND_SPLIT_BYTES)
-        else:
-            _memmove_all(runs)
-        segment += 1
-        report(segment)
-
-
-SPLIT_COPY_BYTES = 8 << 20
-"""A batch at least this large is copied by two threads, each half of the bytes (GIL released)."""
-FIRST_ROUND_SPLIT_BYTES = 1 << 20
-""":func:`copy_in_order`'s first round is split from this size on: its reader waits for it."""
-_helper: ThreadPoolExecutor | None = None
-
-
-def _memmove_runs(runs: list[list[int]], split_bytes: int = SPLIT_COPY_BYTES) -> None:
-    """Copy the runs; a batch of ``split_bytes`` or more in two halves at once, this thread and one
-    helper thread (a ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy
-    faster than one)."""
-    total = sum(n for _, _, n in runs)
-    if total < split_bytes:
-        for d, s, n in runs:
-            ctypes.memmove(d, s, n)
-        return
-    global _helper
-    if _helper is None:
-        _helper = ThreadPoolExecutor(1, thread_name_prefix="ucm-copy")
-    half = total // 2
-    first: list[list[int]] = []
-    second: list[list[int]] = []
-    taken = 0
-    for d, s, n in runs:
-        if taken >= half:
-            second.append([d, s, n])
-        elif taken + n <= half:
-            first.append([d, s, n])
-        else:
-            k = half - taken
-            first.append([d, s, k])
-            second.append([d + k, s + k, n - k])
-        taken += n
-    other = _helper.submit(_memmove_all, second)
-    _memmove_all(first)
-    other.result()
-
-
-def _memmove_all(runs: list[list[int]]) -> None:
-    for d, s, n in runs:
-        ctypes.memmove(d, s, n)
-
-
-def _address(view: memoryview) -> int:
-    """The first byte's address: through ctypes for a writable view (a sixth of numpy's cost, which
-    adds up at two views per block), through numpy for a read-only one (ctypes refuses those)."""
-    if not view.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
-
-
-def _pieces(dst: IoVec, src: IoVec) -> list[tuple[int, int, int, int]]:
-    """``(dst address, src address, length, dst segment index)`` pieces of one copy, split where the
-    segments differ (as :func:`copy_iov` walks them)."""
-    return list(_walk(dst, src))
-
-
-def _walk(dst: IoVec, src: IoVec) -> Iterator[tuple[int, int, int, int]]:
-    """:func:`_pieces` one at a time, in destination order (an ordered copy starts on the first
-    segments before the walk has reached the last ones)."""
-    di = si = doff = soff = 0
-    daddr = saddr = 0
-    while di < len(dst) and si < len(src):
-        d, s = dst[di], src[si]
-        if d.nbytes == 0:
-            di += 1
-            continue
-        if s.nbytes == 0:
-            si += 1
-            continue
-        if doff == 0:
-            daddr = _address(d)
-        if soff == 0:
-            saddr = _address(s)
-        n = min(d.nbytes - doff, s.nbytes - soff)
-        yield (daddr + doff, saddr + soff, n, di)
-        doff += n
-        soff += n
-        if doff == d.nbytes:
-            di, doff = di + 1, 0
-        if soff == s.nbytes:
-            si, soff = si + 1, 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +163,10 @@ class EvictionRules(Protocol):
     ) -> Iterator[tuple[bytes, V]]:
         """``candidates`` (the tier's own order, key and value) reordered and filtered by the rules;
         ``find`` gives the tier's value for a key the rules name (``None``: not in this tier)."""
+        ...
+
+    def pinned(self, key: bytes) -> bool:
+        """Whether ``key`` is pinned (the pipeline never leaves a pinned block in the Cache alone)."""
         ...
 
 
@@ -488,6 +320,11 @@ class Tier(abc.ABC):
         """Free at least ``nbytes`` by the tier's eviction policy; returns bytes freed.
         Default: tiers without a policy free nothing."""
         return 0
+
+    def footprint(self, size: int) -> int:
+        """Bytes of the tier's capacity a block of ``size`` bytes takes (what a pin holds of it).
+        Default: its size; a tier that allocates in pages says so."""
+        return size
 
     def use_rules(self, rules: EvictionRules) -> None:
         """Evict under ``rules`` from now on (a wrapper passes them to the tier it wraps)."""

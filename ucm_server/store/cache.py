@@ -5,6 +5,11 @@ needs no lock; only byte copies run in the executor. A block is published in the
 its bytes are fully copied in, and a block with a live lease (a reader copying out, or write-back
 flushing it to a slower tier) is never evicted and its pages never reused: replacing or deleting it
 unlinks it at once and frees its pages when the last lease goes.
+
+Above a tier that holds pins (Posix), the Cache is a cache of it for pinned blocks too: a pinned
+block whose copy is safe below (written down, or promoted from there) may be evicted, after every
+unpinned one. A pinned block the Cache alone holds (its write-down not done, skipped or failed) is
+never evicted: each entry knows whether its version is safe below (:attr:`_Entry.below`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,10 @@ from ucm_server.store.base import (
     Tier,
     TierContext,
     TierStats,
-    copy_all,
-    copy_in_order,
     failed,
-    iov_len,
     load_tier_settings,
 )
+from ucm_server.store.copying import copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.watch import IndexWatch
 
@@ -68,6 +71,8 @@ class _Entry:
     stored_at: float
     leases: int = 0
     unlinked: bool = False  # replaced or deleted while leased: free pages when leases reach 0
+    below: bool = False
+    """This version is safe in a tier below that holds pins (written down, or promoted from one)."""
 
 
 class Lease:
@@ -88,6 +93,11 @@ class Lease:
         if self._entry is not None:
             self._tier._unlease(self._entry)
             self._entry = None
+
+    def written_down(self) -> None:
+        """The leased version is now stored in the tiers below (a pin may then leave the Cache)."""
+        if self._entry is not None and not self._entry.unlinked:
+            self._entry.below = True
 
 
 class Reservation:
@@ -147,6 +157,9 @@ class CacheTier(Tier):
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
         self._rejected = 0
+        self.pins_below = False
+        """A tier below holds pins (set by the pipeline): a pinned block safe there may be evicted
+        here, after every unpinned one; otherwise the Cache never evicts a pinned block."""
 
     Settings: ClassVar[type[Any] | None] = CacheSettings
 
@@ -287,6 +300,10 @@ class CacheTier(Tier):
             if namespace is None or entry.key.namespace == namespace:
                 yield BlockInfo(key=entry.key, size=entry.size, tier=self.name, stored_at=entry.stored_at)
 
+    def footprint(self, size: int) -> int:
+        """Whole pages."""
+        return self.arena.pages_for(size) * self.arena.page_size
+
     async def info(self, key: BlockKey) -> BlockInfo | None:
         entry = self._index.get(key)
         if entry is None:
@@ -317,12 +334,19 @@ class CacheTier(Tier):
 
     def _victims(self) -> Iterator[_Entry]:
         """Unleased blocks in eviction order (the policy's, under the retention rules: pinned
-        never); safe to unlink while iterating."""
+        never), then, when a tier below holds pins, the pinned blocks safe there (the policy's
+        order); safe to unlink while iterating. A pinned block the Cache alone holds is never one."""
         index: dict[bytes, _Entry] = self._index  # type: ignore[assignment]  # BlockKey is bytes
         candidates = ((k, e) for k in self.policy.order() if (e := index.get(k)) is not None)
         for _, entry in self.eviction_order(candidates, index.get):
             if entry.leases == 0 and self._index.get(entry.key) is entry:
                 yield entry
+        if not self.pins_below:
+            return
+        for key in self.policy.order():  # every unpinned block is gone: the pinned ones safe below
+            pinned = index.get(key)
+            if pinned is not None and pinned.below and pinned.leases == 0:
+                yield pinned
 
     # -- leases ---------------------------------------------------------------------------------------
     def lease(self, key: BlockKey, *, read: bool = False) -> Lease | None:
@@ -382,12 +406,27 @@ class CacheTier(Tier):
         """Whether the block is cached now (no LRU touch)."""
         return key in self._index
 
-    def commit(self, reservation: Reservation) -> None:
-        """Publish a filled reservation (replacing any older version of the key)."""
+    def keeps(self, key: bytes) -> bool:
+        """Whether the Cache holds ``key`` in a version not known to be safe in a tier below that
+        holds pins: while pinned, such a copy is never evicted (it may be the only one)."""
+        entry = self._index.get(key)  # type: ignore[call-overload]  # a BlockKey is its bytes
+        return entry is not None and not entry.below
+
+    def set_below(self, key: BlockKey, below: bool) -> None:
+        """Whether the cached version is safe in a tier below that holds pins: promoted from one
+        (True), or lost there, evicted while unpinned (False: kept here while pinned)."""
+        entry = self._index.get(key)
+        if entry is not None:
+            entry.below = below
+
+    def commit(self, reservation: Reservation, *, below: bool = False) -> None:
+        """Publish a filled reservation (replacing any older version of the key); ``below``: it
+        was read from a tier below that holds pins (a promotion), so it is safe there."""
         entry, reservation._entry = reservation._entry, None
         if entry is None:
             raise ValueError("reservation already committed or aborted")
         entry.leases = 0
+        entry.below = below
         self._publish(entry)
         self._stats.write_bytes += entry.size
 

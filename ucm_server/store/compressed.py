@@ -31,7 +31,8 @@ from concurrent.futures import Executor
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store import codec
-from ucm_server.store.base import OK, BlockResult, IoVec, Tier, copy_iov, failed, iov_len
+from ucm_server.store.base import OK, BlockResult, IoVec, Tier, failed
+from ucm_server.store.copying import copy_iov, iov_len
 from ucm_server.store.transform import TransformTier
 
 

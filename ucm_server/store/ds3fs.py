@@ -1,7 +1,10 @@
 """The DS3FS tier: blocks as files on a DeepSeek 3FS mount that many nodes share.
 
-It is the Posix tier (same layout, same header, same temp-file + fsync + atomic-rename durability, same
-quarantine of corrupt files) with three differences that come from sharing the directory tree:
+It is the Posix tier (same header, same temp-file + fsync + atomic-rename durability, same quarantine
+of corrupt files) with the older layout that nodes of older releases read, and three differences that
+come from sharing the directory tree. What it changes in the Posix tier's own behaviour is stated in
+one place, the :class:`~ucm_server.store.posix.Profile` it passes (layout, reads, start-up, timeouts);
+the rest is its own lookup, read and write paths:
 
 * **Lookups that miss the local index check the filesystem**, in one batched executor job (a ``stat``
   and a 128-byte header read per unknown key), because other nodes' daemons write there too. Keys found
@@ -23,19 +26,19 @@ in ``stats().errors``, not a stuck daemon.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self
 
 from ucm_protocol.errors import ConfigError, Unavailable
 from ucm_protocol.keys import KEY_BYTES, NAMESPACE_BYTES, BlockKey, Digest, Namespace
@@ -54,8 +57,6 @@ from ucm_server.store.base import (
     iov_len,
     load_tier_settings,
 )
-from ucm_server.store.block_index import Stamp
-from ucm_server.store.confined import NotRegularFile
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,
@@ -64,11 +65,11 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
-from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, Entry, PosixTier, unlink_at
+from ucm_server.store.posix import QUARANTINE, SUFFIX, TMP_MARK, Entry, PosixTier, Profile, files, unlink_at
+from ucm_server.store.posix.confined import NotRegularFile
 from ucm_server.store.usrbio import Usrbio
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 UsrbioMode = Literal["auto", "on", "off"]
 
@@ -111,13 +112,9 @@ class DS3FSTier(PosixTier):
     """A Posix tier on a 3FS mount shared by many nodes (see the module docstring)."""
 
     kind: ClassVar[str] = "DS3FS"
-    flat_layout: ClassVar[bool] = False
-    """The layout of format versions 1 and 2: nodes of older releases share this mount and read it."""
     persistent: ClassVar[bool] = True
     shared: ClassVar[bool] = True
     pin_gap: ClassVar[str] = "a shared tier: other nodes' daemons evict from it without this daemon's pins"
-    client_reads: ClassVar[bool] = False  # its own read path (USRBIO, negative lookups) decides
-    index_snapshots: ClassVar[bool] = False  # other nodes change the tree: scan before serving
 
     def __init__(
         self,
@@ -153,6 +150,13 @@ class DS3FSTier(PosixTier):
             direct_io=False,
             executor=executor,
             max_block_bytes=max_block_bytes,
+            profile=Profile(
+                flat_layout=False,  # versions 1 and 2: nodes of older releases share this mount and read it
+                client_reads=False,  # its own read path (USRBIO, negative lookups) decides
+                index_snapshots=False,  # other nodes change the tree: scan before serving, if at all
+                temp_grace_s=stale_tmp_s,  # a younger temporary file may be another node's write in flight
+                timeout_s=timeout_s,  # a hung mount must not hang the daemon
+            ),
         )
         if usrbio not in ("auto", "on", "off"):
             raise ConfigError(f"tier {name!r}: usrbio must be auto, on or off, got {usrbio!r}")
@@ -175,7 +179,9 @@ class DS3FSTier(PosixTier):
         self.scan_on_open = scan_on_open
         self.stale_tmp_s = stale_tmp_s
         self._absent: dict[BlockKey, float] = {}
+        """Keys found absent on the mount, until when that is believed."""
         self._checked: dict[BlockKey, float] = {}
+        """When each indexed key was last found (or written) on the mount."""
         self._usrbio: Usrbio | None = None
 
     # -- configuration -----------------------------------------------------------------------------------
@@ -196,6 +202,8 @@ class DS3FSTier(PosixTier):
             raise Unavailable(f"tier {self.name!r}: 3FS mount {self.mount} is not a directory")
         if self.scan_on_open:
             await super().open()
+            for key, _ in self._index.items():
+                self._seen(key)
         else:
             await self._run(lambda: self.roots[0].mkdir(parents=True, exist_ok=True, mode=0o700))
         if self.usrbio_mode != "off":
@@ -235,7 +243,7 @@ class DS3FSTier(PosixTier):
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """The local index, then one batched filesystem check for keys it does not know."""
         await self._discover(keys)
-        return list(map(self._sizes.get, keys))
+        return list(map(self._index.get, keys))
 
     async def _discover(self, keys: Sequence[BlockKey], *, force: bool = False) -> None:
         """Bring the index up to date for ``keys``: unknown keys not recently found absent, and known
@@ -244,7 +252,7 @@ class DS3FSTier(PosixTier):
         now = time.monotonic()
         probe = []
         for k in dict.fromkeys(keys):
-            if k in self._sizes:
+            if k in self._index:
                 if force or self._checked.get(k, 0.0) + self.positive_ttl_s <= now:
                     probe.append(k)
             elif force or self._absent.get(k, 0.0) <= now:
@@ -260,33 +268,32 @@ class DS3FSTier(PosixTier):
         now = time.monotonic()
         if len(self._absent) > 100_000:
             self._absent = {k: t for k, t in self._absent.items() if t > now}
+        if len(self._checked) > 100_000:  # keys forgotten since (a failed read, an eviction)
+            self._checked = {k: t for k, t in self._checked.items() if k in self._index}
         for key in probe:
             entry = found.get(key)
             if entry is None:
                 self._forget(key)
+                self._checked.pop(key, None)
                 self._absent[key] = now + self.negative_ttl_s
-            elif self._sizes.get(key) != entry.size:
+            elif self._index.get(key) != entry.size:
                 self._forget(key)
                 self._remember(key, entry)
+                self._seen(key)
             else:
                 self._checked[key] = now
 
-    def _remember(self, key: BlockKey, entry: Entry) -> None:
-        super()._remember(key, entry)
+    def _seen(self, key: BlockKey) -> None:
+        """``key`` is on the mount now (found there, or written by this node)."""
         self._checked[key] = time.monotonic()
         self._absent.pop(key, None)
-
-    def _forget(self, key: BlockKey, *, tombstone: bool = True) -> Stamp | None:
-        stamp = super()._forget(key, tombstone=tombstone)
-        self._checked.pop(key, None)
-        return stamp
 
     def _probe_files(self, keys: list[BlockKey]) -> dict[BlockKey, Entry]:
         found: dict[BlockKey, Entry] = {}
         for key in keys:
             path = self.path_of(key)
             try:  # the Posix tier's confined open: no symlink followed, regular files only
-                fd = self._open_block(path)
+                fd = files.open_block_file(self.disk, path)
             except (FileNotFoundError, NotRegularFile):
                 continue  # absent, or not a block (counted in skipped_files)
             except OSError as exc:
@@ -298,7 +305,7 @@ class DS3FSTier(PosixTier):
                 header = decode_header(raw, expect=key, max_payload=self.max_block_bytes)
                 size = os.fstat(fd).st_size
             except CorruptBlock as exc:
-                self._move_to_quarantine(path, str(exc))
+                files.move_to_quarantine(self.disk, path, str(exc))
                 continue
             finally:
                 os.close(fd)
@@ -316,7 +323,7 @@ class DS3FSTier(PosixTier):
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         await self._discover([k for k, _ in items])
         # A size that disagrees with the reader's may be another node's rewrite: look again.
-        stale = [k for k, d in items if (size := self._sizes.get(k)) is not None and size != iov_len(d)]
+        stale = [k for k, d in items if (size := self._index.get(k)) is not None and size != iov_len(d)]
         if stale:
             await self._discover(stale, force=True)
         if self._usrbio is None:
@@ -329,10 +336,15 @@ class DS3FSTier(PosixTier):
         for key, _ in items:
             self._absent.pop(key, None)
         if self._usrbio is None:
-            return await bounded_gather(
+            results = await bounded_gather(
                 self.max_concurrency, [super(DS3FSTier, self).write_from(k, s) for k, s in items]
             )
-        return await self._usrbio_batches(items, read=False)
+        else:
+            results = await self._usrbio_batches(items, read=False)
+        for (key, _), result in zip(items, results, strict=True):
+            if result.ok:
+                self._seen(key)
+        return results
 
     async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
         await self._discover([key])
@@ -341,6 +353,8 @@ class DS3FSTier(PosixTier):
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         """Blocks written by other nodes are deleted too: unknown keys are looked up first."""
         await self._discover(keys)
+        for key in keys:
+            self._checked.pop(key, None)
         return await super().delete(keys)
 
     async def list_blocks(self, namespace: Namespace | None = None) -> AsyncIterator[BlockInfo]:
@@ -381,30 +395,6 @@ class DS3FSTier(PosixTier):
                         )
                     )
         return out
-
-    # -- start-up scan that respects other nodes' writes in flight ---------------------------------------
-    def _scan(self) -> list[tuple[BlockKey, Entry]]:
-        found: list[tuple[BlockKey, Entry]] = []
-        root = self.roots[0]
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        cutoff = time.time() - self.stale_tmp_s
-        for dirpath, dirnames, filenames in os.walk(root):
-            if Path(dirpath) == root and QUARANTINE in dirnames:
-                dirnames.remove(QUARANTINE)
-            for fname in filenames:
-                path = Path(dirpath) / fname
-                if TMP_MARK in fname:
-                    try:
-                        if path.stat().st_mtime < cutoff:
-                            path.unlink(missing_ok=True)
-                    except FileNotFoundError:
-                        pass
-                    continue
-                if fname.endswith(SUFFIX):
-                    item = self._check_file(path)
-                    if item is not None:
-                        found.append(item)
-        return found
 
     # -- USRBIO batches ---------------------------------------------------------------------------------
     async def _usrbio_batches(
@@ -465,7 +455,7 @@ class DS3FSTier(PosixTier):
         assert self._usrbio is not None
         paths = [self.path_of(k) for k, _ in chunk]
         sizes = [HEADER_SIZE + iov_len(d) for _, d in chunk]
-        outcome = self._usrbio.read(paths, sizes, self._open_block)
+        outcome = self._usrbio.read(paths, sizes, functools.partial(files.open_block_file, self.disk))
         results: list[BlockResult] = []
         for (key, dest), (view, err) in zip(chunk, outcome, strict=True):
             if isinstance(err, FileNotFoundError):
@@ -482,7 +472,7 @@ class DS3FSTier(PosixTier):
                 verify_payload(header, [view[HEADER_SIZE:]])
             except CorruptBlock as exc:
                 self._forget(key)
-                self._move_to_quarantine(self.path_of(key), str(exc))
+                files.move_to_quarantine(self.disk, self.path_of(key), str(exc))
                 results.append(failed(f"corrupt block in {self.name}: {exc}"))
                 continue
             copy_iov(dest, [view[HEADER_SIZE:]])
@@ -507,14 +497,14 @@ class DS3FSTier(PosixTier):
             err = write_err
             if err is None:
                 try:
-                    with self._parent(final) as dfd:
+                    with files.parent(self.disk, final) as dfd:
                         os.replace(tmp.name, final.name, src_dir_fd=dfd, dst_dir_fd=dfd)
                         if self.durable:
                             os.fsync(dfd)
                 except OSError as exc:
                     err = exc
             if err is not None:
-                with contextlib.suppress(OSError), self._parent(tmp) as dfd:
+                with contextlib.suppress(OSError), files.parent(self.disk, tmp) as dfd:
                     unlink_at(dfd, tmp.name)
                 self._stats.errors += 1
                 results.append(failed(f"{self.name} write error: {err}"))
@@ -530,15 +520,5 @@ class DS3FSTier(PosixTier):
     def _create_tmp(self, tmp: Path) -> int:
         """A new temporary block file, created like the Posix tier does: its directories made and
         fsynced without following symlinks, the file itself ``O_EXCL | O_NOFOLLOW``."""
-        with self._parent(tmp, create=True) as dfd:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            return os.open(tmp.name, flags, 0o600, dir_fd=dfd)
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """The Posix tier's executor hop, bounded by ``timeout_s`` (a hung mount must not hang us).
-        ``TimeoutError`` is an ``OSError``, so the Posix code paths report it per block."""
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        try:
-            return await asyncio.wait_for(fut, self.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"3FS operation timed out after {self.timeout_s:g}s") from None
+        with files.parent(self.disk, tmp, create=True) as dfd:
+            return files.create_tmp(dfd, tmp.name)

@@ -81,11 +81,16 @@ LOCKED = TenantKey(b"", None)
 
 
 def read_key_file(path: Path, tenant: str) -> TenantKey:
-    """The key in ``path``: 32 raw bytes, or 64 hex digits (a trailing newline allowed). A file
-    others may read, a link or anything but a regular file is refused; errors name the file, never
-    its content."""
+    """The key in ``path``: 32 raw bytes, or 64 hex digits (a trailing newline allowed).
+
+    Whoever can write the key file, or replace it in its directory, chooses the key a tenant's blocks
+    are sealed with (and so can read what is sealed after): the file must be owned by the daemon's
+    uid and written by nobody else, and its directory must belong to the daemon's uid or root with
+    no group or other write. A file others may read, a link or anything but a regular file is refused
+    too. Every refusal names the file (never its content) and stops start-up."""
     where = f"key_file {path} (tenant {tenant!r})"
-    data = read_regular(path, where, "chmod 600 it, 32 bytes or 64 hex digits", 4096, private=True)
+    _check_key_directory(path.parent, where)
+    data = read_regular(path, where, "chmod 600 it, 32 bytes or 64 hex digits", 4096, check=_check_key_owner)
     if data is None:
         raise ConfigError(f"{where}: no such file")
     text = data.strip()
@@ -96,6 +101,39 @@ def read_key_file(path: Path, tenant: str) -> TenantKey:
     if len(key) != KEY_BYTES:
         raise ConfigError(f"{where}: expected {KEY_BYTES} bytes or {2 * KEY_BYTES} hex digits")
     return TenantKey.from_bytes(key)
+
+
+def _check_key_owner(st: os.stat_result) -> str | None:
+    """Why an open key file's ``fstat`` is refused (owner, write and read bits), or None."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        return f"owned by uid {st.st_uid}, not by the daemon's uid {me}; chown it to uid {me}"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+    if st.st_mode & 0o077:
+        return f"readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it"
+    return None
+
+
+def _check_key_directory(directory: Path, where: str) -> None:
+    """The key file's directory: the daemon's uid or root owns it and nobody else may write to it
+    (else another user could put a key file of their choosing in its place)."""
+    try:
+        st = directory.stat()
+    except OSError as exc:
+        raise ConfigError(f"{where}: its directory {directory} cannot be read: {exc.strerror}") from None
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(
+            f"{where}: its directory {directory} is owned by uid {st.st_uid}, not by the daemon's uid "
+            f"{me} or root; keep key files in a directory of the daemon's user"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"{where}: its directory {directory} is writable by group or others (mode "
+            f"{st.st_mode & 0o777:o}): anyone who can write there can replace the key; keep key "
+            "files in a directory only the daemon's user can write (chmod go-w)"
+        )
 
 
 class Keyring(Protocol):

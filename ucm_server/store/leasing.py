@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 class Leasing(Protocol):
     arena: Arena
     """The host memory the blocks live in (the GPU path page-locks it once: ``pin``/``pinned``)."""
+    pins_below: bool
+    """A tier below holds pins (the pipeline sets it): a pinned block safe there may be evicted."""
 
     def lease(self, key: BlockKey) -> Lease | None:
         """Hold a block in place (no eviction, no page reuse) until ``Lease.release``; ``None``: absent."""
@@ -50,8 +52,18 @@ class Leasing(Protocol):
         """Whether the block is held now (no recency touch)."""
         ...
 
-    def commit(self, reservation: Reservation) -> None:
-        """Publish a filled reservation (replacing any older version)."""
+    def commit(self, reservation: Reservation, *, below: bool = False) -> None:
+        """Publish a filled reservation (replacing any older version); ``below``: read from a tier
+        below that holds pins, so safe there."""
+        ...
+
+    def keeps(self, key: bytes) -> bool:
+        """Whether the block is held in a version not safe below (never evicted while pinned)."""
+        ...
+
+    def set_below(self, key: BlockKey, below: bool) -> None:
+        """Whether the held version is safe in a tier below that holds pins (promoted from one, or
+        lost there: then kept while pinned)."""
         ...
 
     def abort(self, reservation: Reservation) -> None:

@@ -43,7 +43,7 @@ import os
 import socket
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -69,6 +69,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.io_classes import ClassedExecutor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,7 +184,7 @@ class MooncakeTier(Tier):
         self.master_http = master_http or f"http://{master_address.rsplit(':', 1)[0]}:9003"
         self.force_delete = force_delete
         self._store: Any = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ClassedExecutor | None = None
         self._free: asyncio.Queue[_Staging] | None = None
         self._staging: list[_Staging] = []
         self._inflight: set[Future[Any]] = set()
@@ -208,7 +209,8 @@ class MooncakeTier(Tier):
             ) from exc
         if self.protocol == "tcp":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.local_hostname)
-        self._pool = ThreadPoolExecutor(self.staging_buffers + 2, thread_name_prefix=f"ucm-{self.name}")
+        # Loads first, then prefetch, then writes (ucm_server.store.io_classes).
+        self._pool = ClassedExecutor(self.staging_buffers + 2, thread_name_prefix=f"ucm-{self.name}")
         where = f"tier {self.name!r}: Mooncake master {self.master_address}"
         try:
             # The engine's setup retries an absent master for ~90 s without letting go of the GIL;

@@ -21,8 +21,9 @@ lookup as a miss (S3, Mooncake): the daemon then answers "absent" to its clients
 stream says the same until a later lookup finds the block again. What a tier evicts by its own
 policy (:meth:`~ucm_server.store.base.Tier.evict`) is learned by the next lookup or load.
 
-The pipeline wraps every tier that is not :class:`~ucm_server.store.watch.Watchable` when KV events
-are on (:meth:`ucm_server.store.pipeline.Pipeline.make_watchable`); without them nothing is wrapped.
+The store assembly wraps every tier that is not :class:`~ucm_server.store.watch.Watchable` when KV
+events are on (its ``observation`` layer, :mod:`ucm_server.store.assembly`); without them nothing is
+wrapped.
 Attributes the wrapper does not define are the inner tier's (``object_name``, ``bucket``...).
 """
 

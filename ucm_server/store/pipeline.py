@@ -16,6 +16,9 @@ dump first takes room in it, waiting a little when it is full (backpressure), an
 node is written through or kept in the Cache only, as configured; so the Cache never fills with
 blocks awaiting write-down. A write the top tier cannot take anyway goes straight down instead of
 failing. ``durable=True`` on a write waits until the block is in the last persistent tier.
+A pin is held where the block durably lives (:mod:`ucm_server.store.pin_home`): the Cache learns
+which of its blocks are safe below, and a pinned block is never left in the Cache alone (a
+saturated node's ``cache-only`` overflow writes it through).
 
 Lookups answer from the local tiers' in-memory indexes; only keys they all miss are asked of shared
 tiers (whose contents other nodes change), in one batch per tier.
@@ -26,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from ucm_protocol.keys import BlockKey, Namespace
+from ucm_server.store.admitting import cache_only
 from ucm_server.store.base import (
     MISSING,
     OK,
@@ -46,25 +49,15 @@ from ucm_server.store.base import (
     iov_len,
 )
 from ucm_server.store.leasing import Leasing, leasing_of
-from ucm_server.store.observed import ObservedTier
 from ucm_server.store.promotion import Promotions
-from ucm_server.store.staging import StagingPool, copy_pairs
-from ucm_server.store.watch import Watchable
-from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures
+from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
+from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
 
 if TYPE_CHECKING:
+    from ucm_server.store.admitting import Admission
     from ucm_server.store.cache import Lease, Reservation
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class _Flush:
-    key: BlockKey
-    lease: Lease
-    done: asyncio.Future[BlockResult]
-    nbytes: int
-    """Backlog bytes this job holds (whole Cache pages), given back when it ends."""
 
 
 class Pipeline:
@@ -81,39 +74,36 @@ class Pipeline:
         writeback_wait_s: float = 1.0,
         writeback_overflow: Overflow = "write-through",
         flush_batch: int = 4,
+        rules: EvictionRules | None = None,
     ) -> None:
         """``writeback_max_bytes``: Cache bytes that may await write-down at once (0: half the
         Cache); a dump waits up to ``writeback_wait_s`` for room, then ``writeback_overflow``
         decides (:mod:`ucm_server.store.writeback`). A flusher writes up to ``flush_batch`` queued
-        blocks in one batch."""
+        blocks in one batch. ``rules``: the daemon's retention rules, which every tier's eviction
+        follows where it can (pins, priorities)."""
         if not tiers:
             raise ValueError("a pipeline needs at least one tier")
         self.tiers = list(tiers)
+        self.rules = rules
+        if rules is not None:
+            for t in self.tiers:
+                t.use_rules(rules)
         self.top = self.tiers[0]
         self.leasing: Leasing | None = leasing_of(self.top)
         """The top tier when it can lease (the Cache): write-back, promotion in place, GPU copies."""
+        if self.leasing is not None:  # a pinned block safe in a tier below that holds pins may leave it
+            self.leasing.pins_below = any(not t.pin_gap for t in self.tiers[1:])
         self.write_back = write_back and self.leasing is not None and len(self.tiers) > 1
-        self._nflushers = flushers
         self.staging = staging or StagingPool()
         self._executor = executor
         capacity = self.leasing.arena.capacity if self.leasing is not None else 0
         self.backlog = Backlog(writeback_max_bytes or max(capacity // 2, 1))
         self.writeback_wait_s = writeback_wait_s
         self.writeback_overflow: Overflow = writeback_overflow
-        self._flush_batch = max(1, flush_batch)
-        self._jobs: deque[_Flush] = deque()
-        self._queued: dict[BlockKey, list[_Flush]] = {}  # jobs not yet taken by a flusher, by key
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closing = False
-        self._flushers: list[asyncio.Task[None]] = []
-        self._pending = 0
+        self.queue = WriteBackQueue(self.backlog, self._write_down, flushers=flushers, batch=flush_batch)
+        """The blocks awaiting their write-down, and the flushers writing them."""
         self._skipped = 0
         self._through = 0
-        self._written_down = 0
-        self._flush_failed = 0
-        self._inflight: dict[BlockKey, list[asyncio.Future[BlockResult]]] = {}
         # What shared tiers answered recently (size or None, until when): vLLM's scheduler asks about
         # the same prefix again and again, and a remote lookup costs milliseconds to seconds.
         self.shared_lookup_ttl_s = shared_lookup_ttl_s
@@ -124,6 +114,8 @@ class Pipeline:
         self._written: dict[BlockKey, int] = {}
         self._reading: Counter[int] = Counter()
         self.promotions = Promotions(self)
+        self.admission: Admission | None = None
+        """The tier boundaries' admission policies (:func:`ucm_server.store.admitting.install_admission`)."""
 
     @property
     def spec(self) -> str:
@@ -131,13 +123,13 @@ class Pipeline:
 
     @property
     def pending_writeback(self) -> int:
-        return self._pending
+        return self.queue.pending
 
     def writeback_figures(self) -> WriteBackFigures:
         """The write-back queue now (no await: the metrics scrape thread calls it through the snapshot)."""
         b = self.backlog
         return WriteBackFigures(
-            queue_depth=self._pending,
+            queue_depth=self.queue.pending,
             bytes_pending=max(b.used, 0),
             max_bytes=b.limit if self.write_back else 0,
             waiting=b.waiting,
@@ -145,22 +137,9 @@ class Pipeline:
             backpressure_wait_s=b.wait_s,
             skipped=self._skipped,
             written_through=self._through,
-            written=self._written_down,
-            failed=self._flush_failed,
+            written=self.queue.written,
+            failed=self.queue.failed,
         )
-
-    def wrap(self, names: Iterable[str], wrap: Callable[[Tier], Tier]) -> None:
-        """Replace the tiers called ``names`` (below the top) by ``wrap(tier)``; before :meth:`open`."""
-        for name in names:
-            i = self.tiers.index(self.tier(name))
-            if i == 0:
-                raise ValueError(f"the top tier {name!r} cannot be wrapped")
-            self.tiers[i] = wrap(self.tiers[i])
-
-    def set_rules(self, rules: EvictionRules) -> None:
-        """Every tier evicts under the daemon's retention rules from now on (where it can)."""
-        for t in self.tiers:
-            t.use_rules(rules)
 
     def pin_gaps(self) -> list[str]:
         """``"<tier>: why"`` for each tier whose eviction does not hold this daemon's pins."""
@@ -172,36 +151,22 @@ class Pipeline:
                 return t
         raise KeyError(name)
 
-    def make_watchable(self) -> None:
-        """Make every tier :class:`~ucm_server.store.watch.Watchable` (KV events): a tier without a
-        watchable index (Mooncake, S3, a third-party tier) is replaced by an
-        :class:`~ucm_server.store.observed.ObservedTier` wrapping it, which reports what this daemon
-        learns of the tier from its calls. Call it before :meth:`open`."""
-        for i, tier in enumerate(self.tiers):
-            if not isinstance(tier, Watchable):
-                self.tiers[i] = ObservedTier(tier)
-        self.top = self.tiers[0]
-
     async def open(self) -> None:
         for t in self.tiers:
             await t.open()
         if self.write_back:
-            self._flushers = [asyncio.create_task(self._flusher()) for _ in range(self._nflushers)]
+            self.queue.start()
 
     async def close(self) -> None:
         """Finish every pending write-back, then close the tiers (bottom first)."""
-        await self.drain()
-        self._closing = True
-        self._wake.set()
-        await asyncio.gather(*self._flushers, return_exceptions=True)
+        await self.queue.stop()
         for t in reversed(self.tiers):
             await t.close()
         self.staging.close()
 
     async def drain(self) -> None:
         """Wait until every queued write-back has ended."""
-        while self._pending:
-            await self._idle.wait()
+        await self.queue.drain()
 
     # -- lookups --------------------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
@@ -235,9 +200,12 @@ class Pipeline:
         )
         # The common all-hit case stays in C end to end: ``all`` (a truth test per size, a third of
         # the cost of comparing each with None) decides it, stored sizes being > 0; a 0 falls back.
-        if all(sizes) or None not in sizes:
-            return sizes, True
-        return await self._fill(sizes, order[1:], ask), False
+        complete = bool(all(sizes) or None not in sizes)
+        if not complete:
+            sizes = await self._fill(sizes, order[1:], ask)
+        if self.admission is not None:  # the blocks found are used again (ucm_server.store.admitting)
+            self.admission.looked_up(namespace, digests, sizes)
+        return sizes, complete
 
     def _lookup_order(self) -> list[Tier]:
         return sorted(self.tiers, key=lambda t: t.shared)  # local indexes first
@@ -307,13 +275,16 @@ class Pipeline:
             await self.promotions.wait_for([k for k, _ in items])
         started = self.begin_read()
         try:
+            got = None
             if report is not None and self.leasing is not None:
                 got = await self.leasing.read_in_order(items, report)
-                if got is not None:
-                    return got
-            return await self._read_many(items, started, owned)
+            if got is None:
+                got = await self._read_many(items, started, owned)
         finally:
             self.end_read(started)
+        if self.admission is not None:  # the blocks read are used again (ucm_server.store.admitting)
+            self.admission.read([k for k, _ in items], got)
+        return got
 
     def begin_read(self) -> int:
         """Mark a read that may promote as begun; returns its stamp (see :meth:`unwritten_since`)."""
@@ -360,7 +331,7 @@ class Pipeline:
                         failures[i] = r  # e.g. corrupt here: a lower tier may still hold a good copy
                     todo_next.append(i)
             if promote:
-                await self._promote(depth, [items[i] for i in promote], started)
+                await self.promotions.copy_up(depth, [items[i] for i in promote], started)
             todo = todo_next
         for i, r in failures.items():
             results[i] = r
@@ -435,7 +406,7 @@ class Pipeline:
             unread = [j for j in bounced if not (r := got[j]) or not r.ok]
             if ok or unread:
                 pairs = [(batch[j][1], mine[j]) for j in ok]
-                await self._run(_copy_and_clear, pairs, [batch[j][1] for j in unread])
+                await self._run(copy_and_clear, pairs, [batch[j][1] for j in unread])
                 await self._promote_between(depth, [(batch[j][0], mine[j]) for j in ok], started)
             for j in ok:
                 reservation = reservations.pop(j, None)
@@ -444,7 +415,7 @@ class Pipeline:
                 assert top is not None
                 key = batch[j][0]
                 if self._written.get(key, 0) <= started and not top.holds(key):
-                    top.commit(reservation)  # nobody wrote, deleted or promoted it meanwhile
+                    top.commit(reservation, below=not tier.pin_gap)  # nobody wrote, deleted or promoted it
                 else:
                     top.abort(reservation)
             return [r if r is not None else failed("not read") for r in got]
@@ -459,31 +430,23 @@ class Pipeline:
         reservation the block was read into), from the daemon-owned copy just verified."""
         first = 1 if self.leasing is not None else 0
         if any(not t.persistent for t in self.tiers[first:depth]):
-            await self._promote(depth, items, started, first=first)
+            await self.promotions.copy_up(depth, items, started, first=first)
 
     async def _run(self, fn: Callable[..., None], *args: object) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _promote(
-        self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int, *, first: int = 0
-    ) -> None:
-        """Copy blocks read at ``depth`` into the memory tiers above — only blocks nobody wrote or
-        deleted since the read began, and only where the tier has no copy (a failure is harmless).
-        ``items`` must be daemon memory."""
-        fresh = [(k, iov) for k, iov in items if self._written.get(k, 0) <= started]
-        for tier in self.tiers[first:depth]:
-            if tier.persistent or not fresh:
-                continue
-            sizes = await tier.lookup([k for k, _ in fresh])
-            absent = [item for item, size in zip(fresh, sizes, strict=True) if size is None]
-            if absent:
-                await tier.write_many(absent)
 
     # -- writes ---------------------------------------------------------------------------------------
     async def write_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], *, durable: bool = False, owned: bool = False
     ) -> list[BlockResult]:
         """Store a batch from ``items``' iovecs; ``owned``: they are daemon memory no client can write."""
+        if self.admission is not None:  # the admission policy at the daemon's door
+            return await self.admission.write(items, durable, lambda some: self._store(some, durable, owned))
+        return await self._store(items, durable, owned)
+
+    async def _store(
+        self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
+    ) -> list[BlockResult]:
         if not owned and self.leasing is None:  # no Cache copy: checksum a copy of ours
             return await self._staged_writes(items, lambda mine: self._write_many(mine, durable, True))
         return await self._write_many(items, durable, owned)
@@ -496,7 +459,9 @@ class Pipeline:
             return await self.top.write_many(items)
         # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks
         # awaiting write-down; None: the node is saturated and writeback_overflow decides.
-        room = await self._admit([iov_len(src) for _, src in items], durable) if self.write_back else None
+        keep = cache_only.get() and not durable  # the client asked to keep this dump in the Cache only
+        want_room = self.write_back and not keep
+        room = await self._admit([iov_len(src) for _, src in items], durable) if want_room else None
         try:
             top_results = await self.top.write_many(items)
         except BaseException:
@@ -507,15 +472,15 @@ class Pipeline:
         direct: list[int] = [i for i, r in enumerate(top_results) if not r.ok]
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         skipped: list[BlockKey] = []
-        if self.write_back:
+        if self.write_back or (keep and self.leasing is not None):
             assert self.leasing is not None
             for i, r in enumerate(top_results):
                 if not r.ok:
                     continue
                 key = items[i][0]
-                if room is None:  # saturated: never for a durable dump (it waits for room)
-                    if self.writeback_overflow == "write-through":
-                        direct.append(i)
+                if room is None:  # saturated (never for a durable dump: it waits for room), or kept
+                    if (self.writeback_overflow == "write-through" and not keep) or self._pinned(key):
+                        direct.append(i)  # a pinned block is never left in the Cache alone
                         self._through += 1
                     else:
                         skipped.append(key)
@@ -526,7 +491,7 @@ class Pipeline:
                     continue
                 nbytes = self._cache_bytes(lease.size)
                 room -= nbytes
-                fut = self._enqueue(key, lease, nbytes)
+                fut = self.queue.enqueue(key, lease, nbytes)
                 if durable:
                     waits.append((i, fut))
             if room:  # taken for blocks the top tier refused
@@ -534,9 +499,10 @@ class Pipeline:
         else:
             direct = list(range(len(items)))
         # Client memory may change under us: what goes below comes from the Cache's copy (taken now,
-        # before any await) or from a staging copy, never from the client's region.
+        # before any await) or from a staging copy, never from the client's region. The Cache's copy
+        # held also learns when it is safe below.
         held: dict[int, Lease] = {}
-        if not owned and self.leasing is not None:
+        if self.leasing is not None:
             for i in direct:
                 lease = self.leasing.lease(items[i][0]) if top_results[i].ok else None
                 if lease is not None:
@@ -548,18 +514,20 @@ class Pipeline:
                     await self.top.delete(refused)
                 for i in direct:  # and an older write-back must not land below after this one:
                     if top_results[i].ok:  # superseded in the Cache, queued ones end now
-                        self._drop_queued(items[i][0])
-                    await self._settle(items[i][0])  # those under way are waited for
+                        self.queue.drop_queued(items[i][0])
+                    await self.queue.settle(items[i][0])  # those under way are waited for
                 lower = await self._write_direct(items, direct, held, owned)
                 # What the lower tiers say decides: stored there is stored (even if the top refused it),
                 # and a write-through that fails below has failed.
                 for i, r in zip(direct, lower, strict=True):
                     results[i] = r
+                    if r.ok and i in held:
+                        held[i].written_down()
         finally:
             for lease in held.values():
                 lease.release()
         if skipped:
-            await self._skip(skipped)
+            await self._skip(skipped, saturated=not keep)
         for i, fut in waits:
             r = await asyncio.shield(fut)
             if not r.ok:
@@ -579,14 +547,15 @@ class Pipeline:
         ok = await self.backlog.take(nbytes, None if durable else self.writeback_wait_s)
         return nbytes if ok else None
 
-    async def _skip(self, keys: Sequence[BlockKey]) -> None:
+    async def _skip(self, keys: Sequence[BlockKey], *, saturated: bool = True) -> None:
         """Blocks admitted to the Cache only (``cache-only`` on a saturated node): an older version
         below must not come back once the Cache evicts this one, so it goes (after any write-back of
         it already under way), and queued write-backs of older versions are dropped."""
-        self._skipped += len(keys)
+        if saturated:
+            self._skipped += len(keys)
         for key in keys:
-            self._drop_queued(key)
-            await self._settle(key)
+            self.queue.drop_queued(key)
+            await self.queue.settle(key)
         for tier in self.tiers[1:]:
             sizes = await tier.lookup(keys)
             present = [k for k, size in zip(keys, sizes, strict=True) if size is not None]
@@ -617,6 +586,9 @@ class Pipeline:
             got = await self._staged_writes([items[i] for i in copied], self._write_down)
             out.update(zip(copied, got, strict=True))
         return [out[i] for i in direct]
+
+    def _pinned(self, key: BlockKey) -> bool:
+        return self.rules is not None and self.rules.pinned(key)
 
     async def _staged_writes(
         self,
@@ -655,6 +627,13 @@ class Pipeline:
                 results[i] = failed("the block left the Cache before it could be written down")
             else:
                 leases.append((i, lease))
+        if cache_only.get() and not durable:  # the client asked to keep this dump in the Cache only
+            for _, lease in leases:
+                lease.release()
+            await self._skip([keys[i] for i, _ in leases], saturated=False)
+            return results
+        if durable and self.admission is not None:  # every admission boundary takes it
+            self.admission.insist(keys)
         room: int | None = None
         if self.write_back:
             try:
@@ -664,26 +643,31 @@ class Pipeline:
                     lease.release()
                 raise
             if room is None and self.writeback_overflow == "cache-only":
-                for _, lease in leases:
+                skipped = [(i, lease) for i, lease in leases if not self._pinned(keys[i])]
+                leases = [(i, lease) for i, lease in leases if self._pinned(keys[i])]  # written through
+                for _, lease in skipped:
                     lease.release()
-                await self._skip([keys[i] for i, _ in leases])
-                return results
+                await self._skip([keys[i] for i, _ in skipped])
+                if not leases:
+                    return results
             if room is None:
                 self._through += len(leases)
         if room is None:  # write-through, or a saturated node whose policy is write-through
             try:
                 for i, _ in leases:  # an older write-back must not land below after this one
-                    await self._settle(keys[i])
+                    await self.queue.settle(keys[i])
                 lower = await self._write_down([(keys[i], lease.iov) for i, lease in leases])
+                for (i, lease), r in zip(leases, lower, strict=True):
+                    results[i] = r
+                    if r.ok:
+                        lease.written_down()
             finally:
                 for _, lease in leases:
                     lease.release()
-            for (i, _), r in zip(leases, lower, strict=True):
-                results[i] = r
             return results
         waits: list[tuple[int, asyncio.Future[BlockResult]]] = []
         for i, lease in leases:
-            fut = self._enqueue(keys[i], lease, self._cache_bytes(lease.size))
+            fut = self.queue.enqueue(keys[i], lease, self._cache_bytes(lease.size))
             if durable:
                 waits.append((i, fut))
         for i, fut in waits:
@@ -701,111 +685,6 @@ class Pipeline:
                     results[i] = failed(f"{tier.name}: {r.reason}")
         return results
 
-    async def _settle(self, key: BlockKey, before: asyncio.Future[BlockResult] | None = None) -> None:
-        """Wait for the write-backs of ``key`` queued earlier (all of them, or those before ``before``)."""
-        pending = self._inflight.get(key)
-        if not pending:
-            return
-        earlier = pending[: pending.index(before)] if before in pending else list(pending)
-        if earlier:
-            await asyncio.gather(*(asyncio.shield(f) for f in earlier))
-
-    def _enqueue(self, key: BlockKey, lease: Lease, nbytes: int) -> asyncio.Future[BlockResult]:
-        """Queue one block's write-back; it holds ``lease`` and ``nbytes`` of the backlog until done."""
-        self._drop_queued(key)
-        fut: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
-        job = _Flush(key, lease, fut, nbytes)
-        self._inflight.setdefault(key, []).append(fut)
-        self._queued.setdefault(key, []).append(job)
-        self._jobs.append(job)
-        self._pending += 1
-        self._idle.clear()
-        self._wake.set()
-        return fut
-
-    def _drop_queued(self, key: BlockKey) -> None:
-        """Queued write-backs of older versions of ``key`` (superseded in the Cache) end now, as a
-        flusher would end them, instead of holding backlog room until their turn comes."""
-        jobs = self._queued.get(key)
-        if not jobs:
-            return
-        keep = []
-        for job in jobs:
-            if job.lease.superseded:
-                self._jobs.remove(job)
-                self._finish(job, OK)
-            else:
-                keep.append(job)
-        if keep:
-            self._queued[key] = keep
-        else:
-            del self._queued[key]
-
-    def _take_batch(self) -> list[_Flush]:
-        """Up to ``flush_batch`` jobs from the front of the queue, distinct keys (one key's
-        versions land in order: a second version waits for the next batch)."""
-        batch: list[_Flush] = []
-        keys: set[BlockKey] = set()
-        while self._jobs and len(batch) < self._flush_batch:
-            job = self._jobs[0]
-            if job.key in keys:
-                break
-            self._jobs.popleft()
-            keys.add(job.key)
-            queued = self._queued.get(job.key)
-            if queued is not None:
-                queued.remove(job)
-                if not queued:
-                    del self._queued[job.key]
-            batch.append(job)
-        return batch
-
-    def _finish(self, job: _Flush, r: BlockResult) -> None:
-        job.lease.release()
-        self.backlog.give(job.nbytes)
-        self._pending -= 1
-        waiting = self._inflight.get(job.key, [])
-        if job.done in waiting:
-            waiting.remove(job.done)
-        if not waiting:
-            self._inflight.pop(job.key, None)
-        if not job.done.done():
-            job.done.set_result(r)
-        if not self._pending:
-            self._idle.set()
-
-    async def _flusher(self) -> None:
-        while True:
-            if not self._jobs:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch = self._take_batch()
-            results: dict[int, BlockResult] = {}
-            interrupted: BlockResult = failed("write-back interrupted")
-            try:
-                for job in batch:
-                    await self._settle(job.key, before=job.done)  # one key's versions land in order
-                live = [job for job in batch if not job.lease.superseded]  # else the newer state wins
-                if live:
-                    got = await self._write_down([(job.key, job.lease.iov) for job in live])
-                    for job, r in zip(live, got, strict=True):
-                        results[id(job)] = r
-                        if r.ok:
-                            self._written_down += 1
-                        else:
-                            self._flush_failed += 1
-                            log.warning("write-back of %s failed: %s", job.key.hex(), r.reason)
-                interrupted = OK  # superseded jobs
-            except Exception as exc:  # a tier bug must not kill the flusher
-                log.exception("write-back of %d blocks crashed", len(batch))
-                interrupted = failed(f"write-back error: {exc}")
-            finally:
-                for job in batch:
-                    self._finish(job, results.get(id(job), interrupted))
-
     # -- other operations -------------------------------------------------------------------------------
     async def delete(self, keys: Sequence[BlockKey]) -> int:
         # The top tier first, so queued write-backs see their block superseded and skip; then wait
@@ -814,7 +693,7 @@ class Pipeline:
         self._stamp(keys)
         await self.top.delete(keys)
         for k in keys:
-            await self._settle(k)
+            await self.queue.settle(k)
         for t in self.tiers[1:]:
             await t.delete(keys)
         return sum(s is not None for s in present)
@@ -831,11 +710,3 @@ class Pipeline:
         for t in tiers:
             async for info in t.list_blocks(namespace):
                 yield info
-
-
-def _copy_and_clear(pairs: list[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
-    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
-    copy_pairs(pairs)
-    for iov in clear:
-        for seg in iov:
-            seg[:] = bytes(seg.nbytes)

@@ -8,7 +8,9 @@ arrives meanwhile must not read the same blocks from disk a second time; it wait
 (:meth:`Promotions.wait_for`) and then reads memory.
 
 A promoted block is published only if nobody wrote or deleted its key since the promotion began
-(the pipeline's write stamps), exactly as a read's own promotion is.
+(the pipeline's write stamps), exactly as a read's own promotion is (:meth:`Promotions.copy_up`).
+A block promoted into the Cache from a tier that holds pins is safe there: pinned, the Cache may let
+it go again (:mod:`ucm_server.store.pin_home`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from ucm_protocol.keys import BlockKey
-from ucm_server.store.base import MISSING, OK, BlockResult, Tier, failed
+from ucm_server.store.base import MISSING, OK, BlockResult, IoVec, Tier, failed
 
 if TYPE_CHECKING:
     from ucm_server.store.cache import Reservation
@@ -62,6 +64,28 @@ class Promotions:
         if pending:
             await asyncio.gather(*(asyncio.shield(f) for f in pending))
 
+    async def copy_up(
+        self, depth: int, items: list[tuple[BlockKey, IoVec]], started: int, *, first: int = 0
+    ) -> None:
+        """Copy blocks a read found at ``depth`` into the memory tiers above (from ``first``) —
+        only blocks nobody wrote or deleted since the read began, and only where the tier has no
+        copy (a failure is harmless). ``items`` must be daemon memory."""
+        p = self._pipeline
+        fresh = [(k, iov) for k, iov in items if p.unwritten_since(k, started)]
+        below = not p.tiers[depth].pin_gap
+        for tier in p.tiers[first:depth]:
+            if tier.persistent or not fresh:
+                continue
+            sizes = await tier.lookup([k for k, _ in fresh])
+            absent = [item for item, size in zip(fresh, sizes, strict=True) if size is None]
+            if not absent:
+                continue
+            got = await tier.write_many(absent)
+            if tier is p.top and p.leasing is not None and below:  # no await since: these versions
+                for (key, _), r in zip(absent, got, strict=True):
+                    if r.ok:
+                        p.leasing.set_below(key, True)
+
     async def prefetch(self, keys: Sequence[BlockKey]) -> list[BlockResult]:
         """Promote ``keys`` into the top tier; OK for blocks there already or promoted, MISSING for
         blocks no tier holds, the lower tier's result for a failed read."""
@@ -103,7 +127,7 @@ class Promotions:
                 for (i, size, reservation), r in zip(reservations, got, strict=True):
                     results[i] = r
                     if r.ok and p.unwritten_since(keys[i], started) and not top.holds(keys[i]):
-                        top.commit(reservation)
+                        top.commit(reservation, below=not tier.pin_gap)
                     else:
                         top.abort(reservation)
                         if not r.ok:

@@ -1,14 +1,13 @@
-"""Tier classes by name, imported lazily by module path, and the builder of a pipeline from config.
+"""Tier classes by name, imported lazily by module path, and the builder of one tier from its settings.
 
 ``BUILTIN_TIERS`` is the one list of built-in tiers (the daemon's help text and start-up check read
 it from here). A backend with heavy or optional imports (Mooncake, boto3, hf3fs) costs nothing until a
 pipeline names it. Out-of-tree tiers register through the ``ucm.tiers`` entry-point group
 (``Name = "pkg.mod:Class"``) and are then usable in ``store_pipeline`` like the built-ins. Names are
 unique: registering one twice is an error, and an unknown name is answered with the list of known ones.
-Every tier is built by its :meth:`~ucm_server.store.base.Tier.from_settings`.
-
-This module does not import the daemon's config: :func:`build_pipeline` takes anything shaped like
-:class:`PipelineConfig`, so ``ucm_server.config`` can import the tier list from here.
+Every tier is built by its :meth:`~ucm_server.store.base.Tier.from_settings`; the pipeline of them
+is assembled in :mod:`ucm_server.store.assembly`. This module does not import the daemon's config,
+so ``ucm_server.config`` can import the tier list from here.
 """
 
 from __future__ import annotations
@@ -16,16 +15,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Literal, Protocol
 
 from ucm_protocol.errors import ConfigError
 from ucm_server.store.base import Tier, TierContext
-from ucm_server.store.pipeline import Pipeline
-from ucm_server.store.staging import StagingPool
 
 BUILTIN_TIERS: Mapping[str, str] = MappingProxyType(
     {
@@ -78,32 +73,6 @@ def _load_plugins() -> None:
             _registry[ep.name] = ep.value
 
 
-class PipelineConfig(Protocol):
-    """What :func:`build_pipeline` reads of the daemon's config (``ServerConfig`` has all of it)."""
-
-    @property
-    def tiers(self) -> Sequence[str]: ...
-    @property
-    def write_mode(self) -> str: ...
-    @property
-    def io_threads(self) -> int: ...
-    @property
-    def shared_lookup_ttl_s(self) -> float: ...
-    @property
-    def staging_bytes(self) -> int: ...
-    @property
-    def max_block_bytes(self) -> int: ...
-    @property
-    def writeback_max_bytes(self) -> int: ...
-    @property
-    def writeback_wait_s(self) -> float: ...
-    @property
-    def writeback_batch_blocks(self) -> int: ...
-    @property
-    def writeback_overflow(self) -> Literal["cache-only", "write-through"]: ...
-    def tier_settings_for(self, name: str) -> Mapping[str, object]: ...
-
-
 def build_tier(name: str, settings: Mapping[str, object], context: TierContext) -> Tier:
     """The tier ``name`` of a pipeline, built by its class's ``from_settings``."""
     cls = tier_class(name)
@@ -132,20 +101,3 @@ def _takes_context(cls: type[Tier]) -> bool:
         return True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
-
-
-def build_pipeline(config: PipelineConfig, executor: Executor) -> Pipeline:
-    context = TierContext(executor=executor, max_block_bytes=config.max_block_bytes)
-    tiers = [build_tier(name, config.tier_settings_for(name), context) for name in config.tiers]
-    return Pipeline(
-        tiers,
-        write_back=config.write_mode == "write-back",
-        flushers=max(2, config.io_threads // 2),
-        shared_lookup_ttl_s=config.shared_lookup_ttl_s,
-        staging=StagingPool(config.staging_bytes),
-        executor=executor,
-        writeback_max_bytes=config.writeback_max_bytes,
-        writeback_wait_s=config.writeback_wait_s,
-        writeback_overflow=config.writeback_overflow,
-        flush_batch=config.writeback_batch_blocks,
-    )

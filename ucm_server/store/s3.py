@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, cast
 
@@ -48,6 +47,7 @@ from ucm_server.store.format import (
     payload_checksum,
     verify_payload,
 )
+from ucm_server.store.io_classes import ClassedExecutor, ClassedSlots
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,8 +150,8 @@ class S3Tier(Tier):
         self.list_page = max(1, min(list_page, 1000))
         self._credentials = (access_key, secret_key, session_token)  # never logged
         self._client: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._sem: asyncio.Semaphore | None = None
+        self._pool: ClassedExecutor | None = None
+        self._sem: ClassedSlots | None = None
         self._stats = TierStats(name=name, kind=self.kind)
         self._known: dict[BlockKey, int] = {}
         """Blocks this daemon wrote, read or found, with sizes: the bucket's totals would need a full
@@ -204,8 +204,9 @@ class S3Tier(Tier):
             config=config,
             verify=self.verify_tls,
         )
-        self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix=f"ucm-{self.name}")
-        self._sem = asyncio.Semaphore(self.max_workers)
+        # Loads first, then prefetch, then writes (ucm_server.store.io_classes).
+        self._pool = ClassedExecutor(self.max_workers, thread_name_prefix=f"ucm-{self.name}")
+        self._sem = ClassedSlots(self.max_workers)
         try:
             await self._check_bucket()
         except BaseException:
@@ -427,7 +428,7 @@ class S3Tier(Tier):
         """One block's request under the concurrency bound and the hard ``timeout_s`` limit; any
         failure becomes a FAILED result with the reason (never the credentials)."""
         assert self._sem is not None
-        async with self._sem:
+        async with self._sem.hold():
             try:
                 return await self._call(lambda: fn(*args), self.timeout_s * (self.retries + 1))
             except TimeoutError:

@@ -125,3 +125,11 @@ class StagingPool:
 def copy_pairs(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     """Copy each ``(dst, src)`` pair (run in an executor: one hop for a whole batch)."""
     copy_all(pairs)
+
+
+def copy_and_clear(pairs: Sequence[tuple[IoVec, IoVec]], clear: list[IoVec]) -> None:
+    """Verified blocks to their destinations; zeroes where a failed block's bytes were read."""
+    copy_pairs(pairs)
+    for iov in clear:
+        for seg in iov:
+            seg[:] = bytes(seg.nbytes)

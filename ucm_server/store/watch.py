@@ -4,7 +4,7 @@ KV events (:mod:`ucm_server.kv_events`) must report every removal, whatever caus
 eviction, quota eviction, an operator's ``evict``/``delete``, the Delete RPC, a quarantined corrupt
 block, a shared tier's entry found gone. All of those end in the one place a tier records what it
 holds, its index, so the hook sits there (:class:`~ucm_server.store.base.SizeIndex` for the Cache,
-:class:`~ucm_server.store.block_index.BlockIndex` for file tiers) and no removal path can forget it.
+:class:`~ucm_server.store.posix.block_index.BlockIndex` for file tiers) and no removal path can forget it.
 A watcher is optional; without one an index pays one ``is None`` test per change.
 
 Calls are idempotent statements of fact ("holds key", "does not hold key"): an index may say

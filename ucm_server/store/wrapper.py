@@ -85,5 +85,8 @@ class TierWrapper(Tier):
     async def verify(self, key: BlockKey, *, quarantine: bool = True) -> BlockResult:
         return await self.inner.verify(key, quarantine=quarantine)
 
+    def footprint(self, size: int) -> int:
+        return self.inner.footprint(size)
+
     async def evict(self, nbytes: int) -> int:
         return await self.inner.evict(nbytes)

@@ -25,7 +25,9 @@ import asyncio
 import dataclasses
 import errno
 import os
+import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -183,6 +185,9 @@ class LatencySettings(WrapperSettings):
     """Seconds each block read takes longer, in [0, 60]."""
     write_delay_s: float = 0.0
     """Seconds each block write takes longer, in [0, 60]."""
+    blocking: bool = False
+    """The delay holds one of the daemon's I/O threads (``io_threads``), as a disk whose calls block
+    does, instead of sleeping on the event loop: work queued behind it in the pool waits too."""
 
 
 class LatencyInjectingTier(_PerBlockWrapper):
@@ -195,17 +200,32 @@ class LatencyInjectingTier(_PerBlockWrapper):
     a newer version is renamed over it meanwhile; a write sleeps *before*, since a real slow write
     becomes visible only when it ends.
 
+    With ``blocking`` the delay is a ``time.sleep`` in the daemon's I/O thread pool instead: a disk
+    whose every call holds a thread for that long, so the pool's queue (and its order, see
+    :mod:`ucm_server.store.io_classes`) decides who waits.
+
     Settings: ``root``, ``durable``, ``capacity`` as for the Posix tier (or ``inner`` and
-    ``inner_settings``), and ``read_delay_s`` / ``write_delay_s`` (seconds per block, default 0).
+    ``inner_settings``), ``read_delay_s`` / ``write_delay_s`` (seconds per block, default 0) and
+    ``blocking``.
     """
 
     kind: ClassVar[str] = "LatencyInjecting"
     Settings: ClassVar[type[Any] | None] = LatencySettings
 
-    def __init__(self, inner: Tier, *, read_delay_s: float = 0.0, write_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        inner: Tier,
+        *,
+        read_delay_s: float = 0.0,
+        write_delay_s: float = 0.0,
+        blocking: bool = False,
+        executor: Executor | None = None,
+    ) -> None:
         super().__init__(inner)
         self.read_delay_s = read_delay_s
         self.write_delay_s = write_delay_s
+        self.blocking = blocking
+        self._executor = executor
 
     @classmethod
     def from_settings(
@@ -218,15 +238,22 @@ class LatencyInjectingTier(_PerBlockWrapper):
             if not 0 <= value <= 60:
                 raise ConfigError(f"tier_settings.{name}.{key}: expected seconds in [0, 60], got {value!r}")
             delays[key] = value
-        return cls(wrapped_tier(name, settings, context), **delays)
+        inner = wrapped_tier(name, settings, context)
+        return cls(inner, **delays, blocking=values.get("blocking", False), executor=context.executor)
 
     async def read_into(self, key: BlockKey, dest: IoVec) -> BlockResult:
         result = await self.inner.read_into(key, dest)
         if self.read_delay_s:
-            await asyncio.sleep(self.read_delay_s)
+            await self._delay(self.read_delay_s)
         return result
 
     async def write_from(self, key: BlockKey, src: IoVec) -> BlockResult:
         if self.write_delay_s:
-            await asyncio.sleep(self.write_delay_s)
+            await self._delay(self.write_delay_s)
         return await self.inner.write_from(key, src)
+
+    async def _delay(self, seconds: float) -> None:
+        if self.blocking:
+            await asyncio.get_running_loop().run_in_executor(self._executor, time.sleep, seconds)
+        else:
+            await asyncio.sleep(seconds)

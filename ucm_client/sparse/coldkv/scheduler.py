@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ucm_client.sparse.base import layer_index
 from ucm_client.sparse.coldkv.orders import (
     ColdDump,
     ColdKVConfig,
@@ -34,7 +35,6 @@ from ucm_client.sparse.coldkv.orders import (
 )
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
-from ucm_client.sparse.vllm.runtime import layer_index
 from ucm_client.sync import UcmClient
 
 __all__ = ["ColdKVPlanner", "ColdKVScheduler"]

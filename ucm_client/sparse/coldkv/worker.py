@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ucm_client.mover import BlockMover, Moved
+from ucm_client.sparse.base import layer_index
 from ucm_client.sparse.coldkv.orders import ColdDump, ColdKVConfig, ColdKVStepMeta, cold_block_key
 from ucm_client.sparse.errors import SparseInputError
-from ucm_client.sparse.vllm.runtime import layer_index
 from ucm_client.sync import UcmClient
 from ucm_client.types import BlockState
 

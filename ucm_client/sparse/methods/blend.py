@@ -38,7 +38,10 @@ __all__ = [
     "BlendSpec",
     "Chooser",
     "ChunkKV",
+    "DeviationInputs",
+    "Scorer",
     "blend",
+    "kv_deviation",
     "prefill",
     "top_deviation",
 ]
@@ -101,10 +104,13 @@ class BlendSpec:
     """First layer at which deviations are measured; earlier layers are recomputed for all tokens.
     Layer 0 is refused: its K/V are projections of the token's embedding, the same in any context, so
     their deviation is float noise (measured: 1.8e-6 at layer 0 vs 35 at layer 1)."""
-    filter_layers: int = 2
+    filter_layers: int = 3
     """Layers over which the selection narrows (CacheBlend's gradual filtering): at the ``j``-th of
     them ``recompute_ratio ** ((j + 1) / filter_layers)`` of the reused tokens stay, each time the
-    most deviating among those still recomputed, so the last one keeps ``recompute_ratio``."""
+    most deviating among those still recomputed, so the last one keeps ``recompute_ratio``.
+    3, not 2: on random-weight shapes Blend was not tuned on, three filtering layers gave a lower or
+    equal error than two at the same number of recomputed layer steps (two at a higher ratio), and a
+    larger or equal lead over a random selection of the same schedule (``docs/sparse.md``, Blend)."""
     rope_correction: bool = True
     """Rotate reused keys to their new positions (off only to measure what it is worth)."""
 
@@ -127,6 +133,48 @@ class BlendSpec:
 
 Chooser = Callable[[torch.Tensor, int], torch.Tensor]
 """``(deviation of the candidates, how many to keep)`` → indices into the candidates."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviationInputs:
+    """What a filtering layer knows when it scores the reused tokens still recomputed (*candidates*).
+
+    ``fresh_*``/``reused_*`` are the candidates' K/V ``[C, kv_heads, D]`` computed in this prompt and
+    taken from the cache (keys moved to their new positions). ``queries`` ``[A, heads, D]`` are the
+    fresh queries of every active row (candidates first, the suffix last) at ``query_positions``;
+    ``keys``/``values`` ``[N, kv_heads, D]`` are this layer's K/V of the whole prompt as attention will
+    see them (fresh for active rows, reused for the rest) at ``key_positions``; ``candidates`` index
+    them. Scorers that weigh a deviation by the attention paid to the token need these.
+    """
+
+    layer: int
+    candidates: torch.Tensor
+    fresh_keys: torch.Tensor
+    fresh_values: torch.Tensor
+    reused_keys: torch.Tensor
+    reused_values: torch.Tensor
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_positions: torch.Tensor
+
+
+Scorer = Callable[[DeviationInputs], torch.Tensor]
+"""How much each candidate's reused KV is off: higher is recomputed first; ``[C]``."""
+
+
+def kv_deviation(x: DeviationInputs) -> torch.Tensor:
+    """The default score: L2 distance of the fresh from the reused K plus that of V, over all KV heads.
+
+    Measured against the alternatives (V or K alone, per-head normalised distances, distances weighted
+    by the attention each token receives from the recomputed rows or from the question) over model
+    shapes Blend was not tuned on (``benchmarks/blend_bench.py --variants``): none was better on every
+    shape (weighting by the attention a token receives helped some shapes and hurt others).
+    """
+    keys: torch.Tensor = torch.linalg.vector_norm(x.fresh_keys - x.reused_keys, dim=(1, 2))
+    values: torch.Tensor = torch.linalg.vector_norm(x.fresh_values - x.reused_values, dim=(1, 2))
+    return keys + values
 
 
 def top_deviation(deviation: torch.Tensor, count: int) -> torch.Tensor:
@@ -154,6 +202,7 @@ def blend(
     suffix_ids: torch.Tensor,
     spec: BlendSpec,
     *,
+    scorer: Scorer = kv_deviation,
     chooser: Chooser = top_deviation,
 ) -> BlendResult:
     """Prefill ``chunks + suffix`` reusing the chunks' cached KV, recomputing only what ``spec`` allows.
@@ -161,11 +210,16 @@ def blend(
     Layers before ``check_layer`` run for every token. From ``check_layer`` on, only *active* rows
     (the tokens still recomputed, plus the suffix) run; their fresh K/V replace the reused ones, and
     on each of the ``filter_layers`` filtering layers the active reused tokens are narrowed to those
-    whose fresh K/V deviate most from the reused K/V. ``chooser`` replaces that choice (tests pass a
-    random one as the negative control).
+    whose fresh K/V deviate most from the reused K/V. ``scorer`` replaces how deviation is measured
+    (the benchmark compares alternatives), ``chooser`` how the scored tokens are picked (tests and the
+    benchmark pass a random one as the negative control).
     """
     if suffix_ids.numel() == 0:
         raise ValueError("blend needs a non-empty suffix (the new tokens that follow the chunks)")
+    if not chunks:
+        raise ValueError("blend needs at least one cached chunk; with none, run a plain prefill")
+    for i, chunk in enumerate(chunks):
+        _check_chunk(i, chunk, model.num_layers)
     if spec.check_layer + spec.filter_layers > model.num_layers:
         raise ValueError(
             f"check_layer {spec.check_layer} + filter_layers {spec.filter_layers} exceed the model's "
@@ -199,9 +253,26 @@ def blend(
         step = layer - spec.check_layer
         if 0 <= step < spec.filter_layers:
             cand = active[:-n_suffix]  # reused tokens still recomputed (active is sorted, suffix last)
-            deviation = (k_new[:-n_suffix] - k_old[cand]).norm(dim=(1, 2)) + (
-                v_new[:-n_suffix] - v_old[cand]
-            ).norm(dim=(1, 2))
+            deviation = scorer(
+                DeviationInputs(
+                    layer=layer,
+                    candidates=cand,
+                    fresh_keys=k_new[:-n_suffix],
+                    fresh_values=v_new[:-n_suffix],
+                    reused_keys=k_old[cand],
+                    reused_values=v_old[cand],
+                    queries=q,
+                    query_positions=positions[active],
+                    keys=k,
+                    values=v,
+                    key_positions=positions,
+                )
+            )
+            if deviation.shape != cand.shape:
+                raise ValueError(
+                    f"scorer returned shape {tuple(deviation.shape)} at layer {layer}; expected one "
+                    f"score per candidate, ({cand.numel()},)"
+                )
             count = min(spec.kept(step, n_reused), cand.numel())
             chosen = chooser(deviation, count).sort().values if count else torch.zeros(0, dtype=torch.long)
             rows = torch.cat([chosen, torch.arange(cand.numel(), active.numel())])
@@ -209,6 +280,23 @@ def blend(
         attn = causal_attention(q, positions[active], k, v, positions, scale=_scale(q))
         hidden = model.finish_layer(layer, hidden, attn)
     return BlendResult(model.logits(hidden[-1:])[0], active[:-n_suffix], n_reused)
+
+
+def _check_chunk(index: int, chunk: ChunkKV, num_layers: int) -> None:
+    """A cached chunk must hold one K and one V per layer, each with a row per token."""
+    n = chunk.token_ids.numel()
+    if n == 0:
+        raise ValueError(f"chunk {index} has no tokens")
+    if len(chunk.keys) != num_layers or len(chunk.values) != num_layers:
+        raise ValueError(
+            f"chunk {index} holds K/V for {len(chunk.keys)}/{len(chunk.values)} layers; the model has "
+            f"{num_layers} (KV cached by another model?)"
+        )
+    for layer, (k, v) in enumerate(zip(chunk.keys, chunk.values, strict=True)):
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(
+                f"chunk {index} layer {layer}: K has {k.shape[0]} rows and V {v.shape[0]} for {n} tokens"
+            )
 
 
 def _scale(q: torch.Tensor) -> float:

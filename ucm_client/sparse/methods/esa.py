@@ -6,7 +6,7 @@ approximate logit, and a block scores its best token, so one needle token is eno
 block (a mean key dilutes it 1:block_size: measured recall 0.5 on single-token needles). The top
 blocks, plus the initial and local windows, are attended exactly. Retrieval runs every
 ``retrieval_stride`` decode steps, and earlier when the query drifts (``drift_cosine``). Where
-blocks live off-device (in the UCM daemon), :mod:`ucm_client.sparse.esa_offload` fetches the
+blocks live off-device (in the UCM daemon), cold KV (:mod:`ucm_client.sparse.coldkv`) loads the
 selected ones that are not resident.
 """
 

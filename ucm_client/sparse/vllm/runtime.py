@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,9 +24,10 @@ from ucm_client.sparse.base import (
     SparseMeta,
     UcmSparseBase,
     UcmSparseRole,
+    layer_index,
 )
 from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
-from ucm_client.sparse.errors import SparseConfigError, SparseInputError
+from ucm_client.sparse.errors import SparseConfigError
 from ucm_client.sparse.factory import UcmSparseFactory
 from ucm_client.sparse.kernels.paged import detect_page_layout
 from ucm_client.sparse.vllm.carrier import channel_problem
@@ -45,14 +45,6 @@ _RUNTIME: SparseWorkerRuntime | None = None
 _EXPLICIT = False
 TRACE_ENV = "UCM_SPARSE_TRACE"
 """If set, each worker writes its hook counts (JSON) to this path after every step."""
-
-
-def layer_index(layer_name: str) -> int:
-    """``model.layers.7.self_attn.attn`` → 7 (the first integer path component)."""
-    match = re.search(r"\.(\d+)\.", f".{layer_name}.")
-    if match is None:
-        raise SparseInputError(f"cannot find a layer index in layer name {layer_name!r}")
-    return int(match.group(1))
 
 
 class SparseWorkerRuntime:

@@ -55,18 +55,20 @@ class AttachRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., task_events: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "heartbeat_interval_s", "server_version", "finished", "task_events_stopped")
+    __slots__ = ("session_id", "heartbeat_interval_s", "server_version", "finished", "task_events_stopped", "store_saturated")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TASK_EVENTS_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    STORE_SATURATED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     heartbeat_interval_s: float
     server_version: str
     finished: _containers.RepeatedCompositeFieldContainer[TaskStatus]
     task_events_stopped: bool
-    def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., task_events_stopped: _Optional[bool] = ...) -> None: ...
+    store_saturated: bool
+    def __init__(self, session_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., server_version: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., task_events_stopped: _Optional[bool] = ..., store_saturated: _Optional[bool] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("shm_name", "size", "label", "cuda_ipc_handle", "cuda_offset", "cuda_device", "cuda_device_uuid", "memfd_token")
@@ -139,12 +141,14 @@ class Segment(_message.Message):
     def __init__(self, region_id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class DumpRequest(_message.Message):
-    __slots__ = ("blocks", "wait_durable")
+    __slots__ = ("blocks", "wait_durable", "cache_only")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     blocks: BlockBatch
     wait_durable: bool
-    def __init__(self, blocks: _Optional[_Union[BlockBatch, _Mapping]] = ..., wait_durable: _Optional[bool] = ...) -> None: ...
+    cache_only: bool
+    def __init__(self, blocks: _Optional[_Union[BlockBatch, _Mapping]] = ..., wait_durable: _Optional[bool] = ..., cache_only: _Optional[bool] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("namespace", "keys")
@@ -155,12 +159,14 @@ class PrefetchRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TaskHandle(_message.Message):
-    __slots__ = ("task_id", "progress")
+    __slots__ = ("task_id", "progress", "store_saturated")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SATURATED_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     progress: bool
-    def __init__(self, task_id: _Optional[int] = ..., progress: _Optional[bool] = ...) -> None: ...
+    store_saturated: bool
+    def __init__(self, task_id: _Optional[int] = ..., progress: _Optional[bool] = ..., store_saturated: _Optional[bool] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("task_id", "timeout_s", "cancel_on_timeout")

@@ -2,8 +2,9 @@
 
 It lives in the same :class:`~ucm_server.regions.RegionTable` as shared-memory regions (same ids,
 same session ownership, same pin-while-copying rule) but it is not a memoryview: the daemon moves its
-bytes with ``cudaMemcpyAsync`` (see :mod:`ucm_server.gpu.service`). This module imports no CUDA code,
-so the region table can know the type on a daemon without cupy.
+bytes with ``cudaMemcpyAsync`` (see :mod:`ucm_server.gpu.service`). This module imports nothing, no
+CUDA code either: the region table knows the type on a daemon without cupy, and below the GPU path
+(which uses the table) rather than inside it.
 """
 
 from __future__ import annotations
@@ -32,3 +33,16 @@ class GpuRegion:
         release, self.release = self.release, None
         if release is not None:
             release()
+
+
+@dataclass(frozen=True, slots=True)
+class CudaImport:
+    """A client's request to share GPU memory: its allocation's CUDA IPC handle (64 bytes), the
+    region's byte offset in it and size, the device by ordinal and UUID, and a label."""
+
+    handle: bytes
+    offset: int
+    size: int
+    device: int
+    device_uuid: bytes
+    label: str

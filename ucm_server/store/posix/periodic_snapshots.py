@@ -6,7 +6,7 @@ file's header before Lookup sees the whole store again (minutes at millions of b
 copied on the event loop (two C-level copies of the dict's arrays, in store order rather than
 exact LRU order: the only part that holds the loop, measured and shown as
 ``index_snapshot_stall_s``) and written in a worker thread as a new periodic generation
-(:func:`ucm_server.store.index_snapshot.write_periodic`). A failure (disk full, ...) is logged and
+(:func:`ucm_server.store.posix.index_snapshot.write_periodic`). A failure (disk full, ...) is logged and
 counted; the daemon keeps serving and the previous generation stays the crash base.
 
 The figures (:meth:`PeriodicSnapshots.figures`) go to the tier's stats, so ``ucm-admin stats`` and
@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from ucm_server.store.block_index import BlockIndex, Stamp
+from ucm_server.store.posix.block_index import BlockIndex, Stamp
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ nothing wrong is ever served; a missing file is forgotten on first read.
 Format (version 1, little endian), in columns so a million blocks load in C-level loops:
 ``b"UCMISNAP"``, u32 version, u32 key length (48), 16-byte epoch, u64 count; then ``count`` keys,
 ``count`` u64 sizes, ``count`` f64 store times (least recently used first); SHA-256 of all before.
-Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.packs`) adds
+Version 2 (written only when some block lives in a pack file, :mod:`ucm_server.store.posix.packs`) adds
 two columns after the times: ``count`` u64 pack ids (0: a block file) and ``count`` u64 offsets of
 the block's record in its pack. This release reads both; a release that reads only version 1
 rejects a version-2 snapshot and re-reads the headers (it does not read packs either).
@@ -54,12 +54,15 @@ import sys
 import time
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ucm_server.api.paths import fsync_dir
-from ucm_server.store.confined import open_regular
+from ucm_server.store.format import HEADER_SIZE
+from ucm_server.store.posix.confined import open_regular
+from ucm_server.store.posix.packs import MAX_MEMBERS
 
 MAGIC = b"UCMISNAP"
 VERSION = 1
@@ -141,7 +144,7 @@ def promote_clean(root: Path, epoch: bytes, *, durable: bool = True) -> None:
     _drop_generations(root, keep=generation)
 
 
-def read_periodic(root: Path, max_size: int) -> Columns:
+def read_periodic(root: Path, max_size: int, *, capacity: int = 0) -> Columns:
     """The periodic generation the periodic marker of ``root`` names, checked as
     :func:`read_snapshot` checks the clean one; :class:`SnapshotRejected` if there is none or a check
     fails."""
@@ -154,19 +157,14 @@ def read_periodic(root: Path, max_size: int) -> Columns:
     if len(mark) != _PERIODIC.size:
         raise SnapshotRejected(f"periodic marker of {len(mark)} bytes, not {_PERIODIC.size} (torn)")
     epoch, generation = _PERIODIC.unpack(mark)
-    return read_snapshot(root, epoch, max_size, name=f"{PERIODIC_PREFIX}{generation}")
+    return read_snapshot(root, epoch, max_size, name=f"{PERIODIC_PREFIX}{generation}", capacity=capacity)
 
 
 def _read_regular(root: Path, name: str, *, limit: int = -1) -> bytes:
     """Up to ``limit`` bytes (all: -1) of ``root/name`` if it is a regular file: files under the
     data directory are not trusted, so no symlink is followed and a FIFO is refused, not waited on
-    (``OSError``: ``FileNotFoundError``, :class:`~ucm_server.store.confined.NotRegularFile`, ...)."""
-    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = open_regular(name, os.O_RDONLY, dir_fd=dfd, shown=str(root / name))
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd, "rb") as file:
+    (``OSError``: ``FileNotFoundError``, :class:`~ucm_server.store.posix.confined.NotRegularFile`, ...)."""
+    with os.fdopen(_open_regular(root, name), "rb") as file:
         return file.read(limit)
 
 
@@ -207,16 +205,64 @@ def _encode(blocks: Columns, epoch: bytes) -> list[bytes | bytearray]:
     return [*parts, digest.digest()]
 
 
-def read_snapshot(root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSHOT_NAME) -> Columns:
-    """The snapshot ``name`` of ``root``, checked whole: epoch, version, length, SHA-256, then every
-    record (a size from 1 to ``max_size``, a finite time); :class:`SnapshotRejected` if any fails."""
+def read_snapshot(
+    root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSHOT_NAME, capacity: int = 0
+) -> Columns:
+    """The snapshot ``name`` of ``root``, checked before anything in it is trusted, in bounded memory
+    (the daemon writes the file, but anything can be planted in its place):
+
+    1. its head alone (40 bytes): magic, version, epoch, and its ``count`` against what can be
+       known without reading on: the file's size must be what ``count`` records take (a lying
+       count is refused unread), and ``count`` no more than the root could hold (:func:`most_blocks`);
+    2. every record's size (1 to ``max_size``; with ``capacity``, all together at most that) and
+       time, then the SHA-256 of the whole file, each read in chunks of :data:`CHUNK` bytes;
+    3. only then the columns are built: the index's own memory, for records that passed.
+
+    :class:`SnapshotRejected` if any check fails."""
     try:
-        data = _read_regular(root, name)
+        fd = _open_regular(root, name)
     except OSError as exc:
         raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
-    if len(data) < _HEAD.size + _DIGEST:
+    with os.fdopen(fd, "rb", buffering=0) as file:
+        try:
+            columns, count = _check_head(file, epoch, os.fstat(fd).st_size, root, capacity)
+            layout = _layout(count, columns)
+            values = _Values(max_size, capacity)
+            for column in (1, 2):  # sizes, times: a forged record is refused before any hashing
+                for chunk in _chunks(file, layout[column], count * 8, 8):
+                    values.check(column, chunk)
+            digest = hashlib.sha256()
+            end = layout[-1] + count * 8
+            for chunk in _chunks(file, 0, end, KEY_BYTES * 8):
+                digest.update(chunk)
+            if digest.digest() != _read(file, end, _DIGEST):
+                raise SnapshotRejected("checksum mismatch (torn or edited)")
+            return _build(file, count, layout, _Values(max_size, capacity))
+        except OSError as exc:
+            raise SnapshotRejected(f"cannot read {root / name}: {exc.strerror or exc}") from None
+
+
+CHUNK = 1 << 20
+"""Bytes a snapshot is read in at a time (a multiple of every record's column width)."""
+
+
+def most_blocks(root: Path, capacity: int, *, packed: bool) -> int:
+    """The most blocks a snapshot of ``root`` may list: each takes at least one byte of the tier's
+    ``capacity`` (when it has one), a header and a byte of the filesystem's space, and a file of
+    its own (``packed``: or a record of a pack) on it, where the filesystem counts its files."""
+    st = os.statvfs(root)
+    limit = st.f_blocks * st.f_frsize // (HEADER_SIZE + 1)
+    if st.f_files:
+        limit = min(limit, (st.f_files - st.f_ffree) * (MAX_MEMBERS if packed else 1))
+    return min(limit, capacity) if capacity else limit
+
+
+def _check_head(file: BinaryIO, epoch: bytes, size: int, root: Path, capacity: int) -> tuple[int, int]:
+    """The number of 8-byte columns after the keys, and the record count, of a snapshot's head."""
+    head = _read(file, 0, _HEAD.size) if size >= _HEAD.size + _DIGEST else b""
+    if not head:
         raise SnapshotRejected("shorter than its header")
-    magic, version, key_bytes, file_epoch, count = _HEAD.unpack_from(data)
+    magic, version, key_bytes, file_epoch, count = _HEAD.unpack(head)
     if magic != MAGIC:
         raise SnapshotRejected("not an index snapshot")
     if version not in (VERSION, PACKED_VERSION) or key_bytes != KEY_BYTES:
@@ -227,29 +273,91 @@ def read_snapshot(root: Path, epoch: bytes, max_size: int, *, name: str = SNAPSH
     if file_epoch != epoch:
         raise SnapshotRejected("its epoch is not its marker's (stale or foreign)")
     columns = 4 if version == PACKED_VERSION else 2
-    end = _HEAD.size + count * (KEY_BYTES + 8 * columns)
-    if len(data) != end + _DIGEST:
-        raise SnapshotRejected(f"{len(data)} bytes where {count} records need {end + _DIGEST} (torn)")
-    if hashlib.sha256(memoryview(data)[:end]).digest() != data[end:]:
-        raise SnapshotRejected("checksum mismatch (torn or edited)")
-    at = _HEAD.size + count * KEY_BYTES
-    keys = [data[o : o + KEY_BYTES] for o in range(_HEAD.size, at, KEY_BYTES)]
-    sizes, times, ids, offsets = array("Q"), array("d"), array("Q"), array("Q")
-    sizes.frombytes(data[at : at + 8 * count])
-    times.frombytes(data[at + 8 * count : at + 16 * count])
-    if columns == 4:
-        ids.frombytes(data[at + 16 * count : at + 24 * count])
-        offsets.frombytes(data[at + 24 * count : end])
-    if sys.byteorder != "little":  # pragma: no cover
-        for column in (sizes, times, ids, offsets):
-            column.byteswap()
-    if count and (min(sizes) < 1 or max(sizes) > max_size):
-        raise SnapshotRejected(f"a record claims {min(sizes)} or {max(sizes)} bytes (forged)")
-    if not all(map(math.isfinite, times)) or (count and (min(times) < 0 or max(times) > 1e11)):
-        raise SnapshotRejected("a record's time is not a time (forged)")
-    if columns == 4:  # arrays, not lists: no million short-lived number objects
-        return Columns(keys, sizes, times, ids, offsets)
-    return Columns(keys, sizes, times)
+    want = _HEAD.size + count * (KEY_BYTES + 8 * columns) + _DIGEST
+    if size != want:
+        raise SnapshotRejected(f"{size} bytes where {count} records need {want} (torn)")  # or a lying count
+    most = most_blocks(root, capacity, packed=version == PACKED_VERSION)
+    if count > most:
+        raise SnapshotRejected(f"claims {count} blocks; this root can hold at most {most} (forged)")
+    return columns, count
+
+
+class _Values:
+    """The checks of a snapshot's sizes (column 1) and times (column 2), a chunk at a time."""
+
+    def __init__(self, max_size: int, capacity: int) -> None:
+        self.max_size, self.capacity, self.total = max_size, capacity, 0
+
+    def check(self, column: int, chunk: bytes) -> None:
+        values = array("Q" if column == 1 else "d", chunk)
+        if sys.byteorder != "little":  # pragma: no cover
+            values.byteswap()
+        if not values:
+            return
+        if column == 2:
+            if not all(map(math.isfinite, values)) or min(values) < 0 or max(values) > 1e11:
+                raise SnapshotRejected("a record's time is not a time (forged)")
+            return
+        if min(values) < 1 or max(values) > self.max_size:
+            raise SnapshotRejected(f"a record claims {min(values)} or {max(values)} bytes (forged)")
+        self.total += sum(values)
+        if self.capacity and self.total > self.capacity:
+            raise SnapshotRejected(
+                f"its blocks add up to more than the tier's capacity of {self.capacity} bytes"
+            )
+
+
+def _build(file: BinaryIO, count: int, layout: list[int], values: _Values) -> Columns:
+    """The columns of a snapshot whose every check passed, read again a chunk at a time (sizes and
+    times checked again: the file may have been changed since)."""
+    keys: list[bytes] = []
+    for chunk in _chunks(file, layout[0], count * KEY_BYTES, KEY_BYTES):
+        keys += [chunk[o : o + KEY_BYTES] for o in range(0, len(chunk), KEY_BYTES)]
+    out: list[array[int] | array[float]] = []
+    for column, start in enumerate(layout[1:], 1):
+        column_values: array[int] | array[float] = array("d" if column == 2 else "Q")
+        for chunk in _chunks(file, start, count * 8, 8):
+            if column in (1, 2):
+                values.check(column, chunk)
+            column_values.frombytes(chunk)
+        if sys.byteorder != "little":  # pragma: no cover
+            column_values.byteswap()
+        out.append(column_values)
+    if len(out) == 4:  # arrays, not lists: no million short-lived number objects
+        return Columns(keys, out[0], out[1], out[2], out[3])  # type: ignore[arg-type]
+    return Columns(keys, out[0], out[1])  # type: ignore[arg-type]
+
+
+def _layout(count: int, columns: int) -> list[int]:
+    """Where each column of a snapshot of ``count`` records starts: the keys, then ``columns`` of
+    8 bytes a record (sizes, times, and with packs their ids and offsets)."""
+    return [_HEAD.size, *(_HEAD.size + count * (KEY_BYTES + 8 * n) for n in range(columns))]
+
+
+def _chunks(file: BinaryIO, start: int, length: int, width: int) -> Iterator[bytes]:
+    """``length`` bytes of ``file`` from ``start``, in whole records of ``width`` bytes."""
+    step = CHUNK // width * width
+    for at in range(start, start + length, step):
+        yield _read(file, at, min(step, start + length - at))
+
+
+def _read(file: BinaryIO, at: int, n: int) -> bytes:
+    data = os.pread(file.fileno(), n, at)
+    while len(data) < n:
+        more = os.pread(file.fileno(), n - len(data), at + len(data))
+        if not more:
+            raise SnapshotRejected("shorter than its header promises (torn)")
+        data += more
+    return data
+
+
+def _open_regular(root: Path, name: str) -> int:
+    """``root/name`` opened read-only if it is a regular file (no symlink followed, a FIFO refused)."""
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return open_regular(name, os.O_RDONLY, dir_fd=dfd, shown=str(root / name))
+    finally:
+        os.close(dfd)
 
 
 def _replace(root: Path, name: str, parts: Sequence[bytes | bytearray], *, durable: bool) -> None:

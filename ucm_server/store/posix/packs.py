@@ -27,7 +27,7 @@ stats). A pack whose header or table fails its CRC is quarantined whole; a recor
 overlapping another, with a damaged or mismatching header, or naming a key another record of the same
 pack names too, is never adopted; its neighbours are.
 
-The index holds a packed block as a :class:`PackedStamp` (a :class:`~ucm_server.store.block_index.Stamp`
+The index holds a packed block as a :class:`PackedStamp` (a :class:`~ucm_server.store.posix.block_index.Stamp`
 shared by the blocks of one size in one pack, pointing at its :class:`Pack`), and each pack keeps its
 keys in a list and their offsets in an ``array``: 16 B more per block than a block file's entry.
 """
@@ -46,7 +46,6 @@ from pathlib import Path
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import IoVec, iov_len
-from ucm_server.store.block_index import Stamp
 from ucm_server.store.format import (
     HEADER_SIZE,
     CorruptBlock,
@@ -55,6 +54,7 @@ from ucm_server.store.format import (
     fast_checksum,
     payload_checksum,
 )
+from ucm_server.store.posix.block_index import Stamp
 from ucm_server.store.vector_io import preadv_all
 
 PACK_SUFFIX = ".pack"
@@ -235,6 +235,35 @@ class PackTable:
                 if key is not None:
                     found[key] = (pack.id, offset)
         return found
+
+
+PackRead = tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]
+"""One pack's part of a load: the pack, the positions of its reads, and ``(offset, key, dest)`` each."""
+
+
+def read_jobs(reads: Sequence[tuple[bytes, IoVec, PackedStamp]], most: int) -> list[list[PackRead]]:
+    """``reads`` (key, destination, the key's entry) grouped by pack, each block at its record's
+    offset now (one deleted since it was looked up is left out), and cut into jobs of about ``most``
+    blocks: a load reads each pack with one open and one ``preadv`` per run of nearby records."""
+    wanted: dict[Pack, list[int]] = {}
+    for n, (_, _, stamp) in enumerate(reads):
+        wanted.setdefault(stamp.pack, []).append(n)
+    jobs: list[list[PackRead]] = [[]]
+    count = 0
+    for pack, which in wanted.items():
+        slot: PackRead = (pack, [], [])
+        for n, offset in zip(which, pack.offsets_of([reads[n][0] for n in which]), strict=True):
+            if offset is not None:
+                slot[1].append(n)
+                slot[2].append((offset, reads[n][0], reads[n][1]))
+        if not slot[1]:
+            continue
+        if count >= most:
+            jobs.append([])
+            count = 0
+        jobs[-1].append(slot)
+        count += len(slot[1])
+    return [job for job in jobs if job]
 
 
 # -- blocking file work (worker threads) -----------------------------------------------------------------

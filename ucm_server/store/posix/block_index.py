@@ -37,7 +37,7 @@ class Stamp(int):
 class BlockIndex:
     """Keys in LRU order (least recently used first) with their :class:`Stamp`; the byte total."""
 
-    __slots__ = ("_od", "_stamps", "bytes", "changes", "watch")
+    __slots__ = ("_od", "_stamps", "bytes", "changes", "touched", "watch")
 
     def __init__(self) -> None:
         self._od: OrderedDict[bytes, Stamp] = OrderedDict()
@@ -48,6 +48,10 @@ class BlockIndex:
         written only when it moved since the last one."""
         self.watch: IndexWatch | None = None
         """Told of every change of membership (:mod:`ucm_server.store.watch`): KV events."""
+        self.touched: set[bytes] | None = None
+        """While the index is adopted from disk (:mod:`ucm_server.store.posix.recovery`; None when
+        not): the keys stored or forgotten since, which adoption leaves as they are now (what the
+        files said is older)."""
 
     def stamp(self, size: int, stored_at: float) -> Stamp:
         """The shared stamp for ``size`` stored at ``stored_at`` (rounded down to the second)."""
@@ -66,8 +70,11 @@ class BlockIndex:
         """Store or replace ``key`` as the most recently used block."""
         self.put(key, self.stamp(size, stored_at))
 
-    def put(self, key: BlockKey, stamp: Stamp) -> None:
-        """:meth:`add` with a stamp of the caller's (a packed block's, see :mod:`ucm_server.store.packs`)."""
+    def put(self, key: BlockKey, stamp: Stamp, *, adopted: bool = False) -> None:
+        """:meth:`add` with a stamp of the caller's (a packed block's: :mod:`.packs`); ``adopted``:
+        a correction adoption makes, not a change to keep it from making."""
+        if self.touched is not None and not adopted:
+            self.touched.add(key)
         old = self._od.pop(key, None)
         if old is not None:
             self.bytes -= old
@@ -101,6 +108,13 @@ class BlockIndex:
             self._od[key] = self.stamp(size, stored_at)
             self.bytes += size - old
             self.changes += 1
+
+    def forget(self, key: bytes) -> Stamp | None:
+        """:meth:`pop` of a block removed now (deleted, evicted, found gone or bad): adoption, if it
+        runs, must not bring it back."""
+        if self.touched is not None:
+            self.touched.add(key)
+        return self.pop(key)
 
     def pop(self, key: bytes) -> Stamp | None:
         stamp = self._od.pop(key, None)
@@ -187,13 +201,25 @@ class BlockIndex:
             built.update(zip(keys[start : start + step], stamps[start : start + step], strict=True))
         return built
 
-    def install(self, loaded: OrderedDict[bytes, Stamp], loaded_bytes: int, touched: set[bytes]) -> int:
+    # -- adoption -------------------------------------------------------------------------------------------
+    @property
+    def adopting(self) -> bool:
+        """Blocks on disk may be missing here: a key not found may be looked for on disk."""
+        return self.touched is not None
+
+    def start_adopting(self) -> None:
+        self.touched = set()
+
+    def end_adopting(self) -> None:
+        self.touched = None
+
+    def install(self, loaded: OrderedDict[bytes, Stamp], loaded_bytes: int) -> int:
         """Take ``loaded`` (blocks from before this start, least recently used first) as the base of
-        the index; what was stored or deleted since (``touched``), or found meanwhile, stays as it
-        is now and more recent. Event loop only; costs the entries added since start. Returns how
+        the index; what was stored or deleted since (:attr:`touched`), or found meanwhile, stays as
+        it is now and more recent. Event loop only; costs the entries added since start. Returns how
         many blocks ``loaded`` added."""
         before, total = len(self._od), loaded_bytes
-        for key in touched:
+        for key in self.touched or ():
             total -= loaded.pop(key, 0)
         for key, stamp in self._od.items():
             total += stamp - loaded.pop(key, 0)

@@ -1,0 +1,192 @@
+"""How a Load's or Dump's bytes move: one small protocol, two movers, chosen per request.
+
+The submit path (:mod:`ucm_server.submit`) checks a request once, the same way whatever memory it
+names, then hands it to the :class:`Mover` for that memory and runs the mover's plan as a task:
+
+- :class:`HostMover`: host regions (a client's memfds, mapped): every segment checked, one iovec per
+  block, and the task's blocks moved a chunk at a time through the pipeline, where the tiers copy
+  with ``memmove``/``preadv``; a Load's progress word is reported by its last chunk.
+- :class:`~ucm_server.gpu.service.GpuService`: GPU memory reached by CUDA IPC; Cache pages leased or
+  reserved and filled by ``cudaMemcpyAsync``, chunks queued on the device's streams.
+
+A mover's :meth:`~Mover.prepare` validates and pins what the request names and nothing is copied
+for a bad request; :meth:`~Mover.run` moves the blocks and tells one :data:`Settle` callback what
+each chunk moved (the tenants' quota accounting, :meth:`ucm_server.quota.Quota.settle`), whichever
+mover it is. (The client side has the same shape: ``ucm_client.vllm.kv_access``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from ucm_protocol.keys import BlockKey
+from ucm_server.chunks import chunk_bounds
+from ucm_server.gpu_region import GpuRegion
+from ucm_server.load_progress import ProgressWord, progress_word
+from ucm_server.regions import (
+    Region,
+    RegionTable,
+    SegmentColumns,
+    check_disjoint,
+    check_segments,
+    host_iovecs,
+    single_segment_iovecs,
+)
+from ucm_server.store.base import BlockResult, IoVec, iov_len
+from ucm_server.store.pipeline import Pipeline
+from ucm_server.tasks import Task, TaskKind
+
+T = TypeVar("T")
+
+Settle = Callable[[TaskKind, Sequence[BlockKey], Sequence[int], Sequence[BlockResult]], Awaitable[None]]
+"""``(kind, keys, sizes, results)`` of a chunk a task moved: told to the quota accounting."""
+
+INLINE_SEGMENTS = 4096
+"""Requests with more segments than this are validated in a worker thread, not on the event loop."""
+
+
+class Plan(Protocol):
+    """A validated request, ready to run."""
+
+    @property
+    def regions(self) -> set[Region] | set[GpuRegion]:
+        """The regions it names, pinned until the task ends (the task unpins them)."""
+        ...
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each block."""
+        ...
+
+    @property
+    def reports_progress(self) -> bool:
+        """A Load that took its client's progress word (:mod:`ucm_server.load_progress`)."""
+        ...
+
+    def done(self) -> None:
+        """The task ended (whatever its outcome, also cancelled while queued)."""
+        ...
+
+
+class Mover(Protocol):
+    """What the submit path needs of a kind of memory."""
+
+    async def prepare(
+        self,
+        kind: TaskKind,
+        session_id: str,
+        columns: SegmentColumns,
+        counts: list[int],
+        progress: tuple[int, int, int] | None,
+    ) -> Plan:
+        """Check every segment (nothing is copied for a bad request) and pin the regions named."""
+        ...
+
+    async def run(
+        self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
+    ) -> None:
+        """Move the task's blocks, recording each block's outcome on ``task``."""
+        ...
+
+
+class OffLoop:
+    """Runs a request's validation inline when it is small, in a worker thread when it is large, so
+    other clients are answered meanwhile (the caps bound its cost: linear in the segments)."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    async def __call__(self, nsegments: int, fn: Callable[..., T], *args: object) -> T:
+        if nsegments <= INLINE_SEGMENTS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+@dataclass(slots=True)
+class HostPlan:
+    regions: set[Region]
+    iovs: list[IoVec]
+    sizes: list[int]
+    word: ProgressWord | None = None
+    """A Load's progress word (:mod:`ucm_server.load_progress`), when the client gave one."""
+
+    @property
+    def reports_progress(self) -> bool:
+        return self.word is not None
+
+    def done(self) -> None:
+        if self.word is not None:
+            self.word.done()
+
+
+class HostMover:
+    """Host regions: iovecs into the client's mapped memory, moved through the pipeline."""
+
+    def __init__(
+        self, pipeline: Pipeline, regions: RegionTable, off_loop: OffLoop, max_block_bytes: int
+    ) -> None:
+        self.pipeline = pipeline
+        self.regions = regions
+        self.off_loop = off_loop
+        self.max_block_bytes = max_block_bytes
+
+    async def prepare(
+        self,
+        kind: TaskKind,
+        session_id: str,
+        columns: SegmentColumns,
+        counts: list[int],
+        progress: tuple[int, int, int] | None,
+    ) -> HostPlan:
+        """The regions found (and pinned), then every segment checked, in a worker thread for a
+        large request; a Load's ``progress`` word ``(region, offset, length)`` is taken too."""
+        found = self.regions.regions_for(session_id, columns, counts, gpu=False)
+        used: set[Region] = set(found.values())
+        word = None
+        if kind is TaskKind.LOAD and progress is not None:
+            word = progress_word(self.regions, session_id, *progress, columns)
+            used.add(word.region)
+        self.regions.pin(used)
+        try:
+            iovs = await self.off_loop(len(columns.region_ids), self._iovecs, kind, columns, counts, found)
+        except BaseException:
+            self.regions.unpin(used)
+            raise
+        return HostPlan(used, iovs, [iov_len(iov) for iov in iovs], word)
+
+    def _iovecs(
+        self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
+    ) -> list[IoVec]:
+        """Every segment checked, overlapping Load destinations refused, one iovec per block (no
+        event-loop state: may run in a worker thread)."""
+        iovs = single_segment_iovecs(columns, found, self.max_block_bytes)
+        if iovs is None:
+            iovs = host_iovecs(check_segments(columns, counts, found, self.max_block_bytes))
+        if kind is TaskKind.LOAD:
+            check_disjoint(columns, counts)
+        return iovs
+
+    async def run(
+        self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
+    ) -> None:
+        """The task's blocks a chunk at a time; a Load's progress word is reported by the last chunk
+        only, as its counts then hold for every block of the task."""
+        assert isinstance(plan, HostPlan)
+        iovs, sizes, word = plan.iovs, plan.sizes, plan.word
+        bounds = chunk_bounds(sizes)
+        for start, stop in bounds:
+            if task.cancel_requested:
+                return
+            items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
+            if task.kind is TaskKind.LOAD:
+                last = stop == bounds[-1][1]
+                report = word.report if word is not None and last else None
+                results = await self.pipeline.read_many(items, report=report)
+            else:
+                results = await self.pipeline.write_many(items, durable=durable)
+            task.record_many(start, results, sizes[start:stop])
+            await settle(task.kind, keys[start:stop], sizes[start:stop], results)

@@ -1,0 +1,324 @@
+"""I/O classes: work a request waits for goes before work nobody waits for, and both progress.
+
+The daemon's disk, copy and shared-tier work runs in thread pools, and before it ran there first in,
+first out: a Load a vLLM request was waiting for queued behind the copies of eight clients' dumps and
+the write-back of a gigabyte backlog (``benchmarks/io_classes.py`` measured 2-4x its idle latency).
+Work now carries a class:
+
+* :attr:`IoClass.LOAD` — a request is waiting (Load tasks, lookups' rare disk work, the byte RPCs);
+* :attr:`IoClass.PREFETCH` — a request may wait (prefetch and its promotions);
+* :attr:`IoClass.BACKGROUND` — nobody waits (dumps, write-back).
+
+The class is a context variable, set once where the work starts (a task by its kind, the write-back
+flushers) and read where work is handed to a pool: :class:`ClassedExecutor` reads it in ``submit``,
+which ``loop.run_in_executor`` calls in the submitting task's context, so every tier's executor hop
+inherits its request's class without a parameter threaded through the tier interface.
+
+:class:`ClassedExecutor` is a thread pool with one queue per class. A free thread takes the oldest job
+of the highest class that has room, where room is:
+
+* LOAD: fewer than ``max_workers`` loads running;
+* each lower class: the classes above it and it together hold fewer than ``max_workers`` plus one
+  thread per class below LOAD down to it. The pool has two threads more than ``max_workers``, so
+  PREFETCH keeps one thread no load can take and BACKGROUND one that neither can: however steady the
+  stream of loads, background work progresses (no starvation), and a load never waits in a queue
+  behind a job of a lower class — only, at worst, for running ones to end;
+* lower classes are also capped below ``max_workers`` (``reserve`` threads stay free for loads to
+  arrive), and while loads are queued or running BACKGROUND is held to one job: a load shares the
+  disk with one background job at most.
+
+Work already running is never interrupted; a job is short (a group of block reads or writes, one
+copy). :class:`ClassedSlots` applies the same rules to the daemon's task slots, so a Load task never
+waits for a slot behind queued dumps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class IoClass(enum.IntEnum):
+    """Lower value, higher priority."""
+
+    LOAD = 0
+    """A request is waiting for it."""
+    PREFETCH = 1
+    """A request may wait for it."""
+    BACKGROUND = 2
+    """Nobody waits for it (dumps, write-back)."""
+
+
+CLASSES = tuple(IoClass)
+current_class: ContextVar[IoClass] = ContextVar("ucm_io_class", default=IoClass.LOAD)
+"""The class of the work the current task (or worker thread) does; unclassified work is LOAD, so
+nothing is demoted by being forgotten."""
+
+_BY_TASK_KIND = {"LOAD": IoClass.LOAD, "PREFETCH": IoClass.PREFETCH, "DUMP": IoClass.BACKGROUND}
+
+
+def class_of_task(kind_name: str) -> IoClass:
+    """The class of a daemon task by its kind's name (``LOAD``, ``DUMP``, ``PREFETCH``)."""
+    return _BY_TASK_KIND.get(kind_name, IoClass.LOAD)
+
+
+@contextlib.contextmanager
+def io_class(cls: IoClass) -> Iterator[None]:
+    """Work started in this block (and tasks created in it) is of class ``cls``."""
+    token = current_class.set(cls)
+    try:
+        yield
+    finally:
+        current_class.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """Who may take one more of ``limit`` places (threads, task slots), by class (see the module).
+
+    The places are ``limit`` plus one per class below LOAD: the spare ones are floors only lower
+    classes can reach. ``reserve``: places lower classes leave to loads (a quarter, at least one);
+    ``background_when_loading``: most BACKGROUND holders while loads wait or run."""
+
+    limit: int
+    reserve: int = -1
+    background_when_loading: int = 1
+
+    def __post_init__(self) -> None:
+        if self.limit <= 0:
+            raise ValueError(f"the limit must be positive, got {self.limit}")
+        if self.reserve < 0:
+            object.__setattr__(self, "reserve", max(1, self.limit // 4))
+        if self.reserve >= self.limit and self.limit > 1:
+            raise ValueError(f"reserve must be in [0, {self.limit}), got {self.reserve}")
+
+    @property
+    def places(self) -> int:
+        return self.limit + len(CLASSES) - 1
+
+    def has_room(self, cls: IoClass, held: dict[IoClass, int], loading: bool) -> bool:
+        """Whether one more holder of ``cls`` fits, ``held`` holding per class now."""
+        if sum(held.values()) >= self.places:
+            return False
+        if sum(held[c] for c in CLASSES[: cls + 1]) >= self.limit + cls:  # the floors below stay free
+            return False
+        if cls is IoClass.LOAD:
+            return True
+        if cls is IoClass.BACKGROUND and loading:
+            return held[cls] < self.background_when_loading
+        return held[cls] < max(1, self.limit - self.reserve)
+
+
+@dataclass(slots=True)
+class ClassFigures:
+    """What one class did in a pool (counters since start)."""
+
+    submitted: int = 0
+    completed: int = 0
+    queued: int = 0
+    running: int = 0
+    wait_s: float = 0.0
+    """Seconds its jobs spent queued, all together."""
+
+
+@dataclass(slots=True)
+class _Job:
+    future: Future[Any]
+    fn: Callable[[], Any]
+    cls: IoClass
+    queued_at: float = field(default=0.0)
+
+
+class ClassedExecutor(Executor):
+    """A thread pool that runs LOAD before PREFETCH before BACKGROUND work (see the module): up to
+    ``max_workers`` threads for loads, two more for the lower classes' floors.
+
+    ``reserve``: threads lower classes leave to loads (default a quarter, at least one);
+    ``background_when_loading``: the most BACKGROUND jobs that run while loads are queued or running."""
+
+    def __init__(
+        self,
+        max_workers: int,
+        *,
+        thread_name_prefix: str = "ucm-io",
+        reserve: int | None = None,
+        background_when_loading: int = 1,
+    ) -> None:
+        if max_workers <= 0:
+            raise ValueError(f"max_workers must be positive, got {max_workers}")
+        self.max_workers = max_workers
+        self.shares = Shares(max_workers, -1 if reserve is None else reserve, max(1, background_when_loading))
+        self._prefix = thread_name_prefix
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._queues: dict[IoClass, deque[_Job]] = {c: deque() for c in CLASSES}
+        self._running: dict[IoClass, int] = dict.fromkeys(CLASSES, 0)
+        self._figures: dict[IoClass, ClassFigures] = {c: ClassFigures() for c in CLASSES}
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._wakeups = 0
+        """Idle threads told to look for work that have not woken yet: an idle thread is counted once."""
+        self._shutdown = False
+
+    # -- Executor ----------------------------------------------------------------------------------
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Queue ``fn(*args, **kwargs)`` in the class of the calling context."""
+        return self.submit_as(current_class.get(), fn, *args, **kwargs)
+
+    def submit_as(self, cls: IoClass, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        job = _Job(future, (lambda: fn(*args, **kwargs)) if args or kwargs else fn, cls)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            job.queued_at = _now()
+            self._queues[cls].append(job)
+            self._figures[cls].submitted += 1
+            if self._idle > self._wakeups:
+                self._wakeups += 1
+                self._ready.notify()
+            elif len(self._threads) < self.shares.places:
+                self._start_thread()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shutdown = True
+            if cancel_futures:
+                for queue in self._queues.values():
+                    while queue:
+                        queue.popleft().future.cancel()
+            self._ready.notify_all()
+        if wait:
+            for t in list(self._threads):
+                t.join()
+
+    # -- figures -----------------------------------------------------------------------------------
+    def figures(self) -> dict[IoClass, ClassFigures]:
+        """Per class: jobs submitted, completed, queued and running now, seconds spent queued."""
+        with self._lock:
+            out = {}
+            for c, f in self._figures.items():
+                out[c] = ClassFigures(
+                    f.submitted, f.completed, len(self._queues[c]), self._running[c], f.wait_s
+                )
+            return out
+
+    # -- scheduling --------------------------------------------------------------------------------
+    def _pick(self) -> _Job | None:
+        """The next job for a free thread (under the lock), or None when all that waits is capped."""
+        loading = bool(self._queues[IoClass.LOAD] or self._running[IoClass.LOAD])
+        for c in CLASSES:
+            if self._queues[c] and self.shares.has_room(c, self._running, loading):
+                return self._queues[c].popleft()
+        return None
+
+    def _start_thread(self) -> None:
+        t = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                job = self._pick()
+                while job is None:
+                    if self._shutdown and not any(self._queues.values()):
+                        self._ready.notify_all()
+                        return
+                    self._idle += 1
+                    self._ready.wait()
+                    self._idle -= 1
+                    self._wakeups = max(self._wakeups - 1, 0)
+                    job = self._pick()
+                self._running[job.cls] += 1
+                self._figures[job.cls].wait_s += _now() - job.queued_at
+            try:
+                if job.future.set_running_or_notify_cancel():
+                    current_class.set(job.cls)  # this thread's context: what the job submits is its class
+                    try:
+                        result = job.fn()
+                    except BaseException as exc:  # delivered to the waiter, as ThreadPoolExecutor does
+                        job.future.set_exception(exc)
+                    else:
+                        job.future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running[job.cls] -= 1
+                    self._figures[job.cls].completed += 1
+                    # A capped job may run now (a load ended), and an idle thread may take it.
+                    if any(self._queues.values()):
+                        self._ready.notify_all()
+            del job
+
+
+class ClassedSlots:
+    """Task slots shared by class as :class:`ClassedExecutor` shares threads (:class:`Shares`): up to
+    ``limit`` Loads hold one at once, and two more slots are floors for the lower classes. A freed
+    slot goes to the highest class waiting that has room. On the event loop thread only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.shares = Shares(limit)
+        self._held: dict[IoClass, int] = dict.fromkeys(CLASSES, 0)
+        self._waiters: dict[IoClass, deque[asyncio.Future[None]]] = {c: deque() for c in CLASSES}
+
+    @property
+    def held(self) -> int:
+        return sum(self._held.values())
+
+    @contextlib.asynccontextmanager
+    async def hold(self, cls: IoClass | None = None) -> AsyncIterator[None]:
+        """A slot for the duration of the block, in ``cls`` (default: the context's class)."""
+        cls = current_class.get() if cls is None else cls
+        await self._acquire(cls)
+        try:
+            yield
+        finally:
+            self._held[cls] -= 1
+            self._grant()
+
+    def _room(self, cls: IoClass) -> bool:
+        loading = bool(self._held[IoClass.LOAD] or self._waiters[IoClass.LOAD])
+        return self.shares.has_room(cls, self._held, loading)
+
+    async def _acquire(self, cls: IoClass) -> None:
+        if not self._waiters[cls] and self._room(cls):
+            self._held[cls] += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[cls].append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():  # granted as we were cancelled: give it back
+                self._held[cls] -= 1
+                self._grant()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters[cls].remove(fut)
+            raise
+
+    def _grant(self) -> None:
+        while True:
+            cls = next((c for c in CLASSES if self._waiters[c] and self._room(c)), None)
+            if cls is None:
+                return
+            fut = self._waiters[cls].popleft()
+            if not fut.done():
+                self._held[cls] += 1
+                fut.set_result(None)
+
+
+_now = time.monotonic
