@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.results_file import publish
 from benchmarks.tier_rates import parser, tier_rates
-from ucm_client.sparse.kernels import dense_decode_attention
+from ucm_client.sparse.kernels.attention import dense_decode_attention
 from ucm_client.sparse.testing import planted_needles, relative_error
 from ucm_server.store import codec
 from ucm_server.store.base import Tier

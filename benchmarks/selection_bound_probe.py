@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.block_sparse import DecodeState
-from ucm_client.sparse.esa import ESA
-from ucm_client.sparse.kernels import group_query
+from ucm_client.sparse.kernels.attention import group_query
+from ucm_client.sparse.methods.block_sparse import DecodeState
+from ucm_client.sparse.methods.esa import ESA
 from ucm_client.sparse.testing import planted_needles
 
 RESULTS = Path(__file__).parent / "results" / "selection_bound.md"

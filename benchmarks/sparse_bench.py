@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.kernels import causal_attention, dense_decode_attention
+from ucm_client.sparse.kernels.attention import causal_attention, dense_decode_attention
+from ucm_client.sparse.methods.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.methods.rerope import rerope_attention, rerope_logits
 from ucm_client.sparse.quality import CONTROLS, assess
-from ucm_client.sparse.rerope import rerope_attention, rerope_logits
 from ucm_client.sparse.rope import apply_rope
 from ucm_client.sparse.testing import NeedleCase, drifting_needles, planted_needles, relative_error
 
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "GSA scans every token's code each retrieval: 256 bits = four uint64 words per key and head, XOR, "
         "masked to the half of the bits the query is most sure of, popcount and the best token per "
-        "block in one compiled pass (`ucm_client/sparse/score_kernel.py`; GSAOnDevice: torch SWAR ops "
+        "block in one compiled pass (`ucm_client/sparse/kernels/scoring.py`; GSAOnDevice: torch SWAR ops "
         "on the cache's device). Its index is 32 bytes per key and head (512 for the float32 key), the "
         "*index read* column. ESA keeps int8 channel-major key codes (a scale per block and channel) and "
         "reads the query's 16 largest channels of every token in one compiled pass per block; KVStar "

@@ -18,7 +18,7 @@ import pytest
 
 from ucm_client.sparse.config import UcmSparseConfig, parse_fields
 from ucm_client.sparse.errors import SparseConfigError
-from ucm_client.sparse.esa import EsaSpec
+from ucm_client.sparse.methods.esa import EsaSpec
 from ucm_client.vllm import config as connector
 from ucm_protocol.errors import ConfigError
 from ucm_server.config_sources import load_config

@@ -14,8 +14,14 @@ import pytest
 import torch
 
 from ucm_client import UcmClient
-from ucm_client.sparse.coldkv import ColdDump, ColdKVConfig, ColdKVStepMeta, ColdRelease, cold_block_key
-from ucm_client.sparse.coldkv_worker import ColdKVWorker
+from ucm_client.sparse.coldkv.orders import (
+    ColdDump,
+    ColdKVConfig,
+    ColdKVStepMeta,
+    ColdRelease,
+    cold_block_key,
+)
+from ucm_client.sparse.coldkv.worker import ColdKVWorker
 from ucm_client.sparse.errors import SparseInputError
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -178,3 +184,47 @@ def test_a_block_the_guess_missed_is_loaded_by_the_layer(
     _assert_pages(worker, original, [[1, 4, 7], [1, 4, 7]], [layer0, layer1])
     assert worker.stats["prefetch_hits"] == 2
     assert worker.stats["loaded_pages"] == 3 + 1
+
+
+def _assert_head_pages(
+    worker: ColdKVWorker, original: dict[int, torch.Tensor], layer: int, sel: torch.Tensor, ids: torch.Tensor
+) -> None:
+    for head in range(sel.shape[0]):
+        got = worker.caches[layer][ids[head], head]
+        assert torch.equal(got, original[layer][sel[head], head]), f"layer {layer} head {head}: wrong KV"
+
+
+def test_per_head_selections_load_a_block_once_into_each_heads_page(worker_pair: Callable[..., Pair]) -> None:
+    """Each KV head selects its own blocks; a block two heads chose comes from the daemon once, and
+    each head's page of a scratch block holds that head's KV of its own block."""
+    worker, original = worker_pair(prefetch=False)
+    table = torch.arange(NUM_BLOCKS)
+    sel = torch.tensor([[1, 4, 7], [2, 4, 9]])  # block 4 is both heads'
+    ids = worker.resolve_rows(0, [("r", sel, table)])[0]
+    assert ids.shape == sel.shape and set(ids.flatten().tolist()) <= set(SCRATCH)
+    _assert_head_pages(worker, original, 0, sel, ids)
+    assert worker.stats["loaded_pages"] == 5 and worker.stats["load_tasks"] == 1  # 1, 2, 4, 7, 9 once
+    # Each head uses no more scratch blocks than a shared selection of the same size would.
+    assert len(set(ids[0].tolist())) == len(set(ids[1].tolist())) == 3
+    # Negative control: the heads' pages differ where they chose different blocks.
+    assert not torch.equal(worker.caches[0][ids[0, 0], 1], original[0][1, 1])
+    again = worker.resolve_rows(0, [("r", sel, table)])[0]  # the selection is kept: nothing loads
+    assert torch.equal(again, ids) and worker.stats["loaded_pages"] == 5
+    moved = torch.tensor([[1, 4, 8], [2, 4, 9]])  # head 0 moves on; head 1 keeps its blocks
+    ids = worker.resolve_rows(0, [("r", moved, table)])[0]
+    _assert_head_pages(worker, original, 0, moved, ids)
+    assert worker.stats["loaded_pages"] == 6
+
+
+def test_per_head_guess_serves_the_next_layers_heads(worker_pair: Callable[..., Pair]) -> None:
+    worker, original = worker_pair()
+    table = torch.arange(NUM_BLOCKS)
+    first = torch.tensor([[1, 4, 7], [2, 4, 9]])
+    second = torch.tensor([[2, 4, 7], [1, 5, 9]])  # other heads, mostly the same blocks
+    ids0 = worker.resolve_rows(0, [("r", first, table)])[0]
+    assert worker.stats["prefetched_pages"] == 5  # the union, each block once
+    ids1 = worker.resolve_rows(1, [("r", second, table)])[0]
+    _assert_head_pages(worker, original, 0, first, ids0)
+    _assert_head_pages(worker, original, 1, second, ids1)
+    assert worker.stats["prefetch_hits"] == 5  # 1, 2, 4, 7 and 9 were guessed (each once); 5 was not
+    assert worker.stats["loaded_pages"] == 5 + 1

@@ -1,4 +1,4 @@
-"""The compiled scoring loop (``ucm_client.sparse.score_kernel``) through its torch entry point.
+"""The compiled scoring loop (``ucm_client.sparse.kernels.scoring``) through its torch entry point.
 
 Stated behaviour: on the same int8 codes the loop gives what plain float arithmetic gives, for one
 query and for a group, with channel counts that are not a multiple of its four-channel step; and
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from ucm_client.sparse.kernels import (
+from ucm_client.sparse.kernels.attention import (
     channel_codes,
     channel_codes_reference,
     channel_token_max,
@@ -49,7 +49,7 @@ def test_compiled_scores_equal_the_float_reference_and_a_wrong_query_does_not(bl
 
 def test_every_loaded_module_global_answers_vllms_kernel_scan() -> None:
     """What ``vllm.triton_utils.dispatcher._rebind_kernels`` does to every global of every module."""
-    import ucm_client.sparse.score_kernel  # noqa: F401  (numba and llvmlite loaded)
+    import ucm_client.sparse.kernels.scoring  # noqa: F401  (numba and llvmlite loaded)
 
     assert "llvmlite.binding.ffi" in sys.modules
     for module in list(sys.modules.values()):
@@ -63,8 +63,8 @@ def test_gsa_compiled_hamming_equals_torch_bit_counts_and_a_wrong_query_does_not
     """GSA on the host (one compiled call: query code, mask, Hamming loop) against GSAOnDevice (torch
     projection, packing and popcounts) on the same codes."""
     from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.block_sparse import DecodeState
     from ucm_client.sparse.factory import UcmSparseFactory
+    from ucm_client.sparse.methods.block_sparse import DecodeState
 
     gen = torch.Generator().manual_seed(4)
     keys = torch.randn(BLOCK * 12, 4, 64, generator=gen)
@@ -107,9 +107,9 @@ def test_host_scoring_in_one_call_equals_the_torch_operations_it_replaced(name: 
     import math
 
     from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.block_sparse import DecodeState
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.kernels import group_query
+    from ucm_client.sparse.kernels.attention import group_query
+    from ucm_client.sparse.methods.block_sparse import DecodeState
 
     gen = torch.Generator().manual_seed(5)
     heads, dim = 4, 64
@@ -139,8 +139,8 @@ def test_compiled_top_blocks_equals_aggregate_then_select() -> None:
     ``select_blocks(aggregate_heads(...))`` on scores where only a featured prefix of blocks is scored."""
     import numpy as np
 
-    from ucm_client.sparse.kernels import aggregate_heads, select_blocks
-    from ucm_client.sparse.score_kernel import top_blocks
+    from ucm_client.sparse.kernels.attention import aggregate_heads, select_blocks
+    from ucm_client.sparse.kernels.scoring import top_blocks
 
     gen = torch.Generator().manual_seed(6)
     for heads, full, num_blocks, keep, init, local in (
@@ -159,10 +159,36 @@ def test_compiled_top_blocks_equals_aggregate_then_select() -> None:
         assert out[:count].tolist() != want.tolist()  # negative control: reversed scores
 
 
+def test_compiled_top_blocks_per_head_equals_select_per_head() -> None:
+    """``top_blocks_per_head`` (windows forced, each KV head's own top-k, sorted) against
+    ``select_blocks_per_head`` on scores where only a featured prefix of blocks is scored."""
+    import numpy as np
+
+    from ucm_client.sparse.kernels.attention import select_blocks_per_head
+    from ucm_client.sparse.kernels.scoring import top_blocks_per_head
+
+    gen = torch.Generator().manual_seed(8)
+    for heads, full, num_blocks, keep, init, local in (
+        (8, 255, 256, 52, 1, 2),
+        (2, 9, 10, 5, 1, 2),
+        (4, 40, 40, 8, 0, 1),
+    ):
+        block_scores = torch.randn(heads, full, generator=gen) * 3
+        padded = torch.full((heads, num_blocks), float("-inf"))
+        padded[:, :full] = block_scores
+        want = select_blocks_per_head(padded, keep, init, local)
+        out = np.empty((heads, num_blocks), np.int64)
+        count = top_blocks_per_head(block_scores.numpy(), num_blocks, keep, init, local, out)
+        assert out[:, :count].tolist() == want.tolist()
+        assert len({tuple(row) for row in out[:, :count].tolist()}) > 1  # the heads chose differently
+        count = top_blocks_per_head((-block_scores).numpy(), num_blocks, keep, init, local, out)
+        assert out[:, :count].tolist() != want.tolist()  # negative control: reversed scores
+
+
 def test_compiled_query_directions_equal_torch() -> None:
     """The drift anchor: unit direction of each KV head's summed query group, compiled vs torch."""
-    from ucm_client.sparse.block_sparse import BlockSparseMethod
-    from ucm_client.sparse.kernels import group_query
+    from ucm_client.sparse.kernels.attention import group_query
+    from ucm_client.sparse.methods.block_sparse import BlockSparseMethod
 
     query = torch.randn(32, 128, generator=torch.Generator().manual_seed(7))
     got = BlockSparseMethod._direction(query, 8)

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.gsa import hash_codes
-from ucm_client.sparse.kernels import block_means, dense_decode_attention, select_blocks
+from ucm_client.sparse.kernels.attention import block_means, dense_decode_attention, select_blocks
+from ucm_client.sparse.methods.block_sparse import BlockSparseMethod, DecodeState
+from ucm_client.sparse.methods.gsa import hash_codes
 from ucm_client.sparse.testing import planted_needles, relative_error
 
 METHODS = ["ESA", "GSA", "KVStarMultiStep"]

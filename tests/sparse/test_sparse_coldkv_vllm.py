@@ -21,7 +21,7 @@ import torch
 from tests.support.coldkv_engine import SCHEDULER_CLS, ConcurrencyRun, run_long_requests, sparse_settings
 from tests.support.sparse_engine import in_process_engine_env, run_vllm_script
 from ucm_client import UcmClient
-from ucm_client.sparse.coldkv import ColdKVConfig
+from ucm_client.sparse.coldkv.orders import ColdKVConfig
 from ucm_client.sparse.errors import SparseInputError
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -77,7 +77,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 _MP_SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
-from ucm_client.sparse.vllm_connector import kv_transfer_config
+from ucm_client.sparse.vllm.connector import kv_transfer_config
 from tests.support.coldkv_engine import SCHEDULER_CLS, sparse_settings
 
 if __name__ == "__main__":
@@ -225,7 +225,7 @@ def test_cold_scheduler_without_cold_kv_is_refused(runs: dict[str, Any]) -> None
     from vllm import LLM
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 
-    from ucm_client.sparse.vllm_connector import kv_transfer_config
+    from ucm_client.sparse.vllm.connector import kv_transfer_config
 
     with in_process_engine_env(), pytest.raises(Exception, match="cold_kv entry"):
         try:

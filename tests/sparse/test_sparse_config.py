@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.config import ENV_VAR, UcmSparseConfig, load_sparse_config
 from ucm_client.sparse.errors import SparseConfigError, UnknownSparseMethodError
-from ucm_client.sparse.esa import ESA, EsaSpec
 from ucm_client.sparse.factory import ENTRY_POINT_GROUP, UcmSparseFactory
+from ucm_client.sparse.methods.esa import ESA, EsaSpec
 
 SEED_CONFIG = {
     "enabled": True,
@@ -67,7 +68,8 @@ def test_unknown_method_lists_the_known_ones() -> None:
 
 
 def test_duplicate_registration_with_another_target_is_rejected() -> None:
-    UcmSparseFactory.register_sparse_method("ESA", "ucm_client.sparse.esa", "ESA")  # same target: fine
+    same = ("ESA", "ucm_client.sparse.methods.esa", "ESA")
+    UcmSparseFactory.register_sparse_method(*same)  # same target: fine
     with pytest.raises(SparseConfigError, match="already registered"):
         UcmSparseFactory.register_sparse_method("ESA", "elsewhere", "ESA")
 
@@ -76,7 +78,7 @@ def _write_plugin(root: Path, module: str) -> None:
     (root / f"{module}.py").write_text(
         textwrap.dedent(
             """
-            from ucm_client.sparse.passthrough import DenseInVllmMethod
+            from ucm_client.sparse.methods.passthrough import DenseInVllmMethod
 
             class Everything(DenseInVllmMethod):
                 pass
@@ -146,15 +148,24 @@ def test_doctor_reports_hooks_as_json(capsys: pytest.CaptureFixture[str]) -> Non
     assert "vllm" in sys.modules
 
 
-def _engine_config(sparse: dict[str, object] | None) -> SimpleNamespace:
-    """The two attributes of a VllmConfig the runtime reads: the connector's extra config."""
-    extra = {"ucm_sparse_config": sparse} if sparse is not None else {}
-    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+def _engine_config(
+    sparse: dict[str, object] | None,
+    connector: str | None = "UcmSparseConnector",
+    module_path: str | None = "ucm_client.sparse.vllm_connector",
+    **extra: object,
+) -> SimpleNamespace:
+    """The attributes of a VllmConfig the runtime reads: the connector and its extra config."""
+    if sparse is not None:
+        extra["ucm_sparse_config"] = sparse
+    transfer = SimpleNamespace(
+        kv_connector=connector, kv_connector_module_path=module_path, kv_connector_extra_config=extra
+    )
+    return SimpleNamespace(kv_transfer_config=transfer)
 
 
 def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucm_client.sparse import vllm_runtime
-    from ucm_client.sparse.gsa import GSA
+    from ucm_client.sparse.methods.gsa import GSA
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     vllm_runtime.reset_runtime()
@@ -169,5 +180,58 @@ def test_each_engine_gets_a_runtime_from_its_connector_config(monkeypatch: pytes
         assert rt2 is not None and rt2 is not rt1 and isinstance(rt2.method, GSA)
         assert vllm_runtime.runtime_for_engine(_engine_config(None)) is None  # no config: dense
         assert vllm_runtime.runtime_for_engine(_engine_config({"enabled": False, "ESA": {}})) is None
+    finally:
+        vllm_runtime.reset_runtime()
+
+
+def test_an_engine_whose_connector_carries_no_channel_refuses_naming_the_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sparse attention never starts keyed by anything but the request: without a connector that carries
+    the scheduler's metadata the runtime refuses, and the error holds the configurations to use, with
+    the user's own ``ucm_sparse_config`` in them."""
+    pytest.importorskip("vllm")
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
+
+    monkeypatch.setenv(ENV_VAR, json.dumps(SEED_CONFIG))
+    vllm_runtime.reset_runtime()
+    try:
+        for engine, where in (
+            (SimpleNamespace(), "no kv_transfer_config"),
+            (_engine_config(None, None, None), "no kv_transfer_config"),
+            (
+                _engine_config(None, "LMCacheConnectorV1", "vllm.distributed.kv_transfer"),
+                "'LMCacheConnectorV1'",
+            ),
+        ):
+            with pytest.raises(SparseConfigError, match="Refusing to start") as refused:
+                vllm_runtime.runtime_for_engine(engine)
+            message = str(refused.value)
+            assert where in message
+            suggested = {c["kv_connector"]: c for c in map(json.loads, re.findall(r"'(\{.*?\})'", message))}
+            assert suggested["UCMConnector"]["kv_connector_module_path"] == "ucm_client.vllm.connector"
+            alone = suggested["UcmSparseConnector"]
+            assert alone["kv_connector_module_path"] == "ucm_client.sparse.vllm_connector"
+            assert alone["kv_connector_extra_config"]["ucm_sparse_config"]["ESA"] == SEED_CONFIG["ESA"]
+            assert alone["kv_connector_extra_config"]["ucm_sparse_config"]["min_seq_len"] == 256
+        # Either of ours carries it, alone or inside vLLM's MultiConnector.
+        for engine in (
+            _engine_config(None),
+            _engine_config(None, "UCMConnector", "ucm_client.vllm.connector"),
+            _engine_config(
+                None,
+                "MultiConnector",
+                None,
+                connectors=[
+                    {"kv_connector": "LMCacheConnectorV1"},
+                    {
+                        "kv_connector": "UcmSparseConnector",
+                        "kv_connector_module_path": "ucm_client.sparse.vllm_connector",
+                    },
+                ],
+            ),
+        ):
+            vllm_runtime.reset_runtime()
+            assert vllm_runtime.runtime_for_engine(engine) is not None
     finally:
         vllm_runtime.reset_runtime()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.factory import UcmSparseFactory
+from ucm_client.sparse.methods.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.quality import CONTROLS, assess
 from ucm_client.sparse.testing import NeedleCase, drifting_needles, planted_needles
 

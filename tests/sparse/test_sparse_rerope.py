@@ -8,8 +8,8 @@ import torch
 
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.kernels import causal_attention
-from ucm_client.sparse.rerope import ReRoPE, rerope_attention, rerope_logits
+from ucm_client.sparse.kernels.attention import causal_attention
+from ucm_client.sparse.methods.rerope import ReRoPE, rerope_attention, rerope_logits
 from ucm_client.sparse.rope import apply_rope
 
 

@@ -14,7 +14,7 @@ import pytest
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.errors import SparseInputError
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.scheduler_bridge import SparseSchedulerBridge
+from ucm_client.sparse.vllm.bridge import SparseSchedulerBridge
 
 BS = 4
 

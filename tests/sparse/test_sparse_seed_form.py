@@ -18,9 +18,9 @@ from ucm_client.sparse.base import PagedAttentionMeta, UcmSparseBase, UcmSparseR
 from ucm_client.sparse.config import UcmSparseConfig
 from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSessionError
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.gsa import GSA, GSAOnDevice, hamming_words, hash_codes, pack_words
-from ucm_client.sparse.paged import PageLayout
-from ucm_client.sparse.score_kernel import block_min_hamming
+from ucm_client.sparse.kernels.paged import PageLayout
+from ucm_client.sparse.kernels.scoring import block_min_hamming
+from ucm_client.sparse.methods.gsa import GSA, GSAOnDevice, hamming_words, hash_codes, pack_words
 from ucm_client.sparse.seed_form import SeedFormAdapter
 from ucm_client.sparse.testing import planted_needles
 
@@ -171,7 +171,7 @@ def test_seed_form_hooks_of_the_checked_form_are_not_reachable_directly() -> Non
 
 def test_gsa_on_device_selects_what_gsa_selects() -> None:
     case = planted_needles(4096, seed=3, needle_tokens=1)
-    from ucm_client.sparse.block_sparse import DecodeState
+    from ucm_client.sparse.methods.block_sparse import DecodeState
 
     picks = []
     for cls in (GSA, GSAOnDevice):

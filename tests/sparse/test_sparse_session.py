@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from ucm_client.sparse.base import LayerSpec, PagedAttentionMeta, UcmSparseBase, UcmSparseRole
-from ucm_client.sparse.block_sparse import DecodeState
 from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSessionError
-from ucm_client.sparse.esa import ESA
-from ucm_client.sparse.kernels import dense_decode_attention
-from ucm_client.sparse.paged import PageLayout, detect_page_layout, read_request_kv
+from ucm_client.sparse.kernels.attention import dense_decode_attention
+from ucm_client.sparse.kernels.paged import PageLayout, detect_page_layout, read_request_kv
+from ucm_client.sparse.methods.block_sparse import DecodeState
+from ucm_client.sparse.methods.esa import ESA
 from ucm_client.sparse.testing import planted_needles, relative_error
 
 BS, HEADS, KV_HEADS, DIM = 32, 8, 2, 64

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.kernels import channel_codes, channel_token_max, norm_shrink
+from ucm_client.sparse.kernels.attention import channel_codes, channel_token_max, norm_shrink
+from ucm_client.sparse.methods.block_sparse import ChannelMajorFeatures, DecodeState
 
 BLOCK = 32
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import run_vllm_script, sparse_llm
+from tests.support.sparse_engine import run_vllm_script, small_window_runtime, sparse_llm
 from ucm_client.sparse.config import ENV_VAR
 
 pytestmark = pytest.mark.vllm
@@ -27,20 +27,24 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format.
-    env = {ENV_VAR: json.dumps({"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}})}
+    from ucm_client.sparse.vllm_connector import kv_transfer_config
+
+    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format
+    # (it wins over the connector's extra config, which carries the scheduler → worker channel).
+    sparse = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
     with sparse_llm(
         tmp_path_factory.mktemp("models"),
         layers=LAYERS,
         block_size=BLOCK,
-        env=env,
+        env={ENV_VAR: json.dumps(sparse)},
         enable_prefix_caching=False,
+        kv_transfer_config=kv_transfer_config({"ESA": {"sparse_ratio": 0.5}}),
     ) as llm:
         yield llm
 
 
 def test_runtime_built_from_the_sparse_config(engine: Any) -> None:
-    from ucm_client.sparse.esa import ESA
+    from ucm_client.sparse.methods.esa import ESA
 
     runtime = engine.ucm_runtime
     assert runtime is not None and isinstance(runtime.method, ESA)
@@ -57,7 +61,7 @@ PROMPTS = [
 def _generate(llm: Any, runtime: Any) -> list[list[int]]:
     from vllm import SamplingParams
 
-    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_runtime.install_runtime(runtime)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
@@ -65,22 +69,7 @@ def _generate(llm: Any, runtime: Any) -> list[list[int]]:
 
 
 def _runtime(llm: Any, ratio: float, name: str = "ESA") -> Any:
-    from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
-
-    method = UcmSparseFactory.create_sparse_method(
-        name,
-        UcmSparseRole.WORKER,
-        {
-            "sparse_ratio": ratio,
-            "local_window_sz": 2,
-            "init_window_sz": 1,
-            "retrieval_stride": 2,
-            "min_blocks": 2,
-        },
-    )
-    return SparseWorkerRuntime(method, vllm_config=llm.ucm_runtime.vllm_config)
+    return small_window_runtime(llm, ratio, name=name, retrieval_stride=2, min_seq_len=0)
 
 
 def test_esa_full_budget_equals_dense_and_hooks_fire_on_every_layer(engine: Any) -> None:
@@ -115,15 +104,15 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
     """A runtime that, after each sparse layer, recomputes the rows it rewrote with plain torch.
 
     For every rewritten decode row it records how far vLLM's output lies from exact attention over
-    the selected blocks (must be ~0: the kernel attended exactly what was selected) and from dense
-    attention over all blocks (must be clearly > 0: otherwise the selection changed nothing and the
-    first check is vacuous).
+    the selected blocks (must be ~0: the kernel attended exactly what was selected; per KV head where
+    the row attends per head, each head over its own blocks) and from dense attention over all blocks
+    (must be clearly > 0: otherwise the selection changed nothing and the first check is vacuous).
     """
     import torch
 
-    from ucm_client.sparse.kernels import dense_decode_attention
-    from ucm_client.sparse.paged import read_request_kv
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.kernels.attention import dense_decode_attention
+    from ucm_client.sparse.kernels.paged import read_request_kv
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     base = _runtime(llm, ratio, name)
 
@@ -132,6 +121,7 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
             super().__init__(method, **kw)
             self.sparse_err: list[float] = []
             self.dense_diff: list[float] = []
+            self.head_rows = 0
 
         def begin_layer(self, layer_name: str, **kw: Any) -> Any:
             inputs = super().begin_layer(layer_name, **kw)
@@ -144,16 +134,26 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
                 spec = self.method.layer_specs[0]
                 qsl, cache = args["query_start_loc"].tolist(), args["kv_cache"]
                 out = output.view(output.shape[0], spec.num_heads, spec.head_dim)
+                heads = inputs.head_tables
+                per_head = {} if heads is None else {int(r): i for i, r in enumerate(heads.rows.tolist())}
                 for row in range(len(qsl) - 1):
-                    if qsl[row + 1] - qsl[row] != 1 or int(inputs.seq_lens[row]) == int(
-                        args["seq_lens"][row]
+                    if row not in per_head and (
+                        qsl[row + 1] - qsl[row] != 1
+                        or int(inputs.seq_lens[row]) == int(args["seq_lens"][row])
                     ):
                         continue
                     tok, q = qsl[row], args["query"][qsl[row]]
-                    n_sel, n_all = int(inputs.seq_lens[row]), int(args["seq_lens"][row])
-                    sel = inputs.block_table[row, : -(-n_sel // spec.block_size)]
-                    k, v = read_request_kv(cache, sel, n_sel, spec.layout)
-                    want = dense_decode_attention(q, k, v, spec.scale)
+                    n_all = int(args["seq_lens"][row])
+                    if row in per_head:
+                        assert heads is not None
+                        n_sel = int(heads.seq_lens[per_head[row]])
+                        want = _exact_per_head(cache, heads.block_table[per_head[row]], n_sel, q, spec)
+                        self.head_rows += 1
+                    else:
+                        n_sel = int(inputs.seq_lens[row])
+                        sel = inputs.block_table[row, : -(-n_sel // spec.block_size)]
+                        k, v = read_request_kv(cache, sel, n_sel, spec.layout)
+                        want = dense_decode_attention(q, k, v, spec.scale)
                     full = args["block_table"][row, : -(-n_all // spec.block_size)]
                     k, v = read_request_kv(cache, full, n_all, spec.layout)
                     dense = dense_decode_attention(q, k, v, spec.scale)
@@ -165,19 +165,39 @@ def _checking_runtime(llm: Any, ratio: float, name: str) -> Any:
     return Checking(base.method, vllm_config=base.vllm_config)
 
 
+def _exact_per_head(cache: Any, table: Any, n_sel: int, q: Any, spec: Any) -> Any:
+    """Exact attention where KV head ``h`` (and its query group) attends to blocks ``table[h]``."""
+    import torch
+
+    from ucm_client.sparse.kernels.attention import dense_decode_attention
+    from ucm_client.sparse.kernels.paged import read_request_kv
+
+    group = spec.num_heads // spec.num_kv_heads
+    outs = []
+    for head in range(spec.num_kv_heads):
+        blocks = table[head, : -(-n_sel // spec.block_size)]
+        k, v = read_request_kv(cache, blocks, n_sel, spec.layout)
+        heads = slice(head * group, (head + 1) * group)
+        outs.append(
+            dense_decode_attention(q[heads], k[:, head : head + 1], v[:, head : head + 1], spec.scale)
+        )
+    return torch.cat(outs)
+
+
 @pytest.mark.parametrize("name", ["ESA", "GSA", "KVStarMultiStep"])
 def test_low_budget_output_is_exact_attention_over_the_selection(engine: Any, name: str) -> None:
     runtime = _checking_runtime(engine, 0.25, name)
     _generate(engine, runtime)
     # seen: 2.9e-7 from exact-over-selection, 0.31 from dense (prompts of 8 blocks: windows only)
     assert len(runtime.sparse_err) >= LAYERS * 10
+    assert runtime.head_rows == len(runtime.sparse_err)  # every sparse row attended per KV head
     assert max(runtime.sparse_err) < 1e-4, max(runtime.sparse_err)
     # Negative control: the same output compared with dense attention differs clearly.
     assert max(runtime.dense_diff) > 100 * max(*runtime.sparse_err, 1e-6), runtime.dense_diff
 
 
 def test_verify_patches_reports_attention_hooks_active(engine: Any) -> None:
-    from ucm_client.sparse.vllm_plugin import verify_patches
+    from ucm_client.sparse.vllm.plugin import verify_patches
 
     rows = {r.hook: r for r in verify_patches()}
     for hook in ("attention_begin", "attention_finished", "execute_begin", "execute_finished"):
@@ -218,7 +238,7 @@ def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) 
     hooks = json.loads(trace.read_text())
     assert hooks["pid"] != os.getpid()  # the hooks ran in vLLM's worker process
     assert hooks["hooks"]["bind_step_meta:-1"] >= 12  # scheduler metadata crossed into the worker
-    assert hooks["hooks"].get("row_key_fallback:-1", 0) == 0  # rows named by request id
+    assert hooks["hooks"].get("row_unnamed:-1", 0) == 0  # rows named by request id
     for layer in range(LAYERS):
         assert hooks["hooks"][f"attention_begin:{layer}"] >= 12
         assert hooks["hooks"][f"attention_finished:{layer}"] >= 12
@@ -230,7 +250,7 @@ def test_seed_form_method_runs_in_the_engine(engine: Any) -> None:
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.config import UcmSparseConfig
     from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     config = UcmSparseConfig.from_dict(  # the same entry test_sparse_seed_form.py uses
         {

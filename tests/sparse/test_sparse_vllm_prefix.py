@@ -4,8 +4,8 @@ The engine runs with vLLM's defaults that matter here (prefix caching on) plus t
 which carries the scheduler hooks' metadata to the worker. The workload is what breaks block-keyed
 state: a shared system prompt in front of two questions, one of them sampled with n=2, so up to four
 running requests share their first blocks. The negative control is the same run with the scheduler
-channel withheld (rows keyed by their first block, as before): its per-request state thrashes and
-block features are rebuilt over and over, which the assertions on ``feature_blocks`` must catch.
+channel withheld: no row can then be named, and rather than key state by a block its prefix shares
+(which rebuilt every block's features over and over) every row attends densely.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.sparse_engine import sparse_llm
+from tests.support.sparse_engine import small_window_runtime, sparse_llm
 from ucm_client.sparse.base import SparseMeta
 
 pytestmark = pytest.mark.vllm
@@ -31,7 +31,7 @@ SPARSE = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
-    from ucm_client.sparse.vllm_connector import kv_transfer_config
+    from ucm_client.sparse.vllm.connector import kv_transfer_config
 
     with sparse_llm(
         tmp_path_factory.mktemp("models"),
@@ -44,37 +44,23 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def _runtime(llm: Any, ratio: float, *, scheduler_channel: bool = True) -> Any:
-    from ucm_client.sparse.base import UcmSparseRole
-    from ucm_client.sparse.factory import UcmSparseFactory
-    from ucm_client.sparse.vllm_runtime import SparseWorkerRuntime
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
 
     class WithoutSchedulerChannel(SparseWorkerRuntime):
-        """Negative control: the worker never sees the scheduler's metadata (the old behaviour)."""
+        """Negative control: the worker never sees the scheduler's metadata."""
 
         def bind_step_meta(self, meta: SparseMeta | None) -> None:
             return None
 
-    method = UcmSparseFactory.create_sparse_method(
-        "ESA",
-        UcmSparseRole.WORKER,
-        {
-            "sparse_ratio": ratio,
-            "local_window_sz": 2,
-            "init_window_sz": 1,
-            "retrieval_stride": 4,
-            "min_blocks": 2,
-        },
-        min_seq_len=64,
-    )
     cls = SparseWorkerRuntime if scheduler_channel else WithoutSchedulerChannel
-    return cls(method, vllm_config=llm.ucm_runtime.vllm_config)
+    return small_window_runtime(llm, ratio, retrieval_stride=4, runtime_cls=cls)
 
 
 def _generate(llm: Any, runtime: Any) -> tuple[list[list[int]], int]:
     """Greedy answers to both questions, plus two seeded samples of the second; and the KV token count."""
     from vllm import SamplingParams
 
-    from ucm_client.sparse import vllm_runtime
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_runtime.install_runtime(runtime)
     llm.reset_prefix_cache()
@@ -90,7 +76,7 @@ def _generate(llm: Any, runtime: Any) -> tuple[list[list[int]], int]:
 
 
 def test_full_budget_with_prefix_caching_equals_dense_and_runs_scheduler_hooks(engine: Any) -> None:
-    from ucm_client.sparse.vllm_connector import scheduler_bridge
+    from ucm_client.sparse.vllm.connector import scheduler_bridge
 
     dense, _ = _generate(engine, None)
     bridge = scheduler_bridge()
@@ -103,7 +89,7 @@ def test_full_budget_with_prefix_caching_equals_dense_and_runs_scheduler_hooks(e
     assert bridge.trace["request_begin"] - before.get("request_begin", 0) == 3
     assert bridge.trace["build_sparse_meta"] - before.get("build_sparse_meta", 0) >= MAX_TOKENS
     assert bridge.trace["request_finished_in_scheduler"] - before.get("request_finished_in_scheduler", 0) == 3
-    assert runtime.trace[("row_key_fallback", -1)] == 0  # every row was named by its request id
+    assert runtime.trace[("row_unnamed", -1)] == 0  # every row was named by its request id
 
 
 def test_shared_prefix_keeps_per_request_state_and_builds_features_once(engine: Any) -> None:
@@ -112,7 +98,7 @@ def test_shared_prefix_keeps_per_request_state_and_builds_features_once(engine: 
     method = runtime.method
     assert all(len(s) == MAX_TOKENS for s in sparse)
     assert method.stats["sparse_rows"] > 0
-    assert runtime.trace[("row_key_fallback", -1)] == 0
+    assert runtime.trace[("row_unnamed", -1)] == 0
     # Each (request, layer) features each full block once: no more than the blocks that exist.
     built = method.stats["feature_blocks"]
     assert 0 < built <= LAYERS * final_blocks, (built, final_blocks)
@@ -121,17 +107,19 @@ def test_shared_prefix_keeps_per_request_state_and_builds_features_once(engine: 
     assert not method._states
     assert runtime.trace[("request_finished_in_worker", -1)] >= 3
 
-    # Negative control: the same run keyed by first block rebuilds features again and again.
+    # Negative control: without the scheduler's metadata no row is named; none is keyed by a block its
+    # prefix shares (that rebuilt features again and again: 1620 built against 108): all attend densely.
+    dense, _ = _generate(engine, None)
     control = _runtime(engine, 0.25, scheduler_channel=False)
-    _generate(engine, control)
-    assert control.trace[("row_key_fallback", -1)] > 0
-    # seen: 108 keyed by request, 1620 keyed by first block
-    assert control.method.stats["feature_blocks"] > 3 * built, (control.method.stats, built)
+    unnamed, _ = _generate(engine, control)
+    assert control.trace[("row_unnamed", -1)] > 0
+    assert control.method.stats["sparse_rows"] == control.method.stats["feature_blocks"] == 0
+    assert unnamed == dense
 
 
 def test_verify_patches_reports_the_scheduler_channel(engine: Any) -> None:
-    from ucm_client.sparse import vllm_runtime
-    from ucm_client.sparse.vllm_plugin import verify_patches
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
+    from ucm_client.sparse.vllm.plugin import verify_patches
 
     vllm_runtime.install_runtime(_runtime(engine, 1.0, scheduler_channel=False))
     _generate(engine, vllm_runtime.worker_runtime())

@@ -94,7 +94,7 @@ def run_long_requests(
     with in_process_engine_env():
         from vllm import LLM
 
-        from ucm_client.sparse import vllm_connector
+        from ucm_client.sparse.vllm import connector as vllm_connector
 
         cold = (
             None

@@ -18,7 +18,7 @@ from typing import Any
 
 from tests.support.tiny_llama import build_tiny_llama
 
-__all__ = ["in_process_engine_env", "run_vllm_script", "sparse_llm"]
+__all__ = ["in_process_engine_env", "run_vllm_script", "small_window_runtime", "sparse_llm"]
 
 
 @contextmanager
@@ -29,7 +29,8 @@ def in_process_engine_env(**extra: str) -> Iterator[None]:
     wanted.update(extra)
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
-    from ucm_client.sparse import vllm_plugin, vllm_runtime
+    from ucm_client.sparse.vllm import plugin as vllm_plugin
+    from ucm_client.sparse.vllm import runtime as vllm_runtime
 
     vllm_plugin.register()
     vllm_runtime.reset_runtime()
@@ -82,25 +83,63 @@ def run_vllm_script(workdir: Path, script: str, argv: list[str], *, timeout_s: f
 
 @contextmanager
 def sparse_llm(
-    models_dir: Path, *, layers: int, block_size: int, env: dict[str, str] | None = None, **llm_kwargs: Any
+    models_dir: Path,
+    *,
+    layers: int,
+    block_size: int,
+    env: dict[str, str] | None = None,
+    model: dict[str, Any] | None = None,
+    max_model_len: int = 2048,
+    **llm_kwargs: Any,
 ) -> Iterator[Any]:
-    """Yield an ``LLM`` with ``ucm_runtime`` (the runtime it built) and ``ucm_model_path`` attached."""
+    """Yield an ``LLM`` with ``ucm_runtime`` (the runtime it built) and ``ucm_model_path`` attached;
+    ``model``: the tiny Llama's shape (``build_tiny_llama``'s arguments), its defaults otherwise."""
     with in_process_engine_env(**(env or {})):
         from vllm import LLM
 
-        from ucm_client.sparse import vllm_runtime
+        from ucm_client.sparse.vllm import runtime as vllm_runtime
 
-        model = build_tiny_llama(models_dir, layers=layers)
+        path = build_tiny_llama(models_dir, layers=layers, **(model or {}))
         llm = LLM(
-            model=str(model),
+            model=str(path),
             enforce_eager=True,
             dtype="float32",
-            max_model_len=2048,
+            max_model_len=max_model_len,
             block_size=block_size,
             seed=0,
             **llm_kwargs,
         )
         llm.ucm_runtime = vllm_runtime.worker_runtime()
-        llm.ucm_model_path = model
+        llm.ucm_model_path = path
         yield llm
         del llm
+
+
+def small_window_runtime(
+    llm: Any,
+    ratio: float,
+    *,
+    name: str = "ESA",
+    retrieval_stride: int,
+    min_seq_len: int = 64,
+    runtime_cls: type | None = None,
+) -> Any:
+    """A worker runtime for ``llm`` running ``name`` at ``ratio`` with the small windows the tiny
+    prompts need (1 initial, 2 local, 2 blocks at least), dense below ``min_seq_len`` tokens."""
+    from ucm_client.sparse.base import UcmSparseRole
+    from ucm_client.sparse.factory import UcmSparseFactory
+    from ucm_client.sparse.vllm.runtime import SparseWorkerRuntime
+
+    method = UcmSparseFactory.create_sparse_method(
+        name,
+        UcmSparseRole.WORKER,
+        {
+            "sparse_ratio": ratio,
+            "local_window_sz": 2,
+            "init_window_sz": 1,
+            "retrieval_stride": retrieval_stride,
+            "min_blocks": 2,
+        },
+        min_seq_len=min_seq_len,
+    )
+    return (runtime_cls or SparseWorkerRuntime)(method, vllm_config=llm.ucm_runtime.vllm_config)

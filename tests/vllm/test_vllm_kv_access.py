@@ -20,7 +20,7 @@ import torch
 
 from ucm_client import BlockIO, UcmClient
 from ucm_client.cuda_ipc import CudaUnavailable, StreamMark
-from ucm_client.vllm import worker as worker_module
+from ucm_client.vllm import transfers as transfers_module
 from ucm_client.vllm.config import ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_order
 from ucm_client.vllm.kv_access import (
@@ -187,7 +187,7 @@ def test_refused_cuda_ipc_falls_back_to_staging_once(
 ) -> None:
     refused = RefusedCudaIpcDouble()
     assert isinstance(refused, KVAccess)
-    monkeypatch.setattr(worker_module, "choose_kv_access", lambda *a, **kw: refused)
+    monkeypatch.setattr(transfers_module, "choose_kv_access", lambda *a, **kw: refused)
     views = _views(torch.zeros(RAW_BYTES, dtype=torch.int8))
     _fill(views, 2, seed=2)
     config = ConnectorConfig(target=daemon.target, zero_copy=True, staging_buffer_gib=STAGING_GIB)
@@ -280,7 +280,7 @@ def _ordered_worker(
     )
     assert isinstance(chosen, SharedMemoryKV)
     double = StreamOrderDouble(chosen.memory, names)
-    monkeypatch.setattr(worker_module, "choose_kv_access", lambda *a, **kw: double)
+    monkeypatch.setattr(transfers_module, "choose_kv_access", lambda *a, **kw: double)
     fields = (("model", f"order-{layerwise}"),)
     keyspace = KeySpace(fields=fields, tp_size=1, layer_names=layer_order(names), layerwise=layerwise)
     config = ConnectorConfig(target=daemon.target, use_layerwise=layerwise)

@@ -1,7 +1,7 @@
 """Sparse attention for UCM: the ``UcmSparseBase`` lifecycle, the method factory and the built-ins.
 
 Importing this package does not import vLLM; the vLLM integration lives in
-:mod:`ucm_client.sparse.vllm_plugin` (``register()``, ``verify_patches()``) and is loaded only there.
+:mod:`ucm_client.sparse.vllm.plugin` (``register()``, ``verify_patches()``) and is loaded only there.
 """
 
 from ucm_client.sparse.base import (

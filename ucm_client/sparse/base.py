@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,13 +24,14 @@ from typing import Any, Protocol, final
 import torch
 
 from ucm_client.sparse.errors import SparseInputError, SparseRoleError, SparseSessionError
-from ucm_client.sparse.paged import PageLayout
+from ucm_client.sparse.kernels.paged import PageLayout
 from ucm_client.sparse.phase_clock import PhaseClock
 from ucm_client.sparse.session import ExecutionSession, check_tensor
 
 __all__ = [
     "PUBLIC_HOOKS",
     "AttentionInputs",
+    "HeadTables",
     "LayerSpec",
     "PagedAttentionMeta",
     "RequestSparseMeta",
@@ -37,7 +39,17 @@ __all__ = [
     "SparseRequest",
     "UcmSparseBase",
     "UcmSparseRole",
+    "layer_index",
 ]
+
+
+def layer_index(layer_name: str) -> int:
+    """``model.layers.7.self_attn.attn`` → 7 (the first integer path component): how vLLM's layer
+    names map to the layer indices methods and cold KV keep their state by."""
+    match = re.search(r"\.(\d+)\.", f".{layer_name}.")
+    if match is None:
+        raise SparseInputError(f"cannot find a layer index in layer name {layer_name!r}")
+    return int(match.group(1))
 
 
 class UcmSparseRole(enum.Enum):
@@ -119,8 +131,8 @@ class LayerSpec:
 class PagedAttentionMeta:
     """The backend-neutral view of a step's attention metadata for one layer.
 
-    Rows are requests. ``row_keys`` identify a row's request across steps (the request id when the
-    scheduler metadata is available, otherwise a stable surrogate the driver chooses).
+    Rows are requests. ``row_keys`` identify a row's request across steps (its request id); ``None``
+    marks a row whose request is unknown this step, which attends densely and leaves no state.
     """
 
     query_start_loc: torch.Tensor
@@ -130,7 +142,27 @@ class PagedAttentionMeta:
     block_table: torch.Tensor
     """``[num_rows, max_blocks]`` physical block ids per row."""
     num_actual_tokens: int
-    row_keys: Sequence[str]
+    row_keys: Sequence[str | None]
+    per_head: bool = False
+    """The backend can attend each KV head of a decode row to its own blocks (``HeadTables``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTables:
+    """Decode rows whose KV heads each attend to their own blocks.
+
+    ``block_table[i, h]`` lists the physical blocks KV head ``h`` of batch row ``rows[i]`` attends to
+    (padded past ``seq_lens[i]``'s blocks); every head of a row attends to ``seq_lens[i]`` tokens (the
+    same number of blocks, the partial last block last). The backend runs these rows in one kernel
+    call over the KV cache seen per (block, head) page.
+    """
+
+    rows: torch.Tensor
+    """``[S]`` batch rows."""
+    block_table: torch.Tensor
+    """``[S, kv_heads, k]`` physical block ids per row and KV head."""
+    seq_lens: torch.Tensor
+    """``[S]`` tokens every head of the row attends to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +170,9 @@ class AttentionInputs:
     """What ``attention_begin`` hands back to the backend.
 
     ``block_table`` / ``seq_lens`` are ``None`` to attend densely, or the per-row sparse replacement
-    (selected blocks in order, with ``seq_lens`` counting only the selected tokens).
+    (selected blocks in order, with ``seq_lens`` counting only the selected tokens). Rows listed in
+    ``head_tables`` attend per KV head; their row here is whatever is cheapest for the kernel's batch
+    call (their output is overwritten by the per-head call).
     """
 
     query: torch.Tensor
@@ -147,6 +181,7 @@ class AttentionInputs:
     output: torch.Tensor
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    head_tables: HeadTables | None = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

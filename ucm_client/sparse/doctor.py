@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from ucm_client.sparse.vllm_plugin import register, verify_patches
+from ucm_client.sparse.vllm.plugin import register, verify_patches
 
 __all__ = ["main"]
 

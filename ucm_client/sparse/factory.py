@@ -108,11 +108,11 @@ class UcmSparseFactory:
 
 
 for _name, _module, _cls in (
-    ("ESA", "ucm_client.sparse.esa", "ESA"),
-    ("GSA", "ucm_client.sparse.gsa", "GSA"),
-    ("GSAOnDevice", "ucm_client.sparse.gsa", "GSAOnDevice"),
-    ("KVStarMultiStep", "ucm_client.sparse.kvstar", "KVStarMultiStep"),
-    ("Blend", "ucm_client.sparse.blend", "Blend"),
-    ("ReRoPE", "ucm_client.sparse.rerope", "ReRoPE"),
+    ("ESA", "ucm_client.sparse.methods.esa", "ESA"),
+    ("GSA", "ucm_client.sparse.methods.gsa", "GSA"),
+    ("GSAOnDevice", "ucm_client.sparse.methods.gsa", "GSAOnDevice"),
+    ("KVStarMultiStep", "ucm_client.sparse.methods.kvstar", "KVStarMultiStep"),
+    ("Blend", "ucm_client.sparse.methods.blend", "Blend"),
+    ("ReRoPE", "ucm_client.sparse.methods.rerope", "ReRoPE"),
 ):
     UcmSparseFactory.register_sparse_method(_name, _module, _cls)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ucm_client.sparse.kernels import dense_decode_attention, group_query, per_head_sparse_attention
+from ucm_client.sparse.kernels.attention import dense_decode_attention, group_query, per_head_sparse_attention
 from ucm_client.sparse.testing import NeedleCase, relative_error
 
 __all__ = [

@@ -147,7 +147,14 @@ class ConnectorConfig:
     """Seed store list (``store_pipeline``, ``storage_backends``...): daemon settings, not ours."""
 
     ucm_sparse_config: Mapping[str, Any] = field(default_factory=dict)
-    """Sparse-attention algorithms and their settings, read by ``ucm_client.sparse``."""
+    """Sparse-attention algorithms and their settings, read by ``ucm_client.sparse``. Present here (or
+    in ``$UCM_SPARSE_CONFIG``), it makes this connector carry sparse attention's scheduler → worker
+    channel too: prefix storage plus sparse attention is this one connector."""
+
+    cold_kv: Mapping[str, Any] = field(default_factory=dict)
+    """Cold KV (``ucm_client.sparse.coldkv``): a long sparse request's unselected blocks go to
+    ``ucm-server`` and leave vLLM's pool (``target`` required; needs ``scheduler_cls`` =
+    ``ucm_client.sparse.coldkv_scheduler.ColdKVScheduler``). Empty: off."""
 
     metrics_config_path: str | None = None
     """Seed option; connector metrics go through vLLM's connector stats instead."""
@@ -167,6 +174,8 @@ class ConnectorConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _HINTS = get_type_hints(ConnectorConfig)
 _ENV_ALIASES = {"UCM_SOCKET": "target", "UCM_TARGET": "target"}
+_STRUCTURED = ("ucm_sparse_config", "cold_kv")
+"""Mapping settings whose ``None`` (an empty YAML section) means empty."""
 _OPTIONAL_STRINGS = (
     "target",
     "model_id",
@@ -190,14 +199,14 @@ def _settle(name: str, value: Any, where: str) -> Any:
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Convert ``value`` to the type of field ``name`` (strings from env or YAML are parsed)."""
     where = f"{source}: {name}"
-    if name == "ucm_sparse_config" and value is None:
+    if name in _STRUCTURED and value is None:
         return {}
     return _settle(name, coerce(_HINTS[name], value, where, source="structured"), where)
 
 
 def _layer(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Validate one source's keys and values."""
-    raw = {k: ({} if k == "ucm_sparse_config" and v is None else v) for k, v in raw.items()}
+    raw = {k: ({} if k in _STRUCTURED and v is None else v) for k, v in raw.items()}
     values = load_fields(
         ConnectorConfig,
         raw,
@@ -219,7 +228,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
             name = var[4:].lower()
         else:
             continue
-        if name in ("ucm_connectors", "ucm_sparse_config"):
+        if name in ("ucm_connectors", *_STRUCTURED):
             raise ConfigError(f"environment: {var}: structured settings belong in {CONFIG_FILE_ENV}")
         out[name] = _coerce(name, value, f"environment {var}")
     if "UCM_TARGET" in environ and "UCM_SOCKET" in environ:

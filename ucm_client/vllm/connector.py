@@ -10,6 +10,10 @@ vLLM builds one instance per process and role: the SCHEDULER one delegates to ``
 (lookups, load grants, save plans), each WORKER one to ``UcmWorker`` (byte movement on its TP
 rank's shard). ``UcmConnectorMetadata`` is the only thing passed between them, as vLLM intends.
 Methods of the other role are harmless no-ops, so vLLM's call order never trips an assertion.
+
+With ``ucm_sparse_config`` in the extra config (or ``$UCM_SPARSE_CONFIG``) it also carries sparse
+attention's scheduler → worker channel (``ucm_client.sparse.vllm.channel``), and with ``cold_kv``
+cold KV's orders: prefix storage plus sparse attention is this one connector.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm_client import tracing
+from ucm_client.sparse.coldkv.orders import ColdKVConfig, ColdStepPlanner
+from ucm_client.sparse.config import BlockBudget
+from ucm_client.sparse.vllm.channel import SparseChannel
 from ucm_client.vllm.config import LOGGER_NAME, ConfigError, ConnectorConfig, load_config
 from ucm_client.vllm.identity import KeySpace, check_hash_stability
 from ucm_client.vllm.kv_events import EventForwarder, forwarder_for
@@ -85,6 +92,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     window's blocks) and passes block ids per KV cache group; each group is stored apart.
     """
 
+    carries_sparse_channel = True
+    """Sparse attention may run in an engine with this connector (its metadata carries the channel)."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -102,6 +112,12 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: UcmScheduler | None = None
         self._worker: UcmWorker | None = None
         self._events: EventForwarder | None = None
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self._sparse = (
+            SparseChannel(vllm_config, role == KVConnectorRole.SCHEDULER, extra)
+            if SparseChannel.wanted(extra)
+            else None
+        )
         if role == KVConnectorRole.SCHEDULER:
             self._set_failure_policy(transfer)
             self._scheduler = UcmScheduler(vllm_config, keyspace, self.ucm_config)
@@ -128,6 +144,27 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def worker(self) -> UcmWorker | None:
         return self._worker
 
+    # ------------------------------------------------------------------ sparse attention, cold KV
+
+    @property
+    def cold_config(self) -> ColdKVConfig | None:
+        """The ``cold_kv`` setting (``None``: off); read by ``ColdKVScheduler``."""
+        return self._sparse.cold_config if self._sparse is not None else None
+
+    def sparse_budget(self) -> BlockBudget | None:
+        return self._sparse.sparse_budget() if self._sparse is not None else None
+
+    def attach_cold_planner(self, planner: ColdStepPlanner) -> None:
+        if self._sparse is None:
+            raise ConfigError("cold KV needs ucm_sparse_config and cold_kv in kv_connector_extra_config")
+        self._sparse.attach_cold_planner(planner)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        step = connector_metadata.sparse if isinstance(connector_metadata, UcmConnectorMetadata) else None
+        if self._sparse is not None and step is not None:
+            self._sparse.bind(step)
+
     # ------------------------------------------------------------------ worker role
 
     def get_mem_pool_context(self) -> Any:
@@ -135,7 +172,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
-            self._worker.register_kv_caches(kv_caches)
+            self._worker.register_kv_caches(kv_caches)  # CPU zero copy may move them: same tensors
+        if self._sparse is not None:
+            self._sparse.register_kv_caches(kv_caches)
 
     def unregister_kv_caches(self) -> None:
         """vLLM 0.33 (sleep, discard): the KV memory is about to be unmapped; stop using it first."""
@@ -207,9 +246,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             return UcmConnectorMetadata()
         with self._scheduler.stats.timed():
-            return self._scheduler.build_connector_meta(scheduler_output)
+            meta = self._scheduler.build_connector_meta(scheduler_output)
+        if self._sparse is not None:
+            meta.sparse = self._sparse.step(scheduler_output)
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sparse is not None:
+            self._sparse.finish(request.request_id)
         if self._scheduler is None:
             return False, None
         with self._scheduler.stats.timed():
@@ -263,6 +307,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._sparse is not None:
+            self._sparse.shutdown()
 
 
 def _tp_rank() -> int:

@@ -8,8 +8,12 @@ not, since each worker derives its own (its TP rank is part of it), with the tra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from ucm_client.sparse.vllm.channel import SparseStep
 
 __all__ = ["BlockTransfer", "UcmConnectorMetadata"]
 
@@ -47,3 +51,7 @@ class UcmConnectorMetadata(KVConnectorMetadata):
     """Hybrid models only: the blocks vLLM handed out this step. vLLM frees a sliding-window block
     as soon as it leaves the window, while the request still runs, so a dump still reading it must
     finish before this step's forward writes into it again."""
+
+    sparse: SparseStep | None = None
+    """Sparse attention's orders for this step, when the connector carries its channel
+    (``ucm_sparse_config`` set): which request each batch row is, retrievals, cold KV."""

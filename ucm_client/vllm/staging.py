@@ -1,11 +1,12 @@
 """A shared-memory bounce buffer for KV caches the daemon cannot map (GPU memory, or zero-copy off).
 
 The daemon copies only between its tiers and registered host memory. When vLLM's KV cache is not in
-such memory (CUDA, where ``ucm_client`` has no CUDA IPC regions yet), blocks go through a fixed pool
-of slots in one ``SharedBuffer``: a load lands in slots and is then copied into the KV cache; a save
-is copied out of the KV cache into slots first (so vLLM may reuse its blocks at once) and dumped
-from there. A slot holds one block laid out exactly as the zero-copy path stores it (every layer's
-page in address order), so blocks saved by either path load in the other.
+such memory (CUDA, where ``ucm_client`` has no CUDA IPC regions yet), blocks go through the slots of
+the client's one :class:`~ucm_client.mover.BlockMover`: a load lands in slots and is then copied into
+the KV cache; a save is copied out of the KV cache into slots first (so vLLM may reuse its blocks at
+once) and dumped from there. A slot holds one block laid out exactly as the zero-copy path stores it
+(every layer's page in address order), so blocks saved by either path load in the other. The worker
+sends and waits for the tasks itself (its loads and saves are polled across steps).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ucm_client import Segment, SharedBuffer
+from ucm_client.mover import BlockMover
 
 __all__ = ["StagingArea"]
 
 
 class StagingArea:
-    """``num_slots`` block-sized slots of shared memory, and copies between them and the KV cache."""
+    """Block-sized slots of a :class:`BlockMover`, and which KV pages make up a block."""
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], buffer_bytes: int):
         unique: dict[int, torch.Tensor] = {}
@@ -29,63 +31,49 @@ class StagingArea:
                 raise RuntimeError(f"{name}: a block's page is not contiguous (strides {tensor.stride()})")
             unique.setdefault(tensor.data_ptr(), tensor)
         self._layers = [unique[ptr] for ptr in sorted(unique)]
-        self._pages = [t[0].numel() * t.element_size() for t in self._layers]
-        self.block_bytes = sum(self._pages)
+        self.block_bytes = sum(t[0].numel() * t.element_size() for t in self._layers)
         self.num_blocks = min(t.shape[0] for t in self._layers)
-        self.num_slots = buffer_bytes // self.block_bytes
-        if self.num_slots < 1:
+        num_slots = buffer_bytes // self.block_bytes
+        if num_slots < 1:
             raise RuntimeError(
                 f"staging buffer of {buffer_bytes} bytes cannot hold one {self.block_bytes}-byte block"
             )
-        self.buffer = SharedBuffer(self.num_slots * self.block_bytes)
-        self._host = torch.frombuffer(self.buffer.buf, dtype=torch.uint8, count=self.buffer.size)
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._device = self._layers[0].device
+        self.mover = BlockMover(self.block_bytes, num_slots, label="vllm-kv-staging")
+
+    @property
+    def num_slots(self) -> int:
+        return self.mover.num_slots
+
+    @property
+    def buffer(self) -> SharedBuffer:
+        return self.mover.buffer
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        return self.mover.free_slots
 
     def acquire(self, count: int) -> list[int] | None:
         """``count`` free slots, or None if the pool is short (the caller skips or recomputes)."""
-        if count > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(count)]
+        return self.mover.acquire(count)
 
     def release(self, slots: Sequence[int]) -> None:
-        self._free.extend(slots)
+        self.mover.release(slots)
 
     def segments(self, region: int, slot: int) -> tuple[Segment, ...]:
-        return (Segment(region, slot * self.block_bytes, self.block_bytes),)
+        return self.mover.segments(region, slot)
 
-    def _pieces(self, slot: int, block_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _pages(self, block_id: int) -> list[torch.Tensor]:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")
-        pieces = []
-        offset = slot * self.block_bytes
-        for layer, page in zip(self._layers, self._pages, strict=True):
-            device_page = layer[block_id].view(torch.uint8).reshape(-1)
-            pieces.append((device_page, self._host[offset : offset + page]))
-            offset += page
-        return pieces
+        return [layer[block_id] for layer in self._layers]
 
     def to_kv(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy loaded slots into vLLM's blocks (and wait, so the forward sees them)."""
-        for slot, block_id in zip(slots, block_ids, strict=True):
-            for device_page, host_page in self._pieces(slot, block_id):
-                device_page.copy_(host_page, non_blocking=True)
-        self._sync()
+        self.mover.copy_out(slots, [self._pages(b) for b in block_ids])
 
     def from_kv(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Copy vLLM's blocks into slots (and wait, so the daemon reads finished bytes)."""
-        for slot, block_id in zip(slots, block_ids, strict=True):
-            for device_page, host_page in self._pieces(slot, block_id):
-                host_page.copy_(device_page, non_blocking=True)
-        self._sync()
+        self.mover.copy_in(slots, [self._pages(b) for b in block_ids])
 
     def slot_bytes(self, slot: int) -> bytes:
-        return bytes(self.buffer.buf[slot * self.block_bytes : (slot + 1) * self.block_bytes])
-
-    def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
+        return bytes(self.mover.slot(slot).numpy())

@@ -49,7 +49,7 @@ def block_max_logits(
     shrink: np.ndarray,
     block_size: int,
     out: np.ndarray,
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_token_max
+) -> None:  # pragma: no cover - compiled; tested through kernels.attention.channel_token_max
     """``out[x, h, b] = max over tokens t of block b of shrink[h, t] * Σ_j w[x,h,j] · k[h, c[x,h,j], t]``.
 
     ``codes`` int8 ``[H, C, m * block_size]`` with ``k = codes * scales[h, c, block]``; ``scales``
@@ -189,6 +189,34 @@ def top_blocks(scores: np.ndarray, num_blocks: int, keep: int, init: int, local:
 @njit(  # type: ignore[untyped-decorator]
     cache=True, nogil=True, fastmath=False, boundscheck=False
 )
+def top_blocks_per_head(
+    scores: np.ndarray, num_blocks: int, keep: int, init: int, local: int, out: np.ndarray
+) -> int:  # pragma: no cover - compiled; tested against kernels.attention.select_blocks_per_head
+    """``select_blocks_per_head`` of ``scores`` float32 ``[H, full]`` padded to ``num_blocks`` in one
+    call: per KV head the first ``init`` and last ``local`` blocks forced in and the ``keep`` best
+    (at least the windows) written to ``out[h]`` in ascending order; returns the count per head."""
+    heads, full = scores.shape
+    first = min(init, num_blocks)
+    local_start = max(first, num_blocks - local)
+    count = min(max(keep, first + num_blocks - local_start), num_blocks)
+    row = np.empty(num_blocks, np.float32)
+    for h in range(heads):
+        for b in range(num_blocks):
+            row[b] = scores[h, b] if b < full else -np.inf
+        for b in range(first):
+            row[b] = np.inf
+        for b in range(local_start, num_blocks):
+            row[b] = np.inf
+        order = np.argsort(-row, kind="mergesort")
+        chosen = np.sort(order[:count])
+        for i in range(count):
+            out[h, i] = chosen[i]
+    return count
+
+
+@njit(  # type: ignore[untyped-decorator]
+    cache=True, nogil=True, fastmath=False, boundscheck=False
+)
 def unit_directions(query: np.ndarray, heads: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """``out[h]``: the unit direction of KV head ``h``'s summed query group (``query`` ``[num_heads, D]``
     float32), the anchor a drift check compares the next query with."""
@@ -221,7 +249,7 @@ def _popcount(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
 )
 def block_min_hamming(
     words: np.ndarray, query: np.ndarray, mask: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.gsa
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.methods.gsa
     """``out[h, b] = min over tokens t of block b of popcount((words[b, t, h] ^ query[h]) & mask[h])``.
 
     GSA's retrieval in one pass over its packed codes (``words`` uint64 ``[m, block_size, H, W]``,
@@ -298,7 +326,7 @@ def hash_block_scores(
 )
 def code_blocks(
     keys: np.ndarray, block_size: int, codes: np.ndarray, scales: np.ndarray, sq_norms: np.ndarray
-) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.channel_codes
+) -> None:  # pragma: no cover - compiled; tested through ucm_client.sparse.kernels.attention.channel_codes
     """Code whole blocks of token-major float32 ``keys`` ``[m * block_size, H, C]`` in two passes per
     block that stay in cache: ``codes`` int8 ``[H, C, n]`` (round half to even, as torch rounds),
     ``scales`` float32 ``[H, C, m]`` (the block's largest magnitude / 127), ``sq_norms`` float32
@@ -364,6 +392,7 @@ def compile_now() -> None:
         out,
     )
     top_blocks(np.zeros((1, 1), np.float32), 2, 1, 1, 1, np.empty(2, np.int64))
+    top_blocks_per_head(np.zeros((1, 1), np.float32), 2, 1, 1, 1, np.empty((1, 2), np.int64))
     unit_directions(np.ones((1, 4), np.float32), 1, np.empty((1, 4), np.float32))
     words = np.zeros((1, 1, 1, 1), np.uint64)
     block_min_hamming(words, words[0, 0], words[0, 0], np.empty((1, 1), np.int64))

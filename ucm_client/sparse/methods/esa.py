@@ -6,7 +6,7 @@ approximate logit, and a block scores its best token, so one needle token is eno
 block (a mean key dilutes it 1:block_size: measured recall 0.5 on single-token needles). The top
 blocks, plus the initial and local windows, are attended exactly. Retrieval runs every
 ``retrieval_stride`` decode steps, and earlier when the query drifts (``drift_cosine``). Where
-blocks live off-device (in the UCM daemon), :mod:`ucm_client.sparse.esa_offload` fetches the
+blocks live off-device (in the UCM daemon), cold KV (:mod:`ucm_client.sparse.coldkv`) loads the
 selected ones that are not resident.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import channel_token_max, group_query
+from ucm_client.sparse.kernels.attention import channel_token_max, group_query
+from ucm_client.sparse.methods.block_sparse import ChannelMajorFeatures, DecodeState
 
 __all__ = ["ESA", "EsaSpec"]
 

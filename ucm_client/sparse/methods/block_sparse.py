@@ -20,6 +20,7 @@ import torch
 
 from ucm_client.sparse.base import (
     AttentionInputs,
+    HeadTables,
     LayerSpec,
     PagedAttentionMeta,
     RequestSparseMeta,
@@ -30,7 +31,7 @@ from ucm_client.sparse.base import (
 )
 from ucm_client.sparse.config import BlockBudget
 from ucm_client.sparse.errors import SparseInputError
-from ucm_client.sparse.kernels import (
+from ucm_client.sparse.kernels.attention import (
     ChannelCodes,
     aggregate_heads,
     blocks_to_tokens,
@@ -42,8 +43,14 @@ from ucm_client.sparse.kernels import (
     select_blocks_per_head,
     sparse_decode_attention,
 )
-from ucm_client.sparse.paged import read_request_kv
-from ucm_client.sparse.score_kernel import compile_now, grouped_block_max, top_blocks, unit_directions
+from ucm_client.sparse.kernels.paged import read_request_kv
+from ucm_client.sparse.kernels.scoring import (
+    compile_now,
+    grouped_block_max,
+    top_blocks,
+    top_blocks_per_head,
+    unit_directions,
+)
 
 __all__ = [
     "BlockResolver",
@@ -58,7 +65,7 @@ __all__ = [
 class BlockResolver(Protocol):
     """Where a selected block's KV is for the kernel, when some blocks live outside vLLM's cache.
 
-    Cold KV (:class:`~ucm_client.sparse.coldkv_worker.ColdKVWorker`) implements it: a request's cold
+    Cold KV (:class:`~ucm_client.sparse.coldkv.worker.ColdKVWorker`) implements it: a request's cold
     blocks are loaded into its scratch blocks and the table points there instead.
     """
 
@@ -269,12 +276,16 @@ class BlockSparseMethod(UcmSparseBase):
         block_scores = self._score(self._queries_for_retrieval(state), state.features, state)
         heads = block_scores.shape[0]
         init, local = self._budget.init_window_sz, self._budget.local_window_sz
-        if not per_head and block_scores.device.type == "cpu":
-            chosen = torch.empty(num_blocks, dtype=torch.int64)  # one compiled call, the host's case
-            count = top_blocks(
-                block_scores.float().contiguous().numpy(), num_blocks, keep, init, local, chosen.numpy()
-            )
-            state.selection = chosen[:count]
+        if block_scores.device.type == "cpu":  # one compiled call, the host's case
+            host = block_scores.float().contiguous().numpy()
+            if per_head:
+                chosen = torch.empty(heads, num_blocks, dtype=torch.int64)
+                count = top_blocks_per_head(host, num_blocks, keep, init, local, chosen.numpy())
+                state.selection = chosen[:, :count]
+            else:
+                chosen = torch.empty(num_blocks, dtype=torch.int64)
+                count = top_blocks(host, num_blocks, keep, init, local, chosen.numpy())
+                state.selection = chosen[:count]
         else:
             scores = torch.full((heads, num_blocks), float("-inf"), dtype=torch.float32, device=device)
             scores[:, :full] = block_scores
@@ -415,11 +426,11 @@ class BlockSparseMethod(UcmSparseBase):
         selections: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
         pending = self._pending_features[spec.layer_idx] = []
         for row, row_key in enumerate(meta.row_keys):
-            self._rows_seen.add(row_key)
             n = int(seq_lens[row])
-            if n < max(self.min_seq_len, 1):
+            if row_key is None or n < max(self.min_seq_len, 1):
                 self.stats["dense_rows"] += 1
-                continue  # short: dense, and no features yet
+                continue  # unknown request, or short: dense, and no features yet
+            self._rows_seen.add(row_key)
             num_blocks = -(-n // spec.block_size)
             blocks = meta.block_table[row, :num_blocks]
             state = self._row_state(row_key, spec.layer_idx, blocks)
@@ -442,6 +453,7 @@ class BlockSparseMethod(UcmSparseBase):
                 spec.block_size,
                 read_keys,
                 retrieve=None if row_meta is None else row_meta.retrieve,
+                per_head=meta.per_head,
                 written_tokens=n - 1,  # this step's key reaches the cache during attention
             )
             self.clock.add("selection", time.perf_counter() - start)
@@ -450,21 +462,39 @@ class BlockSparseMethod(UcmSparseBase):
                 new_lens = meta.seq_lens.clone()
             assert new_lens is not None
             selections.append((row, row_key, sel, blocks))
-            new_lens[row] = (sel.numel() - 1) * spec.block_size + (n - (num_blocks - 1) * spec.block_size)
+            tail = n - (num_blocks - 1) * spec.block_size  # tokens in the partial last block
+            # Per KV head: the row's own batch call attends its last block only (its output is
+            # overwritten by the per-head call), so it costs the kernel next to nothing.
+            kept = 1 if sel.dim() == 2 else sel.numel()
+            new_lens[row] = (kept - 1) * spec.block_size + tail
             self.stats["sparse_rows"] += 1
-        if new_table is not None:
-            # All rows' selections at once: a resolver that loads blocks does it in one batched task.
-            resolver = self.block_resolver
-            physical = (
-                [blocks[sel] for _, _, sel, blocks in selections]
-                if resolver is None
-                else resolver.resolve_rows(
-                    spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
-                )
+        if new_table is None or new_lens is None:
+            return AttentionInputs(query, key, value, output)
+        # All rows' selections at once: a resolver that loads blocks does it in one batched task.
+        resolver = self.block_resolver
+        physical = (
+            [blocks[sel] for _, _, sel, blocks in selections]
+            if resolver is None
+            else resolver.resolve_rows(
+                spec.layer_idx, [(key, sel, blocks) for _, key, sel, blocks in selections]
             )
-            for (row, _, sel, _), ids in zip(selections, physical, strict=True):
+        )
+        heads: list[tuple[int, torch.Tensor]] = []
+        for (row, _, sel, blocks), ids in zip(selections, physical, strict=True):
+            if sel.dim() == 2:
+                new_table[row, 0] = blocks[-1]  # the local window's last block: never cold
+                heads.append((row, ids))
+            else:
                 new_table[row, : sel.numel()] = ids
-        return AttentionInputs(query, key, value, output, block_table=new_table, seq_lens=new_lens)
+        return AttentionInputs(
+            query,
+            key,
+            value,
+            output,
+            block_table=new_table,
+            seq_lens=new_lens,
+            head_tables=_head_tables(heads, new_lens, spec.block_size) if heads else None,
+        )
 
     def _row_state(self, row_key: str, layer_idx: int, blocks: torch.Tensor) -> DecodeState:
         state = self._states.setdefault((row_key, layer_idx), DecodeState())
@@ -548,7 +578,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
         scale: float,
     ) -> torch.Tensor:
         """``scale`` × each block's best approximate logit ``[G, H, m]`` for ``queries`` ``[G, num_heads,
-        D]`` in one compiled call (:func:`~ucm_client.sparse.score_kernel.grouped_block_max`);
+        D]`` in one compiled call (:func:`~ucm_client.sparse.kernels.scoring.grouped_block_max`);
         ``dims`` ``[H, R]`` names the query channel of each feature row."""
         block_size = int(state.aux["block_size"])
         out = torch.empty(queries.shape[0], features.shape[0], features.shape[-1] // block_size)
@@ -571,7 +601,7 @@ class ChannelMajorFeatures(BlockSparseMethod):
 
     @staticmethod
     def _shrink(features: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Each featured token's :func:`~ucm_client.sparse.kernels.norm_shrink` factor ``[H, n]``.
+        """Each featured token's :func:`~ucm_client.sparse.kernels.attention.norm_shrink` factor ``[H, n]``.
 
         Recomputed only when tokens were featured since the last retrieval (the median moves only
         then), so most retrievals read them instead of recomputing them.
@@ -581,6 +611,19 @@ class ChannelMajorFeatures(BlockSparseMethod):
         if shrink is None or shrink.shape[-1] != n:
             state.aux["shrink"] = shrink = norm_shrink(state.aux["sq_norms"])
         return shrink
+
+
+def _head_tables(rows: list[tuple[int, torch.Tensor]], lens: torch.Tensor, block_size: int) -> HeadTables:
+    """The per-KV-head rows of a step: each row's ``[kv_heads, k]`` physical blocks, padded to the
+    longest; every head of a row attends ``k - 1`` full blocks and the row's partial last one."""
+    longest = max(ids.shape[-1] for _, ids in rows)
+    table = torch.zeros(len(rows), rows[0][1].shape[0], longest, dtype=torch.int32)
+    seq_lens = torch.empty(len(rows), dtype=torch.int32)
+    for i, (row, ids) in enumerate(rows):
+        table[i, :, : ids.shape[-1]] = ids
+        seq_lens[i] = (ids.shape[-1] - 1) * block_size + int(lens[row])  # lens holds the tail now
+    index = torch.tensor([row for row, _ in rows], dtype=torch.int64)
+    return HeadTables(rows=index, block_table=table, seq_lens=seq_lens)
 
 
 def _min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:

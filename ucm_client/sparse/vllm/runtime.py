@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,11 +24,13 @@ from ucm_client.sparse.base import (
     SparseMeta,
     UcmSparseBase,
     UcmSparseRole,
+    layer_index,
 )
 from ucm_client.sparse.config import UcmSparseConfig, load_sparse_config
-from ucm_client.sparse.errors import SparseInputError
+from ucm_client.sparse.errors import SparseConfigError
 from ucm_client.sparse.factory import UcmSparseFactory
-from ucm_client.sparse.paged import detect_page_layout
+from ucm_client.sparse.kernels.paged import detect_page_layout
+from ucm_client.sparse.vllm.carrier import channel_problem
 
 __all__ = [
     "SparseWorkerRuntime",
@@ -44,14 +45,6 @@ _RUNTIME: SparseWorkerRuntime | None = None
 _EXPLICIT = False
 TRACE_ENV = "UCM_SPARSE_TRACE"
 """If set, each worker writes its hook counts (JSON) to this path after every step."""
-
-
-def layer_index(layer_name: str) -> int:
-    """``model.layers.7.self_attn.attn`` → 7 (the first integer path component)."""
-    match = re.search(r"\.(\d+)\.", f".{layer_name}.")
-    if match is None:
-        raise SparseInputError(f"cannot find a layer index in layer name {layer_name!r}")
-    return int(match.group(1))
 
 
 class SparseWorkerRuntime:
@@ -69,11 +62,17 @@ class SparseWorkerRuntime:
         self._trace_path = os.environ.get(TRACE_ENV)
         self._step_meta: SparseMeta | None = None
         self._step_start = 0.0
+        self._step_cpu_start = 0.0
         self._decode_only = False
         self.step_memo: dict[Any, Any] = {}
         """Values every layer of one step can share (the attention backend's); emptied each step."""
         self.decode_step_s: list[float] = []
         """Wall time of each decode-only step, first attention layer to last (what benchmarks read)."""
+        self.decode_step_cpu_s: list[float] = []
+        """The same steps' CPU time of this process: what a step costs whatever else the machine runs."""
+        self.per_head = True
+        """Let each KV head attend to its own blocks where the backend can (False: one block table
+        for all heads of a row, as vLLM's kernel takes it; kept to measure what per-head buys)."""
 
     def bind_step_meta(self, meta: SparseMeta | None) -> None:
         """The scheduler's metadata for the next step (from the sparse connector), before the forward.
@@ -125,12 +124,14 @@ class SparseWorkerRuntime:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         num_actual_tokens: int,
+        per_head: bool = False,
     ) -> AttentionInputs:
         idx = layer_index(layer_name)
         if not self._registered:
             self._register(layer_name, kv_cache, key[0], int(slot_mapping[0]), num_heads)
         if not self.method.session.is_open:
             self._step_start = time.perf_counter()
+            self._step_cpu_start = time.process_time()
             self._decode_only = num_actual_tokens == int(seq_lens.numel())
             self.step_memo.clear()
             self.method.execute_begin(self._step_meta)
@@ -142,6 +143,7 @@ class SparseWorkerRuntime:
             block_table=block_table[: seq_lens.numel()],
             num_actual_tokens=num_actual_tokens,
             row_keys=row_keys,
+            per_head=per_head and self.per_head,
         )
         start = time.perf_counter()
         inputs = self.method.attention_begin(idx, query, key, value, meta, output=output)
@@ -149,17 +151,18 @@ class SparseWorkerRuntime:
         self.trace[("attention_begin", idx)] += 1
         if inputs.block_table is not None:
             self.trace[("sparse_rewrite", idx)] += 1
+        if inputs.head_tables is not None:
+            self.trace[("per_head_rows", idx)] += int(inputs.head_tables.rows.numel())
         return inputs
 
-    def _row_keys(self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[str]:
-        """Request id per batch row, from the block each row writes this step (see ``SparseMeta``).
-
-        Without the scheduler channel a row is known by its first physical block: stable for one
-        request, but shared by every request with the same prefix under prefix caching.
-        """
+    def _row_keys(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> list[str | None]:
+        """Request id per batch row, from the block each row writes this step (see ``SparseMeta``);
+        ``None`` for a row no scheduled request writes into (it attends densely, keeps no state)."""
         memo_key = ("row_keys", id(block_table), id(seq_lens))
         if memo_key in self.step_memo:  # every layer of a step sees the same rows
-            keys: list[str] = self.step_memo[memo_key]
+            keys: list[str | None] = self.step_memo[memo_key]
             return keys
         keys = self._derive_row_keys(block_table, seq_lens, block_size)
         self.step_memo[memo_key] = keys
@@ -167,22 +170,21 @@ class SparseWorkerRuntime:
 
     def _derive_row_keys(
         self, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-    ) -> list[str]:
+    ) -> list[str | None]:
         rows = int(seq_lens.numel())
         meta = self._step_meta
         if meta is None or not meta.write_blocks:
-            self.trace[("row_key_fallback", -1)] += rows
-            return [f"blk{int(b)}" for b in block_table[:rows, 0].tolist()]
+            # No scheduler metadata this step: no row can be named. Never key a row by its blocks
+            # (requests sharing a prefix share them): attend densely instead, and count it.
+            self.trace[("row_unnamed", -1)] += rows
+            return [None] * rows
         last = ((seq_lens[:rows].to(torch.int64) - 1).clamp_min(0) // block_size)[:, None]
         written = block_table[:rows].to(torch.int64).gather(1, last).flatten().tolist()
-        keys: list[str] = []
-        for row, block in enumerate(written):
+        keys: list[str | None] = []
+        for block in written:
             req_id = meta.write_blocks.get(int(block))
-            if req_id is None:
-                # No scheduled request writes there (a vLLM path the bridge does not model): fall back
-                # for this row rather than fail the step, and count it.
-                self.trace[("row_key_fallback", -1)] += 1
-                req_id = f"blk{int(block_table[row, 0])}"
+            if req_id is None:  # a vLLM path the bridge does not model: dense for this row, counted
+                self.trace[("row_unnamed", -1)] += 1
             keys.append(req_id)
         return keys
 
@@ -200,6 +202,7 @@ class SparseWorkerRuntime:
             self._step_meta = None
             if self._decode_only:
                 self.decode_step_s.append(time.perf_counter() - self._step_start)
+                self.decode_step_cpu_s.append(time.process_time() - self._step_cpu_start)
                 clock.add("step", self.decode_step_s[-1])
             clock.end_step(keep=self._decode_only)
             self.trace[("execute_finished", -1)] += 1
@@ -245,6 +248,8 @@ def runtime_for_engine(vllm_config: Any) -> SparseWorkerRuntime | None:
     Built from that engine's ``ucm_sparse_config`` (``$UCM_SPARSE_CONFIG`` first, then the
     connector's extra config), once per engine: a second engine in the same process gets its own,
     never the first one's caches. A pinned runtime (:func:`install_runtime`) is kept and bound.
+    Refuses (``SparseConfigError``, naming the configuration to use) an engine whose connector does
+    not carry the scheduler's metadata: its rows could not be keyed by request.
     """
     global _RUNTIME
     if _EXPLICIT or (_RUNTIME is not None and _RUNTIME.vllm_config is vllm_config):
@@ -254,6 +259,9 @@ def runtime_for_engine(vllm_config: Any) -> SparseWorkerRuntime | None:
     config = load_sparse_config(_extra_config(vllm_config))
     _RUNTIME = None
     if config is not None and config.enabled:
+        problem = channel_problem(vllm_config, config)
+        if problem is not None:
+            raise SparseConfigError(problem)
         method = UcmSparseFactory.from_config(config, UcmSparseRole.WORKER)
         _RUNTIME = SparseWorkerRuntime(method, config, vllm_config=vllm_config)
     return _RUNTIME

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ucm_client.sparse.block_sparse import BlockSparseMethod, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import group_query
-from ucm_client.sparse.score_kernel import block_min_hamming, hash_block_scores
+from ucm_client.sparse.kernels.attention import group_query
+from ucm_client.sparse.kernels.scoring import block_min_hamming, hash_block_scores
+from ucm_client.sparse.methods.block_sparse import BlockSparseMethod, DecodeState
 
 __all__ = ["GSA", "GSAOnDevice", "GsaSpec", "hamming_words", "hash_codes", "pack_words", "popcount64"]
 
@@ -105,7 +105,7 @@ def hamming_words(
 
     ``mask`` (packed like the codes, broadcast) limits the count to its set bits. Torch ops on the
     tensors' device (:func:`popcount64`): GSAOnDevice's path, and GSA's off the host; on the host GSA
-    counts with the compiled :func:`~ucm_client.sparse.score_kernel.block_min_hamming` instead.
+    counts with the compiled :func:`~ucm_client.sparse.kernels.scoring.block_min_hamming` instead.
     """
     diff = torch.bitwise_xor(words, query_words)
     if mask is not None:

@@ -1,12 +1,12 @@
 """Cold KV in the daemon: what the scheduler and the workers agree on (config, step metadata, keys).
 
 ESA's point upstream is that the blocks a decode step does not select need not stay next to the
-kernel. For a long request in sparse mode the scheduler (:mod:`ucm_client.sparse.coldkv_scheduler`)
+kernel. For a long request in sparse mode the scheduler (:mod:`ucm_client.sparse.coldkv.scheduler`)
 orders its *cold* blocks — every full block after the initial window and before the local window —
 dumped to ``ucm-server``, one object per (block, layer); once the daemon holds them all it frees those
 blocks in vLLM's block pool the way the sliding-window manager frees out-of-window blocks (null block
 in the request's list) and gives the request a few *scratch* blocks instead. A worker
-(:mod:`ucm_client.sparse.coldkv_worker`) then loads, before each layer's attention, the cold blocks
+(:mod:`ucm_client.sparse.coldkv.worker`) then loads, before each layer's attention, the cold blocks
 ESA selected into the scratch blocks and points the shortened block table at them.
 
 Only this module's dataclasses cross from the scheduler to the workers (inside the sparse
@@ -130,9 +130,10 @@ class ColdStepPlanner(Protocol):
 
 @runtime_checkable
 class SupportsColdKV(Protocol):
-    """A connector that carries cold-KV orders to the workers (``UcmSparseConnector``)."""
+    """A connector that carries cold-KV orders to the workers (``UCMConnector``, ``UcmSparseConnector``)."""
 
-    cold_config: ColdKVConfig | None
+    @property
+    def cold_config(self) -> ColdKVConfig | None: ...
 
     def sparse_budget(self) -> BlockBudget | None: ...
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ucm_client.sparse.block_sparse import ChannelMajorFeatures, DecodeState
 from ucm_client.sparse.config import BlockBudget, parse_fields
-from ucm_client.sparse.kernels import channel_token_max, group_query
+from ucm_client.sparse.kernels.attention import channel_token_max, group_query
+from ucm_client.sparse.methods.block_sparse import ChannelMajorFeatures, DecodeState
 
 __all__ = ["KVStarMultiStep", "KvStarSpec"]
 

@@ -18,7 +18,7 @@ import torch
 
 from ucm_client.sparse.base import UcmSparseRole
 from ucm_client.sparse.config import parse_fields
-from ucm_client.sparse.passthrough import DenseInVllmMethod
+from ucm_client.sparse.methods.passthrough import DenseInVllmMethod
 from ucm_client.sparse.rope import apply_rope
 
 __all__ = ["ReRoPE", "ReRopeSpec", "rerope_attention", "rerope_logits"]

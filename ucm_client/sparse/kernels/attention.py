@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ucm_client.sparse.score_kernel import block_max_logits, code_blocks
+from ucm_client.sparse.kernels.scoring import block_max_logits, code_blocks
 
 __all__ = [
     "ChannelCodes",

@@ -15,7 +15,7 @@ import torch
 
 from ucm_client.sparse.errors import SparseInputError
 
-__all__ = ["PageLayout", "detect_page_layout", "read_request_kv"]
+__all__ = ["PageLayout", "detect_page_layout", "read_request_kv", "write_request_kv"]
 
 
 class PageLayout(enum.Enum):
@@ -72,3 +72,29 @@ def read_request_kv(
         k_tok.reshape(n * block_size, heads, head_dim)[:num_tokens],
         v_tok.reshape(n * block_size, heads, head_dim)[:num_tokens],
     )
+
+
+def write_request_kv(
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layout: PageLayout,
+) -> None:
+    """Write token-major ``keys`` / ``values`` ``[num_tokens, num_kv_heads, head_dim]`` into one
+    request's blocks, in ``layout`` (the inverse of :func:`read_request_kv`)."""
+    halves_k, halves_v = _halves(kv_cache)
+    _, heads, block_size, head_dim = halves_k.shape
+    n = keys.shape[0]
+    for i, block in enumerate(block_ids.tolist()):
+        start, end = i * block_size, min((i + 1) * block_size, n)
+        if start >= end:
+            break
+        k = keys[start:end].to(kv_cache.dtype).permute(1, 0, 2)  # [H, t, D]
+        v = values[start:end].to(kv_cache.dtype).permute(1, 0, 2)
+        if layout is PageLayout.KEY_TRANSPOSED:
+            page = halves_k[block].view(heads, head_dim, block_size)  # a view: writes land in the cache
+            page[:, :, : end - start] = k.transpose(1, 2)
+        else:
+            halves_k[block, :, : end - start] = k
+        halves_v[block, :, : end - start] = v

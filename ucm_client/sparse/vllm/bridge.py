@@ -7,7 +7,7 @@ scheduler hooks (``request_begin``, ``build_sparse_meta``, ``request_finished_in
 vLLM's ``SchedulerOutput`` and adds, per scheduled request, the physical block its last token is
 written to this step: that block is exclusively the request's, so the worker maps each batch row to
 its request id exactly. The result travels as :class:`~ucm_client.sparse.base.SparseMeta` inside the
-connector metadata (:mod:`ucm_client.sparse.vllm_connector`).
+connector metadata (:mod:`ucm_client.sparse.vllm.connector`).
 
 Nothing here imports vLLM; ``SchedulerOutput`` is read by attribute, as vLLM 0.32 and 0.33 define it.
 """
