@@ -59,11 +59,14 @@ test: install-test install-sglang services
 
 # The inner loop: what starts no vLLM engine, no SGLang, no storage server (Mooncake, Redis, Ceph), no
 # podman, and is not marked slow; meant to stay under 3 minutes on a 2-core machine (mark what takes
-# seconds @pytest.mark.slow). `make test` still runs all of it. PYTEST_ARGS pass on.
+# seconds @pytest.mark.slow). `make test` still runs all of it. PYTEST_ARGS pass on. Most of these tests
+# wait (daemon starts, timeouts), so FAST_WORKERS pytest-xdist workers share the cores; each test file
+# runs whole in one worker (--dist loadfile: a file's tests may share a daemon and its order).
 FAST_MARKERS := not (vllm or sglang or services or deploy or slow)
+FAST_WORKERS ?= 3
 
 test-fast: install-test
-	$(BIN)/python -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "$(FAST_MARKERS)" -n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 proto: install-test
 	$(BIN)/python scripts/gen_proto.py
