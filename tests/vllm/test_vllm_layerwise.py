@@ -35,7 +35,7 @@ from vllm_helpers import (
 )
 
 from ucm_client import UcmClient
-from ucm_client.gpu import layer_key
+from ucm_client.vllm.identity import layer_key
 from ucm_client.vllm.config import ConnectorConfig
 from ucm_client.vllm.identity import KeySpace, layer_order
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
