@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.posix_files import all_stored, read_payload
-from vllm_helpers import P1, P_FULL, copy_model, last_metric, run_vllm, start_daemon
+from support.vllm_process import P1, P_FULL, copy_model, last_metric, run_vllm, start_daemon
 
 from ucm_server.store import codec
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import vllm_request
+from support.vllm_process import vllm_request
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, namespace_id
 from ucm_client.vllm.config import ConfigError, ConnectorConfig

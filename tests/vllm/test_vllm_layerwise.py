@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from support.posix_files import StoredBlock, flip_payload_byte, stored_copies
-from vllm_helpers import (
+from support.vllm_process import (
     BLOCK,
     P1,
     P_FULL,

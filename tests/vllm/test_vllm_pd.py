@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from support.admin_cli import admin, json_of
-from vllm_helpers import BLOCK, P1, P_SHARED, metric_deltas, run_vllm, tokens
+from support.vllm_process import BLOCK, P1, P_SHARED, metric_deltas, run_vllm, tokens
 
 from ucm_server.testing.daemon import DaemonProcess
 
