@@ -1,4 +1,4 @@
-"""Issue #18, section 2 end to end: greedy tokens of the tiny Llama with its KV (bf16) loaded from a
+"""Compression at rest end to end: greedy tokens of the tiny Llama with its KV (bf16) loaded from a
 Posix tier compressed to fp8, against the same without compression and without any connector.
 
 Each store is filled by one fresh vLLM process; a fresh daemon on the same data then serves a second

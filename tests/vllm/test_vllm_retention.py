@@ -1,4 +1,4 @@
-"""Issue #18: a request's ``kv_transfer_params["ucm"]`` entry pins, expires or prioritises its prefix.
+"""A request's ``kv_transfer_params["ucm"]`` entry pins, expires or prioritises its prefix.
 
 The scheduler half on real vLLM ``Request`` objects against a real daemon: a request whose prefix is
 stored (nothing to save) gets its retention at ``request_finished``, on every TP rank's namespace;
