@@ -44,24 +44,11 @@ from support.deploy_artifacts import (
     pod_spec,
     port_of,
     quantity_bytes,
-    read_image,
-    read_manifests,
 )
 
 from ucm_client.vllm import config as connector_config
 from ucm_server.config import ServerConfig
 from ucm_server.config_sources import load_config, read_env
-
-
-@pytest.fixture(scope="module")
-def image() -> Image:
-    return read_image()
-
-
-@pytest.fixture(scope="module")
-def manifests() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every Kubernetes object under deploy/k8s, by (kind, name)."""
-    return read_manifests()
 
 
 @pytest.fixture(scope="module")

@@ -26,23 +26,10 @@ from support.deploy_artifacts import (
     Image,
     container,
     pod_spec,
-    read_image,
-    read_manifests,
 )
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_server.testing.daemon import DaemonProcess
-
-
-@pytest.fixture(scope="module")
-def image() -> Image:
-    return read_image()
-
-
-@pytest.fixture(scope="module")
-def manifests() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every Kubernetes object under deploy/k8s, by (kind, name)."""
-    return read_manifests()
 
 
 # -- against a real daemon --------------------------------------------------------------------------
