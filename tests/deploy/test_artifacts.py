@@ -1,253 +1,54 @@
-"""The deployment artifacts (Dockerfile, deploy/k8s, deploy/systemd, deploy/grafana), read statically.
+"""The deployment artifacts (Dockerfile, deploy/k8s, deploy/systemd), read statically.
 
 The image, the unit and the manifests are also run for real (tests/deploy/test_image.py,
 test_systemd.py, test_manifests.py); these checks need no podman and run everywhere: every manifest
 parses; every configuration it carries loads with the daemon's own ``load_config``; no artifact sets a
 ``UCM_*`` variable that would override its config file; socket path, data directory, metrics port, uid
-and config path agree across all of them; ``systemd-analyze verify`` accepts the unit where it is
-installed; and against a real daemon (started with torch, vLLM and cupy made unimportable, as in the
-image): the health-check commands exit 0 when it serves and fail when it is unreachable, and every
-metric and label the Grafana dashboard uses is one the daemon exports.
+and config path agree across all of them; and ``systemd-analyze verify`` accepts the unit where it is
+installed. The checks against a real daemon are in ``test_artifacts_live.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
-import inspect
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
-import urllib.request
-from collections.abc import Iterator
 from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+from support.deploy_artifacts import (
+    CLIENT_ENV,
+    CLIENT_ONLY,
+    DAEMON_DEPENDENCIES,
+    IMAGE_CONFIG,
+    IMAGE_CONFIG_PATH,
+    K8S,
+    ROOT,
+    SHUTDOWN_GRACE_S,
+    UNIT,
+    UNIT_CONFIG,
+    Image,
+    Instruction,
+    container,
+    env_of,
+    exec_form,
+    mounts,
+    parse_env,
+    parse_unit,
+    pod_spec,
+    port_of,
+    quantity_bytes,
+)
 
-from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.vllm import config as connector_config
 from ucm_server.config import ServerConfig
 from ucm_server.config_sources import load_config, read_env
-from ucm_server.server import Daemon
-from ucm_server.testing.daemon import DaemonProcess
-
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
-UNIT = DEPLOY / "systemd" / "ucm-server.service"
-UNIT_CONFIG = DEPLOY / "systemd" / "ucm.yaml"
-IMAGE_CONFIG = DEPLOY / "image" / "ucm.yaml"
-IMAGE_CONFIG_PATH = "/etc/ucm/ucm.yaml"  # where the Dockerfile puts it and the ConfigMap is mounted
-DASHBOARD = DEPLOY / "grafana" / "ucm-dashboard.json"
-
-# The daemon's runtime dependencies (pyproject [project].dependencies): what `pip install .` in the
-# image pulls. torch, vllm and cupy belong to the client-side extras only.
-DAEMON_DEPENDENCIES = {
-    "grpcio",
-    "grpcio-health-checking",
-    "grpcio-reflection",
-    "protobuf",
-    "uvloop",
-    "pyyaml",
-    "prometheus-client",
-    "xxhash",
-    "rich",
-    "numpy",
-    "pyzmq",  # KV events
-    "opentelemetry-api",  # tracing (off by default; imported only when on)
-    "opentelemetry-sdk",
-    "opentelemetry-exporter-otlp-proto-http",
-    "msgpack",
-    "cryptography",  # encryption at rest
-}
-CLIENT_ONLY = ("torch", "vllm", "cupy")
-
-# UCM_* variables a client process (vLLM + connector, ucm-admin) reads.
-CONNECTOR_ENV = {f"UCM_{f.name.upper()}" for f in dataclasses.fields(connector_config.ConnectorConfig)}
-CLIENT_ENV = CONNECTOR_ENV | {
-    "UCM_SOCKET",
-    "UCM_TARGET",
-    "UCM_TOKEN",
-    "UCM_CONFIG_FILE",
-    "UCM_SERVER_CONFIG",
-    "UCM_SPARSE_CONFIG",
-    "UCM_LOG_LEVEL",
-    "UCM_ADMIN_DEBUG",
-}
-SHUTDOWN_GRACE_S: float = inspect.signature(Daemon.shutdown).parameters["grace_s"].default
-
-
-# -- parsers ----------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    args: str
-
-
-def parse_dockerfile(text: str) -> list[list[Instruction]]:
-    """Instructions per build stage (the first list holds ARGs before the first FROM)."""
-    logical: list[str] = []
-    current = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("#") or (not line and not current):
-            continue  # comments (also inside continuations), parser directives, blank lines
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        logical.append(current + line)
-        current = ""
-    assert not current.strip(), "Dockerfile ends inside a line continuation"
-    stages: list[list[Instruction]] = [[]]
-    for line in logical:
-        name, _, args = line.partition(" ")
-        ins = Instruction(name.upper(), args.strip())
-        if ins.name == "FROM":
-            stages.append([])
-        stages[-1].append(ins)
-    return stages
-
-
-def exec_form(args: str) -> list[str]:
-    return json.loads(args) if args.startswith("[") else shlex.split(args)
-
-
-def parse_env(args: str) -> dict[str, str]:
-    words = shlex.split(args)
-    if "=" not in words[0]:  # legacy "ENV KEY value"
-        return {words[0]: args.split(None, 1)[1]}
-    return dict(w.split("=", 1) for w in words)
-
-
-def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
-    """A systemd unit as {section: {key: [values in order]}} (keys may repeat)."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    section: dict[str, list[str]] | None = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            section = sections.setdefault(line.strip("[]"), {})
-            continue
-        assert section is not None, f"{UNIT.name}: {line!r} outside a section"
-        key, _, value = line.partition("=")
-        section.setdefault(key.strip(), []).append(value.strip())
-    return sections
-
-
-def quantity_bytes(text: str | int) -> int:
-    """A Kubernetes memory quantity ("20Gi", "512M", 1024) in bytes."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGTP]i?)?", str(text))
-    assert m, f"not a memory quantity: {text!r}"
-    unit = m.group(2) or ""
-    base = 1024 if unit.endswith("i") else 1000
-    power = " KMGTP".index(unit[:1] or " ")
-    return int(float(m.group(1)) * base**power)
-
-
-def port_of(address: str) -> int:
-    return int(address.rpartition(":")[2])
-
-
-# -- the artifacts ------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Image:
-    stages: list[list[Instruction]]
-    args: dict[str, str]
-
-    @property
-    def final(self) -> list[Instruction]:
-        return self.stages[-1]
-
-    def all(self, name: str, stage: list[Instruction] | None = None) -> list[Instruction]:
-        return [i for i in (self.final if stage is None else stage) if i.name == name]
-
-    def one(self, name: str) -> Instruction:
-        found = self.all(name)
-        assert len(found) == 1, f"Dockerfile: expected one {name} in the final stage, found {len(found)}"
-        return found[0]
-
-    @property
-    def env(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for ins in self.all("ENV"):
-            out.update(parse_env(ins.args))
-        return out
-
-    @property
-    def uid(self) -> int:
-        user = self.one("USER").args.split(":")[0]
-        assert user.isdigit(), "USER should be numeric so Kubernetes' runAsNonRoot can verify it"
-        return int(user)
-
-    def expand(self, text: str) -> str:
-        """``text`` with ``$X`` / ``${X}`` replaced by ARG defaults (which may name earlier ARGs) or ENV."""
-        for _ in range(10):
-            expanded = re.sub(
-                r"\$\{?(\w+)\}?", lambda m: self.args.get(m.group(1), self.env.get(m.group(1), "")), text
-            )
-            if expanded == text:
-                return text
-            text = expanded
-        raise AssertionError(f"Dockerfile: {text!r} does not settle (ARGs naming each other?)")
-
-
-@pytest.fixture(scope="module")
-def image() -> Image:
-    stages = parse_dockerfile((ROOT / "Dockerfile").read_text())
-    args: dict[str, str] = {}
-    for ins in stages[0]:
-        if ins.name == "ARG" and "=" in ins.args:
-            key, _, value = ins.args.partition("=")
-            args[key] = value
-    return Image(stages[1:], args)
-
-
-@pytest.fixture(scope="module")
-def manifests() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every Kubernetes object under deploy/k8s, by (kind, name)."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc is None:
-                continue
-            assert {"apiVersion", "kind"} <= doc.keys(), f"{path.name}: not a Kubernetes object"
-            if doc["kind"] != "Kustomization":
-                assert doc.get("metadata", {}).get("name"), f"{path.name}: {doc['kind']} without a name"
-            key = (doc["kind"], doc.get("metadata", {}).get("name", ""))
-            assert key not in out, f"{path.name}: {key} defined twice"
-            out[key] = doc
-    return out
-
-
-def pod_spec(manifests: dict[tuple[str, str], dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    spec: dict[str, Any] = manifests[(kind, name)]["spec"]["template"]["spec"]
-    return spec
-
-
-def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
-    found: list[dict[str, Any]] = [c for c in spec["containers"] if c["name"] == name]
-    assert len(found) == 1, f"no single container {name!r}"
-    return found[0]
-
-
-def env_of(c: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: str(e["value"]) for e in c.get("env", []) if "value" in e}
-
-
-def mounts(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """mountPath -> (volumeMount, volume)."""
-    volumes = {v["name"]: v for v in spec.get("volumes", [])}
-    return {m["mountPath"]: (m, volumes[m["name"]]) for m in c.get("volumeMounts", [])}
 
 
 @pytest.fixture(scope="module")
@@ -622,191 +423,3 @@ def test_socket_and_metrics_port_agree_everywhere(
         "systemd ucm.yaml": port_of(systemd_config.metrics_address),
     }
     assert len(set(ports.values())) == 1, ports
-
-
-# -- against a real daemon --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def no_client_libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment that makes torch, vllm and cupy unimportable, as they are in the image."""
-    site = tmp_path_factory.mktemp("image-site")
-    (site / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NotInImage:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        f"        if name.partition('.')[0] in {CLIENT_ONLY!r}:\n"
-        "            raise ImportError(f'{name} is not in the ucm-server image')\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, _NotInImage())\n"
-    )
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
-
-
-@pytest.fixture(scope="module")
-def live(
-    tmp_path_factory: pytest.TempPathFactory, no_client_libraries: dict[str, str]
-) -> Iterator[tuple[DaemonProcess, str]]:
-    """A daemon with some traffic behind it (dump, load, lookup, one failing RPC) and its /metrics text."""
-    workdir = tmp_path_factory.mktemp("daemon")
-    d = DaemonProcess(workdir, args=["--metrics-address", "127.0.0.1:0"], env=no_client_libraries)
-    ns = namespace_id(model="test-deploy", dtype="uint8")
-    with d, UcmClient(d.target) as c, SharedBuffer(1 << 20) as buf:
-        region = c.register(buf)
-        blocks = [BlockIO(key_digest("deploy", i), (Segment(region, i << 16, 1 << 16),)) for i in range(4)]
-        assert c.wait(c.dump(ns, blocks), 10).ok
-        assert c.wait(c.load(ns, blocks), 10).ok
-        assert c.lookup(ns, [b.key for b in blocks] + [b"\0" * 32]).hit_prefix == 4
-        with pytest.raises(Exception, match="unknown task"):
-            c.check(10**9)  # an RPC error, so ucm_rpc_errors_total has a sample
-        match = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", d.log())
-        assert match, d.log()
-        text = urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/metrics", timeout=5).read().decode()
-        yield d, text
-
-
-def _admin_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return {**env, **extra}
-
-
-@pytest.mark.slow
-def test_health_check_commands_against_a_real_daemon(
-    live: tuple[DaemonProcess, str],
-    image: Image,
-    manifests: dict[tuple[str, str], dict[str, Any]],
-    no_client_libraries: dict[str, str],
-    tmp_path: Path,
-) -> None:
-    """The image's HEALTHCHECK and the DaemonSet's probes, run as written with the config file (the
-    image's UCM_SERVER_CONFIG, the probes' --config) swapped for a file naming the live daemon's socket
-    (or an absent one). Like ucm-server, they let UCM_SOCKET beat the file, so `docker run -e
-    UCM_SOCKET=...` moves the daemon and its health check together."""
-    if shutil.which("ucm-admin", path=str(Path(sys.executable).parent)) is None:
-        pytest.skip("the ucm-admin entry point is not installed next to this Python")
-    d, _ = live
-    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
-    good.write_text(f"socket: {d.socket}\n")
-    bad.write_text(f"socket: {tmp_path / 'absent.sock'}\n")
-    command = image.one("HEALTHCHECK").args.partition("CMD ")[2]
-    assert image.env["UCM_SERVER_CONFIG"] == IMAGE_CONFIG_PATH
-    cases: list[tuple[Path, dict[str, str], int]] = [
-        (good, {}, 0),
-        (bad, {}, 1),
-        (bad, {"UCM_SOCKET": str(d.socket)}, 0),
-        (good, {"UCM_SOCKET": str(tmp_path / "absent.sock")}, 1),
-        (tmp_path / "missing.yaml", {}, 1),
-    ]
-    for config, extra, expected in cases:
-        env = _admin_env({**no_client_libraries, "UCM_SERVER_CONFIG": str(config), **extra})
-        argv = ["sh", "-c", command]
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
-        assert proc.returncode == expected, (config.name, extra, proc.stderr)
-    probe = container(pod_spec(manifests, "DaemonSet", "ucm-server"), "ucm-server")["livenessProbe"]
-    cmd = probe["exec"]["command"]
-    at = cmd.index("--config") + 1
-    for config, expected in ((good, 0), (bad, 3)):
-        argv = [*cmd[:at], str(config), *cmd[at + 1 :]]
-        proc = subprocess.run(
-            argv, env=_admin_env(no_client_libraries), capture_output=True, text=True, timeout=30
-        )
-        assert proc.returncode == expected, proc.stderr
-
-
-PROMQL_WORDS = {
-    *("by", "without", "on", "ignoring", "group_left", "group_right"),
-    *("bool", "and", "or", "unless", "offset", "inf", "nan"),
-}
-
-
-def promql_names(expr: str) -> tuple[set[str], set[str]]:
-    """(metric names, label names) an expression uses."""
-    labels: set[str] = set()
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
-    for body in re.findall(r"\{([^}]*)\}", text):
-        labels |= set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!~|!=|=)", body))
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    for body in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text):
-        labels |= {w.strip() for w in body.split(",") if w.strip()}
-    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = re.sub(r"\$\{?\w+\}?", " ", text)
-    metrics = {
-        m.group(1)
-        for m in re.finditer(r"(?<![\w.])([a-zA-Z_:][\w:]*)\b(?!\s*\()", text)
-        if m.group(1).lower() not in PROMQL_WORDS
-    }
-    return metrics, labels
-
-
-def dashboard_queries() -> list[tuple[str, str, str]]:
-    """(panel title, expression, legend) of every query in the dashboard, template variables included."""
-    dash = json.loads(DASHBOARD.read_text())
-    out: list[tuple[str, str, str]] = []
-
-    def walk(panels: list[dict[str, Any]]) -> None:
-        for p in panels:
-            for t in p.get("targets", []):
-                out.append((p.get("title", "?"), t["expr"], t.get("legendFormat", "")))
-            walk(p.get("panels", []))
-
-    walk(dash["panels"])
-    for var in dash.get("templating", {}).get("list", []):
-        if var.get("type") == "query":
-            q = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", q)
-            assert m, f"template variable {var['name']}: unexpected query {q!r}"
-            out.append((f"variable {var['name']}", m.group(1), "{{" + m.group(2) + "}}"))
-    return out
-
-
-def test_promql_name_extraction() -> None:
-    metrics, labels = promql_names(
-        "histogram_quantile(0.99, sum by (le, instance) "
-        '(rate(ucm_load_duration_ms_bucket{instance=~"$instance"}[5m])))'
-        " / on (instance) group_left ucm_sessions > 0"
-    )
-    assert metrics == {"ucm_load_duration_ms_bucket", "ucm_sessions"}
-    assert labels == {"le", "instance"}
-
-
-def test_dashboard_uses_only_exported_metrics(live: tuple[DaemonProcess, str]) -> None:
-    _, text = live
-    exported: set[str] = set()
-    exported_labels = {"instance", "job"}  # added by Prometheus at scrape time
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            exported.add(sample.name)
-            exported_labels |= set(sample.labels)
-    queries = dashboard_queries()
-    assert len(queries) > 20
-    used: set[str] = set()
-    for title, expr, legend in queries:
-        metrics, labels = promql_names(expr)
-        labels |= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
-        assert metrics, f"{title}: no metric in {expr!r}"
-        missing = metrics - exported
-        assert not missing, f"panel {title!r}: {sorted(missing)} not exported by ucm-server"
-        unknown = sorted(labels - exported_labels)
-        assert not unknown, f"panel {title!r}: labels {unknown} are on no ucm-server metric"
-        used |= metrics
-    # The dashboard covers the daemon's main figures.
-    for name in (
-        "ucm_lookup_hit_rate",
-        "ucm_load_duration_ms_bucket",
-        "ucm_load_speed_gbps",
-        "ucm_save_duration_ms_bucket",
-        "ucm_save_speed_gbps",
-        "ucm_tier_blocks",
-        "ucm_tier_bytes",
-        "ucm_tier_capacity_bytes",
-        "ucm_tier_evictions_total",
-        "ucm_tier_errors_total",
-        "ucm_tier_corrupt_total",
-        "ucm_task_queue_depth",
-        "ucm_writeback_pending",
-        "ucm_writeback_bytes_pending",
-        "ucm_writeback_skipped_total",
-        "ucm_sessions",
-        "ucm_rpc_errors_total",
-    ):
-        assert name in used, f"the dashboard shows nothing of {name}"

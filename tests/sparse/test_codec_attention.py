@@ -1,4 +1,4 @@
-"""Issue #18, section 2: the accuracy cost of fp8 compression at rest on attention outputs.
+"""The accuracy cost of fp8 compression at rest on attention outputs.
 
 The sparse benchmark's planted-needle data (Llama-3-8B layer shape), K and V in bf16 stored through
 the codec in 128-token blocks: every element stays within the codec's documented bound, the

@@ -56,7 +56,9 @@ def _method(name: str, **config: Any) -> BlockSparseMethod:
 
 def _mark(name: str, pattern: str, *values: str) -> Any:
     marks = (
-        [pytest.mark.xfail(strict=True, reason="issue #14 item 2")] if (name, pattern) in KNOWN_MISSES else []
+        [pytest.mark.xfail(strict=True, reason="a known miss of this method on this pattern")]
+        if (name, pattern) in KNOWN_MISSES
+        else []
     )
     return pytest.param(*(values or (name, pattern)), marks=marks)
 

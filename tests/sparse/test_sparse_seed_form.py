@@ -1,8 +1,8 @@
-"""A method written as in seed 000's example loads through the factory and runs under the session checks.
+"""A method written as in upstream UCM's example loads through the factory and runs under the session checks.
 
-``MySparsAlgorithm`` below follows the seed's section 5.2 line by line (public hooks overridden,
+``MySparsAlgorithm`` below follows upstream's custom-method example line by line (public hooks overridden,
 ``register_kv_caches(kv_caches)``, ``attention_begin`` returning ``(query, key, value, output)``, an
-``ucm_sparse_meta`` read in ``execute_begin``); only its two private helpers, empty in the seed, are
+``ucm_sparse_meta`` read in ``execute_begin``); only its two private helpers, empty upstream, are
 filled in. The vLLM run of the same class is in ``test_sparse_vllm.py``.
 """
 
@@ -26,7 +26,7 @@ from ucm_client.sparse.testing import planted_needles
 
 
 class MySparsAlgorithm(UcmSparseBase):
-    """自定义稀疏算法示例 (seed 000, 5.2)."""
+    """自定义稀疏算法示例 (upstream UCM's custom sparse-method example)."""
 
     def __init__(self, role: UcmSparseRole, config: dict[str, Any]) -> None:
         super().__init__(role, config)
@@ -97,7 +97,7 @@ HEADS, KV_HEADS, DIM, BS = 4, 2, 16, 16
 
 
 def _config(**config: Any) -> UcmSparseConfig:
-    """The seed's `MySparse:` entry (an empty body when no keys are given), loaded by module path.
+    """Upstream UCM's `MySparse:` entry (an empty body when no keys are given), loaded by module path.
 
     The path is the one vLLM's workers import too (tests/sparse has no package marker, so this
     module's own ``__name__`` differs), which keeps the factory's registration of the name unique.
@@ -133,7 +133,7 @@ def _layer_args() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttent
 def test_seed_form_class_loads_from_an_empty_section_and_runs_a_checked_step() -> None:
     method = _worker()
     assert isinstance(method, SeedFormAdapter) and type(method.inner).__name__ == "MySparsAlgorithm"
-    assert set(method.inner._kv_caches) == {0, 1}  # register_kv_caches(kv_caches), the seed's signature
+    assert set(method.inner._kv_caches) == {0, 1}  # register_kv_caches(kv_caches), upstream UCM's signature
     sched = UcmSparseFactory.from_config(_config(sparse_ratio=0.5), UcmSparseRole.SCHEDULER)
     sched.request_begin("r", list(range(64)))
     meta = sched.build_sparse_meta(None, [type("R", (), {"request_id": "r", "num_tokens": 64})()], {})

@@ -1,4 +1,4 @@
-"""Execution discipline (seed 004): session scope, tensor validation, roles, and the paged hook path.
+"""Execution discipline of the sparse hooks: session scope, tensor validation, roles, and the paged hook path.
 
 The paged cache here is built in the CPU backend's page layout (keys transposed inside each page),
 so the hook path is exercised exactly as vLLM feeds it, without an engine.

@@ -29,7 +29,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("vllm")
     from ucm_client.sparse.vllm_connector import kv_transfer_config
 
-    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in the seed format
+    # The engine's own runtime comes from the real config path: $UCM_SPARSE_CONFIG in upstream UCM's format
     # (it wins over the connector's extra config, which carries the scheduler → worker channel).
     sparse = {"enabled": True, "min_seq_len": 64, "ESA": {"sparse_ratio": 1.0}}
     with sparse_llm(
@@ -246,7 +246,7 @@ def test_entry_point_plugin_in_multiprocess_engine(engine: Any, tmp_path: Path) 
 
 
 def test_seed_form_method_runs_in_the_engine(engine: Any) -> None:
-    # Written as seed 000's example (tests/sparse/test_sparse_seed_form.py), loaded by module path.
+    # Written as upstream UCM's example (tests/sparse/test_sparse_seed_form.py), loaded by module path.
     from ucm_client.sparse.base import UcmSparseRole
     from ucm_client.sparse.config import UcmSparseConfig
     from ucm_client.sparse.factory import UcmSparseFactory

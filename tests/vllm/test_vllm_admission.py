@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import metric_deltas, run_vllm, tokens
+from support.vllm_process import metric_deltas, run_vllm, tokens
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.vllm.config import ConnectorConfig

@@ -1,4 +1,4 @@
-"""Issue #18, section 2 end to end: greedy tokens of the tiny Llama with its KV (bf16) loaded from a
+"""Compression at rest end to end: greedy tokens of the tiny Llama with its KV (bf16) loaded from a
 Posix tier compressed to fp8, against the same without compression and without any connector.
 
 Each store is filled by one fresh vLLM process; a fresh daemon on the same data then serves a second
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.posix_files import all_stored, read_payload
-from vllm_helpers import P1, P_FULL, copy_model, last_metric, run_vllm, start_daemon
+from support.vllm_process import P1, P_FULL, copy_model, last_metric, run_vllm, start_daemon
 
 from ucm_server.store import codec
 

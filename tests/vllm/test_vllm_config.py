@@ -1,4 +1,4 @@
-"""Connector configuration: the seed's format, its priority order, and errors that name the key."""
+"""Connector configuration: upstream UCM's format, its priority order, and errors that name the key."""
 
 from __future__ import annotations
 

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import vllm_request
+from support.vllm_process import vllm_request
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, namespace_id
-from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import ConfigError, ConnectorConfig
 from ucm_client.vllm.connector import check_vllm_version
 from ucm_client.vllm.identity import (
     KeySpace,
     block_keys,
     check_hash_stability,
+    layer_key,
     layer_order,
     weight_fingerprint,
 )

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support.posix_files import flip_payload_byte, stored_copies
 from support.tiny_llama import build_tiny_llama
-from vllm_helpers import (
+from support.vllm_process import (
     BLOCK,
     P1,
     P_FULL,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import vllm_request
+from support.vllm_process import vllm_request
 
 from ucm_client import UcmClient
 from ucm_client.vllm.config import ConfigError, ConnectorConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support.tiny_llama import build_tiny_qwen3_next
-from vllm_helpers import (
+from support.vllm_process import (
     BLOCK,
     copy_model,
     last_metric,

@@ -1,5 +1,5 @@
-"""The worker reaches the KV cache through one ``KVAccess`` chosen once (issue #12: "the worker holds
-one KV-access object chosen once"); the staging path keeps its exact behaviour.
+"""The worker reaches the KV cache through one ``KVAccess`` chosen once, so no hook re-decides
+how to reach it; the staging path keeps its exact behaviour.
 
 A real ``ucm-server`` process and a real ``UcmWorker`` over CPU tensors laid out as vLLM's CPU backend
 lays them out. What is checked is what vLLM would notice: the bytes the daemon stores, the bytes that

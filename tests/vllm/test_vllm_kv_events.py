@@ -15,11 +15,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from support.admin_cli import admin, json_of
 from support.kv_events import NodeSubscriber, settle, vllm_hash
 from support.posix_files import find_block, flip_payload_byte
-from test_admin import admin, json_of
+from support.vllm_process import P1, P_SHARED, run_vllm
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
-from vllm_helpers import P1, P_SHARED, run_vllm
 
 from ucm_server.testing.daemon import DaemonProcess
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from support.posix_files import StoredBlock, flip_payload_byte, stored_copies
-from vllm_helpers import (
+from support.vllm_process import (
     BLOCK,
     P1,
     P_FULL,
@@ -35,9 +35,8 @@ from vllm_helpers import (
 )
 
 from ucm_client import UcmClient
-from ucm_client.gpu import layer_key
 from ucm_client.vllm.config import ConnectorConfig
-from ucm_client.vllm.identity import KeySpace, layer_order
+from ucm_client.vllm.identity import KeySpace, layer_key, layer_order
 from ucm_client.vllm.metadata import BlockTransfer, UcmConnectorMetadata
 from ucm_client.vllm.worker import UcmWorker
 from ucm_server.testing.daemon import DaemonProcess

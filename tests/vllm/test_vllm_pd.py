@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_admin import admin, json_of
-from vllm_helpers import BLOCK, P1, P_SHARED, metric_deltas, run_vllm, tokens
+from support.admin_cli import admin, json_of
+from support.vllm_process import BLOCK, P1, P_SHARED, metric_deltas, run_vllm, tokens
 
 from ucm_server.testing.daemon import DaemonProcess
 

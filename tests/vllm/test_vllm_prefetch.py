@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_helpers import BLOCK, P1, metric_deltas, run_vllm
+from support.vllm_process import BLOCK, P1, metric_deltas, run_vllm
 
 from ucm_server.testing.daemon import DaemonProcess
 

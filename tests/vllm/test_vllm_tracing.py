@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_helpers import P1, copy_model, run_vllm, start_daemon
+from support.vllm_process import P1, copy_model, run_vllm, start_daemon
 
 from ucm_server.testing.otlp_receiver import OtlpReceiver, ReceivedSpan
 

@@ -1,11 +1,11 @@
-"""``UcmSparseBase``: the lifecycle every sparse-attention method implements (seed 000).
+"""``UcmSparseBase``: the lifecycle every sparse-attention method implements (upstream UCM's hooks).
 
 Roles are kept apart: a SCHEDULER instance answers the request-level hooks in the engine process, a
 WORKER instance the step and layer hooks next to the KV cache; calling a hook of the other role is an
 error, because the two never share memory in a real deployment and code that works in one process
 only would break under vLLM's multiprocessing. ``SparseMeta`` is the only channel between them.
 
-The public hooks are final: they enforce the execution discipline of seed 004 (session scope, tensor
+The public hooks are final: they enforce an execution discipline (``session.py``: session scope, tensor
 validation against immutable per-layer specs) and then call the ``_on_*`` method a subclass provides.
 A method therefore cannot forget a check, and a test of the discipline covers every method.
 """
@@ -100,7 +100,7 @@ class SparseMeta:
 
     @property
     def ucm_sparse_meta(self) -> Any:
-        """The seed's name for the method's own metadata (``scheduler_output.ucm_sparse_meta``)."""
+        """Upstream UCM's name for the method's own metadata (``scheduler_output.ucm_sparse_meta``)."""
         return self.custom
 
 
@@ -209,14 +209,14 @@ PUBLIC_HOOKS = (
     "execute_finished",
     "request_finished_in_worker",
 )
-"""The seed's hooks; a subclass that overrides one of them is written in the seed's form."""
+"""Upstream UCM's hooks; a subclass that overrides one of them is written in the seed form."""
 
 
 class UcmSparseBase(ABC):
     """Base of every sparse method; see the module docstring for the contract.
 
     Two ways to write a method: the *checked form* implements the ``_on_*`` methods and inherits the
-    final public hooks; the *seed form* (seed 000's example) overrides the public hooks themselves.
+    final public hooks; the *seed form* (upstream UCM's example) overrides the public hooks themselves.
     A seed-form class is instantiable (its ``_on_*`` are filled in here) and the factory runs it
     inside :class:`ucm_client.sparse.seed_form.SeedFormAdapter`, which is a checked-form method: the
     session and tensor checks apply to it too.

@@ -112,7 +112,7 @@ class UcmSparseConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> UcmSparseConfig:
-        """Parse the seed format; the method section itself is validated by the method's spec."""
+        """Parse upstream UCM's format; the method section itself is validated by the method's spec."""
         if not isinstance(raw, Mapping):
             raise SparseConfigError(f"ucm_sparse_config: expected a mapping, got {type(raw).__name__}")
         sections = {k: v for k, v in raw.items() if k not in _TOP_LEVEL}
@@ -131,7 +131,7 @@ class UcmSparseConfig:
             raise SparseConfigError(
                 f"ucm_sparse_config: section(s) {extra} do not match algorithm {algorithm!r}"
             )
-        section = sections.get(algorithm) or {}  # the seed's `MySparse:` with an empty body is None
+        section = sections.get(algorithm) or {}  # upstream UCM's `MySparse:` with an empty body is None
         if not isinstance(section, Mapping):
             raise SparseConfigError(f"ucm_sparse_config.{algorithm}: expected a mapping")
         min_seq_len = raw.get("min_seq_len", 0)

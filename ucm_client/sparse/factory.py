@@ -78,7 +78,7 @@ class UcmSparseFactory:
         ):
             raise SparseConfigError(
                 f"sparse method {name!r}: {module_path}.{class_name} is not a UcmSparseBase "
-                "(nor a class with all of seed 000's hooks)"
+                "(nor a class with all of the upstream example's public hooks)"
             )
         return sparse_cls
 
@@ -88,7 +88,7 @@ class UcmSparseFactory:
     ) -> UcmSparseBase:
         """Instantiate ``name`` for ``role`` with its own config section.
 
-        A class written in seed 000's form is built as the seed builds it (``cls(role, config)``)
+        A class written in upstream UCM's example form is built as upstream builds it (``cls(role, config)``)
         and run inside :class:`SeedFormAdapter`, so the session checks apply to it too.
         """
         sparse_cls = cls.load_class(name)

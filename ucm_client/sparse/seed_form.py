@@ -1,6 +1,6 @@
-"""Running a method written in seed 000's form inside the checked session form.
+"""Running a method written in upstream UCM's example form (the "seed form") inside the checked session form.
 
-Seed 000's example overrides the public hooks directly: ``register_kv_caches(kv_caches)``,
+Upstream's example overrides the public hooks directly: ``register_kv_caches(kv_caches)``,
 ``attention_begin(layer_idx, query, key, value, attn_metadata)`` returning ``(query, key, value,
 output)``, ``build_sparse_meta`` returning any object that workers read back as
 ``scheduler_output.ucm_sparse_meta``. :class:`SeedFormAdapter` is a checked-form method that holds
@@ -37,8 +37,8 @@ __all__ = ["SeedFormAdapter", "is_seed_form"]
 
 
 def is_seed_form(cls: object) -> bool:
-    """A class written in the seed's form: a ``UcmSparseBase`` overriding the public hooks, or any class
-    with all of them (e.g. one subclassing the seed's own abstract base)."""
+    """A class written in the seed form: a ``UcmSparseBase`` overriding the public hooks, or any class
+    with all of them (e.g. one subclassing upstream UCM's own abstract base)."""
     if not isinstance(cls, type):
         return False
     if issubclass(cls, UcmSparseBase):

@@ -1,4 +1,4 @@
-"""Execution sessions and tensor validation for the worker-side hooks (seed 004).
+"""Execution sessions and tensor validation for the worker-side hooks, so no hook runs on stale state.
 
 Layer hooks touch per-step state (the selection, the step's metadata). Upstream let them run at any
 time, so a stray call after a step had ended silently used stale state. Here a step is an explicit

@@ -1,11 +1,11 @@
-"""The connector's settings: one typed dataclass, merged from four sources in the seed's order.
+"""The connector's settings: one typed dataclass, merged from four sources in upstream UCM's order.
 
-Priority, highest first (seed ``001``, "配置优先级"): environment (``UCM_<FIELD>``) >
+Priority, highest first (as upstream UCM orders them, "配置优先级"): environment (``UCM_<FIELD>``) >
 ``kv_connector_extra_config`` > the YAML file named by ``UCM_CONFIG_FILE`` > built-in defaults. The
 defaults alone work: no extra config at all means "talk to the daemon at its default socket".
 
 Unknown keys and bad values are errors that name the key and where it came from; nothing is silently
-ignored. The seed's YAML also carries daemon-side settings (``ucm_connectors`` with
+ignored. Upstream UCM's YAML also carries daemon-side settings (``ucm_connectors`` with
 ``store_pipeline``...): those configure ``ucm-server``, so the connector accepts them and says once, in
 a warning, that they have no effect here.
 """
@@ -262,7 +262,7 @@ def load_config(
     """Merge defaults < YAML < ``extra_config`` < environment into a validated config.
 
     The YAML path comes from ``$UCM_CONFIG_FILE``, else from ``UCM_CONFIG_FILE`` (or
-    ``config_file``) inside ``extra_config``, as in the seed's deployment examples.
+    ``config_file``) inside ``extra_config``, as in upstream UCM's deployment examples.
     """
     env = os.environ if environ is None else environ
     extra = dict(extra_config or {})

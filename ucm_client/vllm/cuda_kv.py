@@ -21,7 +21,13 @@ __all__ = ["CudaKVCache"]
 
 
 @dataclass(frozen=True, slots=True)
-class _LayerPages:
+class _StoragePages:
+    """Where one layer's block ``b`` lives on the GPU: ``start + b * stride`` inside CUDA storage ``storage``.
+
+    Unlike the shared-memory ``kv_memory.LayerPages``, offsets count from the storage's own start (each
+    storage is its own daemon region), so the storage travels with them.
+    """
+
     storage: int
     """data_ptr of the storage holding this layer (one region per storage)."""
     start: int
@@ -49,14 +55,14 @@ class CudaKVCache:
             unique.setdefault(tensor.data_ptr(), tensor)
         self._tensors = [unique[ptr] for ptr in sorted(unique)]
         self.storages: dict[int, torch.Tensor] = {}
-        self.layers: list[_LayerPages] = []
-        by_ptr: dict[int, _LayerPages] = {}
+        self.layers: list[_StoragePages] = []
+        by_ptr: dict[int, _StoragePages] = {}
         for t in self._tensors:
             storage_ptr = t.untyped_storage().data_ptr()
             self.storages.setdefault(storage_ptr, t)
             elem = t.element_size()
             start = t.data_ptr() - storage_ptr
-            page = _LayerPages(storage_ptr, start, t.stride(0) * elem, t[0].numel() * elem)
+            page = _StoragePages(storage_ptr, start, t.stride(0) * elem, t[0].numel() * elem)
             self.layers.append(page)
             by_ptr[t.data_ptr()] = page
         self.pages_by_name = {name: by_ptr[t.data_ptr()] for name, t in kv_caches.items()}

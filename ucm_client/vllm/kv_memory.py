@@ -17,7 +17,7 @@ Two ways to get there, tried in order:
 A fresh ``SharedBuffer`` has every page allocated but none mapped into this process: vLLM's own
 ``torch.zeros`` would have touched (and so mapped) every page, while ours touches none, so the first
 forward reading a block the daemon loaded paid a page fault per 4 KiB (64 KiB with the kernel's
-fault-around) of it: about 2,300 faults and 7 ms of a 4,000-token warm prefill (issue #13 item 6).
+fault-around) of it: about 2,300 faults and 7 ms of a 4,000-token warm prefill.
 ``populate`` maps the whole buffer once at allocation instead, as the ``torch.zeros`` would have.
 
 Either way ``KVMemory`` then checks that every layer tensor lies inside the shared buffer before

@@ -8,7 +8,7 @@ and reads memory instead of reading the disk again (``ucm_server.store.promotion
 in the Cache cost the daemon one in-memory lookup. The task is not waited for: a prefetch that fails
 changes nothing (the load reads the lower tier itself). Nor is its answer: the ``Prefetch`` is sent
 without waiting for the round trip (``prefetch_nowait``), which cost the scheduler about a millisecond
-per request on the path to the first token, own prefix-cache hits included (issue #13 item 6).
+per request on the path to the first token, own prefix-cache hits included.
 """
 
 from __future__ import annotations

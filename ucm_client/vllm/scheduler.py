@@ -182,7 +182,7 @@ class UcmScheduler:
         finally:
             self._stats.add(lookup_seconds=time.monotonic() - started)
         self._link.succeeded()
-        if prefix and self._config.prefetch_on_lookup:  # issue #17 item 3: promote while vLLM schedules
+        if prefix and self._config.prefetch_on_lookup:  # promote to a faster tier while vLLM schedules
             self._prefetch(client, keys, prefix, num_tokens)
         return prefix
 

@@ -177,7 +177,7 @@ class BlockSparseMethod(UcmSparseBase):
 
         Called at prefill (after the layer's attention wrote the prompt's KV) and whenever a block
         fills during decode, so a retrieval never has to feature the whole context at once (before:
-        82 / 168 / 353 ms per layer on the first decode step at 8k / 16k / 32k, issue #14).
+        82 / 168 / 353 ms per layer on the first decode step at 8k / 16k / 32k).
         """
         full = num_tokens // block_size
         if full > state.features_blocks:

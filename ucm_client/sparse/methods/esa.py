@@ -28,7 +28,7 @@ __all__ = ["ESA", "EsaSpec"]
 
 @dataclass(frozen=True, slots=True)
 class EsaSpec:
-    """ESA settings, the seed's ``ESA:`` section."""
+    """ESA settings, upstream UCM's ``ESA:`` section."""
 
     sparse_ratio: float = 0.3
     """Fraction of blocks attended; 1.0 is dense."""

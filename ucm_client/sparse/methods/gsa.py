@@ -180,7 +180,7 @@ class GSA(BlockSparseMethod):
 
 class GSAOnDevice(GSA):
     """GSA with selection kept on the KV cache's device: codes, projection, bit counts and top-k are
-    torch ops there, and no value is read back to the host during retrieval (seed 000's variant for
+    torch ops there, and no value is read back to the host during retrieval (upstream UCM's variant for
     accelerators, where a host round trip per layer and step would cost more than the scoring)."""
 
     on_device = True

@@ -1,4 +1,4 @@
-"""Helpers for the connector tests: real daemons and fresh vLLM processes (see ``vllm_runner.py``)."""
+"""Helpers for the connector tests: real daemons and fresh vLLM processes (``tests/vllm/vllm_runner.py``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from support.daemon_stats import tiers_by_name
-
 from ucm_server.testing.daemon import DaemonProcess
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+RUNNER = Path(__file__).resolve().parents[1] / "vllm" / "vllm_runner.py"
 REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128
 """vLLM's CPU block size, in tokens: the unit of every hit count below."""
