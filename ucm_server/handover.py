@@ -41,6 +41,7 @@ import secrets
 import socket
 import stat
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -288,6 +289,26 @@ def listen_private(path: Path) -> socket.socket:
     return sock
 
 
+async def accepted(sock: socket.socket, what: str) -> AsyncIterator[socket.socket]:
+    """Every connection ``sock`` accepts, for as long as the caller iterates. An accept that fails
+    (EMFILE and the like, as under a descriptor flood) is said now and then, not each time, and the
+    loop backs off a little and keeps serving."""
+    loop = asyncio.get_running_loop()
+    last_said = -_ERROR_LOG_S
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(sock)
+        except asyncio.CancelledError:
+            raise
+        except OSError as exc:
+            if time.monotonic() - last_said >= _ERROR_LOG_S:
+                last_said = time.monotonic()
+                log.warning("%s: accept failed: %s (said once a minute)", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        yield conn
+
+
 class HandoverListener:
     """The fd socket: accepts connections on the event loop, one request each, never blocking."""
 
@@ -313,7 +334,6 @@ class HandoverListener:
         self.uid = os.geteuid()
         self.turned_away = 0
         """Connections closed unserved: over a process's share, or making room for a lighter peer."""
-        self._last_error_log = -_ERROR_LOG_S
 
     def bind(self) -> None:
         """Create the socket, mode 0600 (the caller has checked its directory and cleared a stale one)."""
@@ -345,19 +365,8 @@ class HandoverListener:
             self.table.expire()
 
     async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._sock is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except asyncio.CancelledError:
-                raise
-            except OSError as exc:  # EMFILE and the like: say so (now and then), back off, keep serving
-                if time.monotonic() - self._last_error_log >= _ERROR_LOG_S:
-                    self._last_error_log = time.monotonic()
-                    log.warning("fd socket: accept failed: %s (said once a minute)", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for conn in accepted(self._sock, "fd socket"):
             try:
                 peer = peer_credentials(conn)
             except OSError:

@@ -29,7 +29,7 @@ import grpc
 from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
 from ucm_protocol.fdpass import peer_credentials
-from ucm_server.handover import listen_private, ready_for
+from ucm_server.handover import accepted, listen_private, ready_for
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +83,8 @@ class DataPlaneListener:
                 self.path.unlink()
 
     async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._sock is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except asyncio.CancelledError:
-                raise
-            except OSError as exc:
-                log.warning("data-plane socket: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
+        async for conn in accepted(self._sock, "data-plane socket"):
             if len(self._conns) >= MAX_HANDSHAKES:
                 conn.close()
                 continue
