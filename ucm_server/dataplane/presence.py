@@ -278,6 +278,10 @@ class Presence:
         assert native is not None
         if self.retention.due(time.time() + LEASE_S):
             table.valid_until(0)  # readers ask gRPC, which deletes what expired, until it is gone
+        elif any(tier.indexing for tier in self._exact):
+            # A tier still re-adopting its files after a start (no snapshot it could trust) holds
+            # blocks its index has not reached: readers ask gRPC, whose lookup looks on disk for them.
+            table.valid_until(0)
         else:
             table.valid_until(native.monotonic_ns() + int(LEASE_S * 1e9))
 

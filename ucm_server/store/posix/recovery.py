@@ -47,7 +47,15 @@ from ucm_server.store.posix.files import (
     skip,
 )
 from ucm_server.store.posix.layout import QUARANTINE, SUFFIX, TMP_MARK, block_key
-from ucm_server.store.posix.packs import PACK_SUFFIX, Pack, PackedStamp, PackTable, pack_place, scan_pack
+from ucm_server.store.posix.packs import (
+    PACK_DIR,
+    PACK_SUFFIX,
+    Pack,
+    PackedStamp,
+    PackTable,
+    pack_place,
+    scan_pack,
+)
 from ucm_server.store.posix.periodic_snapshots import PeriodicSnapshots
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,12 @@ class Recovery:
         self._unindex = unindex
         self.index_wait_s = index_wait_s
         self._adopter: asyncio.Task[None] | None = None
+        self.packs_adopted = asyncio.Event()
+        """Set once every pack of the roots without a snapshot was read (or there was none to read):
+        a block in a pack has no path of its own to probe, so a lookup of a key not indexed yet
+        waits for this short pass (one header read per pack of up to 64 blocks) before it answers
+        missing."""
+        self._packs_scanned: set[Path] = set()
         self.complete = False
         self._stop = False
         self.adopted = 0
@@ -216,6 +230,9 @@ class Recovery:
                     time.monotonic() - started,
                 )
             self.phase = "scan"
+            for root in unsure:  # packs first: their blocks cannot be probed by path meanwhile
+                await self._run(self._scan_packs, root, loop)
+            self.packs_adopted.set()
             for root in unsure:
                 await self._run(self._scan_root, root, loop)
             self.phase = "verify"
@@ -232,6 +249,8 @@ class Recovery:
             self.disk.stats.errors += 1
             log.error("posix tier %s: indexing stopped: %s (blocks not indexed load by path)", self.name, exc)
         finally:
+            self.packs_adopted.set()
+            self._packs_scanned.clear()
             self._listed, self._seen, self._elsewhere = [], None, {}
             self.phase = ""
             self.disk.scanning = False
@@ -476,15 +495,39 @@ class Recovery:
         if chunk:
             loop.call_soon_threadsafe(self._merge, chunk)
 
+    def _scan_packs(self, root: Path, loop: asyncio.AbstractEventLoop) -> None:
+        """Adopt the packs of ``root`` (``<root>/pack/``) ahead of its block files; the scan of the
+        whole root then passes over them."""
+        top = os.fspath(root).rstrip("/")
+        chunk: list[Found] = []
+        try:
+            rfd = os.open(top or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fd = os.open(PACK_DIR, _DIR_FLAGS, dir_fd=rfd)
+        except OSError:  # no packs (or not a plain directory: the whole scan says so)
+            os.close(rfd)
+            return
+        try:
+            self._scan_dir(fd, f"{top}/{PACK_DIR}", 1, loop, chunk)
+            self._packs_scanned.add(root)
+        finally:
+            os.close(fd)
+            os.close(rfd)
+        if chunk:
+            loop.call_soon_threadsafe(self._merge, chunk)
+
     def _scan_dir(
         self, dfd: int, path: str, depth: int, loop: asyncio.AbstractEventLoop, chunk: list[Found]
     ) -> None:
         subdirs: list[str] = []
         with os.scandir(dfd) as entries:
             listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        packs_done = depth == 0 and any(os.fspath(r).rstrip("/") == path for r in self._packs_scanned)
         for name, is_dir in listed:
             if is_dir:
-                if not (depth == 0 and name == QUARANTINE):
+                if not (depth == 0 and (name == QUARANTINE or (name == PACK_DIR and packs_done))):
                     subdirs.append(name)
                 continue
             if TMP_MARK in name:

@@ -359,6 +359,8 @@ class PosixTier(Tier):
         for key, hit in zip(keys, found, strict=True):
             if hit is not None and touched is not None and key not in touched:
                 self._index.adopt(key, *hit)
+        if None in found and not self.recovery.packs_adopted.is_set():
+            await self.recovery.packs_adopted.wait()  # the rest may be in a pack not read yet
 
     async def _read_result(
         self, key: BlockKey, outcome: Outcome, size: int, *, packed: bool = False
