@@ -210,7 +210,7 @@ def test_a_client_cannot_write_the_table(daemon: DaemonProcess) -> None:
             finally:
                 os.close(rw)
             libc = ctypes.CDLL(None, use_errno=True)
-            addr = _mapping(len(table.map), "ucm-presence")[0]  # the read-only mapping it was given
+            addr = _mapping(len(table.map), "ucmd-presence")[0]  # the read-only mapping it was given
             assert libc.mprotect(ctypes.c_void_p(addr), ctypes.c_size_t(4096), 3) != 0  # PROT_READ|PROT_WRITE
             assert ctypes.get_errno() == 13  # EACCES: a read-only descriptor's mapping stays read-only
         finally:
@@ -473,7 +473,7 @@ def test_a_doorbell_flood(
 def test_the_ring_memory_cannot_be_resized(attacker: tuple[UcmClient, RawRing, int, SharedBuffer]) -> None:
     """The client may write its ring, never shrink or grow it (the daemon's mapping would fault)."""
     _, ring, _, _ = attacker
-    _, span = _mapping(len(ring.map), "ucm-ring")
+    _, span = _mapping(len(ring.map), "ucmd-ring")
     rw = os.open(f"/proc/self/map_files/{span}", os.O_RDWR)  # the memfd behind the mapping, writable
     try:
         with pytest.raises(PermissionError):

@@ -21,7 +21,8 @@ def sealed_memfd(
     name: str, size: int, fill: Callable[[mmap.mmap], None], *, read_only: bool
 ) -> tuple[int, mmap.mmap]:
     """A memfd of ``size`` bytes, mapped read-write here, ``fill``-ed (its header), then sealed: the
-    descriptor and the mapping (the caller closes both)."""
+    descriptor and the mapping (the caller closes both). ``name`` starts ``ucmd-``: the daemon's own
+    memory, told apart in ``/proc/<pid>/maps`` from the client memory it maps (``ucm-``)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)

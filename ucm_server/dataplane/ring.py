@@ -117,7 +117,7 @@ class SessionRing:
                 SQ_ENTRIES, CQ_ENTRIES, sq_at, cq_at, msg_at, arena_at, arena_bytes,
             )  # fmt: skip
 
-        self.fd, self.map = sealed_memfd("ucm-ring", size, header, read_only=False)
+        self.fd, self.map = sealed_memfd("ucmd-ring", size, header, read_only=False)
         self._sq_head = 0  # the daemon's own copies: never read back from the shared memory
         self._cq_tail = 0
         self._backlog: collections.deque[tuple[bytes, bytes]] = collections.deque()

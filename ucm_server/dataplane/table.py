@@ -67,7 +67,7 @@ class PresenceTable:
                 nslots, slots_at, ns_capacity, 0, dp.TABLE_LIVE, flags, 0, 0, 0, dir_at, max_keys,
             )  # fmt: skip
 
-        self.fd, self.map = sealed_memfd("ucm-presence", size, header, read_only=True)
+        self.fd, self.map = sealed_memfd("ucmd-presence", size, header, read_only=True)
         self.max_keys = max_keys
         self.ns_ids: dict[bytes, int] = {}
         """Stored namespace (as the tiers index it) -> directory id: what :meth:`apply` routes by."""
