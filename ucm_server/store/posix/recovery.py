@@ -37,12 +37,10 @@ from ucm_server.directories import make_private_dirs
 from ucm_server.store.format import ALIGNED_HEADER_SIZE, CorruptBlock, UnsupportedFormat, decode_header
 from ucm_server.store.posix import index_snapshot, snapshot_columns
 from ucm_server.store.posix.block_index import BlockIndex, Stamp
-from ucm_server.store.posix.confined import NotRegularFile, file_kind
+from ucm_server.store.posix.confined import file_kind
 from ucm_server.store.posix.files import (
     Disk,
     move_to_quarantine,
-    read_header,
-    read_packed_header,
     report_skipped,
     skip,
 )
@@ -57,6 +55,7 @@ from ucm_server.store.posix.packs import (
     scan_pack,
 )
 from ucm_server.store.posix.periodic_snapshots import PeriodicSnapshots
+from ucm_server.store.posix.sweep import drop_stale, places_hold, scan_tree
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +317,7 @@ class Recovery:
         self._elsewhere = {}
         if not conflicts:
             return
-        here = await self._run(_places_hold, self.disk, [(k, self.index.get(k)) for k in conflicts])
+        here = await self._run(places_hold, self.disk, [(k, self.index.get(k)) for k in conflicts])
         moved = 0
         for (key, found), held_at in zip(conflicts.items(), here, strict=True):
             newest = max(found, key=lambda item: item[2])
@@ -531,7 +530,7 @@ class Recovery:
                     subdirs.append(name)
                 continue
             if TMP_MARK in name:
-                _drop_stale(dfd, name, self.opened_at)  # no write of this run began before open()
+                drop_stale(dfd, name, self.opened_at)  # no write of this run began before open()
                 continue
             if name.endswith(PACK_SUFFIX):
                 self.files_read += 1
@@ -650,77 +649,3 @@ class Recovery:
         """A record telling :meth:`_merge` to drop the key whose file ``path`` would be (size -1)."""
         key = self.disk.layout.key_at(path)
         return None if key is None else (key, -1, 0.0)
-
-
-def _places_hold(disk: Disk, entries: list[tuple[bytes, Stamp | None]]) -> list[float | None]:
-    """For each key, when the block in the place its index entry names was stored (its header's
-    time), or None where that place no longer holds it (gone, another key's, torn)."""
-    out: list[float | None] = []
-    for key, stamp in entries:
-        try:
-            if isinstance(stamp, PackedStamp):
-                offset = stamp.pack.offset_of(key)
-                if offset is None:
-                    raise FileNotFoundError(key.hex())
-                header = read_packed_header(disk, stamp.pack, offset, block_key(key))
-            else:
-                header = read_header(disk, disk.layout.path_of(block_key(key)), block_key(key))
-        except (OSError, CorruptBlock):
-            out.append(None)
-        else:
-            out.append(header.created_ns / 1e9)
-    return out
-
-
-def scan_tree(disk: Disk, temp_grace_s: float) -> list[tuple[BlockKey, int, float]]:
-    """Every block file under the roots whose header checks out (key, size, store time); corrupt
-    ones quarantined, temporary files older than ``temp_grace_s`` removed (interrupted writes)."""
-    found: list[tuple[BlockKey, int, float]] = []
-    cutoff = time.time() - temp_grace_s
-    for root in disk.layout.roots:
-        make_private_dirs(root)
-        for dirpath, dirnames, filenames in os.walk(root):
-            if Path(dirpath) == root and QUARANTINE in dirnames:
-                dirnames.remove(QUARANTINE)
-            for fname in filenames:
-                path = Path(dirpath) / fname
-                if TMP_MARK in fname:
-                    with contextlib.suppress(FileNotFoundError):
-                        if temp_grace_s <= 0 or path.stat().st_mtime < cutoff:
-                            path.unlink(missing_ok=True)  # an interrupted write: never visible, now gone
-                    continue
-                if fname.endswith(SUFFIX):
-                    item = check_file(disk, path)
-                    if item is not None:
-                        found.append(item)
-    return found
-
-
-def check_file(disk: Disk, path: Path) -> tuple[BlockKey, int, float] | None:
-    """The block in the file at ``path`` if its header checks out and names this path."""
-    try:
-        header = read_header(disk, path)
-        if disk.layout.expected_path(header) != os.fspath(path):
-            raise CorruptBlock(f"header names {header.key.hex()}, which does not live at this path")
-    except UnsupportedFormat as exc:
-        log.warning("posix tier %s: skipping %s: %s", disk.name, path, exc)
-        return None
-    except CorruptBlock as exc:
-        move_to_quarantine(disk, path, str(exc))
-        return None
-    except NotRegularFile:
-        return None  # counted and reported by files.open_block_file
-    except OSError as exc:
-        log.warning("posix tier %s: cannot read %s: %s", disk.name, path, exc)
-        return None
-    return header.key, header.payload_len, header.created_ns / 1e9
-
-
-def _drop_stale(dirfd: int, name: str, cutoff: float) -> None:
-    """Remove the temporary file ``name`` if it was last written before ``cutoff`` (an interrupted
-    write of an earlier run); a newer one belongs to a write in flight."""
-    try:
-        if os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mtime < cutoff:
-            os.unlink(name, dir_fd=dirfd)
-    except FileNotFoundError:
-        pass
