@@ -76,7 +76,7 @@ class UcmClient:
         """This client's calls still running on the shared loop (close() cancels them)."""
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
-        self._plane = ClientDataPlane(self._async, self._loop, enabled=dataplane)
+        self._plane = ClientDataPlane(self._async, enabled=dataplane)
         close_at_exit(self)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

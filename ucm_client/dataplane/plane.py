@@ -13,7 +13,6 @@ refused a channel (an older one, say) is not asked again for :data:`RETRY_S`.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -74,12 +73,8 @@ class _Channel:
 
 
 class ClientDataPlane:
-    def __init__(
-        self, client: AsyncUcmClient, loop: asyncio.AbstractEventLoop, *, enabled: bool = True
-    ) -> None:
-        """``loop``: the one ``client`` runs on (its pushed task results are kept there)."""
+    def __init__(self, client: AsyncUcmClient, *, enabled: bool = True) -> None:
         self._client = client
-        self._loop = loop
         self._enabled = enabled and dataplane_enabled() and client.socket_path is not None
         self._lock = threading.Lock()
         self._channel: _Channel | None = None

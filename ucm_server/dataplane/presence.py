@@ -271,19 +271,23 @@ class Presence:
     # -- the lease ------------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Push every table's validity on, unless a retention rule expires within the lease."""
+        until = self._lease_end()
         for table in self.tables.values():
-            self._refresh(table)
+            table.valid_until(until)
 
     def _refresh(self, table: PresenceTable) -> None:
+        table.valid_until(self._lease_end())
+
+    def _lease_end(self) -> int:
+        """Until when readers may trust the tables (monotonic ns); 0: they ask gRPC meanwhile."""
         assert native is not None
         if self.retention.due(time.time() + LEASE_S):
-            table.valid_until(0)  # readers ask gRPC, which deletes what expired, until it is gone
-        elif any(tier.indexing for tier in self._exact):
+            return 0  # gRPC deletes what expired, until it is gone
+        if any(tier.indexing for tier in self._exact):
             # A tier still re-adopting its files after a start (no snapshot it could trust) holds
-            # blocks its index has not reached: readers ask gRPC, whose lookup looks on disk for them.
-            table.valid_until(0)
-        else:
-            table.valid_until(native.monotonic_ns() + int(LEASE_S * 1e9))
+            # blocks its index has not reached: gRPC's lookup looks on disk for them.
+            return 0
+        return native.monotonic_ns() + int(LEASE_S * 1e9)
 
     async def close(self) -> None:
         for task in list(self._scans):
