@@ -37,6 +37,7 @@ BENCHMARKS = {
     "codec": ["benchmarks.codec_bench"],
     "tracing_overhead": ["benchmarks.tracing_overhead"],
     "sglang": ["benchmarks.sglang_bench"],
+    "sglang_serving": ["benchmarks.sglang_serving"],
 }
 
 

@@ -36,11 +36,27 @@ if os.environ.get("UCM_SGLANG_CPU_STANDINS") == "1":
         dst_indices: Any,
         page_size: int,
     ) -> None:
-        """Stand-in for sgl_kernel.kvcacheio.transfer_kv_direct on CPU tensors."""
+        """Stand-in for sgl_kernel.kvcacheio.transfer_kv_direct on CPU tensors: one pass over the
+        bytes, as the kernel makes (a gather then a scatter would copy twice and make SGLang's own
+        host-memory hit look slower than it is): the tokens are copied as runs where both sides'
+        indices are consecutive (whole pages at least, usually much more), else row by row."""
+        import torch
+
         src_idx = src_indices.to("cpu", non_blocking=False).long()
         dst_idx = dst_indices.to("cpu", non_blocking=False).long()
+        if src_idx.numel() == 0:
+            return
+        breaks = ((src_idx[1:] - src_idx[:-1] != 1) | (dst_idx[1:] - dst_idx[:-1] != 1)).nonzero()
+        starts = [0, *(breaks.flatten() + 1).tolist()]
+        ends = [*starts[1:], src_idx.numel()]
+        runs = [(int(src_idx[a]), int(dst_idx[a]), b - a) for a, b in zip(starts, ends, strict=True)]
+        if len(runs) > src_idx.numel() // 4:  # scattered: the indexed copy is the cheaper one
+            for src, dst in zip(src_layers, dst_layers, strict=True):
+                dst.index_copy_(0, dst_idx, torch.index_select(src, 0, src_idx))
+            return
         for src, dst in zip(src_layers, dst_layers, strict=True):
-            dst[dst_idx] = src[src_idx]
+            for s, d, n in runs:
+                dst[d : d + n].copy_(src[s : s + n])
 
     def _no_pinning(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
         """Stand-in for cudaHostRegister: nothing to pin on a CPU."""
