@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -272,4 +273,20 @@ async def run(config: ServerConfig) -> None:
     if daemon.authenticator is not None:
         log.info("token authentication on: %d tenant(s)", len(daemon.authenticator.tenants))
     await daemon.start()
+    settle_heap()
     await daemon.serve_until_stopped()
+
+
+GC_YOUNG_OBJECTS = 5000
+"""Allocations between two young-generation collections (Python's default: 700)."""
+
+
+def settle_heap() -> None:
+    """Take what start-up built (modules, gRPC, the configuration: hundreds of thousands of objects
+    that live as long as the daemon) out of the collector's sight, and collect the young
+    generation less often. A full collection walked all of it: ~50 ms with the event loop stopped,
+    every few hundred milliseconds of small-block copies (each block's lease, entry and views are
+    a few short-lived objects), a tenth of a 64 KiB-block Dump's time; ~7 ms once frozen."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
