@@ -117,3 +117,51 @@ def test_copy_pairs_lets_other_threads_run() -> None:
 
     assert _ran_meanwhile(slices) == 0
     assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3)) > 0
+
+
+@pytest.mark.parametrize("split", [1, 2, 4097, 1 << 20, 8 << 20])
+def test_copy_pairs_split_over_two_threads_moves_every_byte_once(split: int) -> None:
+    """A batch copied by two threads (cut anywhere: inside a run, at a block's edge, inside a merged
+    run of blocks side by side) moves exactly the bytes one thread moves, and nothing next to them."""
+    rng = np.random.default_rng(split)
+    total = 12 << 20
+    src = rng.integers(0, 255, total, dtype=np.uint8)
+    one, two = np.zeros_like(src), np.zeros_like(src)
+    cuts = sorted(set(rng.integers(1, total - 1, 40).tolist()))
+    spans = [(a, b) for a, b in itertools.pairwise([0, *cuts, total]) if rng.random() < 0.8]  # some left out
+
+    def pairs(dst: np.ndarray) -> list[tuple[list[memoryview], list[memoryview]]]:
+        s, d = memoryview(src), memoryview(dst)
+        return [
+            ([d[a:b]], _split(s[a:b], [(b - a) // 3]) if (b - a) > 3 and i % 2 else [s[a:b]])
+            for i, (a, b) in enumerate(spans)
+        ]
+
+    want = sum(b - a for a, b in spans)
+    assert native.copy_pairs(pairs(one)) == want
+    assert native.copy_pairs(pairs(two), split_bytes=split) == want
+    assert (one == two).all()
+    for a, b in spans:
+        assert (two[a:b] == src[a:b]).all()
+
+
+def test_copy_pairs_refuses_a_negative_split_and_copies_nothing() -> None:
+    src, dst = bytearray(os.urandom(4096)), bytearray(4096)
+    with pytest.raises(ValueError, match="split_bytes must be 0 or more"):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes=-1)
+    with pytest.raises(TypeError):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes="8")  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes=1 << 80)
+    assert dst == bytearray(4096)
+    assert native.copy_pairs([], split_bytes=1) == 0  # nothing to copy, nothing split
+
+
+def test_copy_pairs_split_lets_other_threads_run() -> None:
+    size = 1 << 20
+    src, dst = np.ones(256 * size, np.uint8), np.zeros(256 * size, np.uint8)
+    s, d = memoryview(src), memoryview(dst)
+    pairs = [([d[i * size : (i + 1) * size]], [s[i * size : (i + 1) * size]]) for i in range(256)]
+    native.copy_pairs(pairs)  # pages touched
+    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=8 << 20)) > 0
+    assert (dst == 1).all()

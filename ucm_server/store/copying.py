@@ -53,21 +53,18 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     Where consecutive blocks continue each other on both sides (a client's KV blocks side by side,
     the arena's pages allocated in order), their copies merge into one: one long copy runs at memcpy
     speed (the C library switches to non-temporal stores for long copies), while a slice assignment
-    per 64 KiB page costs a Python step each and keeps the cache busy. ``ctypes.memmove`` also
-    releases the GIL, so the event loop answers calls meanwhile; so does the compiled helper's
-    ``copy_pairs``, which takes the blocks below :data:`RUN_COPY_MIN` in one call where it is built
-    (a slice assignment per block held the GIL for every byte). Addresses come from the very
-    memoryviews (:func:`_address`), within their bounds. A block of one segment on each side (the
-    usual case) skips the segment walk.
+    per 64 KiB page costs a Python step each and keeps the cache busy. Where the compiled helper is
+    built, the whole batch is one ``copy_pairs`` call: the runs merged in C, the GIL released for
+    every byte, and a batch of :data:`SPLIT_COPY_BYTES` or more copied by two threads of its own
+    (no Python thread to wake, which waited for the GIL while the event loop worked). Without it,
+    ``ctypes.memmove`` (which also releases the GIL) copies blocks from :data:`RUN_COPY_MIN` on, with
+    addresses from the very memoryviews (:func:`_address`), within their bounds, and slice
+    assignments the smaller ones.
     """
+    if native is not None:
+        native.copy_pairs(pairs if isinstance(pairs, list) else list(pairs), split_bytes=SPLIT_COPY_BYTES)
+        return
     runs: list[list[int]] = []
-    if native is not None:  # small blocks in one compiled call, the GIL released while it copies
-        small = [p for p in pairs if iov_len(p[0]) < RUN_COPY_MIN]
-        if small:
-            native.copy_pairs(small)
-            if len(small) == len(pairs):
-                return
-            pairs = [p for p in pairs if iov_len(p[0]) >= RUN_COPY_MIN]
     for dst, src in pairs:
         if len(dst) == 1 and len(src) == 1 and (n := dst[0].nbytes) == src[0].nbytes:
             if n < RUN_COPY_MIN:  # one segment on each side (the usual block): no walk
