@@ -105,7 +105,8 @@ def test_xxh3_of_many_blocks_at_once() -> None:
     assert _ran_meanwhile(lambda: native.xxh3_64_many(many)) > 0
 
 
-def test_copy_pairs_lets_other_threads_run() -> None:
+@pytest.mark.parametrize("split", [0, 8 << 20])  # one thread; two, the second one not Python's
+def test_copy_pairs_lets_other_threads_run(split: int) -> None:
     size = 64 << 10
     src, dst = np.ones(4096 * size, np.uint8), np.zeros(4096 * size, np.uint8)
     s, d = memoryview(src), memoryview(dst)
@@ -116,7 +117,9 @@ def test_copy_pairs_lets_other_threads_run() -> None:
         d[:] = s  # one slice assignment: the GIL held throughout, as for each block before
 
     assert _ran_meanwhile(slices) == 0
-    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3)) > 0
+    dst[:] = 0
+    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=split)) > 0
+    assert (dst == 1).all()
 
 
 @pytest.mark.parametrize("split", [1, 2, 4097, 1 << 20, 8 << 20])
@@ -155,13 +158,3 @@ def test_copy_pairs_refuses_a_negative_split_and_copies_nothing() -> None:
         native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes=1 << 80)
     assert dst == bytearray(4096)
     assert native.copy_pairs([], split_bytes=1) == 0  # nothing to copy, nothing split
-
-
-def test_copy_pairs_split_lets_other_threads_run() -> None:
-    size = 1 << 20
-    src, dst = np.ones(256 * size, np.uint8), np.zeros(256 * size, np.uint8)
-    s, d = memoryview(src), memoryview(dst)
-    pairs = [([d[i * size : (i + 1) * size]], [s[i * size : (i + 1) * size]]) for i in range(256)]
-    native.copy_pairs(pairs)  # pages touched
-    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=8 << 20)) > 0
-    assert (dst == 1).all()
