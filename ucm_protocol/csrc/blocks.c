@@ -2,6 +2,10 @@
 #include "native.h"
 
 #include <pthread.h>
+#include <stdint.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* ---- per-block work without the GIL: copies and checksums ------------------------------------- */
 
@@ -51,6 +55,7 @@ typedef struct {
 typedef struct {
     run_t *runs;
     Py_ssize_t nruns;
+    int stream;
 } runs_t;
 
 /* Append src segments -> dst segments (equal totals) as runs, split where the segments differ and
@@ -83,21 +88,59 @@ static void add_runs(runs_t *r, Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, P
     }
 }
 
-static void copy_runs(const run_t *runs, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) memmove(runs[i].dst, runs[i].src, runs[i].n);
+/* A run copied with non-temporal stores: the bytes go to memory without first reading the
+ * destination's lines into the cache (a plain memcpy of a batch larger than the cache reads every
+ * destination line before writing it, and evicts what the cache held for nothing). */
+static void stream_run(char *d, const char *s, size_t n) {
+#if defined(__SSE2__)
+    if (d < s + n && s < d + n) { /* overlapping: never between a client's memory and the daemon's */
+        memmove(d, s, n);
+        return;
+    }
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+#else
+    memmove(d, s, n);
+#endif
+}
+
+/* Copy the runs; ``stream``: with non-temporal stores, ordered before this returns (a reader told
+ * the copy is done then sees every byte). */
+static void copy_runs(const run_t *runs, Py_ssize_t n, int stream) {
+    if (!stream) {
+        for (Py_ssize_t i = 0; i < n; i++) memmove(runs[i].dst, runs[i].src, runs[i].n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) stream_run(runs[i].dst, runs[i].src, runs[i].n);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
 }
 
 static void *copy_runs_thread(void *arg) {
     runs_t *half = arg;
-    copy_runs(half->runs, half->nruns);
+    copy_runs(half->runs, half->nruns, half->stream);
     return NULL;
 }
 
 /* Copy the runs (GIL released by the caller): from ``split`` bytes on, the second half of the bytes
  * in a thread of its own while this one copies the first (a run may be cut in two). */
-static void copy_split(run_t *runs, Py_ssize_t nruns, size_t total, size_t split) {
+static void copy_split(run_t *runs, Py_ssize_t nruns, size_t total, size_t split, int stream) {
     if (split == 0 || total < split || nruns == 0) {
-        copy_runs(runs, nruns);
+        copy_runs(runs, nruns, stream);
         return;
     }
     size_t half = total / 2, taken = 0;
@@ -111,33 +154,35 @@ static void copy_split(run_t *runs, Py_ssize_t nruns, size_t total, size_t split
         tail = (run_t){runs[cut].dst + k, runs[cut].src + k, runs[cut].n - k};
     }
     if (cut < nruns) runs[cut] = tail; /* the helper's first run; ``head`` is this thread's last */
-    runs_t second = {&runs[cut], nruns - cut};
+    runs_t second = {&runs[cut], nruns - cut, stream};
     pthread_t helper;
     int started = pthread_create(&helper, NULL, copy_runs_thread, &second) == 0;
-    copy_runs(runs, cut);
-    if (head.n) memmove(head.dst, head.src, head.n);
+    copy_runs(runs, cut, stream);
+    if (head.n) copy_runs(&head, 1, stream);
     if (started) {
         pthread_join(helper, NULL);
     } else {
-        copy_runs(second.runs, second.nruns);
+        copy_runs(second.runs, second.nruns, stream);
     }
 }
 
 const char ucm_copy_pairs_doc[] = (
-"copy_pairs(pairs, split_bytes=0) -> int\n\n"
+"copy_pairs(pairs, split_bytes=0, stream_bytes=0) -> int\n\n"
 "Copy each ``(dst, src)`` pair of a batch, each side a list of memoryviews (a block's segments) of\n"
 "equal total length, with the GIL released for the copying: the bytes copied. Pieces that continue\n"
 "each other on both sides are copied as one run (a long copy runs faster than many short ones); a\n"
-"batch of ``split_bytes`` or more (0: never) is copied by two threads, half of the bytes each. A pair\n"
-"whose totals differ is refused (ValueError) before anything is copied.");
+"batch of ``split_bytes`` or more (0: never) is copied by two threads, half of the bytes each, and one\n"
+"of ``stream_bytes`` or more (0: never) with non-temporal stores (past the cache: for batches larger\n"
+"than it). A pair whose totals differ is refused (ValueError) before anything is copied.");
 
 PyObject *ucm_copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"pairs", "split_bytes", NULL};
+    static char *kwlist[] = {"pairs", "split_bytes", "stream_bytes", NULL};
     PyObject *pairs;
-    Py_ssize_t split = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", kwlist, &pairs, &split)) return NULL;
-    if (split < 0) {
-        PyErr_Format(PyExc_ValueError, "split_bytes must be 0 or more, not %zd", split);
+    Py_ssize_t split = 0, stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|nn", kwlist, &pairs, &split, &stream)) return NULL;
+    if (split < 0 || stream < 0) {
+        PyErr_Format(PyExc_ValueError, "split_bytes and stream_bytes must be 0 or more, not %zd and %zd", split,
+                     stream);
         return NULL;
     }
     PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence of (dst, src)");
@@ -183,14 +228,15 @@ PyObject *ucm_copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_NoMemory();
         goto done;
     }
-    runs_t r = {runs, 0};
+    int streamed = stream > 0 && total >= stream;
+    runs_t r = {runs, 0, streamed};
     for (Py_ssize_t i = 0; i < np; i++) add_runs(&r, dsts[i], nds[i], srcs[i], nss[i]);
     if (total >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        copy_split(runs, r.nruns, (size_t)total, (size_t)split);
+        copy_split(runs, r.nruns, (size_t)total, (size_t)split, streamed);
         Py_END_ALLOW_THREADS
     } else {
-        copy_runs(runs, r.nruns);
+        copy_runs(runs, r.nruns, streamed);
     }
     result = PyLong_FromSsize_t(total);
 done:
