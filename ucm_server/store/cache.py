@@ -240,17 +240,26 @@ class CacheTier(Tier):
         """Results so far (misses, size mismatches) and a read lease for every block to copy."""
         results: list[BlockResult] = [MISSING] * len(items)
         plan: list[tuple[int, Lease, IoVec]] = []
-        for i, (key, dest) in enumerate(items):
-            lease = self.lease(key, read=True)
-            if lease is None:
+        index, touched, arena = self._index, self.policy.touched, self.arena
+        page, memory = arena.page_size, arena.memory
+        for i, (key, dest) in enumerate(items):  # :meth:`lease` spelled out: a step per block counts
+            entry = index.get(key)
+            if entry is None:
                 self._stats.misses += 1
                 continue
-            want = iov_len(dest)
-            if want != lease.size:
-                lease.release()
-                results[i] = failed(f"length mismatch: block is {lease.size} bytes, destination {want}")
+            touched(key)
+            want = dest[0].nbytes if len(dest) == 1 else iov_len(dest)
+            if want != entry.size:
+                results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
-            plan.append((i, lease, dest))
+            entry.leases += 1
+            extents = entry.extents
+            if len(extents) == 1:
+                at = extents[0].first * page
+                iov = [memory[at : at + entry.size]]
+            else:
+                iov = arena.views(extents, entry.size)
+            plan.append((i, Lease(self, entry, iov), dest))
         return results, plan
 
     def _count_reads(self, results: list[BlockResult], plan: list[tuple[int, Lease, IoVec]]) -> None:
