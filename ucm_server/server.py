@@ -175,7 +175,9 @@ class Daemon:
         )
         self.dataplane = make_dataplane(config, self.engine, self.authenticator)
 
-    async def start(self) -> None:
+    async def start(self, *, own_process: bool = False) -> None:
+        """``own_process``: the daemon is the process (``ucm-server``), so it may tune the process's
+        garbage collector (:func:`settle_heap`); a daemon started inside a test's process does not."""
         cfg = self.config
         roots = {cfg.data_dir, *(cfg.posix_roots if "Posix" in cfg.tiers else [])}
         self._locks = [_lock_dir(p) for p in sorted(roots)]
@@ -227,6 +229,8 @@ class Daemon:
         await self.fds.start()
         if self.dataplane is not None:
             await self.dataplane.start()
+        if own_process:
+            settle_heap()  # before SERVING: no client waits for the collection
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -272,8 +276,7 @@ async def run(config: ServerConfig) -> None:
     daemon = Daemon(config)
     if daemon.authenticator is not None:
         log.info("token authentication on: %d tenant(s)", len(daemon.authenticator.tenants))
-    await daemon.start()
-    settle_heap()
+    await daemon.start(own_process=True)
     await daemon.serve_until_stopped()
 
 
