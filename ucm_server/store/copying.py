@@ -1,11 +1,12 @@
 """Copying a block's bytes between iovecs: the daemon's copy engine.
 
 Bytes move through *iovecs*: a sequence of memoryviews whose concatenation is the block, so a block
-whose layers sit apart in a client's memory is copied straight to and from those places. Small
-copies are slice assignments; large ones become a few long ``memmove`` runs (merged where blocks
-continue each other on both sides), split over two threads for big batches, and a Load's copy can go
-segment by segment across its blocks so the client may use the first layers early
-(:func:`copy_in_order`). Every tier and the pipeline copy through here.
+whose layers sit apart in a client's memory is copied straight to and from those places. A batch
+becomes a few long runs (merged where blocks continue each other on both sides), copied in one call
+of the compiled helper where it is built: split over two threads for big batches, with
+non-temporal stores for batches larger than the cache (without the helper: ``memmove`` runs and
+slice assignments). A Load's copy can go segment by segment across its blocks so the client may use
+the first layers early (:func:`copy_in_order`). Every tier and the pipeline copy through here.
 """
 
 from __future__ import annotations
