@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from ucm_protocol.native import native
 from ucm_server.store import copying
 from ucm_server.store.copying import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
 
@@ -20,7 +21,7 @@ def helper(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
     """Both ways a daemon copies: with the compiled helper where it is built, without it elsewhere."""
     if request.param == "no helper":
         monkeypatch.setattr(copying, "native", None)
-    elif copying.native is None:
+    elif native is None:
         pytest.skip("the compiled helper is not built here (no C compiler at install)")
 
 
