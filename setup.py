@@ -27,7 +27,8 @@ setup(
             depends=["ucm_protocol/csrc/native.h"],
             optional=True,
             define_macros=_xxhash_header(),
-            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],  # copy_pairs splits a large batch over two threads
         )
     ]
 )

@@ -174,14 +174,16 @@ class HostMover:
     async def run(
         self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
     ) -> None:
-        """The task's blocks a chunk at a time; a Load's progress word is reported by the last chunk
-        only, as its counts then hold for every block of the task."""
+        """The task's blocks a chunk at a time, two chunks in flight (:func:`overlapped`): the event
+        loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread. A
+        Load's progress word is reported by the last chunk only, started once every other chunk has
+        ended, as its counts then hold for every block of the task; a Dump naming a key twice runs
+        its chunks one after the other, so the later copy of the key is the one stored."""
         assert isinstance(plan, HostPlan)
         iovs, sizes, word = plan.iovs, plan.sizes, plan.word
         bounds = chunk_bounds(sizes)
-        for start, stop in bounds:
-            if task.cancel_requested:
-                return
+
+        async def move(start: int, stop: int) -> None:
             items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
             if task.kind is TaskKind.LOAD:
                 last = stop == bounds[-1][1]
@@ -191,3 +193,55 @@ class HostMover:
                 results = await self.pipeline.write_many(items, durable=durable)
             task.record_many(start, results, sizes[start:stop])
             await settle(task.kind, keys[start:stop], sizes[start:stop], results)
+
+        in_order = len(bounds) > 1 and task.kind is TaskKind.DUMP and len(set(keys)) != len(keys)
+        tail = bounds[-1:] if word is not None else []
+        await overlapped(task, move, bounds[: len(bounds) - len(tail)], 1 if in_order else CHUNKS_IN_FLIGHT)
+        await overlapped(task, move, tail, 1)
+
+
+CHUNKS_IN_FLIGHT = 2
+"""Chunks of one task moved at once: one copied while the next is looked up, leased and allocated
+on the event loop (on two cores the bookkeeping then hides behind the copy)."""
+
+
+async def overlapped(
+    task: Task,
+    move: Callable[[int, int], Awaitable[None]],
+    bounds: Sequence[tuple[int, int]],
+    width: int,
+) -> None:
+    """``move(start, stop)`` for each chunk of ``bounds``, ``width`` at a time, in order of start;
+    no chunk starts once the task is asked to stop, and this returns only when every chunk started
+    has ended (a chunk still copying into a client's memory after the task ended could overwrite
+    memory the client had reused). The first failure is raised after that."""
+    if width == 1 or len(bounds) == 1:  # nothing to overlap: no task per chunk
+        for start, stop in bounds:
+            if task.cancel_requested:
+                return
+            await move(start, stop)
+        return
+    running: set[asyncio.Task[None]] = set()
+    failure: BaseException | None = None
+    try:
+        for start, stop in bounds:
+            if task.cancel_requested:
+                break
+            running.add(asyncio.ensure_future(move(start, stop)))
+            if len(running) >= width:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                failure = _first_failure(done)
+                if failure is not None:
+                    break
+    finally:
+        if running:  # let the chunks started end, even when this task itself is cancelled
+            await asyncio.shield(asyncio.wait(running))
+            failure = failure or _first_failure(running)
+    if failure is not None:
+        raise failure
+
+
+def _first_failure(chunks: set[asyncio.Task[None]]) -> BaseException | None:
+    """The first exception of ended chunks (each one's read, so none is reported as never retrieved)."""
+    failures = [t.exception() for t in chunks if not t.cancelled()]
+    return next((f for f in failures if f is not None), None)

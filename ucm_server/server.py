@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -174,7 +175,9 @@ class Daemon:
         )
         self.dataplane = make_dataplane(config, self.engine, self.authenticator)
 
-    async def start(self) -> None:
+    async def start(self, *, own_process: bool = False) -> None:
+        """``own_process``: the daemon is the process (``ucm-server``), so it may tune the process's
+        garbage collector (:func:`settle_heap`); a daemon started inside a test's process does not."""
         cfg = self.config
         roots = {cfg.data_dir, *(cfg.posix_roots if "Posix" in cfg.tiers else [])}
         self._locks = [_lock_dir(p) for p in sorted(roots)]
@@ -226,6 +229,8 @@ class Daemon:
         await self.fds.start()
         if self.dataplane is not None:
             await self.dataplane.start()
+        if own_process:
+            settle_heap()  # before SERVING: no client waits for the collection
         for name in ("", *SERVICES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -271,5 +276,20 @@ async def run(config: ServerConfig) -> None:
     daemon = Daemon(config)
     if daemon.authenticator is not None:
         log.info("token authentication on: %d tenant(s)", len(daemon.authenticator.tenants))
-    await daemon.start()
+    await daemon.start(own_process=True)
     await daemon.serve_until_stopped()
+
+
+GC_YOUNG_OBJECTS = 5000
+"""Allocations between two young-generation collections (Python's default: 700)."""
+
+
+def settle_heap() -> None:
+    """Take what start-up built (modules, gRPC, the configuration: hundreds of thousands of objects
+    that live as long as the daemon) out of the collector's sight, and collect the young
+    generation less often. A full collection walked all of it: ~50 ms with the event loop stopped,
+    every few hundred milliseconds of small-block copies (each block's lease, entry and views are
+    a few short-lived objects), a tenth of a 64 KiB-block Dump's time; ~7 ms once frozen."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])

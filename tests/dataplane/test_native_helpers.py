@@ -105,7 +105,8 @@ def test_xxh3_of_many_blocks_at_once() -> None:
     assert _ran_meanwhile(lambda: native.xxh3_64_many(many)) > 0
 
 
-def test_copy_pairs_lets_other_threads_run() -> None:
+@pytest.mark.parametrize("split", [0, 8 << 20])  # one thread; two, the second one not Python's
+def test_copy_pairs_lets_other_threads_run(split: int) -> None:
     size = 64 << 10
     src, dst = np.ones(4096 * size, np.uint8), np.zeros(4096 * size, np.uint8)
     s, d = memoryview(src), memoryview(dst)
@@ -116,4 +117,73 @@ def test_copy_pairs_lets_other_threads_run() -> None:
         d[:] = s  # one slice assignment: the GIL held throughout, as for each block before
 
     assert _ran_meanwhile(slices) == 0
-    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3)) > 0
+    dst[:] = 0
+    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=split)) > 0
+    assert (dst == 1).all()
+
+
+@pytest.mark.parametrize("stream", [0, 1])
+@pytest.mark.parametrize("split", [0, 1, 2, 4097, 1 << 20, 8 << 20])
+def test_copy_pairs_split_over_two_threads_moves_every_byte_once(split: int, stream: int) -> None:
+    """A batch copied by two threads (cut anywhere: inside a run, at a block's edge, inside a merged
+    run of blocks side by side), with non-temporal stores or not (runs of any length and alignment),
+    moves exactly the bytes one thread's ``memmove`` moves, and nothing next to them."""
+    rng = np.random.default_rng(split)
+    total = 12 << 20
+    src = rng.integers(0, 255, total, dtype=np.uint8)
+    one, two = np.zeros_like(src), np.zeros_like(src)
+    cuts = sorted(set(rng.integers(1, total - 1, 40).tolist()))
+    spans = [(a, b) for a, b in itertools.pairwise([0, *cuts, total]) if rng.random() < 0.8]  # some left out
+
+    def pairs(dst: np.ndarray) -> list[tuple[list[memoryview], list[memoryview]]]:
+        s, d = memoryview(src), memoryview(dst)
+        return [
+            ([d[a:b]], _split(s[a:b], [(b - a) // 3]) if (b - a) > 3 and i % 2 else [s[a:b]])
+            for i, (a, b) in enumerate(spans)
+        ]
+
+    want = sum(b - a for a, b in spans)
+    assert native.copy_pairs(pairs(one)) == want
+    assert native.copy_pairs(pairs(two), split_bytes=split, stream_bytes=stream) == want
+    assert (one == two).all()
+    for a, b in spans:
+        assert (two[a:b] == src[a:b]).all()
+
+
+def test_copy_pairs_refuses_a_negative_split_or_stream_and_copies_nothing() -> None:
+    src, dst = bytearray(os.urandom(4096)), bytearray(4096)
+    with pytest.raises(ValueError, match="split_bytes and stream_bytes must be 0 or more"):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes=-1)
+    with pytest.raises(ValueError, match="split_bytes and stream_bytes must be 0 or more"):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], stream_bytes=-(1 << 62))
+    with pytest.raises(TypeError):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes="8")  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):
+        native.copy_pairs([([memoryview(dst)], [memoryview(src)])], split_bytes=1 << 80)
+    assert dst == bytearray(4096)
+    assert native.copy_pairs([], split_bytes=1, stream_bytes=1) == 0  # nothing to copy, nothing split
+
+
+def test_copy_pairs_streamed_moves_odd_lengths_and_alignments_exactly() -> None:
+    """Non-temporal stores go 64 bytes at a time from a 16-byte-aligned destination: every
+    head and tail length around that, and a source and destination that overlap (memmove's
+    answer, not a torn one), copy exactly."""
+    src = np.random.default_rng(9).integers(0, 255, 1 << 16, dtype=np.uint8)
+    for d_at, s_at, n in itertools.product(
+        [0, 1, 15, 16, 17, 63], [0, 3, 16], [0, 1, 15, 16, 63, 64, 65, 200]
+    ):
+        dst = np.zeros(1 << 16, np.uint8)
+        assert (
+            native.copy_pairs(
+                [([memoryview(dst)[d_at : d_at + n]], [memoryview(src)[s_at : s_at + n]])], stream_bytes=1
+            )
+            == n
+        )
+        assert (dst[d_at : d_at + n] == src[s_at : s_at + n]).all()
+        assert not dst[:d_at].any() and not dst[d_at + n :].any()
+    buf = np.arange(4096, dtype=np.uint8)
+    want = buf.copy()
+    want[10:3010] = buf[0:3000]
+    view = memoryview(buf)
+    native.copy_pairs([([view[10:3010]], [view[0:3000]])], stream_bytes=1)
+    assert (buf == want).all()

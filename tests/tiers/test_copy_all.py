@@ -1,7 +1,9 @@
 """The Cache's batch copy (``copy_all``: merged ``memmove`` runs, split over two
 threads when large) moves exactly the bytes the plain segment-by-segment copy moves, whatever the
 segmentation: blocks side by side (runs merge), apart (they do not), empty segments, blocks below the
-run threshold, and batches large enough to be split between two threads (a run cut in the middle)."""
+run threshold, and batches large enough to be split between two threads (a run cut in the middle).
+Each test runs twice: with the compiled helper (one ``copy_pairs`` call) and without it (a build
+with no C compiler: ``memmove`` runs and slice assignments)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,18 @@ import random
 
 import pytest
 
+from ucm_protocol.native import native
+from ucm_server.store import copying
 from ucm_server.store.copying import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
+
+
+@pytest.fixture(autouse=True, params=["helper", "no helper"])
+def helper(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a daemon copies: with the compiled helper where it is built, without it elsewhere."""
+    if request.param == "no helper":
+        monkeypatch.setattr(copying, "native", None)
+    elif native is None:
+        pytest.skip("the compiled helper is not built here (no C compiler at install)")
 
 
 def _cut(view: memoryview, pos: int, size: int, rng: random.Random) -> tuple[list[memoryview], int]:

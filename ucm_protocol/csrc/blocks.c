@@ -1,6 +1,12 @@
 /* Per-block work without the GIL: copies of many blocks in one call, XXH3 checksums. */
 #include "native.h"
 
+#include <pthread.h>
+#include <stdint.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 /* ---- per-block work without the GIL: copies and checksums ------------------------------------- */
 
 #define RELEASE_GIL_BYTES (16 << 10)
@@ -39,13 +45,36 @@ static void release_buffers(Py_buffer *views, Py_ssize_t n) {
     PyMem_Free(views);
 }
 
-/* Copy src segments into dst segments (equal totals), splitting where they differ. */
-static void copy_segments(Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, Py_ssize_t ns) {
+/* One contiguous copy: a piece of a block, or several blocks that continue each other on both sides. */
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t n;
+} run_t;
+
+typedef struct {
+    run_t *runs;
+    Py_ssize_t nruns;
+    int stream;
+} runs_t;
+
+/* Append src segments -> dst segments (equal totals) as runs, split where the segments differ and
+ * merged with the previous run where both sides continue it. */
+static void add_runs(runs_t *r, Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, Py_ssize_t ns) {
     Py_ssize_t di = 0, si = 0, doff = 0, soff = 0;
     while (di < nd && si < ns) {
         Py_ssize_t n = dst[di].len - doff;
         if (src[si].len - soff < n) n = src[si].len - soff;
-        if (n > 0) memcpy((char *)dst[di].buf + doff, (char *)src[si].buf + soff, (size_t)n);
+        if (n > 0) {
+            char *d = (char *)dst[di].buf + doff;
+            const char *s = (const char *)src[si].buf + soff;
+            run_t *last = r->nruns ? &r->runs[r->nruns - 1] : NULL;
+            if (last != NULL && last->dst + last->n == d && last->src + last->n == s) {
+                last->n += (size_t)n;
+            } else {
+                r->runs[r->nruns++] = (run_t){d, s, (size_t)n};
+            }
+        }
         doff += n;
         soff += n;
         if (doff >= dst[di].len) {
@@ -59,15 +88,103 @@ static void copy_segments(Py_buffer *dst, Py_ssize_t nd, Py_buffer *src, Py_ssiz
     }
 }
 
-const char ucm_copy_pairs_doc[] = (
-"copy_pairs(pairs) -> int\n\n"
-"Copy each ``(dst, src)`` pair of a batch, each side a list of memoryviews (a block's segments) of\n"
-"equal total length, with the GIL released for the copying: the bytes copied. A pair whose totals\n"
-"differ is refused (ValueError) before anything is copied.");
+/* A run copied with non-temporal stores: the bytes go to memory without first reading the
+ * destination's lines into the cache (a plain memcpy of a batch larger than the cache reads every
+ * destination line before writing it, and evicts what the cache held for nothing). */
+static void stream_run(char *d, const char *s, size_t n) {
+#if defined(__SSE2__)
+    if (d < s + n && s < d + n) { /* overlapping: never between a client's memory and the daemon's */
+        memmove(d, s, n);
+        return;
+    }
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+#else
+    memmove(d, s, n);
+#endif
+}
 
-PyObject *ucm_copy_pairs(PyObject *self, PyObject *args) {
+/* Copy the runs; ``stream``: with non-temporal stores, ordered before this returns (a reader told
+ * the copy is done then sees every byte). */
+static void copy_runs(const run_t *runs, Py_ssize_t n, int stream) {
+    if (!stream) {
+        for (Py_ssize_t i = 0; i < n; i++) memmove(runs[i].dst, runs[i].src, runs[i].n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) stream_run(runs[i].dst, runs[i].src, runs[i].n);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static void *copy_runs_thread(void *arg) {
+    runs_t *half = arg;
+    copy_runs(half->runs, half->nruns, half->stream);
+    return NULL;
+}
+
+/* Copy the runs (GIL released by the caller): from ``split`` bytes on, the second half of the bytes
+ * in a thread of its own while this one copies the first (a run may be cut in two). */
+static void copy_split(run_t *runs, Py_ssize_t nruns, size_t total, size_t split, int stream) {
+    if (split == 0 || total < split || nruns == 0) {
+        copy_runs(runs, nruns, stream);
+        return;
+    }
+    size_t half = total / 2, taken = 0;
+    Py_ssize_t cut = 0;
+    while (cut < nruns && taken + runs[cut].n <= half) taken += runs[cut++].n;
+    /* runs[0..cut) make ``taken`` bytes; run ``cut`` (if any) is cut at ``half - taken``. */
+    run_t head = {0}, tail = {0};
+    if (cut < nruns) {
+        size_t k = half - taken;
+        head = (run_t){runs[cut].dst, runs[cut].src, k};
+        tail = (run_t){runs[cut].dst + k, runs[cut].src + k, runs[cut].n - k};
+    }
+    if (cut < nruns) runs[cut] = tail; /* the helper's first run; ``head`` is this thread's last */
+    runs_t second = {&runs[cut], nruns - cut, stream};
+    pthread_t helper;
+    int started = pthread_create(&helper, NULL, copy_runs_thread, &second) == 0;
+    copy_runs(runs, cut, stream);
+    if (head.n) copy_runs(&head, 1, stream);
+    if (started) {
+        pthread_join(helper, NULL);
+    } else {
+        copy_runs(second.runs, second.nruns, stream);
+    }
+}
+
+const char ucm_copy_pairs_doc[] = (
+"copy_pairs(pairs, split_bytes=0, stream_bytes=0) -> int\n\n"
+"Copy each ``(dst, src)`` pair of a batch, each side a list of memoryviews (a block's segments) of\n"
+"equal total length, with the GIL released for the copying: the bytes copied. Pieces that continue\n"
+"each other on both sides are copied as one run (a long copy runs faster than many short ones); a\n"
+"batch of ``split_bytes`` or more (0: never) is copied by two threads, half of the bytes each, and one\n"
+"of ``stream_bytes`` or more (0: never) with non-temporal stores (past the cache: for batches larger\n"
+"than it). A pair whose totals differ is refused (ValueError) before anything is copied.");
+
+PyObject *ucm_copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"pairs", "split_bytes", "stream_bytes", NULL};
     PyObject *pairs;
-    if (!PyArg_ParseTuple(args, "O", &pairs)) return NULL;
+    Py_ssize_t split = 0, stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|nn", kwlist, &pairs, &split, &stream)) return NULL;
+    if (split < 0 || stream < 0) {
+        PyErr_Format(PyExc_ValueError, "split_bytes and stream_bytes must be 0 or more, not %zd and %zd", split,
+                     stream);
+        return NULL;
+    }
     PyObject *seq = PySequence_Fast(pairs, "pairs must be a sequence of (dst, src)");
     if (seq == NULL) return NULL;
     Py_ssize_t np = PySequence_Fast_GET_SIZE(seq);
@@ -76,8 +193,9 @@ PyObject *ucm_copy_pairs(PyObject *self, PyObject *args) {
     Py_buffer **srcs = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_buffer *));
     Py_ssize_t *nds = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
     Py_ssize_t *nss = PyMem_Calloc(np > 0 ? (size_t)np : 1, sizeof(Py_ssize_t));
+    run_t *runs = NULL;
     PyObject *result = NULL;
-    Py_ssize_t got = 0, total = 0;
+    Py_ssize_t got = 0, total = 0, most_runs = 0;
     if (!dsts || !srcs || !nds || !nss) {
         PyErr_NoMemory();
         goto done;
@@ -103,13 +221,22 @@ PyObject *ucm_copy_pairs(PyObject *self, PyObject *args) {
             goto done;
         }
         total += dt;
+        most_runs += nds[got] + nss[got]; /* a pair's pieces: at most one per segment boundary */
     }
+    runs = PyMem_Malloc((size_t)(most_runs > 0 ? most_runs : 1) * sizeof(run_t));
+    if (runs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int streamed = stream > 0 && total >= stream;
+    runs_t r = {runs, 0, streamed};
+    for (Py_ssize_t i = 0; i < np; i++) add_runs(&r, dsts[i], nds[i], srcs[i], nss[i]);
     if (total >= RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+        copy_split(runs, r.nruns, (size_t)total, (size_t)split, streamed);
         Py_END_ALLOW_THREADS
     } else {
-        for (Py_ssize_t i = 0; i < np; i++) copy_segments(dsts[i], nds[i], srcs[i], nss[i]);
+        copy_runs(runs, r.nruns, streamed);
     }
     result = PyLong_FromSsize_t(total);
 done:
@@ -117,6 +244,7 @@ done:
         if (dsts[i]) release_buffers(dsts[i], nds[i]);
         if (srcs[i]) release_buffers(srcs[i], nss[i]);
     }
+    PyMem_Free(runs);
     PyMem_Free(dsts);
     PyMem_Free(srcs);
     PyMem_Free(nds);

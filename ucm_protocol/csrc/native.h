@@ -120,7 +120,7 @@ PyObject *ucm_store_u64(PyObject *self, PyObject *args);
 PyObject *ucm_add_u64(PyObject *self, PyObject *args);
 PyObject *ucm_encode_batch(PyObject *self, PyObject *args);
 int ucm_ring_init(void);
-PyObject *ucm_copy_pairs(PyObject *self, PyObject *args);
+PyObject *ucm_copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs);
 #ifdef UCM_HAVE_XXHASH
 PyObject *ucm_xxh3_64(PyObject *self, PyObject *args);
 PyObject *ucm_xxh3_64_many(PyObject *self, PyObject *args);

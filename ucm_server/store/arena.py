@@ -59,11 +59,12 @@ class Arena:
         self.prefaulted = 0
         """Bytes faulted in by :meth:`prefault` so far (all of ``capacity`` once it is done)."""
         # Popping from the end hands out low pages first, so a fresh arena gives contiguous runs.
-        self._free = list(range(self.npages - 1, -1, -1))
+        self.free_list = list(range(self.npages - 1, -1, -1))
+        """Free page numbers, the next to hand out last (the Cache pops single pages itself)."""
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return len(self.free_list)
 
     def pages_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.page_size))
@@ -71,10 +72,10 @@ class Arena:
     def allocate(self, nbytes: int) -> list[Extent] | None:
         """Pages for ``nbytes``, as few runs as the free list allows; ``None`` if not enough free."""
         n = self.pages_for(nbytes)
-        if n > len(self._free):
+        if n > len(self.free_list):
             return None
-        pages = self._free[-n:]
-        del self._free[-n:]
+        pages = self.free_list[-n:]
+        del self.free_list[-n:]
         low = min(pages)
         if max(pages) - low == n - 1:  # n distinct pages spanning n: one run (the usual case)
             return [Extent(low, n)]
@@ -91,7 +92,10 @@ class Arena:
 
     def free(self, extents: list[Extent]) -> None:
         for e in extents:
-            self._free.extend(range(e.first + e.npages - 1, e.first - 1, -1))
+            if e.npages == 1:
+                self.free_list.append(e.first)
+            else:
+                self.free_list.extend(range(e.first + e.npages - 1, e.first - 1, -1))
 
     def views(self, extents: list[Extent], nbytes: int) -> list[memoryview]:
         """The block's bytes as memoryviews into the arena, trimmed to ``nbytes``."""

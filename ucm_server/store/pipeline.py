@@ -158,7 +158,13 @@ class Pipeline:
             asked = [keys[i] for i in todo]
             return self.shared_answers.lookup(tier, asked) if tier.shared else tier.lookup(asked)
 
-        return await self._fill([None] * len(keys), self._lookup_order(), ask)
+        order = self._lookup_order()
+        if order[0].shared:
+            return await self._fill([None] * len(keys), order, ask)
+        # A local first tier is asked for the keys as they are: the usual all-hit batch (a Load's
+        # size check) then costs its index's one pass, not four Python passes over the keys.
+        sizes = list(await order[0].lookup(keys))
+        return await self._fill(sizes, order[1:], ask) if None in sizes else sizes
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
         """The Lookup RPC's path: local per-namespace maps first, shared tiers only for the misses."""
