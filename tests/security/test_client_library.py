@@ -15,6 +15,7 @@ Each test drives the public client API against a real ``ucm-server`` process:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -334,6 +335,16 @@ _CLOSING = textwrap.dedent(
 
 
 @pytest.mark.slow
+def _without_slow_step_reports(stderr: str) -> str:
+    """``stderr`` less asyncio debug mode's timing reports ("Executing <Task ...> took 0.35 seconds":
+    a step past its 0.1 s ``slow_callback_duration``, which a loaded machine causes, not the client)."""
+    return "".join(
+        line
+        for line in stderr.splitlines(keepends=True)
+        if not re.match(r"Executing <.*> took \d+\.\d+ seconds$", line.strip())
+    )
+
+
 def test_closing_clients_print_nothing(tmp_path: Path) -> None:
     """gRPC hands a late event of a closed client's loop to whichever loop polls next, which printed
     "Exception in callback ... Event loop is closed" (each time after a refused registration,
@@ -354,5 +365,5 @@ def test_closing_clients_print_nothing(tmp_path: Path) -> None:
             )
             assert proc.returncode == 0, proc.stderr
             assert proc.stdout.strip() == "refused 25", proc.stdout
-            assert proc.stderr == "", proc.stderr
+            assert _without_slow_step_reports(proc.stderr) == "", proc.stderr
         assert d.healthy()
