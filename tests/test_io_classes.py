@@ -345,8 +345,27 @@ def test_a_load_behind_a_deep_queue_of_dumps_completes_before_it(slow_daemon: Da
     assert done_before < 32, f"{done_before} dumped blocks ended before the load did"
 
 
+@pytest.fixture
+def posix_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A real Posix tier alone, durable (group commit): a dump's writes are held between blocks
+    while loads read (``io_background_hold_s``), for one block per 25 ms at most."""
+    args = ["--store-pipeline", "Posix", "--io-threads", "4", "--max-tasks-per-session", "64"]
+    with DaemonProcess(tmp_path / "ucm", args=args) as d:
+        yield d
+
+
 def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProcess) -> None:
-    with UcmClient(slow_daemon.target) as setup, SharedBuffer(LOAD_BLOCKS * SIZE) as buf:
+    _dump_under_loads(slow_daemon)
+
+
+@pytest.mark.slow
+def test_a_dump_held_for_loads_between_its_blocks_still_completes(posix_daemon: DaemonProcess) -> None:
+    _dump_under_loads(posix_daemon)
+
+
+def _dump_under_loads(daemon: DaemonProcess) -> None:
+    """Six clients load without pause; a dump submitted meanwhile completes while they go on."""
+    with UcmClient(daemon.target) as setup, SharedBuffer(LOAD_BLOCKS * SIZE) as buf:
         load_keys = _store_load_set(setup, setup.register(buf))
     stop = threading.Event()
     loads_after_dump: list[int] = []
@@ -354,7 +373,7 @@ def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProc
 
     def loader(n: int) -> None:
         with (
-            UcmClient(slow_daemon.target, client_name=f"loader-{n}") as c,
+            UcmClient(daemon.target, client_name=f"loader-{n}") as c,
             SharedBuffer(LOAD_BLOCKS * SIZE) as mine,
         ):
             blocks = _blocks(c.register(mine), load_keys)
@@ -370,7 +389,7 @@ def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProc
     for t in threads:
         t.start()
     try:
-        with UcmClient(slow_daemon.target) as client, SharedBuffer(16 * SIZE) as buf:
+        with UcmClient(daemon.target) as client, SharedBuffer(16 * SIZE) as buf:
             region = client.register(buf)
             time.sleep(0.5)  # the loads keep every I/O thread busy
             keys = [key_digest("io-classes-starved", i) for i in range(16)]
