@@ -30,12 +30,13 @@ of the highest class that has room, where room is:
 Background work already running yields to loads at a finer grain than a job: between the units
 of a job (a block written, a ``syncfs``, a few MiB copied) it calls :func:`yield_to_loads`, which
 holds it while loads are queued or running in its pool (and :data:`LOAD_LINGER_S` after the last
-one ended: the gap between a load's read and its copy). Measured with ``benchmarks/io_classes.py``
-on 2 cores, a 16-block Load from disk ran 1.5x its idle time when it shared the disk with the 8 MiB
-background writes already running when it arrived (not queueing: its jobs waited under 1 ms), and
-1.0x when none overlapped it. The hold is bounded: while loads keep coming, one held job goes on
-for one unit every :data:`BACKGROUND_HOLD_S`, so background work still progresses (and a
-load that waits, through a lock, for a held job waits that long at most). :class:`ClassedSlots`
+one ended: the gap between a load's read and its copy). Traced in ``benchmarks/io_classes.py`` on
+2 cores: a 16-block Load's disk reads took 1.4x their idle time when they overlapped the 8 MiB
+background writes already running when it came (not queueing: its jobs waited under 1 ms in the
+pool); held between blocks, those writes left the reads at 1.1x. The hold is bounded
+(``background_hold_s``, :data:`BACKGROUND_HOLD_S` by default): while loads keep coming, one held
+job goes on for one unit per bound, so background work still progresses (and a load that waits,
+through a lock, for a held job waits that long at most). :class:`ClassedSlots`
 applies the same rules to the daemon's task slots, so a Load task never waits for a slot behind
 queued dumps.
 """
