@@ -78,9 +78,9 @@ nothing is demoted by being forgotten."""
 
 BACKGROUND_HOLD_S = 0.025
 """Default of the longest a held background job waits (:func:`yield_to_loads`) while loads keep
-running: at least one background unit goes on per this many seconds. Long enough for a typical Load from disk
-(16 MiB: 15-30 ms here) to run alone, short enough that write-back keeps draining under a stream
-of loads."""
+running: at least one background unit goes on per this many seconds. Long enough for a typical
+Load from disk (16 MiB: 15-30 ms here) to run alone, short enough that write-back keeps draining
+under a stream of loads."""
 LOAD_LINGER_S = 0.002
 """Loads count as running this long after the last one's job ended: a Load's next job (its copy
 after its read) follows within the event loop's turn, and background work resumed in the gap
