@@ -45,6 +45,8 @@ def test_seed_format_yaml_and_log_level_aliases(tmp_path: Path) -> None:
         ("write_mode: sometimes\n", "write_mode"),
         ("cache_eviction: lfu\n", "cache_eviction"),
         ("io_threads: -1\n", "io_threads: must be positive"),
+        ("io_background_hold_s: 5\n", "io_background_hold_s: expected seconds in [0, 1], got 5"),
+        ("io_background_hold_s: -0.1\n", "io_background_hold_s: expected seconds in [0, 1]"),
         ("posix_snapshot_interval_s: -5\n", "posix_snapshot_interval_s: must be 0 \\(off\\) or more seconds"),
         ("listen: 0.0.0.0:7000\n", "needs tls_cert and tls_key, or insecure"),
         ("listen: 0.0.0.0:7000\ninsecure: true\n", "set auth_tokens_file .* or allow_anonymous_tcp"),

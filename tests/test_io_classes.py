@@ -13,14 +13,22 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from ucm_client import BlockIO, BlockState, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
-from ucm_server.store.io_classes import ClassedExecutor, ClassedSlots, IoClass, current_class, io_class
+from ucm_server.store.io_classes import (
+    ClassedExecutor,
+    ClassedSlots,
+    IoClass,
+    current_class,
+    io_class,
+    may_yield,
+    yield_to_loads,
+)
 from ucm_server.testing.daemon import DaemonProcess
 
 WAIT_S = 30
@@ -160,6 +168,69 @@ class TestClassedExecutor:
         with pytest.raises(ValueError, match="reserve"):
             ClassedExecutor(2, reserve=2)
 
+    def test_background_work_is_held_between_its_units_while_a_load_runs(self) -> None:
+        """A background job that was running when a load came is held at its next unit until the
+        load ends (the hold bound is far away), then goes on; a load's own units are never held."""
+        pool = ClassedExecutor(2, background_hold_s=WAIT_S)
+        load_gate, first_unit_done = threading.Event(), threading.Event()
+        try:
+            background_started = threading.Event()
+
+            def background() -> str:
+                background_started.set()
+                assert first_unit_done.wait(WAIT_S)
+                yield_to_loads()  # between two units: a load runs now
+                return "done"
+
+            job = pool.submit_as(IoClass.BACKGROUND, background)
+            assert background_started.wait(WAIT_S)
+            load = _held(pool, IoClass.LOAD, load_gate, 1)[0]
+            unheld = pool.submit_as(IoClass.LOAD, lambda: yield_to_loads() or "load not held")
+            assert unheld.result(WAIT_S) == "load not held"
+            first_unit_done.set()
+            _until(lambda: pool.held_background == 1)
+            assert not job.done(), "the background job went on while a load ran"
+            load_gate.set()
+            assert load.result(WAIT_S) is IoClass.LOAD
+            assert job.result(WAIT_S) == "done"
+            assert pool.held_background == 0
+        finally:
+            load_gate.set()
+            first_unit_done.set()
+            pool.shutdown()
+
+    def test_held_background_work_goes_on_one_unit_per_bound_while_loads_never_end(self) -> None:
+        """No starvation: a load that never ends holds background work ``background_hold_s`` a
+        unit at most; with a bound of 0 it is never held mid-job."""
+        for bound, units in ((0.02, 5), (0.0, 50)):
+            pool = ClassedExecutor(2, background_hold_s=bound)
+            load_gate = threading.Event()
+            try:
+                load = _held(pool, IoClass.LOAD, load_gate, 1)[0]
+
+                def background(n: int = units) -> int:
+                    for _ in range(n):
+                        yield_to_loads()
+                    return n
+
+                assert pool.submit_as(IoClass.BACKGROUND, background).result(WAIT_S) == units
+                assert not load.done(), "the load ended first: nothing was proven"
+            finally:
+                load_gate.set()
+                pool.shutdown()
+
+    def test_yield_to_loads_outside_a_classed_pool_returns_at_once(self) -> None:
+        with io_class(IoClass.BACKGROUND):
+            yield_to_loads()  # the event loop's thread, a plain pool's: nothing to hold for
+        assert not may_yield()
+
+
+def _until(done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
 
 async def _in_pool(pool: ClassedExecutor) -> IoClass:
     return await asyncio.get_running_loop().run_in_executor(pool, current_class.get)
@@ -274,8 +345,27 @@ def test_a_load_behind_a_deep_queue_of_dumps_completes_before_it(slow_daemon: Da
     assert done_before < 32, f"{done_before} dumped blocks ended before the load did"
 
 
+@pytest.fixture
+def posix_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A real Posix tier alone, durable (group commit): a dump's writes are held between blocks
+    while loads read (``io_background_hold_s``), for one block per 25 ms at most."""
+    args = ["--store-pipeline", "Posix", "--io-threads", "4", "--max-tasks-per-session", "64"]
+    with DaemonProcess(tmp_path / "ucm", args=args) as d:
+        yield d
+
+
 def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProcess) -> None:
-    with UcmClient(slow_daemon.target) as setup, SharedBuffer(LOAD_BLOCKS * SIZE) as buf:
+    _dump_under_loads(slow_daemon)
+
+
+@pytest.mark.slow
+def test_a_dump_held_for_loads_between_its_blocks_still_completes(posix_daemon: DaemonProcess) -> None:
+    _dump_under_loads(posix_daemon)
+
+
+def _dump_under_loads(daemon: DaemonProcess) -> None:
+    """Six clients load without pause; a dump submitted meanwhile completes while they go on."""
+    with UcmClient(daemon.target) as setup, SharedBuffer(LOAD_BLOCKS * SIZE) as buf:
         load_keys = _store_load_set(setup, setup.register(buf))
     stop = threading.Event()
     loads_after_dump: list[int] = []
@@ -283,7 +373,7 @@ def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProc
 
     def loader(n: int) -> None:
         with (
-            UcmClient(slow_daemon.target, client_name=f"loader-{n}") as c,
+            UcmClient(daemon.target, client_name=f"loader-{n}") as c,
             SharedBuffer(LOAD_BLOCKS * SIZE) as mine,
         ):
             blocks = _blocks(c.register(mine), load_keys)
@@ -299,7 +389,7 @@ def test_a_dump_completes_under_a_steady_stream_of_loads(slow_daemon: DaemonProc
     for t in threads:
         t.start()
     try:
-        with UcmClient(slow_daemon.target) as client, SharedBuffer(16 * SIZE) as buf:
+        with UcmClient(daemon.target) as client, SharedBuffer(16 * SIZE) as buf:
             region = client.register(buf)
             time.sleep(0.5)  # the loads keep every I/O thread busy
             keys = [key_digest("io-classes-starved", i) for i in range(16)]

@@ -151,6 +151,10 @@ class ServerConfig(ServerSettings):
                 f"admission_window_s / admission_window_keys: must be positive, got "
                 f"{self.admission_window_s} / {self.admission_window_keys}"
             )
+        if not 0 <= self.io_background_hold_s <= 1:
+            raise ConfigError(
+                f"io_background_hold_s: expected seconds in [0, 1], got {self.io_background_hold_s}"
+            )
         if not 0 <= self.writeback_wait_s <= 60:
             raise ConfigError(f"writeback_wait_s: expected seconds in [0, 60], got {self.writeback_wait_s}")
         if self.writeback_max_bytes < 0:

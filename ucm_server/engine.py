@@ -66,7 +66,9 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, config: ServerConfig, authenticator: Authenticator | None = None) -> None:
         self.config = config
-        self.executor = ClassedExecutor(config.io_threads, thread_name_prefix="ucm-io")  # loads first
+        self.executor = ClassedExecutor(  # loads first, background work held for them
+            config.io_threads, thread_name_prefix="ucm-io", background_hold_s=config.io_background_hold_s
+        )
         tenants = authenticator.tenants if authenticator is not None else {}
         ledger: TenantLedger | None = None
         if authenticator is not None:

@@ -266,6 +266,15 @@ class ServerSettings:
         ),
     )
     io_threads: int = field(default=8, metadata=_help("Threads for disk and copy work."))
+    io_background_hold_s: float = field(
+        default=0.025,
+        metadata=_help(
+            "Longest a background job (a write-back's block writes and syncs, a dump's copy) is held "
+            "between two of its blocks while Loads read, before one goes on (background work keeps "
+            "at least that pace under a stream of Loads). 0: background work is held only before "
+            "it starts, never mid-job (a Load then shares the disk with the writes already running)."
+        ),
+    )
     max_batch_blocks: int = field(default=65536, metadata=_help("Most blocks one request may carry."))
     max_block_bytes: int = field(default=256 << 20, metadata=_help("Largest block accepted.", size=True))
     max_segments_per_block: int = field(

@@ -142,6 +142,31 @@ def test_leased_block_is_never_evicted_or_overwritten() -> None:
     asyncio.run(main())
 
 
+def test_a_batch_evicts_the_oldest_unleased_blocks_past_the_leased_ones_in_front() -> None:
+    """A batch makes its room in one walk of the eviction order (blocks awaiting write-back, leased
+    at its front, are walked past once): the same blocks go as one block at a time would evict, the
+    oldest unleased ones, and a block larger than the Cache evicts nothing."""
+
+    async def main() -> None:
+        t = CacheTier(capacity=8 * 4096, page_size=4096)
+        for i in range(8):
+            assert (await t.write_from(key(i), [memoryview(payload(i, 4096))])).ok
+        leases = [t.lease(key(i)) for i in range(3)]  # the three oldest await write-back
+        batch = [(key(100 + i), [memoryview(payload(100 + i, 4096))]) for i in range(3)]
+        batch.append((key(200), [memoryview(bytearray(9 * 4096))]))  # never fits: refused, evicts nothing
+        got = await t.write_many(batch)
+        assert [r.ok for r in got] == [True, True, True, False]
+        held = await t.lookup([key(i) for i in range(8)])
+        assert held == [4096] * 3 + [None] * 3 + [4096] * 2, "not the oldest unleased blocks"
+        assert t.stats().evictions == 3
+        for lease in leases:
+            assert lease is not None
+            lease.release()
+        await t.close()
+
+    asyncio.run(main())
+
+
 def test_block_larger_than_cache_fails_cleanly() -> None:
     async def main() -> None:
         t = CacheTier(capacity=4096, page_size=4096)

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ucm_protocol.native import native
+from ucm_server.store.io_classes import may_yield, yield_to_loads
 
 IoVec = Sequence[memoryview]
 """A block's bytes as an ordered list of memory segments (scatter/gather)."""
@@ -141,32 +142,47 @@ _helper: ThreadPoolExecutor | None = None
 def _memmove_runs(runs: list[list[int]], split_bytes: int = SPLIT_COPY_BYTES) -> None:
     """Copy the runs; a batch of ``split_bytes`` or more in two halves at once, this thread and one
     helper thread (a ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy
-    faster than one)."""
+    faster than one). Background work (a dump's copy) goes in pieces of :data:`SPLIT_COPY_BYTES`,
+    held between them while loads run (:func:`~ucm_server.store.io_classes.yield_to_loads`)."""
+    if may_yield():
+        for piece in _cut(runs, SPLIT_COPY_BYTES):
+            yield_to_loads()
+            _memmove_split(piece, split_bytes)
+        return
+    _memmove_split(runs, split_bytes)
+
+
+def _memmove_split(runs: list[list[int]], split_bytes: int) -> None:
     total = sum(n for _, _, n in runs)
     if total < split_bytes:
-        for d, s, n in runs:
-            ctypes.memmove(d, s, n)
+        _memmove_all(runs)
         return
     global _helper
     if _helper is None:
         _helper = ThreadPoolExecutor(1, thread_name_prefix="ucm-copy")
-    half = total // 2
-    first: list[list[int]] = []
-    second: list[list[int]] = []
-    taken = 0
-    for d, s, n in runs:
-        if taken >= half:
-            second.append([d, s, n])
-        elif taken + n <= half:
-            first.append([d, s, n])
-        else:
-            k = half - taken
-            first.append([d, s, k])
-            second.append([d + k, s + k, n - k])
-        taken += n
-    other = _helper.submit(_memmove_all, second)
+    first, *rest = _cut(runs, total - total // 2)
+    other = _helper.submit(_memmove_all, [run for part in rest for run in part])
     _memmove_all(first)
     other.result()
+
+
+def _cut(runs: list[list[int]], most: int) -> list[list[list[int]]]:
+    """``runs`` in consecutive parts of ``most`` bytes (the last one less), a run split where a
+    part ends."""
+    parts: list[list[list[int]]] = [[]]
+    room = most
+    for d, s, n in runs:
+        done = 0
+        while n - done > room:
+            if room:
+                parts[-1].append([d + done, s + done, room])
+                done += room
+            parts.append([])
+            room = most
+        if n > done:
+            parts[-1].append([d + done, s + done, n - done])
+            room -= n - done
+    return [part for part in parts if part]
 
 
 def _memmove_all(runs: list[list[int]]) -> None:

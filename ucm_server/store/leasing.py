@@ -41,6 +41,10 @@ class Leasing(Protocol):
         """Pages for a block someone else fills, invisible until :meth:`commit`; ``None``: full."""
         ...
 
+    def make_room(self, sizes: Sequence[int]) -> None:
+        """Evict at once what reserving blocks of ``sizes`` will need (one walk of the eviction order)."""
+        ...
+
     def host_runs(self, held: Lease | Reservation) -> list[tuple[int, int]]:
         """A held block's bytes as (address, length) runs, for device copies."""
         ...

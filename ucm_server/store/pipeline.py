@@ -333,11 +333,16 @@ class Pipeline:
         top = self.leasing if depth > 0 else None
         reservations: dict[int, Reservation] = {}
         if top is not None:
-            for j, (key, dest) in enumerate(batch):
-                if self.stamps.unwritten_since(key, started) and not top.holds(key):
-                    reservation = top.reserve(key, iov_len(dest))
-                    if reservation is not None:
-                        reservations[j] = reservation
+            promote = [
+                j
+                for j, (key, _) in enumerate(batch)
+                if self.stamps.unwritten_since(key, started) and not top.holds(key)
+            ]
+            top.make_room([iov_len(batch[j][1]) for j in promote])  # one eviction walk for the group
+            for j in promote:
+                reservation = top.reserve(batch[j][0], iov_len(batch[j][1]))
+                if reservation is not None:
+                    reservations[j] = reservation
         got: list[BlockResult | None] = [None] * len(batch)
         unpromoted = [j for j in range(len(batch)) if j not in reservations]
         if unpromoted and direct:  # straight into the caller's memory where the tier checks it there

@@ -43,7 +43,17 @@ served: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
 )
 """The running task's blocks returned per tier (set by the task's span, filled by the tier spans)."""
 
-_LEASING_CALLS = ("lease", "lease_for_read", "reserve", "host_runs", "views", "holds", "commit", "abort")
+_LEASING_CALLS = (
+    "lease",
+    "lease_for_read",
+    "reserve",
+    "make_room",
+    "host_runs",
+    "views",
+    "holds",
+    "commit",
+    "abort",
+)
 
 
 class TracedTier(TierWrapper):

@@ -26,6 +26,7 @@ from typing import Any
 
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.copying import IoVec
+from ucm_server.store.io_classes import yield_to_loads
 from ucm_server.store.posix.confined import DirCache
 from ucm_server.store.posix.files import Disk, create_tmp, unlink_at, write_tmp
 from ucm_server.store.posix.packs import Pack, new_pack_id, pack_parts
@@ -97,6 +98,7 @@ def stage_group(disk: Disk, items: list[tuple[BlockKey, IoVec]], group: bool) ->
     touched: dict[int, list[int]] = {}
     with DirCache(create=True, sync_created=disk.durable and not group) as dirs:
         for n, (key, src) in enumerate(items):
+            yield_to_loads()  # a write-back holds here while loads read the disk
             try:
                 staged, dfd = _stage_one(disk, key, src, dirs, group)
                 outcomes.append(staged)
@@ -137,6 +139,7 @@ def stage_packs(disk: Disk, items: list[tuple[BlockKey, IoVec]], group: bool) ->
     outcomes: list[Outcome] = [OSError(errno.EIO, "not written")] * len(items)
     with DirCache(create=True, sync_created=disk.durable and not group) as dirs:
         for root, which in by_root.items():
+            yield_to_loads()
             try:
                 staged: Outcome = _stage_pack(disk, dirs, root, [items[n] for n in which], group)
             except OSError as exc:
@@ -178,6 +181,7 @@ def sync_roots(disk: Disk, roots: list[Path]) -> dict[Path, OSError]:
     """``syncfs`` of each root's filesystem; the roots that failed, with their error."""
     broken: dict[Path, OSError] = {}
     for root in roots:
+        yield_to_loads()  # a sync flushes the device's cache: not while loads read
         try:
             fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
