@@ -182,8 +182,10 @@ class BlockIndex:
         stamp = self._cold.pop(key, None)
         if stamp is None:
             return self._front.pop(key, None)
-        if not self._cold:  # the base is all gone: its order too
-            self._order, self._cursor = [], 0
+        cold = self._cold
+        if len(cold) * 4 < len(self._order):  # mostly gone: a dict never shrinks as it empties
+            self._cold = dict(cold) if cold else {}
+            self._order, self._cursor = list(filter(cold.__contains__, self._order[self._cursor :])), 0
         return stamp
 
     def move_to_end(self, key: bytes) -> None:
