@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import itertools
 import logging
 import os
 import stat
@@ -145,6 +146,8 @@ class Recovery:
         self.opened_at = 0.0
         self.phase = ""
         """What the background indexing does: snapshot, scan, verify (a snapshot's files), or nothing."""
+        self._loaded_keys: list[bytes] = []
+        """The keys of the map :meth:`load_snapshots` returned, in its order (each once)."""
         self._listed: list[bytes] = []
         """The keys the snapshots listed, while the sweep after them runs."""
         self._elsewhere: dict[bytes, list[Found]] = {}
@@ -240,7 +243,8 @@ class Recovery:
         try:
             loaded, loaded_bytes, unsure, found_packs = await self._run(self.load_snapshots, epochs)
             if loaded:
-                self._listed, self._seen = list(loaded), set()
+                self._listed, self._seen = self._loaded_keys, set()
+                self._loaded_keys = []
                 listed_once = len(self._listed) == self._loaded_rows
                 displaced = self._displaced(loaded)
                 self.adopted += self.index.install(loaded, loaded_bytes, self._listed)
@@ -439,8 +443,8 @@ class Recovery:
     def _load_snapshots(
         self, epochs: list[bytes | None]
     ) -> tuple[dict[bytes, Stamp], int, list[Path], list[Pack]]:
-        keys: list[bytes] = []
-        stamps: list[Stamp] = []
+        keys: list[list[bytes]] = []
+        stamps: list[list[Stamp]] = []
         unsure: list[Path] = []
         found: list[Pack] = []
         total = 0
@@ -450,14 +454,16 @@ class Recovery:
                 unsure.append(root)
                 continue
             mine, packed = snapshot_columns.stamps_of(self.index, root, blocks)
-            keys += blocks.keys
-            stamps += mine
+            keys.append(blocks.keys if isinstance(blocks.keys, list) else list(blocks.keys))
+            stamps.append(mine)
             found += packed
             total += int(np.asarray(blocks.sizes, dtype=np.uint64).sum(dtype=np.uint64))
-        self._loaded_rows = len(keys)
-        loaded = BlockIndex.build(keys, stamps)
-        if len(loaded) != len(keys):  # a key listed twice (not by this daemon): counted once
+        every = keys[0] if len(keys) == 1 else list(itertools.chain.from_iterable(keys))
+        self._loaded_rows = len(every)
+        loaded = BlockIndex.build(every, stamps[0] if len(stamps) == 1 else [*itertools.chain(*stamps)])
+        if len(loaded) != len(every):  # a key listed twice (not by this daemon): counted once
             total = sum(loaded.values())
+        self._loaded_keys = every if len(loaded) == len(every) else list(loaded)
         return loaded, total, unsure, found
 
     def _load_root(self, root: Path, epoch: bytes | None) -> index_snapshot.Columns | None:
