@@ -336,8 +336,8 @@ class BlockIndex:
         self._cold, self._order, self._cursor = loaded, order, 0
         self.bytes += total
         self.changes += 1
-        if self.watch is not None:
-            self.watch.stored_many(loaded.keys())
+        if self.watch is not None:  # the order list itself when it is exactly the base (no copy)
+            self.watch.stored_many(order if not dropped else list(loaded))
         return len(loaded)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Stamp | None]:
