@@ -300,7 +300,7 @@ class BlockIndex:
         thread: C-level slices, so the event loop gets the interpreter between them). A key listed
         twice keeps its first place and its last stamp."""
         built: dict[bytes, Stamp] = {}
-        step = 65536
+        step = 8192
         for start in range(0, len(keys), step):
             built.update(zip(keys[start : start + step], stamps[start : start + step], strict=True))
         return built
