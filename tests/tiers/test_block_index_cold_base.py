@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import tracemalloc
 from collections import OrderedDict
 from pathlib import Path
 
@@ -226,6 +227,31 @@ def test_a_second_base_is_refused() -> None:
     index.install({_key(1): index.stamp(5, T0)}, 5)
     with pytest.raises(ValueError, match="installed once"):
         index.install({_key(2): index.stamp(5, T0)}, 5)
+
+
+def test_a_cold_base_holds_a_block_in_under_256_bytes_however_much_of_it_was_read() -> None:
+    """The index's memory after a snapshot load of 100,000 blocks (keys included, tracemalloc), and
+    as more and more of them are read (moved to the ordered dict while the cold base keeps its
+    table, until it is compacted)."""
+    n = 100_000
+    per_block = []
+    tracemalloc.start()
+    try:
+        keys = np.frombuffer(os.urandom(48 * n), dtype="V48").tolist()
+        index = BlockIndex()
+        stamps, _ = index.stamps_for(np.full(n, 4096, dtype="u8"), T0 + np.arange(n) / 1000)
+        loaded = BlockIndex.build(keys, stamps.tolist())
+        del stamps
+        index.install(loaded, 4096 * n, keys)
+        del loaded, keys
+        per_block.append(tracemalloc.get_traced_memory()[0] / n)
+        for read in (n // 4, n // 15, n // 6, n // 6, n // 10, n):  # to 32%, 50%, 65%, 75%, all
+            index.touch([bytes(k) for k, _ in itertools.islice(index.oldest(), read)])
+            per_block.append(tracemalloc.get_traced_memory()[0] / n)
+    finally:
+        tracemalloc.stop()
+    assert max(per_block) <= 256, per_block
+    assert len(index) == n and index.bytes == 4096 * n and not index._cold
 
 
 @pytest.mark.slow
