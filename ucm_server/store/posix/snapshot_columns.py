@@ -13,6 +13,7 @@ import itertools
 import operator
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -51,7 +52,7 @@ def _packed_stamps(
     block's (size, second) index and the pairs, from :meth:`BlockIndex.stamps_for`). Array
     operations over all blocks, then a few C-level steps per pack."""
     rows = np.flatnonzero(ids)
-    order = rows[np.argsort(ids[rows], kind="stable")]  # grouped by pack, in LRU order within each
+    order = _grouped_by_pack(rows, ids[rows])  # grouped by pack, in LRU order within each
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
     bounds = [*starts.tolist(), len(order)]
@@ -61,9 +62,11 @@ def _packed_stamps(
     codes = pack_of.astype(np.int64) * len(pair_values) + pair_of[order]
     first = np.r_[True, codes[1:] != codes[:-1]]
     triples, triple_of = codes[first].tolist(), np.cumsum(first) - 1
-    every = np.empty(len(keys), dtype=object)
-    every[:] = keys
-    ordered: list[bytes | None] = every[order].tolist()
+    ordered: list[bytes | None]
+    if isinstance(keys, list) and len(order) == len(keys) and not (order != np.arange(len(keys))).any():
+        ordered = cast("list[bytes | None]", keys)  # every block packed, packs side by side: as listed
+    else:
+        ordered = list(map(keys.__getitem__, order.tolist()))
     places = offsets[order].astype("<u8").tobytes()
     packs: list[Pack] = []
     for n, pack_id in enumerate(sorted_ids[starts].tolist()):
@@ -79,6 +82,18 @@ def _packed_stamps(
         made[n] = packs[triple // len(pair_values)].stamp(size, second)
     stamps[order] = made[triple_of]
     return packs
+
+
+def _grouped_by_pack(rows: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+    """``rows`` (with pack ids ``row_ids``) ordered so that each pack's are side by side, in their
+    LRU order within it. Usually they are already (a dump's blocks are stored together, and a
+    snapshot lists them in LRU order): then no sort."""
+    if not len(rows):
+        return rows
+    runs = row_ids[np.r_[True, row_ids[1:] != row_ids[:-1]]]
+    if len(np.unique(runs)) == len(runs):  # each pack in one run
+        return rows
+    return rows[np.argsort(row_ids, kind="stable")]
 
 
 def columns_of(
