@@ -27,13 +27,13 @@ from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
 from ucm_server.testing.daemon import DaemonProcess
 
 SIZE = 4096
-N = 300  # two chunks (256 blocks each at most): a cancel point between them
+N = 600  # three chunks (256 blocks each at most, two copied at once): a cancel point before the third
 SENTINEL = b"\x5a"
 
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """A daemon whose only tier sleeps 10 ms per block: a 300-block task runs for about half a second."""
+    """A daemon whose only tier sleeps 10 ms per block: a 600-block task runs for about a second."""
     with slow_daemon(tmp_path_factory.mktemp("rt-rpc"), 0.01) as d:
         yield d
 
