@@ -8,12 +8,15 @@ with no C compiler: ``memmove`` runs and slice assignments)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 
 from ucm_protocol.native import native
 from ucm_server.store import copying
 from ucm_server.store.copying import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
+from ucm_server.store.io_classes import ClassedExecutor, IoClass
 
 
 @pytest.fixture(autouse=True, params=["helper", "no helper"])
@@ -85,3 +88,43 @@ def test_single_segment_blocks_copy_exactly_from_writable_and_read_only_memory(r
     copy_all(pairs)
     assert dst == expected
     assert dst != bytearray(b"\xee" * total)  # negative control: the copy did something
+
+
+def test_a_background_copy_is_held_between_its_pieces_while_a_load_runs() -> None:
+    """A dump's copy (``copy_all`` in a BACKGROUND job of a classed pool) stops before each piece of
+    about SPLIT_COPY_BYTES while a load runs, then copies every byte once the load ended; the same
+    copy in a load's job is never held."""
+    pool = ClassedExecutor(2, background_hold_s=30)
+    load_gate, load_started = threading.Event(), threading.Event()
+    block = SPLIT_COPY_BYTES // 2
+    src = bytearray(random.Random(5).randbytes(3 * block))
+    dst = bytearray(len(src))
+    pairs: list[tuple[IoVec, IoVec]] = [
+        ([memoryview(dst)[i * block : (i + 1) * block]], [memoryview(src)[i * block : (i + 1) * block]])
+        for i in range(3)
+    ]
+
+    def load() -> None:
+        load_started.set()
+        assert load_gate.wait(30)
+
+    try:
+        running = pool.submit_as(IoClass.LOAD, load)
+        assert load_started.wait(30)
+        side = bytearray(len(src))
+        side_pairs = [([memoryview(side)[: len(src)]], [memoryview(src)])]
+        pool.submit_as(IoClass.LOAD, copy_all, side_pairs).result(30)  # a load's copy: not held
+        assert side == src
+        dump = pool.submit_as(IoClass.BACKGROUND, copy_all, pairs)
+        deadline = time.monotonic() + 30
+        while pool.held_background != 1:
+            assert time.monotonic() < deadline, "the background copy was never held"
+            time.sleep(0.001)
+        assert not dump.done() and not any(dst), "bytes moved while a load ran"
+        load_gate.set()
+        running.result(30)
+        dump.result(30)
+        assert dst == src
+    finally:
+        load_gate.set()
+        pool.shutdown()

@@ -64,11 +64,39 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     addresses from the very memoryviews (:func:`_address`), within their bounds, and slice
     assignments the smaller ones.
     """
+    if not may_yield():
+        _copy_batch(pairs, STREAM_COPY_BYTES)
+        return
+    # Background work (a dump's copy): pieces of about SPLIT_COPY_BYTES, held between them while
+    # loads run (:func:`~ucm_server.store.io_classes.yield_to_loads`), each copied the way the
+    # whole batch would be (past the cache when the batch is large enough), with or without the helper.
+    pieces: list[list[tuple[IoVec, IoVec]]] = []
+    piece: list[tuple[IoVec, IoVec]] = []
+    filled = total = 0
+    for pair in pairs:
+        piece.append(pair)
+        n = iov_len(pair[0])
+        filled += n
+        total += n
+        if filled >= SPLIT_COPY_BYTES:
+            pieces.append(piece)
+            piece, filled = [], 0
+    if piece:
+        pieces.append(piece)
+    stream = 1 if total >= STREAM_COPY_BYTES else 0
+    for piece in pieces:
+        yield_to_loads()
+        _copy_batch(piece, stream)
+
+
+def _copy_batch(pairs: Sequence[tuple[IoVec, IoVec]], stream_bytes: int) -> None:
+    """:func:`copy_all` of one batch, without holds: the compiled helper's one call (non-temporal
+    stores from ``stream_bytes`` on, 0: never), or ``memmove`` runs and slice assignments."""
     if native is not None:
         native.copy_pairs(
             pairs if isinstance(pairs, list) else list(pairs),
             split_bytes=SPLIT_COPY_BYTES,
-            stream_bytes=STREAM_COPY_BYTES,
+            stream_bytes=stream_bytes,
         )
         return
     runs: list[list[int]] = []
@@ -142,17 +170,7 @@ _helper: ThreadPoolExecutor | None = None
 def _memmove_runs(runs: list[list[int]], split_bytes: int = SPLIT_COPY_BYTES) -> None:
     """Copy the runs; a batch of ``split_bytes`` or more in two halves at once, this thread and one
     helper thread (a ``memmove`` releases the GIL: where memory bandwidth allows, two cores copy
-    faster than one). Background work (a dump's copy) goes in pieces of :data:`SPLIT_COPY_BYTES`,
-    held between them while loads run (:func:`~ucm_server.store.io_classes.yield_to_loads`)."""
-    if may_yield():
-        for piece in _cut(runs, SPLIT_COPY_BYTES):
-            yield_to_loads()
-            _memmove_split(piece, split_bytes)
-        return
-    _memmove_split(runs, split_bytes)
-
-
-def _memmove_split(runs: list[list[int]], split_bytes: int) -> None:
+    faster than one)."""
     total = sum(n for _, _, n in runs)
     if total < split_bytes:
         _memmove_all(runs)
