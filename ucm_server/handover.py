@@ -289,6 +289,18 @@ def listen_private(path: Path) -> socket.socket:
     return sock
 
 
+async def stop_listening(sock: socket.socket | None, path: Path, tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel a listener's ``tasks`` (its accept loop, its connections) and wait for them, then close
+    its socket and remove the socket's path."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if sock is not None:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 async def accepted(sock: socket.socket, what: str) -> AsyncIterator[socket.socket]:
     """Every connection ``sock`` accepts, for as long as the caller iterates. An accept that fails
     (EMFILE and the like, as under a descriptor flood) is said now and then, not each time, and the
@@ -347,15 +359,8 @@ class HandoverListener:
 
     async def close(self) -> None:
         tasks = [t for t in (self._accepting, self._expiring) if t is not None]
-        tasks += self._conns.entries()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        await stop_listening(self._sock, self.path, tasks + self._conns.entries())
+        self._sock = None
         self.table.close()
         self.budget.close()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -29,7 +28,7 @@ import grpc
 from ucm_protocol import dataplane as dp
 from ucm_protocol.errors import InvalidArgument, PermissionDenied, UcmError
 from ucm_protocol.fdpass import peer_credentials
-from ucm_server.handover import accepted, listen_private, ready_for
+from ucm_server.handover import accepted, listen_private, ready_for, stop_listening
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +72,8 @@ class DataPlaneListener:
 
     async def close(self) -> None:
         tasks = [t for t in (self._accepting, *self._conns) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+        await stop_listening(self._sock, self.path, tasks)
+        self._sock = None
 
     async def _accept_loop(self) -> None:
         assert self._sock is not None
