@@ -333,14 +333,14 @@ class Pipeline:
         top = self.leasing if depth > 0 else None
         reservations: dict[int, Reservation] = {}
         if top is not None:
-            promote = [
-                j
-                for j, (key, _) in enumerate(batch)
+            promote = {
+                j: iov_len(dest)
+                for j, (key, dest) in enumerate(batch)
                 if self.stamps.unwritten_since(key, started) and not top.holds(key)
-            ]
-            top.make_room([iov_len(batch[j][1]) for j in promote])  # one eviction walk for the group
-            for j in promote:
-                reservation = top.reserve(batch[j][0], iov_len(batch[j][1]))
+            }
+            top.make_room(list(promote.values()))  # one eviction walk for the group
+            for j, size in promote.items():
+                reservation = top.reserve(batch[j][0], size)
                 if reservation is not None:
                     reservations[j] = reservation
         got: list[BlockResult | None] = [None] * len(batch)
