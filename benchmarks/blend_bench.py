@@ -2,7 +2,7 @@
 shapes Blend was not tuned on.
 
 Workload: a prompt of 3 chunks of 128 random tokens and a 32-token question. Each chunk's KV is
-prefilled alone (positions from 0, as when it was stored), then :func:`ucm_client.sparse.blend.blend`
+prefilled alone (positions from 0, as when it was stored), then :func:`ucm_client.sparse.methods.blend.blend`
 rebuilds the prompt from the three cached chunks and the question. Error: the relative L2 distance
 of the last token's logits from a plain prefill of the whole prompt, ``||blend - full|| / ||full||``.
 
@@ -38,7 +38,7 @@ import torch
 from benchmarks.blend_models import DecoderShape, RandomDecoder
 from benchmarks.blend_variants import SCORERS
 from benchmarks.results_file import publish
-from ucm_client.sparse.blend import BlendSpec, ChunkKV, Scorer, blend, kv_deviation, prefill
+from ucm_client.sparse.methods.blend import BlendSpec, ChunkKV, Scorer, blend, kv_deviation, prefill
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "sparse.md"
 BEGIN, END = "<!-- blend-bench:begin -->", "<!-- blend-bench:end -->"

@@ -52,7 +52,7 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 class RandomDecoder:
     """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) with seeded random weights.
 
-    Implements :class:`ucm_client.sparse.blend.BlendModel`; float32 on the CPU.
+    Implements :class:`ucm_client.sparse.methods.blend.BlendModel`; float32 on the CPU.
     """
 
     def __init__(self, shape: DecoderShape, seed: int) -> None:

@@ -1,6 +1,6 @@
 """Alternative ways to measure a reused token's deviation, compared with Blend's default in the benchmark.
 
-Each is a :data:`ucm_client.sparse.blend.Scorer`. They answer "what goes wrong" questions about the
+Each is a :data:`ucm_client.sparse.methods.blend.Scorer`. They answer "what goes wrong" questions about the
 default (the L2 distance of K plus that of V over all heads): is V or K alone the better signal, does
 a head with large K/V norms drown the others, and does a deviation matter only as much as the
 attention paid to the token, by the recomputed rows and by the question.
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ucm_client.sparse.blend import DeviationInputs, Scorer, kv_deviation
+from ucm_client.sparse.methods.blend import DeviationInputs, Scorer, kv_deviation
 
 __all__ = [
     "SCORERS",

@@ -17,8 +17,8 @@ import torch
 
 from tests.support.tiny_llama import build_tiny_llama
 from ucm_client.sparse.base import UcmSparseRole
-from ucm_client.sparse.blend import Blend, BlendSpec, DeviationInputs, blend, prefill
 from ucm_client.sparse.factory import UcmSparseFactory
+from ucm_client.sparse.methods.blend import Blend, BlendSpec, DeviationInputs, blend, prefill
 from ucm_client.sparse.rope import apply_rope
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def _one_thread() -> Iterator[None]:
 
 
 class HFLlamaSteps:
-    """:class:`~ucm_client.sparse.blend.BlendModel` over ``LlamaForCausalLM`` modules."""
+    """:class:`~ucm_client.sparse.methods.blend.BlendModel` over ``LlamaForCausalLM`` modules."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
