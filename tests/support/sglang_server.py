@@ -51,7 +51,8 @@ class SGLangServer:
 
     ``extra`` is the storage backend's extra config (``--hicache-storage-backend-extra-config``);
     ``args`` replace or add server options to :data:`SERVER_DEFAULTS` (``{"--max-total-tokens":
-    "6144"}``; ``""``: a flag without a value, None: drop the option)."""
+    "6144"}``; ``""``: a flag without a value, None: drop the option); ``env`` adds variables to the
+    server's environment (``UCM_SGLANG_EXTEND_ROWS=1``: the extend stand-in of ``standins/``)."""
 
     def __init__(
         self,
@@ -60,11 +61,13 @@ class SGLangServer:
         extra: dict[str, Any],
         log: Path,
         args: dict[str, str | None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
-        env.update(PYTHONPATH=f"{STANDINS}:{REPO}", UCM_SGLANG_CPU_STANDINS="1", PYTHONUNBUFFERED="1")
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("UCM_")}
+        environment.update(PYTHONPATH=f"{STANDINS}:{REPO}", UCM_SGLANG_CPU_STANDINS="1", PYTHONUNBUFFERED="1")
+        environment.update(env or {})
         options = {**SERVER_DEFAULTS, **(args or {})}
         command = [str(python), "-m", "sglang.launch_server", "--model-path", str(model)]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]
@@ -74,7 +77,12 @@ class SGLangServer:
         command += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                cwd=REPO,
+                start_new_session=True,
             )
 
     def url(self, path: str) -> str:

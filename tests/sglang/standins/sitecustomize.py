@@ -14,6 +14,15 @@ a CPU these are the pieces it lacks:
    embedding imports it on a non-CUDA device as its fallback kernel, which the CPU forward
    (``forward_native``) never calls; calling the stand-in raises.
 
+One more, for the serving benchmark only (``UCM_SGLANG_EXTEND_ROWS=1`` as well):
+
+4. An extend attention that computes only the new tokens' rows (stands in for the extend kernels
+   SGLang uses on a GPU, FlashInfer's and FlashAttention's, which do so): ``torch_native``'s
+   ``_run_sdpa_forward_extend`` builds a query as long as the whole sequence and runs causal
+   attention over all of it, so on a CPU a request whose 4,096-token prefix is cached pays the
+   prefix's whole attention again (3 s of a 3.1 s time to first token), hiding where the prefix came
+   from. Same mathematics: each new token attends to the keys up to its own position.
+
 Each is applied right after SGLang's module that needs it is imported, and says so on stderr.
 """
 
@@ -67,10 +76,72 @@ if os.environ.get("UCM_SGLANG_CPU_STANDINS") == "1":
     def _patch_common(module: types.ModuleType) -> None:
         module._cuda_host_register = _no_pinning  # type: ignore[attr-defined]
 
+    def _patch_torch_native(module: types.ModuleType) -> None:
+        backend = module.TorchNativeAttnBackend
+        shipped = backend._run_sdpa_forward_extend
+
+        def extend_rows_only(
+            self: Any,
+            query: Any,
+            output: Any,
+            k_cache: Any,
+            v_cache: Any,
+            req_to_token: Any,
+            req_pool_indices: Any,
+            seq_lens: Any,
+            extend_prefix_lens: Any,
+            extend_seq_lens: Any,
+            encoder_lens: Any = None,
+            scaling: Any = None,
+            enable_gqa: bool = False,
+            causal: bool = False,
+            is_cross_attn: bool = False,
+            sliding_window_size: int | None = None,
+        ) -> Any:
+            """Causal self-attention of the extend tokens only; anything else as SGLang ships it."""
+            import torch
+            from torch.nn.functional import scaled_dot_product_attention
+
+            windowed = sliding_window_size is not None and sliding_window_size > -1
+            if not causal or windowed or encoder_lens is not None or is_cross_attn:
+                return shipped(
+                    self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                    is_cross_attn, sliding_window_size,
+                )  # fmt: skip
+            heads_first = query.movedim(0, query.dim() - 2)
+            start_q = 0
+            for seq in range(seq_lens.shape[0]):
+                n_q, prefix, n_kv = (
+                    int(extend_seq_lens[seq]),
+                    int(extend_prefix_lens[seq]),
+                    int(seq_lens[seq]),
+                )
+                tokens = req_to_token[req_pool_indices[seq], :n_kv]
+                key = k_cache[tokens].movedim(0, query.dim() - 2).to(query.dtype)
+                value = v_cache[tokens].movedim(0, query.dim() - 2).to(query.dtype)
+                q_pos = torch.arange(prefix, prefix + n_q, device=query.device).unsqueeze(1)
+                mask = torch.arange(n_kv, device=query.device).unsqueeze(0) <= q_pos
+                out = scaled_dot_product_attention(
+                    heads_first[:, start_q : start_q + n_q, :].unsqueeze(0),
+                    key.unsqueeze(0),
+                    value.unsqueeze(0),
+                    attn_mask=mask,
+                    enable_gqa=enable_gqa,
+                    scale=scaling,
+                )
+                output[start_q : start_q + n_q] = out.squeeze(0).movedim(query.dim() - 2, 0)
+                start_q += n_q
+            return output
+
+        backend._run_sdpa_forward_extend = extend_rows_only
+
     PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
         "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
         "sglang.srt.mem_cache.pool_host.common": _patch_common,
     }
+    if os.environ.get("UCM_SGLANG_EXTEND_ROWS") == "1":
+        PATCHES["sglang.srt.layers.attention.torch_native_backend"] = _patch_torch_native
 
     class _Patching(importlib.abc.MetaPathFinder):
         """Finds PATCHES' modules with the normal machinery, then patches them once executed."""
