@@ -1,8 +1,9 @@
 /*
  * Building a million-entry index from a snapshot's key column: the keys as ``bytes`` with their
- * hashes computed while each is still in cache, and a dict sized for all of them at once (no
- * resize, each of which re-inserts every entry so far). Each call holds the interpreter; the
- * caller works in slices so that the event loop gets it between them.
+ * hashes computed while each is still in cache (a later pass misses it on every key), and the
+ * entries put in a dict straight from two lists (``dict.update(zip(...))`` makes and unpacks a
+ * tuple per entry). Each call holds the interpreter; the caller works in slices so that the event
+ * loop gets it between them.
  */
 #include "native.h"
 
@@ -37,24 +38,6 @@ PyObject *ucm_index_keys(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&buf);
     return out;
-}
-
-const char ucm_index_dict_doc[] =
-    "index_dict(entries) -> dict: an empty dict with room for ``entries`` without a resize.";
-
-PyObject *ucm_index_dict(PyObject *self, PyObject *args) {
-    Py_ssize_t entries;
-    if (!PyArg_ParseTuple(args, "n", &entries))
-        return NULL;
-    if (entries < 0) {
-        PyErr_SetString(PyExc_ValueError, "entries must not be negative");
-        return NULL;
-    }
-#if PY_VERSION_HEX < 0x030E0000
-    return _PyDict_NewPresized(entries);
-#else
-    return PyDict_New();
-#endif
 }
 
 const char ucm_index_fill_doc[] =
