@@ -24,6 +24,7 @@ from support.posix_store import blocks_root, index_done, index_keys, payload, po
 
 from ucm_client import UcmClient
 from ucm_protocol.keys import BlockKey, PackedDigests
+from ucm_protocol.native import MISSING, native
 from ucm_server.store.posix import index_snapshot
 from ucm_server.store.posix.block_index import BlockIndex
 
@@ -220,6 +221,45 @@ def test_a_snapshot_listing_a_key_twice_keeps_its_first_place_and_last_size() ->
     index.forget(_key(1))
     assert [bytes(k) for k, _ in index.oldest()] == [_key(2), _key(3)]
     assert index.bytes == 60
+
+
+@pytest.mark.skipif(native is None, reason=f"the compiled helper is not built here: {MISSING}")
+def test_the_compiled_build_makes_the_map_the_plain_one_makes() -> None:
+    """Filled in compiled slices (lists), or by ``dict.update`` (any other sequence): the same
+    keys in the same order with the same stamps, a key listed twice included; keys made from a
+    snapshot's records by the helper equal numpy's."""
+    index = BlockIndex()
+    records = os.urandom(48 * 70_000) + os.urandom(48)
+    made = native.index_keys(records, 48)
+    assert made == np.frombuffer(records, dtype="V48").tolist()
+    keys = [*made, made[5], made[69_999]]
+    stamps = [index.stamp(n % 7 + 1, T0 + n % 3) for n in range(len(keys))]
+    compiled = BlockIndex.build(keys, stamps)
+    plain = BlockIndex.build(tuple(keys), tuple(stamps))
+    assert list(compiled.items()) == list(plain.items())
+    assert compiled[made[5]] is stamps[-2] and list(compiled)[5] == made[5]
+    with pytest.raises(ValueError, match="keys and"):
+        BlockIndex.build(keys, stamps[:-1])
+
+
+@pytest.mark.skipif(native is None, reason=f"the compiled helper is not built here: {MISSING}")
+def test_the_compiled_index_helpers_refuse_what_is_not_whole() -> None:
+    with pytest.raises(ValueError, match="not whole records"):
+        native.index_keys(b"x" * 47, 48)
+    with pytest.raises(ValueError, match="not whole records"):
+        native.index_keys(b"x" * 48, 0)
+    into: dict[bytes, int] = {}
+    with pytest.raises(ValueError, match="2 keys and 1 values"):
+        native.index_fill(into, [b"a", b"b"], [1], 0, 1)
+    for start, stop in ((0, 3), (-1, 1), (2, 1)):
+        with pytest.raises(IndexError, match="slice"):
+            native.index_fill(into, [b"a", b"b"], [1, 2], start, stop)
+    with pytest.raises(TypeError):
+        native.index_fill([], [b"a"], [1], 0, 1)
+    with pytest.raises(TypeError):
+        native.index_fill(into, [[]], [1], 0, 1)  # unhashable: refused
+    native.index_fill(into, [b"a", b"b"], [1, 2], 0, 2)
+    assert into == {b"a": 1, b"b": 2}
 
 
 def test_a_second_base_is_refused() -> None:

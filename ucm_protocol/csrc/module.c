@@ -66,6 +66,8 @@ static PyMethodDef methods[] = {
     {"xxh3_64", ucm_xxh3_64, METH_VARARGS, ucm_xxh3_64_doc},
     {"xxh3_64_many", ucm_xxh3_64_many, METH_VARARGS, ucm_xxh3_64_many_doc},
 #endif
+    {"index_keys", ucm_index_keys, METH_VARARGS, ucm_index_keys_doc},
+    {"index_fill", ucm_index_fill, METH_VARARGS, ucm_index_fill_doc},
     {"layout", layout, METH_NOARGS, "The layout constants this module was built with."},
     {"monotonic_ns", monotonic, METH_NOARGS, "CLOCK_MONOTONIC in nanoseconds (what T_VALID_UNTIL counts)."},
     {NULL, NULL, 0, NULL},

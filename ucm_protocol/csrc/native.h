@@ -1,8 +1,8 @@
 /*
  * The compiled helper's shared declarations (ucm_protocol._native; the sources are split by job:
  * table.c the presence table, ring.c the ring's words and request bodies, blocks.c copies and
- * checksums, module.c the module). Layout constants mirror ucm_protocol/dataplane.py; a test
- * compares them (``layout()``).
+ * checksums, index.c a snapshot's keys into a dict, module.c the module). Layout constants mirror
+ * ucm_protocol/dataplane.py; a test compares them (``layout()``).
  */
 #ifndef UCM_NATIVE_H
 #define UCM_NATIVE_H
@@ -125,9 +125,11 @@ PyObject *ucm_copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *ucm_xxh3_64(PyObject *self, PyObject *args);
 PyObject *ucm_xxh3_64_many(PyObject *self, PyObject *args);
 #endif
+PyObject *ucm_index_keys(PyObject *self, PyObject *args);
+PyObject *ucm_index_fill(PyObject *self, PyObject *args);
 
 extern const char ucm_table_read_slot_doc[], ucm_table_lookup_doc[], ucm_table_find_ns_doc[], ucm_table_set_doc[],
     ucm_table_apply_doc[], ucm_table_clear_bit_doc[], ucm_table_copy_doc[], ucm_encode_batch_doc[],
-    ucm_copy_pairs_doc[], ucm_xxh3_64_doc[], ucm_xxh3_64_many_doc[];
+    ucm_copy_pairs_doc[], ucm_xxh3_64_doc[], ucm_xxh3_64_many_doc[], ucm_index_keys_doc[], ucm_index_fill_doc[];
 
 #endif

@@ -21,6 +21,15 @@ the ``Lookup`` RPC would say, and only to whom the RPC would say it:
 
 Tables are built when the first local client opens its channel (a daemon nobody reaches through
 the data plane pays nothing), from the tiers' current contents, then kept up to date.
+
+**Filling in the background.** A tier that reports many keys at once (its index installed from a
+snapshot at start-up, or what it holds when the first channel opens) would hold the event loop for
+a fifth of a second per million keys while they go into the tables. They go in
+:data:`FILL_SLICE` at a time instead, one slice per pass of the loop (:class:`_Fill`), while the
+tier already answers the RPC from its index. Until every fill has ended no table is trusted (its
+lease is withheld, as while a tier re-adopts its files): a reader asks gRPC, so no key yet to be
+filled reads as missing. A key the tier stores meanwhile goes in at once as usual; one it drops
+meanwhile is cleared as usual and the fill leaves it out.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ REFRESH_S = 0.03
 """How often the daemon pushes the lease on (well inside it)."""
 GROWTH = 1.4
 """A table that fills with entries is rebuilt for this many times them (about twice its slots)."""
+FILL_SLICE = 16384
+"""Keys a background fill puts in the tables per pass of the event loop (about 3 ms); a tier's
+report of no more than this many goes in at once."""
 
 
 def exact_tiers(pipeline: Pipeline) -> tuple[list[Tier], bool]:
@@ -78,7 +90,7 @@ class _TierWatch:
     as an eviction right after a lookup, which the Load reports. Anything out of the ordinary (a
     namespace not listed yet, a table to rebuild) takes the general path."""
 
-    __slots__ = ("bit", "due", "pending", "presence")
+    __slots__ = ("bit", "due", "fills", "pending", "presence")
 
     def __init__(self, presence: Presence, bit: int) -> None:
         self.presence = presence
@@ -87,8 +99,13 @@ class _TierWatch:
         """Keys this tier dropped in this loop pass, not yet cleared in the tables."""
         self.due = False
         """A flush is scheduled for the end of this loop pass."""
+        self.fills: set[_Fill] = set()
+        """This tier's reports of many keys, going into the tables in the background."""
 
     def stored(self, key: bytes) -> None:
+        if self.fills:  # stored again since a report: a fill that has not reached it sets it after all
+            for fill in self.fills:
+                fill.removed.discard(key)
         pending = self.pending
         if pending and key in pending:
             pending.discard(key)  # dropped and stored again: the tables already say so
@@ -103,6 +120,8 @@ class _TierWatch:
                 presence.apply_to(table, [key], self.bit, True)  # a rebuild, or a namespace to list first
 
     def removed(self, key: bytes) -> None:
+        for fill in self.fills:
+            fill.removed.add(bytes(key))
         if self.presence.scanning:
             self.presence.note_removed([key], self.bit)
         if not self.due:
@@ -121,14 +140,77 @@ class _TierWatch:
             self.presence.apply(keys, self.bit, False)
 
     def stored_many(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         if self.pending:
             self.pending.difference_update(keys)
+        if len(keys) > FILL_SLICE:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a tier used outside the daemon): at once
+                pass
+            else:
+                self.fills.add(_Fill(self, keys))
+                return
         self.presence.apply(keys, self.bit, True)
 
     def cleared(self) -> None:
+        for fill in list(self.fills):
+            fill.cancel()
         self.pending.clear()
         self.presence.clear(self.bit)
+
+
+class _Fill:
+    """One tier's report of many keys going into every table, :data:`FILL_SLICE` per pass of the
+    event loop; the tables' lease is withheld until it ends (:meth:`Presence._lease_end`). The
+    keys are the caller's list, read and never changed (the index's own order list, no copy)."""
+
+    def __init__(self, watch: _TierWatch, keys: list[bytes]) -> None:
+        self.watch = watch
+        self.keys = keys
+        self.removed: set[bytes] = set()
+        """Keys the tier dropped since the report: left out (a later store sets them itself)."""
+        self.started = time.monotonic()
+        presence = watch.presence
+        presence.fills.add(self)
+        presence.refresh()  # readers stop trusting the tables now, not at the next tick
+        presence.make_room(len(keys))
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        watch, presence, keys = self.watch, self.watch.presence, self.keys
+        try:
+            for start in range(0, len(keys), FILL_SLICE):
+                await asyncio.sleep(0)  # the loop serves between slices
+                part = keys[start : start + FILL_SLICE]
+                if self.removed:
+                    part = [key for key in part if key not in self.removed]
+                presence.apply(part, watch.bit, True)
+            log.info(
+                "data plane: presence tables filled with %d keys in %.3fs",
+                len(keys),
+                time.monotonic() - self.started,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the tables keep no lease while a fill is unfinished: mark them incomplete
+            log.exception("data plane: filling the presence tables failed; lookups use gRPC")
+            for table in presence.tables.values():
+                table.set_flags(table.flags & ~dp.FLAG_COMPLETE)
+        finally:
+            self._end()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        self._end()
+
+    def _end(self) -> None:
+        presence = self.watch.presence
+        if self in presence.fills:
+            self.watch.fills.discard(self)
+            presence.fills.discard(self)
+            if not presence.fills:
+                presence.refresh()  # the lease back now, not at the next tick
 
 
 class Presence:
@@ -147,6 +229,8 @@ class Presence:
         self._scans: set[asyncio.Task[None]] = set()
         self._removed_during_scan: dict[bytes, set[tuple[bytes, int]]] = {}
         """Stored namespace being scanned -> (key, bit) removed meanwhile (not to be put back)."""
+        self.fills: set[_Fill] = set()
+        """Tiers' reports going into the tables in the background: no lease until they end."""
         exact, self.complete = exact_tiers(pipeline)
         self._exact = exact
         if len(exact) > dp.MAX_TIERS:
@@ -164,7 +248,8 @@ class Presence:
             self.tables[tenant] = table
             self._refresh(table)
             if not self._watches:
-                self._attach()
+                self._attach()  # what the tiers hold may need a larger table: it replaces this one
+            table = self.tables[tenant]
         return table
 
     def _attach(self) -> None:
@@ -229,6 +314,13 @@ class Presence:
         )
         return new
 
+    def make_room(self, entries: int) -> None:
+        """Rebuild, once, each table too small for ``entries`` more (before a fill adds them a slice
+        at a time, which would otherwise rebuild it again and again)."""
+        for table in list(self.tables.values()):
+            if table.used + entries > MAX_LOAD * table.nslots:
+                self.rebuild(table, table.live + entries)
+
     def clear(self, bit: int) -> None:
         for table in self.tables.values():
             table.clear_bit(bit)
@@ -283,6 +375,8 @@ class Presence:
         assert native is not None
         if self.retention.due(time.time() + LEASE_S):
             return 0  # gRPC deletes what expired, until it is gone
+        if self.fills:
+            return 0  # a tier's keys still going in: a key not there yet is not missing
         if any(tier.indexing for tier in self._exact):
             # A tier still re-adopting its files after a start (no snapshot it could trust) holds
             # blocks its index has not reached: gRPC's lookup looks on disk for them.
@@ -290,6 +384,8 @@ class Presence:
         return native.monotonic_ns() + int(LEASE_S * 1e9)
 
     async def close(self) -> None:
+        for fill in list(self.fills):
+            fill.cancel()
         for task in list(self._scans):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

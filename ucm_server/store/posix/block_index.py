@@ -28,8 +28,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ucm_protocol.keys import NAMESPACE_BYTES, BlockKey, PackedDigests
+from ucm_protocol.native import native
 from ucm_server.store.watch import IndexWatch
 
+BUILD_STEP = 32768
+"""Keys :meth:`BlockIndex.build` puts in its map per compiled call (a few ms holding the interpreter)."""
 STAMP_TABLE_MAX = 4096
 """Distinct (size, second) stamps remembered for sharing before the table starts afresh (blocks
 keep the stamps they hold; only sharing with new blocks is lost)."""
@@ -300,7 +303,16 @@ class BlockIndex:
     def build(keys: Sequence[bytes], stamps: Sequence[Stamp]) -> dict[bytes, Stamp]:
         """A plain map of ``keys`` to ``stamps`` whose order is theirs, for :meth:`install` (any
         thread: C-level slices, so the event loop gets the interpreter between them). A key listed
-        twice keeps its first place and its last stamp."""
+        twice keeps its first place and its last stamp. With the compiled helper, straight from the
+        two lists (no tuple made and unpacked per entry): 0.13 s instead of 0.3 s for a million keys
+        made by :func:`~ucm_server.store.posix.index_snapshot.read_snapshot` (their hashes made there)."""
+        if len(keys) != len(stamps):
+            raise ValueError(f"{len(keys)} keys and {len(stamps)} stamps")
+        if native is not None and type(keys) is list and type(stamps) is list:
+            filled: dict[bytes, Stamp] = {}
+            for start in range(0, len(keys), BUILD_STEP):
+                native.index_fill(filled, keys, stamps, start, min(len(keys), start + BUILD_STEP))
+            return filled
         built: dict[bytes, Stamp] = {}
         step = 8192
         for start in range(0, len(keys), step):

@@ -62,6 +62,7 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
+from ucm_protocol.native import native
 from ucm_server.directories import fsync_dir
 from ucm_server.store.format import HEADER_SIZE
 from ucm_server.store.posix.confined import open_regular
@@ -328,7 +329,10 @@ def _build(file: BinaryIO, count: int, layout: list[int], values: _Values) -> Co
     again: the file may have been changed since): keys as ``bytes``, the rest as arrays."""
     keys: list[bytes] = []
     for chunk in _chunks(file, layout[0], count * KEY_BYTES, KEY_BYTES):
-        keys += np.frombuffer(chunk, dtype=_KEY).tolist()  # C-level: a bytes object per 48 bytes
+        if native is not None:  # with each hash computed while the key is in cache (the index needs it)
+            keys += native.index_keys(chunk, KEY_BYTES)
+        else:
+            keys += np.frombuffer(chunk, dtype=_KEY).tolist()  # C-level: a bytes object per 48 bytes
     out: list[np.ndarray] = []
     for column, start in enumerate(layout[1:], 1):
         column_values = np.empty(count, dtype="<f8" if column == 2 else "<u8")
