@@ -59,7 +59,11 @@ PyObject *ucm_index_fill(PyObject *self, PyObject *args) {
         return NULL;
     }
     for (Py_ssize_t i = start; i < stop; i++) {
-        /* a list may change size only through Python code, which does not run in this loop */
+        /* a key's __hash__ or __eq__ may run Python code that shrinks a list: look again each time */
+        if (i >= PyList_GET_SIZE(keys) || i >= PyList_GET_SIZE(values)) {
+            PyErr_SetString(PyExc_RuntimeError, "index_fill: a list changed size during the fill");
+            return NULL;
+        }
         if (PyDict_SetItem(into, PyList_GET_ITEM(keys, i), PyList_GET_ITEM(values, i)) < 0)
             return NULL;
     }
