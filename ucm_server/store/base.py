@@ -111,6 +111,14 @@ class SizeIndex:
         if self.watch is not None:
             self.watch.stored(key)
 
+    def add_many(self, keys: list[BlockKey], sizes: list[int]) -> None:
+        """:meth:`add` for a batch: the watcher hears of it in one ``stored_many`` call."""
+        by_ns = self._by_ns
+        for key, size in zip(keys, sizes, strict=True):
+            by_ns.setdefault(key[:_NS], {})[key[_NS:]] = size
+        if self.watch is not None and keys:
+            self.watch.stored_many(keys)
+
     def discard(self, key: BlockKey) -> None:
         ns = key[:_NS]
         digests = self._by_ns.get(ns)
