@@ -6,7 +6,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -323,3 +323,70 @@ async def _stored(t: CacheTier, i: int) -> bytes:
     out = bytearray(4096)
     assert (await t.read_into(key(i), [memoryview(out)])).ok
     return bytes(out)
+
+
+class _Recorder:
+    """A watcher of the Cache's index that keeps every statement, in order; ``batched``: it takes a
+    batch of removals in one call, as the data plane's and the KV events' watchers do."""
+
+    def __init__(self, *, batched: bool) -> None:
+        self.said: list[tuple[str, bytes]] = []
+        self.removal_calls = 0
+        if batched:
+            self.removed_many = self._removed_many
+
+    def stored(self, key: bytes) -> None:
+        self.said.append(("stored", bytes(key)))
+
+    def stored_many(self, keys: Iterable[bytes]) -> None:
+        self.said.extend(("stored", bytes(k)) for k in keys)
+
+    def removed(self, key: bytes) -> None:
+        self.removal_calls += 1
+        self.said.append(("removed", bytes(key)))
+
+    def _removed_many(self, keys: Sequence[bytes]) -> None:
+        self.removal_calls += 1
+        self.said.extend(("removed", bytes(k)) for k in keys)
+
+    def cleared(self) -> None:
+        self.said.append(("cleared", b""))
+
+    def held(self) -> set[bytes]:
+        held: set[bytes] = set()
+        for what, k in self.said:
+            if what == "stored":
+                held.add(k)
+            elif what == "removed":
+                held.discard(k)
+        return held
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_replacing_batch_tells_its_watcher_each_removal_before_the_new_version(batched: bool) -> None:
+    """A batch replacing stored blocks (one of them twice in the batch) says each old version is
+    gone before its new one is there, in one call where the watcher takes a batch; what the watcher
+    then holds is what the Cache holds, and the replaced pages are all free again."""
+
+    async def main() -> None:
+        t = CacheTier(capacity=16 * 4096, page_size=4096)
+        w = _Recorder(batched=batched)
+        t.watch_index(w)
+        assert all(
+            r.ok for r in await t.write_many([(key(i), [memoryview(payload(i, 4096))]) for i in range(4)])
+        )
+        start = len(w.said)
+        batch = [(key(i), [memoryview(payload(10 + i, 4096))]) for i in (0, 1, 1, 2, 7)]
+        assert all(r.ok for r in await t.write_many(batch))
+        for k in (key(0), key(1), key(2)):
+            said = [what for what, got in w.said[start:] if got == bytes(k)]
+            assert said[0] == "removed" and said[-1] == "stored", said
+        assert w.removal_calls == (1 if batched else 4)  # key(1) twice: its first new version replaced too
+        assert w.held() == {bytes(key(i)) for i in (0, 1, 2, 3, 7)}
+        assert await t.lookup([key(i) for i in (0, 1, 2, 3, 7)]) == [4096] * 5
+        assert t.arena.free_pages == 16 - 5
+        out = bytearray(4096)
+        assert (await t.read_into(key(1), [memoryview(out)])).ok and bytes(out) == bytes(batch[2][1][0])
+        await t.close()
+
+    asyncio.run(main())

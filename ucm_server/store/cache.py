@@ -468,14 +468,18 @@ class CacheTier(Tier):
         replaces any older version of its key (:meth:`_unlink`, the policy hearing of it as a use).
         The index and the policy change per block; the size index and its watchers hear of the
         batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time)."""
-        index, unlink, inserted = self._index, self._unlink, self.policy.inserted
+        index, inserted = self._index, self.policy.inserted
+        replaced: list[_Entry] = []
         for entry in entries:
             key = entry.key
-            if key in index:
-                unlink(key, replaced=True)
+            old = index.pop(key, None)
+            if old is not None:
+                replaced.append(old)
             entry.leases = 0
             index[key] = entry
             inserted(key, entry.size)
+        if replaced:
+            self._drop(replaced, replaced=True)
         self._sizes.add_many([entry.key for entry in entries], [entry.size for entry in entries])
 
     def _unlink(self, key: BlockKey, *, evicted: bool = False, replaced: bool = False) -> bool:
@@ -484,14 +488,22 @@ class CacheTier(Tier):
         entry = self._index.pop(key, None)
         if entry is None:
             return False
-        if not replaced:
-            self.policy.removed(key, evicted=evicted)
-        self._sizes.discard(key)
-        if entry.leases:
-            entry.unlinked = True
-        else:
-            self.arena.free(entry.extents)
+        self._drop([entry], evicted=evicted, replaced=replaced)
         return True
+
+    def _drop(self, entries: list[_Entry], *, evicted: bool = False, replaced: bool = False) -> None:
+        """Entries just taken out of the index: the policy (unless ``replaced``) and the size index
+        hear of it, and each one's pages are freed, or once its last lease ends."""
+        if not replaced:
+            for entry in entries:
+                self.policy.removed(entry.key, evicted=evicted)
+        self._sizes.discard_many([entry.key for entry in entries])
+        free = self.arena.free
+        for entry in entries:
+            if entry.leases:
+                entry.unlinked = True
+            else:
+                free(entry.extents)
 
     def _allocate(self, size: int) -> list[Extent] | None:
         """Pages for a new block, evicting least-recently-used unleased blocks as needed."""
