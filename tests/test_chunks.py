@@ -34,3 +34,15 @@ def test_known_cuts() -> None:
     assert chunk_bounds([1] * (CHUNK_BLOCKS + 1)) == [(0, CHUNK_BLOCKS), (CHUNK_BLOCKS, CHUNK_BLOCKS + 1)]
     assert chunk_bounds([CHUNK_BYTES, 1, 1]) == [(0, 1), (1, 3)]
     assert chunk_bounds([CHUNK_BYTES // 2] * 3) == [(0, 2), (2, 3)]
+
+
+@given(
+    st.one_of(
+        st.sampled_from([0, 1, 4096, 64 << 10, 1 << 20, CHUNK_BYTES // 3, CHUNK_BYTES]),
+        st.integers(0, 3 << 20),
+    ),
+    st.integers(0, 3 * CHUNK_BLOCKS + 1),
+)
+def test_blocks_of_one_size_are_cut_as_the_walk_cuts_them(size: int, n: int) -> None:
+    """A list of equal sizes takes the arithmetic cut; it must be the walk's, block for block."""
+    assert chunk_bounds([size] * n) == chunk_bounds(iter([size] * n))

@@ -15,7 +15,11 @@ CHUNK_BYTES = 64 << 20
 
 
 def chunk_bounds(sizes: Iterable[int]) -> list[tuple[int, int]]:
-    """``(start, stop)`` index ranges covering a batch whose blocks have ``sizes`` bytes, in order."""
+    """``(start, stop)`` index ranges covering a batch whose blocks have ``sizes`` bytes, in order.
+    A list of blocks all of one size (the usual batch) is cut by arithmetic, not a step per block."""
+    if isinstance(sizes, list) and sizes and sizes[0] > 0 and sizes.count(sizes[0]) == len(sizes):
+        per = min(CHUNK_BLOCKS, -(-CHUNK_BYTES // sizes[0]))  # the first count reaching either limit
+        return [(start, min(start + per, len(sizes))) for start in range(0, len(sizes), per)]
     out: list[tuple[int, int]] = []
     start = total = count = 0
     for i, size in enumerate(sizes):

@@ -34,7 +34,7 @@ from ucm_server.regions import (
     check_disjoint,
     check_segments,
     host_iovecs,
-    single_segment_iovecs,
+    single_segment_batch,
 )
 from ucm_server.store.base import BlockResult
 from ucm_server.store.copying import IoVec, iov_len
@@ -110,7 +110,8 @@ class OffLoop:
 @dataclass(slots=True)
 class HostPlan:
     regions: set[Region]
-    iovs: list[IoVec]
+    iovecs: Callable[[int, int], list[IoVec]]
+    """The iovecs of blocks ``start`` to ``stop`` (every segment of the batch checked already)."""
     sizes: list[int]
     word: ProgressWord | None = None
     """A Load's progress word (:mod:`ucm_server.load_progress`), when the client gave one."""
@@ -153,23 +154,36 @@ class HostMover:
             used.add(word.region)
         self.regions.pin(used)
         try:
-            iovs = await self.off_loop(len(columns.region_ids), self._iovecs, kind, columns, counts, found)
+            return await self.off_loop(
+                len(columns.region_ids), self._checked, kind, columns, counts, found, used, word
+            )
         except BaseException:
             self.regions.unpin(used)
             raise
-        return HostPlan(used, iovs, [iov_len(iov) for iov in iovs], word)
 
-    def _iovecs(
-        self, kind: TaskKind, columns: SegmentColumns, counts: list[int], found: dict[int, Region]
-    ) -> list[IoVec]:
-        """Every segment checked, overlapping Load destinations refused, one iovec per block (no
-        event-loop state: may run in a worker thread)."""
-        iovs = single_segment_iovecs(columns, found, self.max_block_bytes)
-        if iovs is None:
-            iovs = host_iovecs(check_segments(columns, counts, found, self.max_block_bytes))
+    def _checked(
+        self,
+        kind: TaskKind,
+        columns: SegmentColumns,
+        counts: list[int],
+        found: dict[int, Region],
+        used: set[Region],
+        word: ProgressWord | None,
+    ) -> HostPlan:
+        """Every segment checked, overlapping Load destinations refused (no event-loop state: may run
+        in a worker thread). A batch of the usual shape makes its views a chunk at a time, as the
+        task moves it; any other has one iovec per block made here."""
+        batch = single_segment_batch(columns, found, self.max_block_bytes)
+        iovs = (
+            []
+            if batch is not None
+            else host_iovecs(check_segments(columns, counts, found, self.max_block_bytes))
+        )
         if kind is TaskKind.LOAD:
             check_disjoint(columns, counts)
-        return iovs
+        if batch is not None:
+            return HostPlan(used, batch.iovecs, batch.lengths, word)
+        return HostPlan(used, lambda start, stop: iovs[start:stop], [iov_len(iov) for iov in iovs], word)
 
     async def run(
         self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
@@ -180,11 +194,11 @@ class HostMover:
         ended, as its counts then hold for every block of the task; a Dump naming a key twice runs
         its chunks one after the other, so the later copy of the key is the one stored."""
         assert isinstance(plan, HostPlan)
-        iovs, sizes, word = plan.iovs, plan.sizes, plan.word
+        iovecs, sizes, word = plan.iovecs, plan.sizes, plan.word
         bounds = chunk_bounds(sizes)
 
         async def move(start: int, stop: int) -> None:
-            items = list(zip(keys[start:stop], iovs[start:stop], strict=True))
+            items = list(zip(keys[start:stop], iovecs(start, stop), strict=True))
             if task.kind is TaskKind.LOAD:
                 last = stop == bounds[-1][1]
                 report = word.report if word is not None and last else None

@@ -491,13 +491,40 @@ def host_iovecs(blocks: list[list[tuple[Any, int, int]]]) -> list[IoVec]:
     return out
 
 
+class SingleSegmentBatch:
+    """A checked batch of the usual shape (:func:`single_segment_batch`): its iovecs are built a
+    chunk at a time (:meth:`iovecs`), so a task's first copy starts before the views of its last
+    blocks exist (4,096 views cost ~1.5 ms of the event loop, once the whole request's time to its
+    first copy)."""
+
+    __slots__ = ("lengths", "offsets", "view")
+
+    def __init__(self, view: memoryview, offsets: list[int], lengths: list[int]) -> None:
+        self.view, self.offsets, self.lengths = view, offsets, lengths
+
+    def iovecs(self, start: int, stop: int) -> list[IoVec]:
+        """Blocks ``start`` to ``stop``, one view each (the checks held for all of them)."""
+        view = self.view
+        return [
+            [view[o : o + n]] for o, n in zip(self.offsets[start:stop], self.lengths[start:stop], strict=True)
+        ]
+
+
 def single_segment_iovecs(
     columns: SegmentColumns, found: dict[int, Any], max_block_bytes: int
 ) -> list[IoVec] | None:
-    """:func:`check_segments` then :func:`host_iovecs` for the usual batch (one segment per block,
-    every block in one region) with the checks run as array operations: 4,096 blocks cost ~0.3 ms
-    instead of ~2.3 ms of per-segment Python. None where the batch is of another shape or any check
-    fails: the caller then runs the per-segment checks, whose errors name the block."""
+    """:func:`single_segment_batch`'s iovecs, all of them at once."""
+    batch = single_segment_batch(columns, found, max_block_bytes)
+    return None if batch is None else batch.iovecs(0, len(batch.offsets))
+
+
+def single_segment_batch(
+    columns: SegmentColumns, found: dict[int, Any], max_block_bytes: int
+) -> SingleSegmentBatch | None:
+    """:func:`check_segments` for the usual batch (one segment per block, every block in one
+    region) with the checks run as array operations: 4,096 blocks cost ~0.3 ms instead of ~2.3 ms
+    of per-segment Python. None where the batch is of another shape or any check fails: the caller
+    then runs the per-segment checks, whose errors name the block."""
     if len(found) != 1 or (columns.counts and columns.counts.count(1) != len(columns.counts)):
         return None
     (region,) = found.values()
@@ -513,8 +540,7 @@ def single_segment_iovecs(
         return None
     if (offsets + lengths).max() > size:  # no wrap-around: both terms are at most the region's size
         return None
-    view = region.view
-    return [[view[o : o + n]] for o, n in zip(columns.offsets, columns.lengths, strict=True)]
+    return SingleSegmentBatch(region.view, columns.offsets, columns.lengths)
 
 
 def check_segments(

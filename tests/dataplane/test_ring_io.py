@@ -201,3 +201,24 @@ def test_the_ring_ends_with_its_session(client: UcmClient, shm: SharedBuffer, da
         assert again.lookup(NS, [b.key for b in blocks_in(region, 2, 4096)]).hit_prefix == 2
         done.set()
     assert daemon.healthy()
+
+
+def test_a_load_of_many_chunks_lands_whole_and_one_bad_block_refuses_it_all(
+    client: UcmClient, shm: SharedBuffer
+) -> None:
+    """A batch of the usual shape has its views made a chunk at a time as the task moves it: the
+    blocks of every chunk land, and a block past the region in the last chunk still refuses the
+    whole batch up front, nothing copied into the client's memory."""
+    region = client.register(shm)
+    n, size = 600, 4096  # three chunks
+    shm.buf[: n * size] = os.urandom(n * size)
+    assert client.wait(client.dump(NS, blocks_in(region, n, size)), 10).ok
+    back = blocks_in(region, n, size, offset=8 << 20)
+    shm.buf[8 << 20 : (8 << 20) + n * size] = bytes(n * size)
+    bad = [*back[:-1], BlockIO(back[-1].key, (Segment(region, (16 << 20) - 100, size),))]
+    with pytest.raises(UcmError, match=r"block 599: segment .* is outside region"):
+        client.load(NS, bad)
+    assert bytes(shm.buf[8 << 20 : (8 << 20) + n * size]) == bytes(n * size), "a refused load copied"
+    task = client.load(NS, back)
+    assert _via_ring(client, task) and client.wait(task, 10).ok
+    assert bytes(shm.buf[8 << 20 : (8 << 20) + n * size]) == bytes(shm.buf[: n * size])

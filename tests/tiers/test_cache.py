@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from ucm_protocol.errors import ConfigError
 from ucm_protocol.keys import BlockKey
 from ucm_protocol.states import BlockState
-from ucm_server.store.base import Tier
+from ucm_server.store.base import OK, Tier
 from ucm_server.store.cache import CacheTier
 from ucm_server.testing.tier_suite import TierSuite, key, payload
+
+T = TypeVar("T")
 
 
 class TestCacheConformance(TierSuite):
@@ -229,3 +235,158 @@ def test_arena_allocation_gives_exact_runs_from_a_fragmented_free_list() -> None
         assert arena.free_pages == 64 - 8 * 4 - 12
     finally:
         arena.close()
+
+
+class _GateNextJob(Executor):
+    """A real thread pool whose next job, once :meth:`arm`-ed, waits for the gate: a test stand-in
+    that holds a batch's copy in flight while the test changes the Cache under it."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(2)
+        self.gate = threading.Event()
+        self.armed = False
+        self.held = threading.Event()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def submit(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> Future[T]:
+        if not self.armed:
+            return self.pool.submit(fn, *args, **kwargs)
+        self.armed = False
+
+        def gated() -> T:
+            self.held.set()
+            self.gate.wait(10)
+            return fn(*args, **kwargs)
+
+        return self.pool.submit(gated)
+
+
+def test_a_batched_read_keeps_its_blocks_through_replacement_and_eviction() -> None:
+    """A batch read holds every block it copies from (no Lease object each): while its copy is in
+    flight, replacing those blocks and then filling the Cache so that it must evict neither evicts
+    them nor reuses their pages; the read gets the versions it found, whole, and the replaced pages
+    are freed when it ends."""
+
+    async def main() -> None:
+        size, n = 64 << 10, 16  # 1 MiB: copied in the executor, not inline
+        ex = _GateNextJob()
+        t = CacheTier(capacity=2 * n * size, page_size=size, executor=ex)
+        old = [payload(i, size) for i in range(n)]
+        assert all(r.ok for r in await t.write_many([(key(i), [memoryview(old[i])]) for i in range(n)]))
+        dests = [bytearray(size) for _ in range(n)]
+        ex.arm()
+        reader = asyncio.create_task(t.read_many([(key(i), [memoryview(dests[i])]) for i in range(n)]))
+        assert await asyncio.to_thread(ex.held.wait, 10)  # the copy is in flight, held
+        assert t.stats().extra["leased_blocks"] == n
+        new = [(key(i), [memoryview(payload(100 + i, size))]) for i in range(n)]
+        assert all(r.ok for r in await t.write_many(new))  # replaced: the old pages stay, unlinked
+        others = [(key(200 + i), [memoryview(payload(200 + i, size))]) for i in range(n)]
+        assert all(r.ok for r in await t.write_many(others))  # evicts the new versions, not the held pages
+        assert await t.lookup([key(0), key(200)]) == [None, size]
+        assert t.arena.free_pages == 0
+        ex.gate.set()
+        assert all(r.ok for r in await reader)
+        assert [bytes(d) for d in dests] == old
+        assert t.arena.free_pages == n  # the replaced versions' pages, freed with the read's hold
+        assert t.stats().extra["leased_blocks"] == 0
+        await t.close()
+        ex.pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_ordered_read_that_cannot_take_every_block_holds_none() -> None:
+    """``read_in_order`` copies nothing unless every block is here at the destination's size; a
+    batch it declines leaves no block held (each could then never be evicted)."""
+
+    async def main() -> None:
+        t = CacheTier(capacity=8 * 4096, page_size=4096)
+        for i in range(3):
+            assert (await t.write_from(key(i), [memoryview(payload(i, 4096))])).ok
+        dests = [bytearray(4096) for _ in range(4)]
+        items = [(key(i), [memoryview(d)]) for i, d in enumerate(dests)]
+        assert await t.read_in_order(items, lambda k: None) is None  # key(3) is missing
+        wrong = [*items[:2], (key(2), [memoryview(bytearray(100))])]
+        assert await t.read_in_order(wrong, lambda k: None) is None  # key(2) at another size
+        assert t.stats().extra["leased_blocks"] == 0 and dests == [bytearray(4096)] * 4
+        reported: list[int] = []
+        assert await t.read_in_order(items[:3], reported.append) == [OK] * 3
+        assert reported == [1] and [bytes(d) for d in dests[:3]] == [await _stored(t, i) for i in range(3)]
+        await t.close()
+
+    asyncio.run(main())
+
+
+async def _stored(t: CacheTier, i: int) -> bytes:
+    out = bytearray(4096)
+    assert (await t.read_into(key(i), [memoryview(out)])).ok
+    return bytes(out)
+
+
+class _Recorder:
+    """A watcher of the Cache's index that keeps every statement, in order; ``batched``: it takes a
+    batch of removals in one call, as the data plane's and the KV events' watchers do."""
+
+    def __init__(self, *, batched: bool) -> None:
+        self.said: list[tuple[str, bytes]] = []
+        self.removal_calls = 0
+        if batched:
+            self.removed_many = self._removed_many
+
+    def stored(self, key: bytes) -> None:
+        self.said.append(("stored", bytes(key)))
+
+    def stored_many(self, keys: Iterable[bytes]) -> None:
+        self.said.extend(("stored", bytes(k)) for k in keys)
+
+    def removed(self, key: bytes) -> None:
+        self.removal_calls += 1
+        self.said.append(("removed", bytes(key)))
+
+    def _removed_many(self, keys: Sequence[bytes]) -> None:
+        self.removal_calls += 1
+        self.said.extend(("removed", bytes(k)) for k in keys)
+
+    def cleared(self) -> None:
+        self.said.append(("cleared", b""))
+
+    def held(self) -> set[bytes]:
+        held: set[bytes] = set()
+        for what, k in self.said:
+            if what == "stored":
+                held.add(k)
+            elif what == "removed":
+                held.discard(k)
+        return held
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_replacing_batch_tells_its_watcher_each_removal_before_the_new_version(batched: bool) -> None:
+    """A batch replacing stored blocks (one of them twice in the batch) says each old version is
+    gone before its new one is there, in one call where the watcher takes a batch; what the watcher
+    then holds is what the Cache holds, and the replaced pages are all free again."""
+
+    async def main() -> None:
+        t = CacheTier(capacity=16 * 4096, page_size=4096)
+        w = _Recorder(batched=batched)
+        t.watch_index(w)
+        assert all(
+            r.ok for r in await t.write_many([(key(i), [memoryview(payload(i, 4096))]) for i in range(4)])
+        )
+        start = len(w.said)
+        batch = [(key(i), [memoryview(payload(10 + i, 4096))]) for i in (0, 1, 1, 2, 7)]
+        assert all(r.ok for r in await t.write_many(batch))
+        for k in (key(0), key(1), key(2)):
+            said = [what for what, got in w.said[start:] if got == bytes(k)]
+            assert said[0] == "removed" and said[-1] == "stored", said
+        assert w.removal_calls == (1 if batched else 4)  # key(1) twice: its first new version replaced too
+        assert w.held() == {bytes(key(i)) for i in (0, 1, 2, 3, 7)}
+        assert await t.lookup([key(i) for i in (0, 1, 2, 3, 7)]) == [4096] * 5
+        assert t.arena.free_pages == 16 - 5
+        out = bytearray(4096)
+        assert (await t.read_into(key(1), [memoryview(out)])).ok and bytes(out) == bytes(batch[2][1][0])
+        await t.close()
+
+    asyncio.run(main())

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from ucm_protocol import dataplane as dp
@@ -133,6 +133,21 @@ class _TierWatch:
             self.due = True
         self.pending.add(bytes(key))
 
+    def removed_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`removed` for a batch (replaced blocks: their ``stored_many`` follows in this pass)."""
+        for fill in self.fills:
+            fill.removed.update(map(bytes, keys))
+        if self.presence.scanning:
+            self.presence.note_removed(keys, self.bit)
+        if not self.due:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a tier used outside the daemon): at once
+                self.presence.apply([bytes(k) for k in keys], self.bit, False)
+                return
+            self.due = True
+        self.pending.update(map(bytes, keys))
+
     def flush(self) -> None:
         self.due = False
         if self.pending:
@@ -141,8 +156,14 @@ class _TierWatch:
 
     def stored_many(self, keys: Iterable[bytes]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
-        if self.pending:
-            self.pending.difference_update(keys)
+        for fill in self.fills:  # as :meth:`stored`: a fill that has not reached them sets them after all
+            fill.removed.difference_update(keys)
+        pending = self.pending
+        if pending:  # as :meth:`stored`: a key dropped and stored again in this pass is left as it is
+            again = pending.intersection(keys)
+            if again:
+                pending.difference_update(again)
+                keys = [k for k in keys if k not in again]
         if len(keys) > FILL_SLICE:
             try:
                 asyncio.get_running_loop()
@@ -263,7 +284,7 @@ class Presence:
     def scanning(self) -> bool:
         return bool(self._removed_during_scan)
 
-    def note_removed(self, keys: list[bytes], bit: int) -> None:
+    def note_removed(self, keys: Sequence[bytes], bit: int) -> None:
         """Keys a tier dropped while their namespace is being filled in (the fill must not put them back)."""
         for key in keys:
             scan = self._removed_during_scan.get(key[:NAMESPACE_BYTES])

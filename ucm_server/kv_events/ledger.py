@@ -15,7 +15,7 @@ transitions in the order they happened, :meth:`Ledger.snapshot` describes the pr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ucm_protocol.keys import NAMESPACE_BYTES
@@ -73,6 +73,10 @@ class TierWatch:
         if key in self._held:
             self._held.remove(key)
             self._sink(False, self.medium, key)
+
+    def removed_many(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.removed(key)
 
     def cleared(self) -> None:
         held, self._held = self._held, set()

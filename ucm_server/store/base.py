@@ -31,7 +31,7 @@ from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState
 from ucm_server.store.copying import IoVec
-from ucm_server.store.watch import IndexWatch
+from ucm_server.store.watch import IndexWatch, removed_many
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -106,20 +106,26 @@ class SizeIndex:
         self.watch: IndexWatch | None = None
         """Told of every change (:mod:`ucm_server.store.watch`): KV events."""
 
-    def add(self, key: BlockKey, size: int) -> None:
-        self._by_ns.setdefault(key[:_NS], {})[key[_NS:]] = size
-        if self.watch is not None:
-            self.watch.stored(key)
+    def add_many(self, keys: list[BlockKey], sizes: list[int]) -> None:
+        """Hold ``keys`` at ``sizes``; the watcher hears of the batch in one ``stored_many`` call."""
+        by_ns = self._by_ns
+        for key, size in zip(keys, sizes, strict=True):
+            by_ns.setdefault(key[:_NS], {})[key[_NS:]] = size
+        if self.watch is not None and keys:
+            self.watch.stored_many(keys)
 
-    def discard(self, key: BlockKey) -> None:
-        ns = key[:_NS]
-        digests = self._by_ns.get(ns)
-        if digests is not None:
-            digests.pop(key[_NS:], None)
-            if not digests:
-                del self._by_ns[ns]
-        if self.watch is not None:
-            self.watch.removed(key)
+    def discard_many(self, keys: list[BlockKey]) -> None:
+        """Hold none of ``keys``; the watcher hears of the batch in one ``removed_many`` call."""
+        by_ns = self._by_ns
+        for key in keys:
+            ns = key[:_NS]
+            digests = by_ns.get(ns)
+            if digests is not None:
+                digests.pop(key[_NS:], None)
+                if not digests:
+                    del by_ns[ns]
+        if self.watch is not None and keys:
+            removed_many(self.watch, keys)
 
     def keys(self) -> list[BlockKey]:
         """Every key held (for a watcher attached after blocks were stored)."""

@@ -15,10 +15,10 @@ They are made on the event loop thread, where indexes change.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["IndexWatch", "Watchable", "add_watch", "remove_watch"]
+__all__ = ["IndexWatch", "Watchable", "add_watch", "remove_watch", "removed_many"]
 
 
 class IndexWatch(Protocol):
@@ -32,6 +32,10 @@ class IndexWatch(Protocol):
 
     def removed(self, key: bytes) -> None:
         """The tier no longer holds ``key``."""
+
+    def removed_many(self, keys: Sequence[bytes]) -> None:
+        """The tier holds none of ``keys`` (a batch of replaced blocks, before their new versions'
+        ``stored_many``); a watcher without this method hears :meth:`removed` per key."""
 
     def cleared(self) -> None:
         """The tier holds nothing any more."""
@@ -73,9 +77,23 @@ class _Tee:
         for w in self.watches:
             w.removed(key)
 
+    def removed_many(self, keys: Sequence[bytes]) -> None:
+        for w in self.watches:
+            removed_many(w, keys)
+
     def cleared(self) -> None:
         for w in self.watches:
             w.cleared()
+
+
+def removed_many(watch: IndexWatch, keys: Sequence[bytes]) -> None:
+    """Tell ``watch`` none of ``keys`` is held: in one call where it takes a batch, else key by key."""
+    many = getattr(watch, "removed_many", None)
+    if many is not None:
+        many(keys)
+        return
+    for key in keys:
+        watch.removed(key)
 
 
 _tees: weakref.WeakKeyDictionary[Watchable, _Tee] = weakref.WeakKeyDictionary()

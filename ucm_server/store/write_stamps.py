@@ -28,8 +28,7 @@ class WriteStamps:
     def stamp(self, keys: Iterable[BlockKey]) -> None:
         """``keys`` were just written or deleted."""
         self._seq += 1
-        for k in keys:
-            self._written[k] = self._seq
+        self._written.update(dict.fromkeys(keys, self._seq))  # C-level: a dump stamps every block
         if len(self._written) > FORGET_ABOVE:  # forget stamps no running read can be older than
             oldest = min(self._reading) if self._reading else self._seq
             self._written = {k: v for k, v in self._written.items() if v > oldest}
