@@ -39,6 +39,12 @@ job goes on for one unit per bound, so background work still progresses (and a l
 through a lock, for a held job waits that long at most). :class:`ClassedSlots`
 applies the same rules to the daemon's task slots, so a Load task never waits for a slot behind
 queued dumps.
+
+Background jobs run on threads of their own, which lower their CPU and I/O priority for good when
+they start (:mod:`~ucm_server.store.thread_priority`); loads and prefetch run on the others, so a
+load never runs deprioritised. Traced per thread on 2 shared cores, the slowest busy probes were
+not queued in a pool: their read thread and the event loop sat runnable in the CPU's run queue
+(100-270 ms of a 270-340 ms Load) while background threads copied and wrote.
 """
 
 from __future__ import annotations
