@@ -42,9 +42,9 @@ queued dumps.
 
 Background jobs run on threads of their own, which lower their CPU and I/O priority for good when
 they start (:mod:`~ucm_server.store.thread_priority`); loads and prefetch run on the others, so a
-load never runs deprioritised. Traced per thread on 2 shared cores, the slowest busy probes were
-not queued in a pool: their read thread and the event loop sat runnable in the CPU's run queue
-(100-270 ms of a 270-340 ms Load) while background threads copied and wrote.
+load never runs deprioritised. Traced per thread on 2 cores shared with other work, the slowest
+busy probes were not queued in a pool: their read thread and the event loop sat runnable in the
+CPU's run queue (100-270 ms of a 270-340 ms Load) while background threads copied and wrote.
 """
 
 from __future__ import annotations

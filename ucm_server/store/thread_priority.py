@@ -3,8 +3,9 @@
 On a node whose CPUs are shared (two cores here: the event loop, eight dumping clients and the
 daemon's own write-back and copy threads), a Load's disk thread and the event loop spent most of
 their tail time runnable but not running (``benchmarks/io_classes.py``, traced per thread from
-``/proc/self/task/<tid>/schedstat``): the slowest busy probes waited 100-270 ms in the run queue
-while background threads copied and wrote. Holding background jobs between their units
+``/proc/self/task/<tid>/schedstat``): on a loaded machine the slowest busy probes waited
+100-270 ms in the run queue while background threads copied and wrote beside other processes; on a
+quieter one the tail was disk time instead. Holding background jobs between their units
 (:mod:`ucm_server.store.io_classes`) does not help there: the threads holding the CPU are mid-unit,
 not queued. So the threads that run background work run at a lower priority for good:
 
