@@ -13,8 +13,10 @@ not queued. So the threads that run background work run at a lower priority for 
   ``setpriority(PRIO_PROCESS, tid)``); threads the thread starts (the compiled copy helper's) inherit
   it. A higher nice is always allowed, a lower one needs privilege, so such a thread never goes back
   to foreground work.
-* I/O: ``ioprio_set`` class idle: the block layer (mq-deadline, BFQ) dispatches its requests only
-  when no request of a higher class waits, with aging, so a write cannot be starved for good.
+* I/O: ``ioprio_set`` best effort, level 7 (the lowest of the class): BFQ gives the thread's
+  requests the smallest share beside a Load's. Not the idle class: mq-deadline and BFQ serve an idle
+  request only when nothing else waits (mq-deadline after 10 s of aging), so under a steady stream
+  of loads a write-back ``fsync`` and every client's ``wait_durable`` would wait that long.
 
 Both are best effort: on a kernel or sandbox that refuses a call the thread keeps its priority,
 the refusal is logged once, and the daemon works as before (only less fair to loads).
@@ -39,7 +41,9 @@ loop) about nine times its CPU share when both are runnable, while background wo
 whenever a CPU has room (nice 19, SCHED_IDLE: so little that a background thread holding the GIL
 when preempted could stall the loop behind it)."""
 
-IOPRIO_CLASS_IDLE = 3
+IOPRIO_CLASS_BEST_EFFORT = 2
+BACKGROUND_IO_LEVEL = 7
+"""The best-effort class's lowest level (0 is the highest)."""
 _IOPRIO_CLASS_SHIFT = 13
 _IOPRIO_WHO_PROCESS = 1  # a thread id names the thread alone
 _SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 274), "s390x": (282, 283)}
@@ -53,7 +57,7 @@ class Lowered:
     """What :func:`lower_current_thread` achieved (False where the system refused it)."""
 
     nice: bool
-    io_idle: bool
+    io_low: bool
 
 
 def _syscall_numbers() -> tuple[int, int] | None:
@@ -72,9 +76,9 @@ def _libc_syscall() -> Callable[..., int] | None:
     return syscall
 
 
-def lower_current_thread(nice: int = BACKGROUND_NICE, io_idle: bool = True) -> Lowered:
+def lower_current_thread(nice: int = BACKGROUND_NICE, io_low: bool = True) -> Lowered:
     """Lower the calling thread's CPU priority to ``nice`` (never raise it: a thread already nicer
-    stays so) and, with ``io_idle``, its I/O priority to the idle class; best effort."""
+    stays so) and, with ``io_low``, its I/O priority to :data:`BACKGROUND_IO_LEVEL`; best effort."""
     tid = threading.get_native_id()
     niced = False
     try:
@@ -83,18 +87,18 @@ def lower_current_thread(nice: int = BACKGROUND_NICE, io_idle: bool = True) -> L
         niced = True
     except (OSError, AttributeError) as exc:
         _warn_once("nice", f"background threads keep their CPU priority ({exc})")
-    idle = False
-    if io_idle:
-        idle = _set_io_idle(tid)
-    return Lowered(niced, idle)
+    low = False
+    if io_low:
+        low = _set_io_low(tid)
+    return Lowered(niced, low)
 
 
-def _set_io_idle(tid: int) -> bool:
+def _set_io_low(tid: int) -> bool:
     numbers, call = _syscall_numbers(), _libc_syscall()
     if numbers is None or call is None:
         _warn_once("ioprio", "background threads keep their I/O priority (no ioprio_set here)")
         return False
-    value = IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT
+    value = IOPRIO_CLASS_BEST_EFFORT << _IOPRIO_CLASS_SHIFT | BACKGROUND_IO_LEVEL
     if call(ctypes.c_long(numbers[0]), _IOPRIO_WHO_PROCESS, tid, value) != 0:
         err = ctypes.get_errno()
         _warn_once("ioprio", f"background threads keep their I/O priority ({os.strerror(err)})")
@@ -102,13 +106,13 @@ def _set_io_idle(tid: int) -> bool:
     return True
 
 
-def io_class_of(tid: int) -> int | None:
-    """The I/O priority class of thread ``tid`` (0: none set, 3: idle), None where unknown."""
+def io_priority_of(tid: int) -> tuple[int, int] | None:
+    """The I/O priority class and level of thread ``tid`` (class 0: none set), None where unknown."""
     numbers, call = _syscall_numbers(), _libc_syscall()
     if numbers is None or call is None:
         return None
     got = call(ctypes.c_long(numbers[1]), _IOPRIO_WHO_PROCESS, tid)
-    return None if got < 0 else int(got) >> _IOPRIO_CLASS_SHIFT
+    return None if got < 0 else (int(got) >> _IOPRIO_CLASS_SHIFT, int(got) & ((1 << _IOPRIO_CLASS_SHIFT) - 1))
 
 
 def _warn_once(what: str, message: str) -> None:
