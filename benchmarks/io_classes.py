@@ -210,7 +210,9 @@ def measure(client: UcmClient, target: str, spec: Spec, idle: Phase, busy: Phase
     return bg
 
 
-def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str]) -> str:
+def table(
+    spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str], load: tuple[float, float]
+) -> str:
     mib = spec.block_size / 2**20
     command = " ".join(["python -m benchmarks.io_classes", *argv])
     low, mid = min(busy.backlog) / 2**30, statistics.median(busy.backlog) / 2**30
@@ -224,12 +226,12 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
         f"dump {spec.dump_blocks}-block batches of fresh blocks throughout, and the write-back backlog "
         f"holds {low:.2f} GiB at least (median {mid:.2f} GiB) when a probe starts.",
         "",
-        "| phase | Load p50 | Load p99 | p50 vs idle | p99 vs idle |",
-        "|---|---|---|---|---|",
+        "| phase | probes | Load p50 | Load p99 | p50 vs idle | p99 vs idle |",
+        "|---|---|---|---|---|---|",
     ]
     for ph in (idle, busy):
         rows.append(
-            f"| {ph.name} | {1000 * ph.p(50):.1f} ms | {1000 * ph.p(99):.1f} ms | "
+            f"| {ph.name} | {len(ph.seconds)} | {1000 * ph.p(50):.1f} ms | {1000 * ph.p(99):.1f} ms | "
             f"{ph.p(50) / idle.p(50):.2f}× | {ph.p(99) / idle.p(99):.2f}× |"
         )
     gib = bg.stored_blocks * spec.block_size / 2**30
@@ -239,6 +241,9 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
         f"({bg.stored_blocks * spec.block_size / 2**20 / bg.busy_s:.0f} MiB/s, mean dump "
         f"{1000 * bg.dump_seconds / max(bg.dumps, 1):.0f} ms) and write-back wrote down "
         f"{bg.written_down * spec.block_size / 2**30:.1f} GiB.",
+        "",
+        f"The machine's 1-minute load average was {load[0]:.1f} when the run began and {load[1]:.1f} "
+        "when it ended (other work shares the CPUs and the disk: the idle tail is theirs as much as ours).",
     ]
     return "\n".join(rows) + "\n"
 
@@ -246,7 +251,12 @@ def table(spec: Spec, idle: Phase, busy: Phase, bg: Background, argv: list[str])
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--block-size", type=int, default=1 << 20)
-    p.add_argument("--probes", type=int, default=60, help="Loads per phase, all rounds together.")
+    p.add_argument(
+        "--probes",
+        type=int,
+        default=200,
+        help="Loads per phase, all rounds together (a p99 of 60 would be their maximum: noise).",
+    )
     p.add_argument("--rounds", type=int, default=4, help="Idle-then-busy rounds.")
     p.add_argument("--warmup", type=int, default=5, help="Loads before the first round, not counted.")
     p.add_argument("--dumpers", type=int, default=8)
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "write-back",
         *args.daemon_arg,
     ]
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="ucm-io-classes-", dir=os.environ.get("UCM_BENCH_DIR")) as tmp:
         with DaemonProcess(Path(tmp) / "ucm", args=daemon_args) as daemon:
             with UcmClient(daemon.target, client_name="io-classes-probe") as client:
@@ -289,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples:
         for ph in (idle, busy):
             print(ph.name, "ms:", " ".join(f"{1000 * x:.0f}" for x in ph.seconds), file=sys.stderr)
-    text = table(spec, idle, busy, bg, argv if argv is not None else sys.argv[1:])
+    load = (load_before, os.getloadavg()[0])
+    text = table(spec, idle, busy, bg, argv if argv is not None else sys.argv[1:], load)
     publish("io_classes", text, write=not args.no_write)
     return 0
 
