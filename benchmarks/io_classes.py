@@ -234,8 +234,20 @@ def table(
             f"| {ph.name} | {len(ph.seconds)} | {1000 * ph.p(50):.1f} ms | {1000 * ph.p(99):.1f} ms | "
             f"{ph.p(50) / idle.p(50):.2f}× | {ph.p(99) / idle.p(99):.2f}× |"
         )
+    per_round = max(len(idle.seconds) // spec.rounds, 1)
+
+    def round_figures(ph: Phase, n: int) -> str:
+        ms = [1000 * x for x in ph.seconds[n * per_round : (n + 1) * per_round]]
+        return f"{statistics.median(ms):.0f}/{max(ms):.0f}" if ms else "-"
+
+    rounds = "; ".join(
+        f"{n + 1}: {round_figures(idle, n)} idle, {round_figures(busy, n)} busy" for n in range(spec.rounds)
+    )
     gib = bg.stored_blocks * spec.block_size / 2**30
     rows += [
+        "",
+        f"Per round, p50/max ms (a round whose idle probes are slow too, the disk slowed by what came "
+        f"before, lifts both phases' tails alike): {rounds}.",
         "",
         f"Background work in the busy phases ({bg.busy_s:.0f} s): the dumpers stored {gib:.1f} GiB "
         f"({bg.stored_blocks * spec.block_size / 2**20 / bg.busy_s:.0f} MiB/s, mean dump "
