@@ -266,7 +266,11 @@ class Recovery:
             for root in unsure:
                 await self._run(self._scan_root, root, loop)
             self.phase = "verify"
-            self.complete = not self._stop
+            # A stop cuts short only the scans of roots no snapshot vouched for; a snapshot's load
+            # runs to its end, so with none to scan the index is whole however early the stop came
+            # (counted unfinished, a restart in a row left no snapshot: the next start re-read every
+            # header).
+            self.complete = not (self._stop and unsure)
             if len(self.index) > SWEEP_AT_ONCE:  # let the daemon come up before the sweep competes
                 await asyncio.sleep(self.index_wait_s + 1.0)
             for root in self.roots:
