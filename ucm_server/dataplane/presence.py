@@ -120,21 +120,11 @@ class _TierWatch:
                 presence.apply_to(table, [key], self.bit, True)  # a rebuild, or a namespace to list first
 
     def removed(self, key: bytes) -> None:
-        for fill in self.fills:
-            fill.removed.add(bytes(key))
-        if self.presence.scanning:
-            self.presence.note_removed([key], self.bit)
-        if not self.due:
-            try:
-                asyncio.get_running_loop().call_soon(self.flush)
-            except RuntimeError:  # no loop (a tier used outside the daemon): at once
-                self.presence.apply([bytes(key)], self.bit, False)
-                return
-            self.due = True
-        self.pending.add(bytes(key))
+        self.removed_many((key,))
 
     def removed_many(self, keys: Sequence[bytes]) -> None:
-        """:meth:`removed` for a batch (replaced blocks: their ``stored_many`` follows in this pass)."""
+        """Keys the tier dropped (one, or a batch of replaced blocks whose ``stored_many`` follows in
+        this pass): cleared in the tables at the end of the loop pass (:meth:`flush`)."""
         for fill in self.fills:
             fill.removed.update(map(bytes, keys))
         if self.presence.scanning:

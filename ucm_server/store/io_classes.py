@@ -213,12 +213,11 @@ class ClassedExecutor(Executor):
         self.shares = Shares(max_workers, -1 if reserve is None else reserve, max(1, background_when_loading))
         self._prefix = thread_name_prefix
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
         self._queues: dict[IoClass, deque[_Job]] = {c: deque() for c in CLASSES}
         self._running: dict[IoClass, int] = dict.fromkeys(CLASSES, 0)
         self._figures: dict[IoClass, ClassFigures] = {c: ClassFigures() for c in CLASSES}
         self._threads: list[threading.Thread] = []
-        self._ready_for = {False: self._ready, True: threading.Condition(self._lock)}
+        self._ready_for = {False: threading.Condition(self._lock), True: threading.Condition(self._lock)}
         """By kind of thread (True: background): where its idle threads wait for work."""
         self._started = {False: 0, True: 0}
         self._most = {False: self.shares.places - 1, True: max(1, self.shares.limit - self.shares.reserve)}
