@@ -81,8 +81,8 @@ def test_blocks_stored_and_removed_between_the_slices_of_a_fill_end_up_as_the_ti
             await asyncio.sleep(0)
         assert passes >= 5, f"the fill took {passes} passes of the loop: not sliced"
         await asyncio.sleep(0)  # the last removals' flush
+        everything = sorted(set(keys))  # before the lease is renewed: sorting a million keys outlasts it
         presence.refresh()
-        everything = sorted(set(keys))
         answer = _answers(presence, [k[16:] for k in everything])
         assert not isinstance(answer, Miss), answer
         got = {k for k, present in zip(everything, answer[1], strict=True) if present}
