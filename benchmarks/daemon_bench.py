@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.arguments import lookup_request
+from ucm_protocol.native import native
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
+from ucm_server.store.copying import SPLIT_COPY_BYTES, STREAM_COPY_BYTES
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(bench="daemon")
@@ -136,7 +139,7 @@ def daemon_throughput(workdir: Path, n: int, size: int, repeat: int) -> dict[str
 
 
 def _load_rounds(
-    target: str, n: int, size: int, rounds: int, start: Any, results: Any, dataplane: bool = True
+    target: str, n: int, size: int, rounds: int, dataplane: bool, start: Any, results: Any
 ) -> None:
     """One client process: load the ``n`` stored blocks ``rounds`` times once ``start`` opens."""
     with _client(target, dataplane=dataplane) as c, SharedBuffer(n * size) as dst:
@@ -149,33 +152,73 @@ def _load_rounds(
         results.put(time.perf_counter() - t0)
 
 
+def _copy_rounds(n: int, size: int, rounds: int, start: Any, results: Any) -> None:
+    """One process copying ``n`` blocks of ``size`` bytes between two warm buffers ``rounds`` times
+    once ``start`` opens, with the daemon's own copy routine and settings where the compiled helper is
+    built (split over two threads, non-temporal stores past the cache), numpy's copy otherwise: what
+    a process's copies get while another does the same."""
+    a = np.random.default_rng(2).integers(0, 255, n * size, dtype=np.uint8)
+    b = np.empty_like(a)
+    src, dst = a.data, b.data
+    pairs = [([dst[i * size : (i + 1) * size]], [src[i * size : (i + 1) * size]]) for i in range(n)]
+
+    def copy() -> None:
+        if native is None:
+            np.copyto(b, a)
+            return
+        native.copy_pairs(pairs, split_bytes=SPLIT_COPY_BYTES, stream_bytes=STREAM_COPY_BYTES)
+
+    copy()
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        copy()
+    results.put(time.perf_counter() - t0)
+
+
+def _at_once(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], procs_n: int) -> float:
+    """Seconds until the slowest of ``procs_n`` processes running ``target(*args, start, results)``
+    from one common start has finished."""
+    start, results = ctx.Barrier(procs_n + 1), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, start, results)) for _ in range(procs_n)]
+    for p in procs:
+        p.start()
+    start.wait()
+    elapsed: float = max(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return elapsed
+
+
 def two_clients(
     workdir: Path, n: int, size: int, rounds: int, repeat: int = 3, dataplane: bool = True
 ) -> dict[str, float]:
-    """Aggregate Load throughput of two client processes at once, and of one alone (alternating)."""
+    """Aggregate Load throughput of two client processes at once, and of one alone (alternating);
+    and, as the ceiling, of one and two processes copying the same bytes with the daemon's own copy
+    routine: where one client's Load already fills the memory bandwidth (its copy runs on two
+    threads), two clients cannot add more than two such processes get."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no gRPC state forked
     cache = max(2 * n * size + (64 << 20), 256 << 20)
     args = ["--cache-capacity", str(cache), "--store-pipeline", "Cache"]
     rates: dict[int, list[float]] = {1: [], 2: []}
+    copied: dict[int, list[float]] = {1: [], 2: []}
+    nbytes = rounds * n * size
     with DaemonProcess(workdir / f"two-{size}", args=args) as d:
         with UcmClient(d.target) as c, SharedBuffer(n * size) as src:
             assert c.wait(c.dump(NS, _blocks(c.register(src), n, size, "b")), 120).ok
         for r in range(2 * repeat):
-            clients = 1 + (r + 1) % 2
-            start, results = ctx.Barrier(clients + 1), ctx.Queue()
-            procs = [
-                ctx.Process(target=_load_rounds, args=(d.target, n, size, rounds, start, results, dataplane))
-                for _ in range(clients)
-            ]
-            for p in procs:
-                p.start()
-            start.wait()
-            elapsed = max(results.get(timeout=600) for _ in procs)
-            for p in procs:
-                p.join(60)
-            rates[clients].append(clients * rounds * n * size / elapsed / 1e9)
+            k = 1 + (r + 1) % 2
+            load_s = _at_once(ctx, _load_rounds, (d.target, n, size, rounds, dataplane), k)
+            rates[k].append(k * nbytes / load_s / 1e9)
+            copied[k].append(k * nbytes / _at_once(ctx, _copy_rounds, (n, size, rounds), k) / 1e9)
     one, two = statistics.median(rates[1]), statistics.median(rates[2])
-    return {"one_client_gbps": one, "two_clients_gbps": two, "two_vs_one": two / one}
+    return {
+        "one_client_gbps": one,
+        "two_clients_gbps": two,
+        "two_vs_one": two / one,
+        "copy_one_process_gbps": statistics.median(copied[1]),
+        "copy_two_processes_gbps": statistics.median(copied[2]),
+    }
 
 
 def lookup_latency(workdir: Path, nkeys: int, samples_n: int) -> dict[str, float]:
@@ -340,7 +383,11 @@ def table(r: dict[str, Any]) -> str:
             (
                 f"Two clients loading at once, {label} blocks",
                 f"{r[f'two_clients_gbps{suffix}']:.2f} GB/s ({r[f'two_vs_one{suffix}']:.2f}× one client's "
-                f"{r[f'one_client_gbps{suffix}']:.2f} GB/s)",
+                f"{r[f'one_client_gbps{suffix}']:.2f} GB/s); the ceiling, two processes copying the "
+                f"same bytes at once with the daemon's copy routine: "
+                f"{r[f'copy_two_processes_gbps{suffix}']:.2f} GB/s (one alone "
+                f"{r[f'copy_one_process_gbps{suffix}']:.2f}); two clients reach "
+                f"{r[f'two_clients_gbps{suffix}'] / r[f'copy_two_processes_gbps{suffix}']:.2f}× of it",
                 "",
                 "",
                 "≥ 1.6×",
