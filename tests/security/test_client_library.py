@@ -350,23 +350,30 @@ def test_closing_clients_print_nothing(tmp_path: Path) -> None:
     "Exception in callback ... Event loop is closed" (each time after a refused registration,
     intermittently otherwise). Many clients, refused and plain, one left open at exit, in processes
     of their own: stderr stays empty."""
-    tests_dir = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    script = tmp_path / "closing.py"
-    script.write_text(_CLOSING)
     with DaemonProcess(tmp_path / "ucm", args=["--max-session-region-bytes", "1MiB"]) as d:
         for _ in range(3):
-            proc = subprocess.run(
-                [sys.executable, "-X", "dev", str(script), d.target, "25"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env=env,
-            )
-            assert proc.returncode == 0, proc.stderr
-            assert proc.stdout.strip() == "refused 25", proc.stdout
-            assert _without_slow_step_reports(proc.stderr) == "", proc.stderr
+            assert _run_quietly(tmp_path, _CLOSING, d.target, 25) == "refused 25"
         assert d.healthy()
+
+
+def _run_quietly(tmp_path: Path, script_text: str, target: str, rounds: int) -> str:
+    """Run ``script_text`` with ``target`` and ``rounds`` in a Python process of its own in
+    development mode (asyncio's debug checks on); it must end well and print nothing on stderr.
+    What it printed on stdout, stripped."""
+    tests_dir = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
+    proc = subprocess.run(
+        [sys.executable, "-X", "dev", str(script), target, str(rounds)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _without_slow_step_reports(proc.stderr) == "", proc.stderr
+    return proc.stdout.strip()
 
 
 _CHURN = textwrap.dedent(
@@ -402,20 +409,7 @@ def test_clients_coming_and_going_never_tear_down_grpc_under_the_loop(tmp_path: 
     "Exception in callback None() ... Bad file descriptor" traceback, seen intermittently at a client's
     close). The client loop holds the runtime: one poller thread serves every client of a process
     however many come and go (before the hold: a new one after most closes), and nothing is printed."""
-    tests_dir = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    script = tmp_path / "churn.py"
-    script.write_text(_CHURN)
     with DaemonProcess(tmp_path / "ucm") as d:
-        proc = subprocess.run(
-            [sys.executable, "-X", "dev", str(script), d.target, "20"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr
-        seen = proc.stdout.strip()
+        seen = _run_quietly(tmp_path, _CHURN, d.target, 20)
         assert seen == "1", f"gRPC's poller threads seen over 20 clients: {seen}"
-        assert _without_slow_step_reports(proc.stderr) == "", proc.stderr
         assert d.healthy()
