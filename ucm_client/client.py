@@ -227,6 +227,11 @@ class AsyncUcmClient:
             self._finished.reset(enabled=False)
 
     async def _close_channel(self) -> None:
+        """End the session stream, its task and the channel, and let go of the channel here, on the
+        client's loop: gRPC tears its asyncio runtime down when the last channel object is freed, in
+        whichever thread frees it, closing the completion queue's socket. Freed by a stub left behind
+        in the caller's thread, that raced with this loop reading the socket ("Exception in callback
+        None() ... Bad file descriptor" at a client's close)."""
         if self._stream is not None:  # end the session stream first: grpc then has no call left pending
             stream, self._stream = self._stream, None
             stream.cancel()
@@ -237,8 +242,9 @@ class AsyncUcmClient:
             await asyncio.gather(self._session_task, return_exceptions=True)
             self._session_task = None
         if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+            channel, self._channel, self._kv, self._admin = self._channel, None, None, None
+            await channel.close()
+            del channel
         self._session_id = None
 
     async def close(self) -> None:

@@ -10,13 +10,6 @@ closing a client ends its calls and channel, and the loop is stopped once, at ex
 clients still open are closed and every task on it has ended (no "Task was destroyed but it is
 pending" either). A forked child starts a loop of its own on first use (the parent's thread did not
 survive the fork).
-
-The loop also holds gRPC's asyncio runtime for the process's life (:func:`_hold_grpc`). gRPC counts
-its async channels and tears its completion queue down when the count drops to zero, in whichever
-thread freed the last channel: a client dropped in the caller's thread did so while this loop's
-thread could be reading the queue's socket, which the teardown closes under it ("Exception in
-callback None() ... Bad file descriptor" printed at a client's close or at exit). Held, the runtime
-is never torn down while clients come and go, and a new client does not start it again.
 """
 
 from __future__ import annotations
@@ -28,8 +21,6 @@ import os
 import threading
 import weakref
 from typing import Any
-
-from grpc import aio
 
 THREAD_NAME = "ucm-client-loop"
 _EXIT_WAIT_S = 5.0
@@ -49,17 +40,10 @@ def shared_loop() -> asyncio.AbstractEventLoop:
             loop = asyncio.new_event_loop()
             thread = threading.Thread(target=loop.run_forever, name=THREAD_NAME, daemon=True)
             thread.start()
-            asyncio.run_coroutine_threadsafe(_hold_grpc(), loop).result()
             if _pid == 0:
                 atexit.register(_stop_at_exit)
             _loop, _thread, _pid = loop, thread, os.getpid()
         return _loop
-
-
-async def _hold_grpc() -> None:
-    """Count this loop as a user of gRPC's asyncio runtime, on the loop's own thread (which the
-    runtime then reads its completion queue on), and never give the count back (see the module)."""
-    aio.init_grpc_aio()
 
 
 def close_at_exit(client: Any) -> None:
