@@ -62,6 +62,7 @@ static PyMethodDef methods[] = {
     {"add_u64", ucm_add_u64, METH_VARARGS, "add_u64(buf, offset, value): an atomic add to an aligned u64."},
     {"encode_batch", ucm_encode_batch, METH_VARARGS, ucm_encode_batch_doc},
     {"copy_pairs", (PyCFunction)(void (*)(void))ucm_copy_pairs, METH_VARARGS | METH_KEYWORDS, ucm_copy_pairs_doc},
+    {"copy_spans", (PyCFunction)(void (*)(void))ucm_copy_spans, METH_VARARGS | METH_KEYWORDS, ucm_copy_spans_doc},
 #ifdef UCM_HAVE_XXHASH
     {"xxh3_64", ucm_xxh3_64, METH_VARARGS, ucm_xxh3_64_doc},
     {"xxh3_64_many", ucm_xxh3_64_many, METH_VARARGS, ucm_xxh3_64_many_doc},

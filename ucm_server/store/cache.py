@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.copying import IoVec, copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
+from ucm_server.store.spans import SpanItems, copy_spans, keys_of
 from ucm_server.store.watch import IndexWatch
 
 INLINE_COPY_BYTES = 512 << 10
@@ -151,7 +151,8 @@ class CacheTier(Tier):
         self.arena = Arena(capacity, page_size)
         self.policy: EvictionPolicy = make_policy(eviction, self.arena.capacity)
         self._prefault = prefault
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._index: dict[BlockKey, _Entry] = {}
+        """Every block held, by key (a plain dict: the policy keeps the order of use)."""
         self._sizes = SizeIndex()
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
@@ -198,11 +199,41 @@ class CacheTier(Tier):
         return (await self.write_many([(key, src)]))[0]
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
-        """All copies of the batch in one executor hop (a hop costs more than a small copy)."""
+        """All copies of the batch in one executor hop (a hop costs more than a small copy); a span
+        batch (:class:`~ucm_server.store.spans.SpanItems`) as one copy by offsets, no view made."""
+        if isinstance(items, SpanItems):
+            return await self._read_spans(items)
         results, held, pairs = self._hold_reads(items)
         try:
             if pairs:
                 await self._copy(pairs, sum(entry.size for _, entry in held))
+        finally:
+            self._unlease_many([entry for _, entry in held])
+        return self._count_reads(results, held)
+
+    async def _read_spans(self, items: SpanItems) -> list[BlockResult]:
+        """:meth:`read_many` of a span batch: each block found at the span's length leased, then the
+        arena's pages copied to the spans in one :func:`copy_spans` call."""
+        results: list[BlockResult] = [MISSING] * len(items)
+        held: list[tuple[int, _Entry]] = []
+        get, touched = self._index.get, self.policy.touched
+        for i, (key, want) in enumerate(zip(items.keys, items.lengths, strict=True)):
+            entry = get(key)
+            if entry is None:
+                self._stats.misses += 1
+                continue
+            touched(key)
+            if want != entry.size:
+                results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+                continue
+            entry.leases += 1
+            held.append((i, entry))
+        try:
+            if held:
+                offsets = items.offsets
+                at = offsets if len(held) == len(offsets) else [offsets[i] for i, _ in held]
+                pages, runs, lengths = self._spans([entry for _, entry in held], at)
+                await self._copy_spans(items.view, runs, self.arena.memory, pages, lengths)
         finally:
             self._unlease_many([entry for _, entry in held])
         return self._count_reads(results, held)
@@ -265,23 +296,25 @@ class CacheTier(Tier):
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Pages for every block, one copy of the batch, then every block published in order. The
         per-block steps are spelled out here (a 64 KiB block's bookkeeping cost as much as a third of
-        its copy when it went through a method call per step)."""
+        its copy when it went through a method call per step). A span batch
+        (:class:`~ucm_server.store.spans.SpanItems`) is copied by offsets, no view made a block."""
+        spans = items if isinstance(items, SpanItems) else None
+        keys = keys_of(items)
+        if spans is not None:
+            sizes = spans.lengths
+        else:
+            sizes = [src[0].nbytes if len(src) == 1 else iov_len(src) for _, src in items]
         results: list[BlockResult] = [OK] * len(items)
         staged: list[_Entry] = []
-        pairs: list[tuple[IoVec, IoVec]] = []
+        refused: list[int] = []
         now = time.time()  # one clock read per batch
         arena = self.arena
-        page, memory, free = arena.page_size, arena.memory, arena.free_list
-        nbytes = 0
-        sizes = [src[0].nbytes if len(src) == 1 else iov_len(src) for _, src in items]
+        page, free = arena.page_size, arena.free_list
         self.make_room(sizes)
-        for i, (key, src) in enumerate(items):
+        for i, key in enumerate(keys):
             size = sizes[i]
             if size <= page and free:  # one page, free: the usual small block
-                first = free.pop()
-                extents = [Extent(first, 1)]
-                at = first * page
-                dest: IoVec = [memory[at : at + size]]
+                extents = [Extent(free.pop(), 1)]
             else:
                 got = self._allocate(size)
                 if got is None:
@@ -290,14 +323,21 @@ class CacheTier(Tier):
                         f"and every cached block is in use or pinned"
                     )
                     self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
+                    refused.append(i)
                     continue
-                extents, dest = got, arena.views(got, size)
-            entry = _Entry(key, size, extents, now, 1)  # leased: not evictable while being filled
-            staged.append(entry)
-            pairs.append((dest, src))
-            nbytes += size
+                extents = got
+            staged.append(_Entry(key, size, extents, now, 1))  # leased: not evictable while being filled
+        gone = set(refused)
+        taken = [i for i in range(len(items)) if i not in gone] if refused else range(len(items))
+        nbytes = sum(entry.size for entry in staged) if refused else sum(sizes)
         try:
-            if staged:
+            if spans is not None and staged:
+                at = [spans.offsets[i] for i in taken] if refused else spans.offsets
+                pages, runs, lengths = self._spans(staged, at)
+                await self._copy_spans(arena.memory, pages, spans.view, runs, lengths)
+            elif staged:
+                views = arena.views
+                pairs = [(views(e.extents, e.size), items[i][1]) for e, i in zip(staged, taken, strict=True)]
                 await self._copy(pairs, nbytes)
         except BaseException:
             for entry in staged:
@@ -541,3 +581,33 @@ class CacheTier(Tier):
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, copy_all, pairs)
+
+    def _spans(self, entries: list[_Entry], at: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Entry ``k``'s pages against the span starting at ``at[k]`` of a client buffer, as
+        ``(arena offsets, buffer offsets, lengths)``: one span a block in the usual case (its pages
+        one run), one a run of pages otherwise."""
+        page = self.arena.page_size
+        if all(len(e.extents) == 1 for e in entries):
+            return [e.extents[0].first * page for e in entries], at, [e.size for e in entries]
+        pages: list[int] = []
+        runs: list[int] = []
+        lengths: list[int] = []
+        for entry, start in zip(entries, at, strict=True):
+            left = entry.size
+            for first, npages in entry.extents:
+                n = min(left, npages * page)
+                pages.append(first * page)
+                runs.append(start + entry.size - left)
+                lengths.append(n)
+                left -= n
+        return pages, runs, lengths
+
+    async def _copy_spans(
+        self, dst: memoryview, dst_at: list[int], src: memoryview, src_at: list[int], lengths: list[int]
+    ) -> None:
+        """:func:`copy_spans`, where :meth:`_copy` would copy the same bytes."""
+        if sum(lengths) <= INLINE_COPY_BYTES:
+            copy_spans(dst, dst_at, src, src_at, lengths)
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, copy_spans, dst, dst_at, src, src_at, lengths)

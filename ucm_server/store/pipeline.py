@@ -40,6 +40,7 @@ from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
 from ucm_server.store.shared_answers import SharedAnswers
+from ucm_server.store.spans import keys_of
 from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
 from ucm_server.store.write_stamps import WriteStamps
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
@@ -235,7 +236,7 @@ class Pipeline:
         ``report``: a Load's progress word; called only when the top tier copies the whole batch
         segment by segment from memory (``Leasing.read_in_order``), otherwise never."""
         if self.promotions.inflight:
-            await self.promotions.wait_for([k for k, _ in items])
+            await self.promotions.wait_for(keys_of(items))
         started = self.begin_read()
         try:
             got = None
@@ -246,7 +247,7 @@ class Pipeline:
         finally:
             self.end_read(started)
         if self.admission is not None:  # the blocks read are used again (ucm_server.store.admitting)
-            self.admission.read([k for k, _ in items], got)
+            self.admission.read(list(keys_of(items)), got)
         return got
 
     def begin_read(self) -> int:
@@ -269,7 +270,7 @@ class Pipeline:
         for depth, tier in enumerate(self.tiers):
             if not todo:
                 break
-            batch = [items[i] for i in todo]
+            batch = items if len(todo) == len(items) else [items[i] for i in todo]  # a span batch kept
             if owned or (depth == 0 and self.leasing is not None):  # no checksum over client memory
                 got = await tier.read_many(batch)
             else:
@@ -417,7 +418,7 @@ class Pipeline:
     async def _write_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
     ) -> list[BlockResult]:
-        self._stamp(k for k, _ in items)
+        self._stamp(keys_of(items))
         if len(self.tiers) == 1:
             return await self.top.write_many(items)
         # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks
