@@ -127,6 +127,14 @@ class SizeIndex:
         if self.watch is not None and keys:
             removed_many(self.watch, keys)
 
+    def replacing(self, keys: list[BlockKey]) -> None:
+        """``keys`` are held now and :meth:`add_many` holds each of them again next, at its new
+        version's size: the watcher hears now that the old versions are gone, as
+        :meth:`discard_many` would tell it, and the index's entries are left for ``add_many`` to
+        overwrite (a dump replacing its blocks paid to take each one out and put it back)."""
+        if self.watch is not None and keys:
+            removed_many(self.watch, keys)
+
     def keys(self) -> list[BlockKey]:
         """Every key held (for a watcher attached after blocks were stored)."""
         return [BlockKey(ns, d) for ns, digests in self._by_ns.items() for d in digests]

@@ -209,14 +209,18 @@ class CacheTier(Tier):
                 await self._copy(pairs, sum(entry.size for _, entry in held))
         finally:
             self._unlease_many([entry for _, entry in held])
-        return self._count_reads(results, held)
+        return self._counted(results, held)
 
     async def _read_spans(self, items: SpanItems) -> list[BlockResult]:
         """:meth:`read_many` of a span batch: each block found at the span's length leased, then the
         arena's pages copied to the spans in one :func:`copy_spans` call."""
         results: list[BlockResult] = [MISSING] * len(items)
-        held: list[tuple[int, _Entry]] = []
-        get, touched = self._index.get, self.policy.touched
+        held: list[_Entry] = []
+        places: list[int] = []
+        starts: list[int] = []
+        """Where each held block's first page is in the arena."""
+        scattered = False
+        get, touched, page = self._index.get, self.policy.touched, self.arena.page_size
         for i, (key, want) in enumerate(zip(items.keys, items.lengths, strict=True)):
             entry = get(key)
             if entry is None:
@@ -227,16 +231,23 @@ class CacheTier(Tier):
                 results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
             entry.leases += 1
-            held.append((i, entry))
+            held.append(entry)
+            places.append(i)
+            extents = entry.extents
+            scattered = scattered or len(extents) > 1
+            starts.append(extents[0][0] * page)
         try:
             if held:
-                offsets = items.offsets
-                at = offsets if len(held) == len(offsets) else [offsets[i] for i, _ in held]
-                pages, runs, lengths = self._spans([entry for _, entry in held], at)
-                await self._copy_spans(items.view, runs, self.arena.memory, pages, lengths)
+                every = len(held) == len(items)
+                at = items.offsets if every else [items.offsets[i] for i in places]
+                lengths = items.lengths if every else [items.lengths[i] for i in places]
+                if scattered:
+                    starts, at, lengths = self._scattered_spans(held, at)
+                await self._copy_spans(items.view, at, self.arena.memory, starts, lengths)
         finally:
-            self._unlease_many([entry for _, entry in held])
-        return self._count_reads(results, held)
+            self._unlease_many(held)
+        every = len(held) == len(items)
+        return self._count_reads(results, places, sum(items.lengths if every else (e.size for e in held)))
 
     async def read_in_order(
         self, items: Sequence[tuple[BlockKey, IoVec]], report: Callable[[int], None]
@@ -255,7 +266,7 @@ class CacheTier(Tier):
                 await asyncio.get_running_loop().run_in_executor(self._executor, copy_in_order, pairs, report)
         finally:
             self._unlease_many([entry for _, entry in held])
-        return self._count_reads(results, held)
+        return self._counted(results, held)
 
     def _hold_reads(
         self, items: Sequence[tuple[BlockKey, IoVec]]
@@ -282,15 +293,20 @@ class CacheTier(Tier):
             pairs.append((dest, hold(entry)))
         return results, held, pairs
 
-    def _count_reads(self, results: list[BlockResult], held: list[tuple[int, _Entry]]) -> list[BlockResult]:
-        """The copied blocks are read: OK, and counted as hits; returns ``results``."""
-        if len(held) == len(results):  # the usual batch: every block read
+    def _counted(self, results: list[BlockResult], held: list[tuple[int, _Entry]]) -> list[BlockResult]:
+        """:meth:`_count_reads` of the blocks ``held`` as ``(place, entry)``."""
+        return self._count_reads(results, [i for i, _ in held], sum(entry.size for _, entry in held))
+
+    def _count_reads(self, results: list[BlockResult], places: list[int], nbytes: int) -> list[BlockResult]:
+        """The blocks copied (at ``places`` of the batch, ``nbytes`` in all) are read: OK, and
+        counted as hits; returns ``results``."""
+        if len(places) == len(results):  # the usual batch: every block read
             results = [OK] * len(results)
         else:
-            for i, _ in held:
+            for i in places:
                 results[i] = OK
-        self._stats.hits += len(held)
-        self._stats.read_bytes += sum(entry.size for _, entry in held)
+        self._stats.hits += len(places)
+        self._stats.read_bytes += nbytes
         return results
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
@@ -307,6 +323,9 @@ class CacheTier(Tier):
         results: list[BlockResult] = [OK] * len(items)
         staged: list[_Entry] = []
         refused: list[int] = []
+        starts: list[int] = []
+        """Where each staged block's first page is in the arena."""
+        scattered = False
         now = time.time()  # one clock read per batch
         arena = self.arena
         page, free = arena.page_size, arena.free_list
@@ -314,7 +333,8 @@ class CacheTier(Tier):
         for i, key in enumerate(keys):
             size = sizes[i]
             if size <= page and free:  # one page, free: the usual small block
-                extents = [Extent(free.pop(), 1)]
+                first = free.pop()
+                extents = [Extent(first, 1)]
             else:
                 got = self._allocate(size)
                 if got is None:
@@ -326,15 +346,20 @@ class CacheTier(Tier):
                     refused.append(i)
                     continue
                 extents = got
+                first = got[0][0]
+                scattered = scattered or len(got) > 1
             staged.append(_Entry(key, size, extents, now, 1))  # leased: not evictable while being filled
+            starts.append(first * page)
         gone = set(refused)
         taken = [i for i in range(len(items)) if i not in gone] if refused else range(len(items))
         nbytes = sum(entry.size for entry in staged) if refused else sum(sizes)
         try:
             if spans is not None and staged:
                 at = [spans.offsets[i] for i in taken] if refused else spans.offsets
-                pages, runs, lengths = self._spans(staged, at)
-                await self._copy_spans(arena.memory, pages, spans.view, runs, lengths)
+                lengths = [sizes[i] for i in taken] if refused else sizes
+                if scattered:
+                    starts, at, lengths = self._scattered_spans(staged, at)
+                await self._copy_spans(arena.memory, starts, spans.view, at, lengths)
             elif staged:
                 views = arena.views
                 pairs = [(views(e.extents, e.size), items[i][1]) for e, i in zip(staged, taken, strict=True)]
@@ -343,7 +368,10 @@ class CacheTier(Tier):
             for entry in staged:
                 arena.free(entry.extents)
             raise
-        self._publish_many(staged)
+        if refused or not isinstance(keys, list):
+            self._publish_many(staged)
+        else:
+            self._publish_many(staged, keys, sizes)
         self._stats.write_bytes += nbytes
         return results
 
@@ -503,16 +531,19 @@ class CacheTier(Tier):
             self.arena.free(entry.extents)
 
     # -- internals ------------------------------------------------------------------------------------
-    def _publish_many(self, entries: Sequence[_Entry]) -> None:
+    def _publish_many(
+        self, entries: Sequence[_Entry], keys: list[BlockKey] | None = None, sizes: list[int] | None = None
+    ) -> None:
         """Make filled entries visible to readers, in order, their fillers' leases ended; each one
-        replaces any older version of its key (:meth:`_unlink`, the policy hearing of it as a use).
+        replaces any older version of its key (:meth:`_drop`, the policy hearing of it as a use).
         The index and the policy change per block; the size index and its watchers hear of the
-        batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time)."""
-        index, inserted = self._index, self.policy.inserted
+        batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time). ``keys``
+        and ``sizes``: the entries', where the caller has them as lists already."""
+        index, get, inserted = self._index, self._index.get, self.policy.inserted
         replaced: list[_Entry] = []
         for entry in entries:
             key = entry.key
-            old = index.pop(key, None)
+            old = get(key)
             if old is not None:
                 replaced.append(old)
             entry.leases = 0
@@ -520,24 +551,28 @@ class CacheTier(Tier):
             inserted(key, entry.size)
         if replaced:
             self._drop(replaced, replaced=True)
-        self._sizes.add_many([entry.key for entry in entries], [entry.size for entry in entries])
+        if keys is None or sizes is None:
+            keys, sizes = [entry.key for entry in entries], [entry.size for entry in entries]
+        self._sizes.add_many(keys, sizes)
 
-    def _unlink(self, key: BlockKey, *, evicted: bool = False, replaced: bool = False) -> bool:
-        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room,
-        ``replaced``: a new version follows (the policy hears of that as a use, not a removal)."""
+    def _unlink(self, key: BlockKey, *, evicted: bool = False) -> bool:
+        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room."""
         entry = self._index.pop(key, None)
         if entry is None:
             return False
-        self._drop([entry], evicted=evicted, replaced=replaced)
+        self._drop([entry], evicted=evicted)
         return True
 
     def _drop(self, entries: list[_Entry], *, evicted: bool = False, replaced: bool = False) -> None:
         """Entries just taken out of the index: the policy (unless ``replaced``) and the size index
-        hear of it, and each one's pages are freed, or once its last lease ends."""
-        if not replaced:
+        hear of it, and each one's pages are freed, or once its last lease ends. ``replaced``: the
+        new versions are published next (:meth:`_publish_many`), which sets their sizes."""
+        if replaced:
+            self._sizes.replacing([entry.key for entry in entries])
+        else:
             for entry in entries:
                 self.policy.removed(entry.key, evicted=evicted)
-        self._sizes.discard_many([entry.key for entry in entries])
+            self._sizes.discard_many([entry.key for entry in entries])
         free = self.arena.free
         for entry in entries:
             if entry.leases:
@@ -560,6 +595,10 @@ class CacheTier(Tier):
         write-back, a 16-block dump spent 2.5 ms of the event loop walking past them, block by block.
         The same blocks go, in the same order, as the batch's allocations would evict them."""
         most = self.arena.npages
+        if sizes and isinstance(sizes, list) and sizes.count(sizes[0]) == len(sizes):  # the usual batch
+            each = self.arena.pages_for(sizes[0])
+            self._evict_until_free(min(each * len(sizes) if each <= most else 0, most))
+            return
         need = [n for n in map(self.arena.pages_for, sizes) if n <= most]  # a larger one is refused
         self._evict_until_free(min(sum(need), most))
 
@@ -582,13 +621,13 @@ class CacheTier(Tier):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, copy_all, pairs)
 
-    def _spans(self, entries: list[_Entry], at: list[int]) -> tuple[list[int], list[int], list[int]]:
+    def _scattered_spans(
+        self, entries: list[_Entry], at: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
         """Entry ``k``'s pages against the span starting at ``at[k]`` of a client buffer, as
-        ``(arena offsets, buffer offsets, lengths)``: one span a block in the usual case (its pages
-        one run), one a run of pages otherwise."""
+        ``(arena offsets, buffer offsets, lengths)``, one span a run of pages (blocks whose pages
+        are not one run: the usual block's span is the block's)."""
         page = self.arena.page_size
-        if all(len(e.extents) == 1 for e in entries):
-            return [e.extents[0].first * page for e in entries], at, [e.size for e in entries]
         pages: list[int] = []
         runs: list[int] = []
         lengths: list[int] = []
