@@ -34,5 +34,14 @@ def copy_pairs(
     split_bytes: int = 0,
     stream_bytes: int = 0,
 ) -> int: ...
+def copy_spans(
+    dst: WriteableBuffer,
+    dst_offsets: list[int] | tuple[int, ...],
+    src: ReadableBuffer,
+    src_offsets: list[int] | tuple[int, ...],
+    lengths: list[int] | tuple[int, ...],
+    split_bytes: int = 0,
+    stream_bytes: int = 0,
+) -> int: ...
 def xxh3_64(data: ReadableBuffer | Sequence[ReadableBuffer]) -> int: ...
 def xxh3_64_many(blocks: Sequence[ReadableBuffer | Sequence[ReadableBuffer]]) -> list[int]: ...

@@ -156,7 +156,7 @@ def test_the_cache_stores_and_reads_a_span_batch_as_it_does_views(page: int) -> 
         if page < size:  # scatter the free pages: a block then takes runs from here and there
             taken = t.arena.allocate(page * 37)
             assert taken is not None
-            t.arena.free(taken[::2] if len(taken) > 1 else [taken[0]._replace(npages=1)])
+            t.arena.free(taken[::2] if len(taken) > 1 else [(taken[0][0], 1)])
         src = memoryview(bytearray(os.urandom(n * size)))
         at = [i * size for i in reversed(range(n))]
         by_span, by_view = _keys(n, 1), _keys(n, 2)

@@ -66,7 +66,9 @@ class CacheSettings:
 class _Entry:
     key: BlockKey
     size: int
-    extents: list[Extent]
+    extents: Sequence[Extent]
+    """The block's pages (a tuple for the usual block of one run: it leaves the garbage collector's
+    sight, with the tuples in it, where a list stays in it for as long as the block is cached)."""
     stored_at: float
     leases: int = 0
     unlinked: bool = False  # replaced or deleted while leased: free pages when leases reach 0
@@ -334,7 +336,7 @@ class CacheTier(Tier):
             size = sizes[i]
             if size <= page and free:  # one page, free: the usual small block
                 first = free.pop()
-                extents = [Extent(first, 1)]
+                extents: Sequence[Extent] = ((first, 1),)
             else:
                 got = self._allocate(size)
                 if got is None:
@@ -448,7 +450,7 @@ class CacheTier(Tier):
         entry.leases += 1
         extents = entry.extents
         if len(extents) == 1:  # the usual block: one run of pages
-            at = extents[0].first * self.arena.page_size
+            at = extents[0][0] * self.arena.page_size
             return [self.arena.memory[at : at + entry.size]]
         return self.arena.views(extents, entry.size)
 

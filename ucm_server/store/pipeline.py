@@ -297,7 +297,7 @@ class Pipeline:
         return results
 
     async def _read_staged(
-        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
+        self, depth: int, batch: Sequence[tuple[BlockKey, IoVec]], started: int
     ) -> list[BlockResult]:
         """Read ``batch`` from the tier at ``depth`` through daemon memory, promoting as it goes.
         From the top tier nothing is promoted: the whole batch goes straight into the caller's
