@@ -222,13 +222,13 @@ class CacheTier(Tier):
         starts: list[int] = []
         """Where each held block's first page is in the arena."""
         scattered = False
-        get, touched, page = self._index.get, self.policy.touched, self.arena.page_size
+        index, page = self._index, self.arena.page_size
+        get = index.get
         for i, (key, want) in enumerate(zip(items.keys, items.lengths, strict=True)):
             entry = get(key)
             if entry is None:
                 self._stats.misses += 1
                 continue
-            touched(key)
             if want != entry.size:
                 results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
                 continue
@@ -238,6 +238,8 @@ class CacheTier(Tier):
             extents = entry.extents
             scattered = scattered or len(extents) > 1
             starts.append(extents[0][0] * page)
+        found = items.keys if len(held) == len(items) else [key for key in items.keys if key in index]
+        self.policy.touched_many(found)  # every block found is a use, read or not
         try:
             if held:
                 every = len(held) == len(items)
@@ -541,7 +543,7 @@ class CacheTier(Tier):
         The index and the policy change per block; the size index and its watchers hear of the
         batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time). ``keys``
         and ``sizes``: the entries', where the caller has them as lists already."""
-        index, get, inserted = self._index, self._index.get, self.policy.inserted
+        index, get = self._index, self._index.get
         replaced: list[_Entry] = []
         for entry in entries:
             key = entry.key
@@ -550,11 +552,11 @@ class CacheTier(Tier):
                 replaced.append(old)
             entry.leases = 0
             index[key] = entry
-            inserted(key, entry.size)
-        if replaced:
-            self._drop(replaced, replaced=True)
         if keys is None or sizes is None:
             keys, sizes = [entry.key for entry in entries], [entry.size for entry in entries]
+        self.policy.inserted_many(keys, sizes)
+        if replaced:
+            self._drop(replaced, replaced=True)
         self._sizes.add_many(keys, sizes)
 
     def _unlink(self, key: BlockKey, *, evicted: bool = False) -> bool:
