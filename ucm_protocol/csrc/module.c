@@ -69,6 +69,7 @@ static PyMethodDef methods[] = {
 #endif
     {"index_keys", ucm_index_keys, METH_VARARGS, ucm_index_keys_doc},
     {"index_fill", ucm_index_fill, METH_VARARGS, ucm_index_fill_doc},
+    {"block_keys", ucm_block_keys, METH_VARARGS, ucm_block_keys_doc},
     {"layout", layout, METH_NOARGS, "The layout constants this module was built with."},
     {"monotonic_ns", monotonic, METH_NOARGS, "CLOCK_MONOTONIC in nanoseconds (what T_VALID_UNTIL counts)."},
     {NULL, NULL, 0, NULL},
