@@ -154,7 +154,14 @@ class Pipeline:
         await self.queue.drain()
 
     # -- lookups --------------------------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+    async def lookup(
+        self, keys: Sequence[BlockKey], digests: Sequence[bytes] | None = None
+    ) -> list[int | None]:
+        """Each key's size where stored, else None. ``digests``: the keys' digests, every key of one
+        namespace (keys :func:`~ucm_protocol.keys.make_keys` built): a local first tier is then
+        asked through its per-namespace map, no key cut in two (a Load's size check of 4,096 keys:
+        ~0.7 ms of slicing)."""
+
         def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
             asked = [keys[i] for i in todo]
             return self.shared_answers.lookup(tier, asked) if tier.shared else tier.lookup(asked)
@@ -164,7 +171,10 @@ class Pipeline:
             return await self._fill([None] * len(keys), order, ask)
         # A local first tier is asked for the keys as they are: the usual all-hit batch (a Load's
         # size check) then costs its index's one pass, not four Python passes over the keys.
-        sizes = list(await order[0].lookup(keys))
+        if digests is not None and keys:
+            sizes = list(await order[0].lookup_digests(keys[0].namespace, digests))
+        else:
+            sizes = list(await order[0].lookup(keys))
         return await self._fill(sizes, order[1:], ask) if None in sizes else sizes
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
