@@ -25,7 +25,9 @@ from ucm_protocol.keys import BlockKey
 from ucm_protocol.native import native
 from ucm_server.store import spans as spans_module
 from ucm_server.store.cache import CacheTier
-from ucm_server.store.spans import SpanItems, keys_of
+from ucm_server.store.copying import SPLIT_COPY_BYTES
+from ucm_server.store.io_classes import ClassedExecutor, IoClass
+from ucm_server.store.spans import SpanItems, copy_spans, keys_of
 
 U64 = 1 << 64
 
@@ -115,6 +117,22 @@ def test_the_compiled_call_moves_each_span_and_nothing_next_to_it(split: int, st
         nbytes = native.copy_spans(got, dst_at, src, src_at, lengths, split_bytes=split, stream_bytes=stream)
         assert nbytes == sum(n for _, n in order)
         assert (got == want).all()
+
+
+def test_a_background_copy_refuses_a_bad_span_before_its_first_piece() -> None:
+    """Background work copies in pieces (loads let in between): the whole batch is checked before
+    the first one, so a bad last span still leaves every byte where it was."""
+    pool = ClassedExecutor(2)
+    piece = SPLIT_COPY_BYTES // 2
+    src, dst = memoryview(bytearray(os.urandom(3 * piece))), memoryview(bytearray(3 * piece))
+    try:
+        job = pool.submit_as(IoClass.BACKGROUND, copy_spans, dst, [0, piece, 2 * piece + 1], src,
+                             [0, piece, 2 * piece], [piece] * 3)  # fmt: skip
+        with pytest.raises(ValueError, match=r"span 2: .* outside the .*-byte destination"):
+            job.result(30)
+        assert not any(dst)
+    finally:
+        pool.shutdown()
 
 
 @needs_native
