@@ -34,6 +34,8 @@ def test_batched_calls_leave_the_order_of_single_calls(name: str) -> None:
     for key in keys[:30]:
         one.touched(key)
     assert list(many.order()) == list(one.order())
+    with pytest.raises(ValueError):
+        many.inserted_many(keys[30:], [1])
 
 
 def test_the_size_index_holds_a_batch_as_it_holds_its_keys_one_by_one() -> None:
