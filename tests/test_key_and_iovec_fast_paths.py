@@ -1,6 +1,7 @@
 """The per-block fast paths of a Dump/Load's request handling build exactly what the plain code did.
 
-``make_keys`` builds ``BlockKey`` objects through C-level maps, ``iov_len`` and ``host_iovecs``
+``make_keys`` builds ``BlockKey`` objects through C-level maps (packed digests in one call of the
+compiled helper), ``iov_len`` and ``host_iovecs``
 skip their generic walk for one-segment blocks, ``single_segment_iovecs`` checks a one-region,
 one-segment-per-block batch as array operations, ``vector_io`` moves a whole iovec in one call
 without per-segment Python, and a pack finds many members' offsets through one position map
@@ -13,9 +14,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from support.dataplane import needs_native
 
 from ucm_protocol.errors import InvalidArgument
-from ucm_protocol.keys import BlockKey, make_keys
+from ucm_protocol.keys import BlockKey, PackedDigests, make_keys
+from ucm_protocol.native import native
 from ucm_server.regions import SegmentColumns, check_segments, host_iovecs, single_segment_iovecs
 from ucm_server.store.copying import iov_len
 from ucm_server.store.format import CorruptBlock
@@ -33,6 +36,38 @@ def test_make_keys_builds_the_same_block_keys_as_the_constructor() -> None:
     assert [k.namespace for k in keys] == [ns] * len(digests)
     assert [k.digest for k in keys] == [bytes(d) for d in digests]
     assert {k: i for i, k in enumerate(keys)}[ns + bytes(digests[1])] == 1  # plain bytes find them
+
+
+@needs_native
+def test_make_keys_of_packed_digests_builds_the_same_block_keys_in_one_call() -> None:
+    """A request's packed keys (the ring's, the RPC's ``packed_keys``) become keys in the compiled
+    helper, one object each, equal to the constructor's, hashed as plain bytes, and usable as
+    dict keys from the start (the hash is computed on first use, never taken as 0)."""
+    ns = os.urandom(16)
+    digests = [os.urandom(32), bytes(32), b"\x07" * 32, os.urandom(31) + b"\x00"]
+    keys = make_keys(ns, PackedDigests(b"".join(digests)))
+    assert keys == [BlockKey(ns, d) for d in digests] and all(type(k) is BlockKey for k in keys)
+    assert [hash(k) for k in keys] == [hash(ns + d) for d in digests]
+    assert {k: i for i, k in enumerate(keys)}[ns + digests[3]] == 3
+    assert [k.digest for k in keys] == digests and keys[0].namespace == ns
+    assert make_keys(ns, PackedDigests(b"")) == []
+    with pytest.raises(InvalidArgument, match="namespace must be 16 bytes, got 15"):
+        make_keys(ns[:15], PackedDigests(b"".join(digests)))
+
+
+@needs_native
+def test_the_compiled_key_builder_refuses_what_it_cannot_build() -> None:
+    class WithDict(bytes):
+        pass
+
+    with pytest.raises(TypeError, match="bytes subclass with no instance dict"):
+        native.block_keys(WithDict, bytes(16), bytes(32))
+    with pytest.raises(TypeError, match="bytes subclass"):
+        native.block_keys(int, bytes(16), bytes(32))
+    with pytest.raises(ValueError, match="16-byte namespace and whole 32-byte digests, not 16 and 33"):
+        native.block_keys(BlockKey, bytes(16), bytes(33))
+    with pytest.raises(ValueError, match="not 17 and 32"):
+        native.block_keys(BlockKey, bytes(17), bytes(32))
 
 
 def test_make_keys_still_names_a_bad_digest_and_namespace() -> None:

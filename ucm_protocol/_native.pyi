@@ -1,7 +1,9 @@
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from _typeshed import ReadableBuffer, WriteableBuffer
+
+_B = TypeVar("_B", bound=bytes)
 
 def table_lookup(table: ReadableBuffer, ns_id: int, keys: Sequence[bytes], out: WriteableBuffer) -> int: ...
 def table_read_slot(table: ReadableBuffer, index: int) -> tuple[int, int, bytes] | None: ...
@@ -34,5 +36,15 @@ def copy_pairs(
     split_bytes: int = 0,
     stream_bytes: int = 0,
 ) -> int: ...
+def copy_spans(
+    dst: WriteableBuffer,
+    dst_offsets: list[int] | tuple[int, ...],
+    src: ReadableBuffer,
+    src_offsets: list[int] | tuple[int, ...],
+    lengths: list[int] | tuple[int, ...],
+    split_bytes: int = 0,
+    stream_bytes: int = 0,
+) -> int: ...
 def xxh3_64(data: ReadableBuffer | Sequence[ReadableBuffer]) -> int: ...
 def xxh3_64_many(blocks: Sequence[ReadableBuffer | Sequence[ReadableBuffer]]) -> list[int]: ...
+def block_keys(cls: type[_B], namespace: ReadableBuffer, packed: ReadableBuffer) -> list[_B]: ...

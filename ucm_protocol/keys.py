@@ -15,6 +15,7 @@ from typing import NewType, overload
 import numpy as np
 
 from ucm_protocol.errors import InvalidArgument
+from ucm_protocol.native import native
 
 KEY_BYTES = 32
 NAMESPACE_BYTES = 16
@@ -81,6 +82,9 @@ def check_digest(value: bytes, index: int | None = None) -> Digest:
 def make_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
     """Validate a batch of digests under one namespace, naming the first bad index."""
     ns = check_namespace(namespace)
+    if native is not None and isinstance(digests, PackedDigests):  # whole digests by construction
+        # one object a key, made in C (4,096 keys: ~0.8 ms the Python way, every Dump and Load)
+        return native.block_keys(BlockKey, ns, digests.packed)
     check_digests(digests)
     # ``bytes.__new__(BlockKey, ns + digest)`` per key through C-level maps: what ``BlockKey(ns, d)``
     # builds, without its Python ``__new__`` frame (256 keys: 108 -> 32 µs, paid by every Dump/Load).

@@ -110,8 +110,9 @@ class OffLoop:
 @dataclass(slots=True)
 class HostPlan:
     regions: set[Region]
-    iovecs: Callable[[int, int], list[IoVec]]
-    """The iovecs of blocks ``start`` to ``stop`` (every segment of the batch checked already)."""
+    items: Callable[[Sequence[BlockKey], int, int], Sequence[tuple[BlockKey, IoVec]]]
+    """``(key, iovec)`` of blocks ``start`` to ``stop`` of the keys given (every segment of the batch
+    checked already)."""
     sizes: list[int]
     word: ProgressWord | None = None
     """A Load's progress word (:mod:`ucm_server.load_progress`), when the client gave one."""
@@ -172,7 +173,7 @@ class HostMover:
     ) -> HostPlan:
         """Every segment checked, overlapping Load destinations refused (no event-loop state: may run
         in a worker thread). A batch of the usual shape makes its views a chunk at a time, as the
-        task moves it; any other has one iovec per block made here."""
+        task moves it (as span batches: no view a block); any other has one iovec per block made here."""
         batch = single_segment_batch(columns, found, self.max_block_bytes)
         iovs = (
             []
@@ -182,8 +183,12 @@ class HostMover:
         if kind is TaskKind.LOAD:
             check_disjoint(columns, counts)
         if batch is not None:
-            return HostPlan(used, batch.iovecs, batch.lengths, word)
-        return HostPlan(used, lambda start, stop: iovs[start:stop], [iov_len(iov) for iov in iovs], word)
+            return HostPlan(used, batch.items, batch.lengths, word)
+
+        def items(keys: Sequence[BlockKey], start: int, stop: int) -> list[tuple[BlockKey, IoVec]]:
+            return list(zip(keys[start:stop], iovs[start:stop], strict=True))
+
+        return HostPlan(used, items, [iov_len(iov) for iov in iovs], word)
 
     async def run(
         self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
@@ -194,11 +199,11 @@ class HostMover:
         ended, as its counts then hold for every block of the task; a Dump naming a key twice runs
         its chunks one after the other, so the later copy of the key is the one stored."""
         assert isinstance(plan, HostPlan)
-        iovecs, sizes, word = plan.iovecs, plan.sizes, plan.word
+        block_items, sizes, word = plan.items, plan.sizes, plan.word
         bounds = chunk_bounds(sizes)
 
         async def move(start: int, stop: int) -> None:
-            items = list(zip(keys[start:stop], iovecs(start, stop), strict=True))
+            items = block_items(keys, start, stop)
             if task.kind is TaskKind.LOAD:
                 last = stop == bounds[-1][1]
                 report = word.report if word is not None and last else None

@@ -38,18 +38,20 @@ import logging
 import mmap
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ucm_protocol.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from ucm_protocol.keys import BlockKey
 from ucm_server.client_memory import ALLOCATE, ClientMemory, unallocated
 from ucm_server.descriptors import DescriptorBudget, process_budget
 from ucm_server.gpu_region import GpuRegion
 from ucm_server.region_prefault import RegionPrefaulter
 from ucm_server.store.copying import IoVec
+from ucm_server.store.spans import SpanItems
 
 log = logging.getLogger(__name__)
 
@@ -492,18 +494,21 @@ def host_iovecs(blocks: list[list[tuple[Any, int, int]]]) -> list[IoVec]:
 
 
 class SingleSegmentBatch:
-    """A checked batch of the usual shape (:func:`single_segment_batch`): its iovecs are built a
-    chunk at a time (:meth:`iovecs`), so a task's first copy starts before the views of its last
-    blocks exist (4,096 views cost ~1.5 ms of the event loop, once the whole request's time to its
-    first copy)."""
+    """A checked batch of the usual shape (:func:`single_segment_batch`): its blocks are handed out a
+    chunk at a time (:meth:`items`) as span batches, offsets into the region's view with no view
+    made a block (4,096 views cost ~1.5 ms of the event loop, and the Cache copies by offsets)."""
 
     __slots__ = ("lengths", "offsets", "view")
 
     def __init__(self, view: memoryview, offsets: list[int], lengths: list[int]) -> None:
         self.view, self.offsets, self.lengths = view, offsets, lengths
 
+    def items(self, keys: Sequence[BlockKey], start: int, stop: int) -> SpanItems:
+        """Blocks ``start`` to ``stop`` of ``keys`` (the checks held for all of them)."""
+        return SpanItems(keys[start:stop], self.view, self.offsets[start:stop], self.lengths[start:stop])
+
     def iovecs(self, start: int, stop: int) -> list[IoVec]:
-        """Blocks ``start`` to ``stop``, one view each (the checks held for all of them)."""
+        """Blocks ``start`` to ``stop``, one view each."""
         view = self.view
         return [
             [view[o : o + n]] for o, n in zip(self.offsets[start:stop], self.lengths[start:stop], strict=True)

@@ -84,7 +84,7 @@ class Submitter:
         keys = self.blocks.keys(namespace, digests)
         self._check_segment_caps(columns)
         if kind is TaskKind.LOAD:
-            await self._check_load_sizes(keys, columns.counts, columns.lengths)
+            await self._check_load_sizes(keys, digests, columns.counts, columns.lengths)
         if not keys:
             raise InvalidArgument("empty batch: no keys given")
         if kind is TaskKind.DUMP:
@@ -162,10 +162,12 @@ class Submitter:
                 f"block {b} has {most} segments; the limit is {cap} (setting max_segments_per_block)"
             )
 
-    async def _check_load_sizes(self, keys: list[BlockKey], counts: list[int], lengths: list[int]) -> None:
+    async def _check_load_sizes(
+        self, keys: list[BlockKey], digests: Sequence[bytes], counts: list[int], lengths: list[int]
+    ) -> None:
         """A load into a destination of the wrong size is the caller's mistake: refuse it whole
         (``INVALID_ARGUMENT``, nothing copied) rather than fail blocks one by one."""
-        sizes = await self.pipeline.lookup(keys)
+        sizes = await self.pipeline.lookup(keys, digests)
         if counts:  # per-block sums from prefix sums: linear in C, whatever the segments per block
             prefix = list(itertools.accumulate(lengths, initial=0))
             bounds = list(itertools.accumulate(counts, initial=0))

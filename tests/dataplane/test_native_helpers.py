@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
-import time
 
 import numpy as np
 import pytest
 import xxhash
-from support.dataplane import needs_native
+from support.dataplane import needs_native, ran_meanwhile
 
 from ucm_protocol.native import native
 
@@ -72,27 +70,6 @@ def test_xxh3_equals_xxhash() -> None:
         ), size
 
 
-def _ran_meanwhile(fn: object) -> int:
-    """How often another thread ran Python while this thread was inside ``fn()`` (a call that holds
-    the GIL throughout lets it run not once; 2 ms at each end are left out: the switch in and out)."""
-    stamps: list[float] = []
-    stop = threading.Event()
-
-    def other() -> None:
-        while not stop.is_set():
-            stamps.append(time.perf_counter())
-
-    t = threading.Thread(target=other)
-    t.start()
-    time.sleep(0.01)
-    start = time.perf_counter()
-    fn()  # type: ignore[operator]
-    end = time.perf_counter()
-    stop.set()
-    t.join()
-    return sum(1 for s in stamps if start + 0.002 < s < end - 0.002)
-
-
 @needs_xxh3
 def test_xxh3_of_many_blocks_at_once() -> None:
     """A batch of small blocks hashed in one call, which lets other threads run meanwhile: xxhash
@@ -102,7 +79,7 @@ def test_xxh3_of_many_blocks_at_once() -> None:
     assert native.xxh3_64_many(views) == [xxhash.xxh3_64_intdigest(b) for b in blocks]
     assert native.xxh3_64_many([]) == []
     many = [memoryview(os.urandom(64 << 10))] * 8192  # 512 MiB of 64 KiB blocks
-    assert _ran_meanwhile(lambda: native.xxh3_64_many(many)) > 0
+    assert ran_meanwhile(lambda: native.xxh3_64_many(many)) > 0
 
 
 @pytest.mark.parametrize("split", [0, 8 << 20])  # one thread; two, the second one not Python's
@@ -116,9 +93,9 @@ def test_copy_pairs_lets_other_threads_run(split: int) -> None:
     def slices() -> None:
         d[:] = s  # one slice assignment: the GIL held throughout, as for each block before
 
-    assert _ran_meanwhile(slices) == 0
+    assert ran_meanwhile(slices) == 0
     dst[:] = 0
-    assert _ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=split)) > 0
+    assert ran_meanwhile(lambda: native.copy_pairs(pairs * 3, split_bytes=split)) > 0
     assert (dst == 1).all()
 
 

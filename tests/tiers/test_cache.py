@@ -227,10 +227,10 @@ def test_arena_allocation_gives_exact_runs_from_a_fragmented_free_list() -> None
             arena.free(b)
         extents = arena.allocate(12 * 4096)
         assert extents is not None
-        pages = [p for e in extents for p in range(e.first, e.first + e.npages)]
+        pages = [p for first, npages in extents for p in range(first, first + npages)]
         assert len(pages) == len(set(pages)) == 12
         assert len(extents) == 3  # three holes of 4, not one run
-        held = {p for b in blocks[1::2] if b for e in b for p in range(e.first, e.first + e.npages)}
+        held = {p for b in blocks[1::2] if b for first, npages in b for p in range(first, first + npages)}
         assert not held & set(pages)  # never a page still in use
         assert arena.free_pages == 64 - 8 * 4 - 12
     finally:

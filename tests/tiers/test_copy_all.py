@@ -17,6 +17,7 @@ from ucm_protocol.native import native
 from ucm_server.store import copying
 from ucm_server.store.copying import RUN_COPY_MIN, SPLIT_COPY_BYTES, IoVec, copy_all, copy_iov
 from ucm_server.store.io_classes import ClassedExecutor, IoClass
+from ucm_server.store.spans import copy_spans
 
 
 @pytest.fixture(autouse=True, params=["helper", "no helper"])
@@ -90,10 +91,11 @@ def test_single_segment_blocks_copy_exactly_from_writable_and_read_only_memory(r
     assert dst != bytearray(b"\xee" * total)  # negative control: the copy did something
 
 
-def test_a_background_copy_is_held_between_its_pieces_while_a_load_runs() -> None:
-    """A dump's copy (``copy_all`` in a BACKGROUND job of a classed pool) stops before each piece of
-    about SPLIT_COPY_BYTES while a load runs, then copies every byte once the load ended; the same
-    copy in a load's job is never held."""
+@pytest.mark.parametrize("by_spans", [False, True])
+def test_a_background_copy_is_held_between_its_pieces_while_a_load_runs(by_spans: bool) -> None:
+    """A dump's copy (``copy_all`` in a BACKGROUND job of a classed pool, or ``copy_spans`` of the
+    same blocks by offsets) stops before each piece of about SPLIT_COPY_BYTES while a load runs,
+    then copies every byte once the load ended; the same copy in a load's job is never held."""
     pool = ClassedExecutor(2, background_hold_s=30)
     load_gate, load_started = threading.Event(), threading.Event()
     block = SPLIT_COPY_BYTES // 2
@@ -115,7 +117,12 @@ def test_a_background_copy_is_held_between_its_pieces_while_a_load_runs() -> Non
         side_pairs = [([memoryview(side)[: len(src)]], [memoryview(src)])]
         pool.submit_as(IoClass.LOAD, copy_all, side_pairs).result(30)  # a load's copy: not held
         assert side == src
-        dump = pool.submit_as(IoClass.BACKGROUND, copy_all, pairs)
+        if by_spans:
+            at = [i * block for i in range(3)]
+            spans = (memoryview(dst), at, memoryview(src), at, [block] * 3)
+            dump = pool.submit_as(IoClass.BACKGROUND, copy_spans, *spans)
+        else:
+            dump = pool.submit_as(IoClass.BACKGROUND, copy_all, pairs)
         deadline = time.monotonic() + 30
         while pool.held_background != 1:
             assert time.monotonic() < deadline, "the background copy was never held"

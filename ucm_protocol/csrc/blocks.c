@@ -253,6 +253,119 @@ done:
     return result;
 }
 
+/* The integers of a list or tuple as uint64 (a negative or too large one: -1 and the error set). */
+static int u64_items(PyObject *seq, const char *what, Py_ssize_t n, uint64_t *out) {
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v = PyLong_Check(items[i]) ? PyLong_AsUnsignedLongLong(items[i]) : (unsigned long long)-1;
+        if (!PyLong_Check(items[i]) || (v == (unsigned long long)-1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "span %zd: %s is not an integer in [0, 2**64)", i, what);
+            return -1;
+        }
+        out[i] = (uint64_t)v;
+    }
+    return 0;
+}
+
+const char ucm_copy_spans_doc[] = (
+"copy_spans(dst, dst_offsets, src, src_offsets, lengths, split_bytes=0, stream_bytes=0) -> int\n\n"
+"Copy span i, ``lengths[i]`` bytes from ``src_offsets[i]`` of ``src`` to ``dst_offsets[i]`` of\n"
+"``dst`` (two buffers: a client's region and the Cache's arena), for every i, with the GIL released\n"
+"for the copying: the bytes copied. The offsets and lengths are lists of ints and nothing else is\n"
+"made per span: a batch of small blocks costs no memoryview a block. Every span is checked first\n"
+"(a length of 0, an offset or length that is not an int in [0, 2**64), a span past either buffer's\n"
+"end, whatever the sum overflows to): one bad span refuses the batch (ValueError naming it) with\n"
+"nothing copied. Spans that continue each other on both sides are copied as one run;\n"
+"``split_bytes`` and ``stream_bytes`` are ``copy_pairs``'s.");
+
+PyObject *ucm_copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dst", "dst_offsets", "src", "src_offsets", "lengths", "split_bytes", "stream_bytes", NULL};
+    PyObject *dsto, *srco, *doffs, *soffs, *lens;
+    Py_ssize_t split = 0, stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|nn", kwlist, &dsto, &doffs, &srco, &soffs, &lens, &split,
+                                     &stream))
+        return NULL;
+    if (split < 0 || stream < 0) {
+        PyErr_Format(PyExc_ValueError, "split_bytes and stream_bytes must be 0 or more, not %zd and %zd", split,
+                     stream);
+        return NULL;
+    }
+    if (!(PyList_Check(doffs) || PyTuple_Check(doffs)) || !(PyList_Check(soffs) || PyTuple_Check(soffs)) ||
+        !(PyList_Check(lens) || PyTuple_Check(lens))) {
+        PyErr_SetString(PyExc_TypeError, "dst_offsets, src_offsets and lengths must be lists or tuples of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(lens);
+    if (PySequence_Fast_GET_SIZE(doffs) != n || PySequence_Fast_GET_SIZE(soffs) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd destination offsets and %zd source offsets for %zd lengths",
+                     PySequence_Fast_GET_SIZE(doffs), PySequence_Fast_GET_SIZE(soffs), n);
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(dsto, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(srco, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint64_t *words = PyMem_Malloc((size_t)(n > 0 ? n : 1) * 3 * sizeof(uint64_t));
+    run_t *runs = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(run_t));
+    if (words == NULL || runs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *dof = words, *sof = words + n, *len = words + 2 * n;
+    if (u64_items(doffs, "the destination offset", n, dof) < 0 || u64_items(soffs, "the source offset", n, sof) < 0 ||
+        u64_items(lens, "the length", n, len) < 0)
+        goto done;
+    uint64_t dlen = (uint64_t)dst.len, slen = (uint64_t)src.len, total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* every span checked before any byte moves */
+        if (len[i] == 0) {
+            PyErr_Format(PyExc_ValueError, "span %zd has length 0", i);
+            goto done;
+        }
+        /* no sum that could wrap: the length fits the buffer, then the offset fits what is left */
+        if (len[i] > dlen || dof[i] > dlen - len[i]) {
+            PyErr_Format(PyExc_ValueError, "span %zd: %llu bytes at offset %llu are outside the %llu-byte destination", i,
+                         (unsigned long long)len[i], (unsigned long long)dof[i], (unsigned long long)dlen);
+            goto done;
+        }
+        if (len[i] > slen || sof[i] > slen - len[i]) {
+            PyErr_Format(PyExc_ValueError, "span %zd: %llu bytes at offset %llu are outside the %llu-byte source", i,
+                         (unsigned long long)len[i], (unsigned long long)sof[i], (unsigned long long)slen);
+            goto done;
+        }
+        total += len[i]; /* at most n times a buffer's size: no wrap for any n memory can hold */
+    }
+    Py_ssize_t nruns = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *d = (char *)dst.buf + dof[i];
+        const char *s = (const char *)src.buf + sof[i];
+        run_t *last = nruns ? &runs[nruns - 1] : NULL;
+        if (last != NULL && last->dst + last->n == d && last->src + last->n == s) {
+            last->n += (size_t)len[i];
+        } else {
+            runs[nruns++] = (run_t){d, s, (size_t)len[i]};
+        }
+    }
+    int streamed = stream > 0 && total >= (uint64_t)stream;
+    if (total >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_split(runs, nruns, (size_t)total, (size_t)split, streamed);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_runs(runs, nruns, streamed);
+    }
+    result = PyLong_FromUnsignedLongLong((unsigned long long)total);
+done:
+    PyMem_Free(words);
+    PyMem_Free(runs);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 #ifdef UCM_HAVE_XXHASH
 #define XXH_INLINE_ALL
 #include <xxhash.h>

@@ -69,3 +69,57 @@ PyObject *ucm_index_fill(PyObject *self, PyObject *args) {
     }
     Py_RETURN_NONE;
 }
+
+const char ucm_block_keys_doc[] =
+    "block_keys(cls, namespace, packed) -> list[cls]: ``namespace + digest`` as an instance of ``cls``\n"
+    "(a ``bytes`` subclass with no instance dict: ``BlockKey``) for each 32-byte digest of ``packed``,\n"
+    "one object made a key (the Python way made the digest, the sum and the key).";
+
+PyObject *ucm_block_keys(PyObject *self, PyObject *args) {
+    PyTypeObject *cls;
+    Py_buffer ns, packed;
+    if (!PyArg_ParseTuple(args, "O!y*y*", &PyType_Type, &cls, &ns, &packed))
+        return NULL;
+    PyObject *out = NULL;
+#if PY_VERSION_HEX >= 0x030E0000
+    PyErr_SetString(PyExc_NotImplementedError, "block_keys: this Python's bytes layout is not known here");
+    goto done;
+#else
+    if (!PyType_IsSubtype(cls, &PyBytes_Type) || cls->tp_basicsize != PyBytes_Type.tp_basicsize ||
+        cls->tp_itemsize != PyBytes_Type.tp_itemsize || cls->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "block_keys: cls must be a bytes subclass with no instance dict or slots");
+        goto done;
+    }
+    if (ns.len != 16 || packed.len % 32) {
+        PyErr_Format(PyExc_ValueError, "block_keys: a 16-byte namespace and whole 32-byte digests, not %zd and %zd bytes",
+                     ns.len, packed.len);
+        goto done;
+    }
+    Py_ssize_t n = packed.len / 32;
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    const char *digest = (const char *)packed.buf;
+    for (Py_ssize_t i = 0; i < n; i++, digest += 32) {
+        /* as CPython's own bytes.__new__ for a subclass: tp_alloc, the bytes, the hash unknown */
+        PyObject *key = cls->tp_alloc(cls, 48);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        char *at = PyBytes_AS_STRING(key);
+        memcpy(at, ns.buf, 16);
+        memcpy(at + 16, digest, 32);
+        at[48] = '\0';
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+        ((PyBytesObject *)key)->ob_shash = -1;
+#pragma GCC diagnostic pop
+        PyList_SET_ITEM(out, i, key);
+    }
+#endif
+done:
+    PyBuffer_Release(&ns);
+    PyBuffer_Release(&packed);
+    return out;
+}

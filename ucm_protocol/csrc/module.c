@@ -62,12 +62,14 @@ static PyMethodDef methods[] = {
     {"add_u64", ucm_add_u64, METH_VARARGS, "add_u64(buf, offset, value): an atomic add to an aligned u64."},
     {"encode_batch", ucm_encode_batch, METH_VARARGS, ucm_encode_batch_doc},
     {"copy_pairs", (PyCFunction)(void (*)(void))ucm_copy_pairs, METH_VARARGS | METH_KEYWORDS, ucm_copy_pairs_doc},
+    {"copy_spans", (PyCFunction)(void (*)(void))ucm_copy_spans, METH_VARARGS | METH_KEYWORDS, ucm_copy_spans_doc},
 #ifdef UCM_HAVE_XXHASH
     {"xxh3_64", ucm_xxh3_64, METH_VARARGS, ucm_xxh3_64_doc},
     {"xxh3_64_many", ucm_xxh3_64_many, METH_VARARGS, ucm_xxh3_64_many_doc},
 #endif
     {"index_keys", ucm_index_keys, METH_VARARGS, ucm_index_keys_doc},
     {"index_fill", ucm_index_fill, METH_VARARGS, ucm_index_fill_doc},
+    {"block_keys", ucm_block_keys, METH_VARARGS, ucm_block_keys_doc},
     {"layout", layout, METH_NOARGS, "The layout constants this module was built with."},
     {"monotonic_ns", monotonic, METH_NOARGS, "CLOCK_MONOTONIC in nanoseconds (what T_VALID_UNTIL counts)."},
     {NULL, NULL, 0, NULL},

@@ -25,14 +25,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
+import numpy as np
+
 from ucm_protocol.errors import ConfigError
+from ucm_protocol.keys import KEY_BYTES, BlockKey, Namespace
 from ucm_protocol.keys import NAMESPACE_BYTES as _NS
-from ucm_protocol.keys import BlockKey, Namespace
 from ucm_protocol.settings import load_fields
 from ucm_protocol.states import BlockState
 from ucm_server.store.copying import IoVec
 from ucm_server.store.watch import IndexWatch, removed_many
 
+_KEY = _NS + KEY_BYTES
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -90,6 +93,21 @@ class TierStats:
         return self.hits / total if total else 0.0
 
 
+ARRAY_KEYS = 64
+"""A batch of at least this many keys is cut into namespace and digest as an array."""
+
+
+def _digests_of_one_namespace(keys: list[BlockKey]) -> list[bytes] | None:
+    """Each key's digest, where every key is ``namespace + digest`` of one namespace; else None."""
+    rows = np.frombuffer(b"".join(keys), dtype=np.uint8)
+    if rows.size != len(keys) * _KEY:
+        return None
+    rows = rows.reshape(len(keys), _KEY)
+    if not (rows[:, :_NS] == rows[0, :_NS]).all():
+        return None
+    return rows[:, _NS:].copy().view(f"V{_KEY - _NS}").ravel().tolist()  # void: keeps trailing zeros
+
+
 class SizeIndex:
     """Block sizes by namespace, then digest: what local tiers answer lookups from.
 
@@ -107,10 +125,16 @@ class SizeIndex:
         """Told of every change (:mod:`ucm_server.store.watch`): KV events."""
 
     def add_many(self, keys: list[BlockKey], sizes: list[int]) -> None:
-        """Hold ``keys`` at ``sizes``; the watcher hears of the batch in one ``stored_many`` call."""
+        """Hold ``keys`` at ``sizes``; the watcher hears of the batch in one ``stored_many`` call.
+        A batch of one namespace (a Dump's chunk) is cut into digests by one array operation and
+        put in its map by one ``update`` (a slice, a ``setdefault`` and a store a key before)."""
         by_ns = self._by_ns
-        for key, size in zip(keys, sizes, strict=True):
-            by_ns.setdefault(key[:_NS], {})[key[_NS:]] = size
+        digests = _digests_of_one_namespace(keys) if len(keys) >= ARRAY_KEYS else None
+        if digests is not None and len(sizes) == len(keys):
+            by_ns.setdefault(keys[0][:_NS], {}).update(zip(digests, sizes, strict=True))
+        else:
+            for key, size in zip(keys, sizes, strict=True):
+                by_ns.setdefault(key[:_NS], {})[key[_NS:]] = size
         if self.watch is not None and keys:
             self.watch.stored_many(keys)
 
@@ -124,6 +148,14 @@ class SizeIndex:
                 digests.pop(key[_NS:], None)
                 if not digests:
                     del by_ns[ns]
+        if self.watch is not None and keys:
+            removed_many(self.watch, keys)
+
+    def replacing(self, keys: list[BlockKey]) -> None:
+        """``keys`` are held now and :meth:`add_many` holds each of them again next, at its new
+        version's size: the watcher hears now that the old versions are gone, as
+        :meth:`discard_many` would tell it, and the index's entries are left for ``add_many`` to
+        overwrite (a dump replacing its blocks paid to take each one out and put it back)."""
         if self.watch is not None and keys:
             removed_many(self.watch, keys)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from ucm_server.store.base import (
 )
 from ucm_server.store.copying import IoVec, copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
+from ucm_server.store.spans import SpanItems, copy_spans, keys_of
 from ucm_server.store.watch import IndexWatch
 
 INLINE_COPY_BYTES = 512 << 10
@@ -66,7 +66,9 @@ class CacheSettings:
 class _Entry:
     key: BlockKey
     size: int
-    extents: list[Extent]
+    extents: Sequence[Extent]
+    """The block's pages (a tuple for the usual block of one run: it leaves the garbage collector's
+    sight, with the tuples in it, where a list stays in it for as long as the block is cached)."""
     stored_at: float
     leases: int = 0
     unlinked: bool = False  # replaced or deleted while leased: free pages when leases reach 0
@@ -151,7 +153,8 @@ class CacheTier(Tier):
         self.arena = Arena(capacity, page_size)
         self.policy: EvictionPolicy = make_policy(eviction, self.arena.capacity)
         self._prefault = prefault
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._index: dict[BlockKey, _Entry] = {}
+        """Every block held, by key (a plain dict: the policy keeps the order of use)."""
         self._sizes = SizeIndex()
         self._executor = executor
         self._stats = TierStats(name=name, kind=self.kind, capacity_bytes=self.arena.capacity)
@@ -198,14 +201,57 @@ class CacheTier(Tier):
         return (await self.write_many([(key, src)]))[0]
 
     async def read_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
-        """All copies of the batch in one executor hop (a hop costs more than a small copy)."""
+        """All copies of the batch in one executor hop (a hop costs more than a small copy); a span
+        batch (:class:`~ucm_server.store.spans.SpanItems`) as one copy by offsets, no view made."""
+        if isinstance(items, SpanItems):
+            return await self._read_spans(items)
         results, held, pairs = self._hold_reads(items)
         try:
             if pairs:
                 await self._copy(pairs, sum(entry.size for _, entry in held))
         finally:
             self._unlease_many([entry for _, entry in held])
-        return self._count_reads(results, held)
+        return self._counted(results, held)
+
+    async def _read_spans(self, items: SpanItems) -> list[BlockResult]:
+        """:meth:`read_many` of a span batch: each block found at the span's length leased, then the
+        arena's pages copied to the spans in one :func:`copy_spans` call."""
+        results: list[BlockResult] = [MISSING] * len(items)
+        held: list[_Entry] = []
+        places: list[int] = []
+        starts: list[int] = []
+        """Where each held block's first page is in the arena."""
+        scattered = False
+        index, page = self._index, self.arena.page_size
+        get = index.get
+        for i, (key, want) in enumerate(zip(items.keys, items.lengths, strict=True)):
+            entry = get(key)
+            if entry is None:
+                self._stats.misses += 1
+                continue
+            if want != entry.size:
+                results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+                continue
+            entry.leases += 1
+            held.append(entry)
+            places.append(i)
+            extents = entry.extents
+            scattered = scattered or len(extents) > 1
+            starts.append(extents[0][0] * page)
+        found = items.keys if len(held) == len(items) else [key for key in items.keys if key in index]
+        self.policy.touched_many(found)  # every block found is a use, read or not
+        try:
+            if held:
+                every = len(held) == len(items)
+                at = items.offsets if every else [items.offsets[i] for i in places]
+                lengths = items.lengths if every else [items.lengths[i] for i in places]
+                if scattered:
+                    starts, at, lengths = self._scattered_spans(held, at)
+                await self._copy_spans(items.view, at, self.arena.memory, starts, lengths)
+        finally:
+            self._unlease_many(held)
+        every = len(held) == len(items)
+        return self._count_reads(results, places, sum(items.lengths if every else (e.size for e in held)))
 
     async def read_in_order(
         self, items: Sequence[tuple[BlockKey, IoVec]], report: Callable[[int], None]
@@ -224,7 +270,7 @@ class CacheTier(Tier):
                 await asyncio.get_running_loop().run_in_executor(self._executor, copy_in_order, pairs, report)
         finally:
             self._unlease_many([entry for _, entry in held])
-        return self._count_reads(results, held)
+        return self._counted(results, held)
 
     def _hold_reads(
         self, items: Sequence[tuple[BlockKey, IoVec]]
@@ -251,37 +297,48 @@ class CacheTier(Tier):
             pairs.append((dest, hold(entry)))
         return results, held, pairs
 
-    def _count_reads(self, results: list[BlockResult], held: list[tuple[int, _Entry]]) -> list[BlockResult]:
-        """The copied blocks are read: OK, and counted as hits; returns ``results``."""
-        if len(held) == len(results):  # the usual batch: every block read
+    def _counted(self, results: list[BlockResult], held: list[tuple[int, _Entry]]) -> list[BlockResult]:
+        """:meth:`_count_reads` of the blocks ``held`` as ``(place, entry)``."""
+        return self._count_reads(results, [i for i, _ in held], sum(entry.size for _, entry in held))
+
+    def _count_reads(self, results: list[BlockResult], places: list[int], nbytes: int) -> list[BlockResult]:
+        """The blocks copied (at ``places`` of the batch, ``nbytes`` in all) are read: OK, and
+        counted as hits; returns ``results``."""
+        if len(places) == len(results):  # the usual batch: every block read
             results = [OK] * len(results)
         else:
-            for i, _ in held:
+            for i in places:
                 results[i] = OK
-        self._stats.hits += len(held)
-        self._stats.read_bytes += sum(entry.size for _, entry in held)
+        self._stats.hits += len(places)
+        self._stats.read_bytes += nbytes
         return results
 
     async def write_many(self, items: Sequence[tuple[BlockKey, IoVec]]) -> list[BlockResult]:
         """Pages for every block, one copy of the batch, then every block published in order. The
         per-block steps are spelled out here (a 64 KiB block's bookkeeping cost as much as a third of
-        its copy when it went through a method call per step)."""
+        its copy when it went through a method call per step). A span batch
+        (:class:`~ucm_server.store.spans.SpanItems`) is copied by offsets, no view made a block."""
+        spans = items if isinstance(items, SpanItems) else None
+        keys = keys_of(items)
+        if spans is not None:
+            sizes = spans.lengths
+        else:
+            sizes = [src[0].nbytes if len(src) == 1 else iov_len(src) for _, src in items]
         results: list[BlockResult] = [OK] * len(items)
         staged: list[_Entry] = []
-        pairs: list[tuple[IoVec, IoVec]] = []
+        refused: list[int] = []
+        starts: list[int] = []
+        """Where each staged block's first page is in the arena."""
+        scattered = False
         now = time.time()  # one clock read per batch
         arena = self.arena
-        page, memory, free = arena.page_size, arena.memory, arena.free_list
-        nbytes = 0
-        sizes = [src[0].nbytes if len(src) == 1 else iov_len(src) for _, src in items]
+        page, free = arena.page_size, arena.free_list
         self.make_room(sizes)
-        for i, (key, src) in enumerate(items):
+        for i, key in enumerate(keys):
             size = sizes[i]
             if size <= page and free:  # one page, free: the usual small block
                 first = free.pop()
-                extents = [Extent(first, 1)]
-                at = first * page
-                dest: IoVec = [memory[at : at + size]]
+                extents: Sequence[Extent] = ((first, 1),)
             else:
                 got = self._allocate(size)
                 if got is None:
@@ -290,20 +347,35 @@ class CacheTier(Tier):
                         f"and every cached block is in use or pinned"
                     )
                     self._rejected += 1  # not an I/O error: the pipeline writes such blocks further down
+                    refused.append(i)
                     continue
-                extents, dest = got, arena.views(got, size)
-            entry = _Entry(key, size, extents, now, 1)  # leased: not evictable while being filled
-            staged.append(entry)
-            pairs.append((dest, src))
-            nbytes += size
+                extents = got
+                first = got[0][0]
+                scattered = scattered or len(got) > 1
+            staged.append(_Entry(key, size, extents, now, 1))  # leased: not evictable while being filled
+            starts.append(first * page)
+        gone = set(refused)
+        taken = [i for i in range(len(items)) if i not in gone] if refused else range(len(items))
+        nbytes = sum(entry.size for entry in staged) if refused else sum(sizes)
         try:
-            if staged:
+            if spans is not None and staged:
+                at = [spans.offsets[i] for i in taken] if refused else spans.offsets
+                lengths = [sizes[i] for i in taken] if refused else sizes
+                if scattered:
+                    starts, at, lengths = self._scattered_spans(staged, at)
+                await self._copy_spans(arena.memory, starts, spans.view, at, lengths)
+            elif staged:
+                views = arena.views
+                pairs = [(views(e.extents, e.size), items[i][1]) for e, i in zip(staged, taken, strict=True)]
                 await self._copy(pairs, nbytes)
         except BaseException:
             for entry in staged:
                 arena.free(entry.extents)
             raise
-        self._publish_many(staged)
+        if refused or not isinstance(keys, list):
+            self._publish_many(staged)
+        else:
+            self._publish_many(staged, keys, sizes)
         self._stats.write_bytes += nbytes
         return results
 
@@ -380,7 +452,7 @@ class CacheTier(Tier):
         entry.leases += 1
         extents = entry.extents
         if len(extents) == 1:  # the usual block: one run of pages
-            at = extents[0].first * self.arena.page_size
+            at = extents[0][0] * self.arena.page_size
             return [self.arena.memory[at : at + entry.size]]
         return self.arena.views(extents, entry.size)
 
@@ -463,41 +535,48 @@ class CacheTier(Tier):
             self.arena.free(entry.extents)
 
     # -- internals ------------------------------------------------------------------------------------
-    def _publish_many(self, entries: Sequence[_Entry]) -> None:
+    def _publish_many(
+        self, entries: Sequence[_Entry], keys: list[BlockKey] | None = None, sizes: list[int] | None = None
+    ) -> None:
         """Make filled entries visible to readers, in order, their fillers' leases ended; each one
-        replaces any older version of its key (:meth:`_unlink`, the policy hearing of it as a use).
+        replaces any older version of its key (:meth:`_drop`, the policy hearing of it as a use).
         The index and the policy change per block; the size index and its watchers hear of the
-        batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time)."""
-        index, inserted = self._index, self.policy.inserted
+        batch in one call (the blocks' bookkeeping was a third of a 64 KiB dump's time). ``keys``
+        and ``sizes``: the entries', where the caller has them as lists already."""
+        index, get = self._index, self._index.get
         replaced: list[_Entry] = []
         for entry in entries:
             key = entry.key
-            old = index.pop(key, None)
+            old = get(key)
             if old is not None:
                 replaced.append(old)
             entry.leases = 0
             index[key] = entry
-            inserted(key, entry.size)
+        if keys is None or sizes is None:
+            keys, sizes = [entry.key for entry in entries], [entry.size for entry in entries]
+        self.policy.inserted_many(keys, sizes)
         if replaced:
             self._drop(replaced, replaced=True)
-        self._sizes.add_many([entry.key for entry in entries], [entry.size for entry in entries])
+        self._sizes.add_many(keys, sizes)
 
-    def _unlink(self, key: BlockKey, *, evicted: bool = False, replaced: bool = False) -> bool:
-        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room,
-        ``replaced``: a new version follows (the policy hears of that as a use, not a removal)."""
+    def _unlink(self, key: BlockKey, *, evicted: bool = False) -> bool:
+        """Take ``key`` out of the index (its pages freed once unleased); ``evicted``: for room."""
         entry = self._index.pop(key, None)
         if entry is None:
             return False
-        self._drop([entry], evicted=evicted, replaced=replaced)
+        self._drop([entry], evicted=evicted)
         return True
 
     def _drop(self, entries: list[_Entry], *, evicted: bool = False, replaced: bool = False) -> None:
         """Entries just taken out of the index: the policy (unless ``replaced``) and the size index
-        hear of it, and each one's pages are freed, or once its last lease ends."""
-        if not replaced:
+        hear of it, and each one's pages are freed, or once its last lease ends. ``replaced``: the
+        new versions are published next (:meth:`_publish_many`), which sets their sizes."""
+        if replaced:
+            self._sizes.replacing([entry.key for entry in entries])
+        else:
             for entry in entries:
                 self.policy.removed(entry.key, evicted=evicted)
-        self._sizes.discard_many([entry.key for entry in entries])
+            self._sizes.discard_many([entry.key for entry in entries])
         free = self.arena.free
         for entry in entries:
             if entry.leases:
@@ -520,6 +599,10 @@ class CacheTier(Tier):
         write-back, a 16-block dump spent 2.5 ms of the event loop walking past them, block by block.
         The same blocks go, in the same order, as the batch's allocations would evict them."""
         most = self.arena.npages
+        if sizes and isinstance(sizes, list) and sizes.count(sizes[0]) == len(sizes):  # the usual batch
+            each = self.arena.pages_for(sizes[0])
+            self._evict_until_free(min(each * len(sizes) if each <= most else 0, most))
+            return
         need = [n for n in map(self.arena.pages_for, sizes) if n <= most]  # a larger one is refused
         self._evict_until_free(min(sum(need), most))
 
@@ -541,3 +624,33 @@ class CacheTier(Tier):
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, copy_all, pairs)
+
+    def _scattered_spans(
+        self, entries: list[_Entry], at: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Entry ``k``'s pages against the span starting at ``at[k]`` of a client buffer, as
+        ``(arena offsets, buffer offsets, lengths)``, one span a run of pages (blocks whose pages
+        are not one run: the usual block's span is the block's)."""
+        page = self.arena.page_size
+        pages: list[int] = []
+        runs: list[int] = []
+        lengths: list[int] = []
+        for entry, start in zip(entries, at, strict=True):
+            left = entry.size
+            for first, npages in entry.extents:
+                n = min(left, npages * page)
+                pages.append(first * page)
+                runs.append(start + entry.size - left)
+                lengths.append(n)
+                left -= n
+        return pages, runs, lengths
+
+    async def _copy_spans(
+        self, dst: memoryview, dst_at: list[int], src: memoryview, src_at: list[int], lengths: list[int]
+    ) -> None:
+        """:func:`copy_spans`, where :meth:`_copy` would copy the same bytes."""
+        if sum(lengths) <= INLINE_COPY_BYTES:
+            copy_spans(dst, dst_at, src, src_at, lengths)
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, copy_spans, dst, dst_at, src, src_at, lengths)

@@ -40,6 +40,7 @@ from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.leasing import Leasing, leasing_of
 from ucm_server.store.promotion import Promotions
 from ucm_server.store.shared_answers import SharedAnswers
+from ucm_server.store.spans import keys_of
 from ucm_server.store.staging import StagingPool, copy_and_clear, copy_pairs
 from ucm_server.store.write_stamps import WriteStamps
 from ucm_server.store.writeback import Backlog, Overflow, WriteBackFigures, WriteBackQueue
@@ -153,7 +154,14 @@ class Pipeline:
         await self.queue.drain()
 
     # -- lookups --------------------------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[BlockKey]) -> list[int | None]:
+    async def lookup(
+        self, keys: Sequence[BlockKey], digests: Sequence[bytes] | None = None
+    ) -> list[int | None]:
+        """Each key's size where stored, else None. ``digests``: the keys' digests, every key of one
+        namespace (keys :func:`~ucm_protocol.keys.make_keys` built): a local first tier is then
+        asked through its per-namespace map, no key cut in two (a Load's size check of 4,096 keys:
+        ~0.7 ms of slicing)."""
+
         def ask(tier: Tier, todo: list[int]) -> Awaitable[list[int | None]]:
             asked = [keys[i] for i in todo]
             return self.shared_answers.lookup(tier, asked) if tier.shared else tier.lookup(asked)
@@ -163,7 +171,10 @@ class Pipeline:
             return await self._fill([None] * len(keys), order, ask)
         # A local first tier is asked for the keys as they are: the usual all-hit batch (a Load's
         # size check) then costs its index's one pass, not four Python passes over the keys.
-        sizes = list(await order[0].lookup(keys))
+        if digests is not None and keys:
+            sizes = list(await order[0].lookup_digests(keys[0].namespace, digests))
+        else:
+            sizes = list(await order[0].lookup(keys))
         return await self._fill(sizes, order[1:], ask) if None in sizes else sizes
 
     async def lookup_digests(self, namespace: Namespace, digests: Sequence[bytes]) -> list[int | None]:
@@ -235,7 +246,7 @@ class Pipeline:
         ``report``: a Load's progress word; called only when the top tier copies the whole batch
         segment by segment from memory (``Leasing.read_in_order``), otherwise never."""
         if self.promotions.inflight:
-            await self.promotions.wait_for([k for k, _ in items])
+            await self.promotions.wait_for(keys_of(items))
         started = self.begin_read()
         try:
             got = None
@@ -246,7 +257,7 @@ class Pipeline:
         finally:
             self.end_read(started)
         if self.admission is not None:  # the blocks read are used again (ucm_server.store.admitting)
-            self.admission.read([k for k, _ in items], got)
+            self.admission.read(list(keys_of(items)), got)
         return got
 
     def begin_read(self) -> int:
@@ -269,7 +280,7 @@ class Pipeline:
         for depth, tier in enumerate(self.tiers):
             if not todo:
                 break
-            batch = [items[i] for i in todo]
+            batch = items if len(todo) == len(items) else [items[i] for i in todo]  # a span batch kept
             if owned or (depth == 0 and self.leasing is not None):  # no checksum over client memory
                 got = await tier.read_many(batch)
             else:
@@ -296,7 +307,7 @@ class Pipeline:
         return results
 
     async def _read_staged(
-        self, depth: int, batch: list[tuple[BlockKey, IoVec]], started: int
+        self, depth: int, batch: Sequence[tuple[BlockKey, IoVec]], started: int
     ) -> list[BlockResult]:
         """Read ``batch`` from the tier at ``depth`` through daemon memory, promoting as it goes.
         From the top tier nothing is promoted: the whole batch goes straight into the caller's
@@ -417,7 +428,7 @@ class Pipeline:
     async def _write_many(
         self, items: Sequence[tuple[BlockKey, IoVec]], durable: bool, owned: bool
     ) -> list[BlockResult]:
-        self._stamp(k for k, _ in items)
+        self._stamp(keys_of(items))
         if len(self.tiers) == 1:
             return await self.top.write_many(items)
         # Room in the write-back backlog first (backpressure), so the Cache never fills with blocks

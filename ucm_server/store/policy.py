@@ -20,8 +20,9 @@ Two policies are built in (:data:`POLICIES`):
 from __future__ import annotations
 
 import abc
+import collections
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 
 from ucm_protocol.errors import ConfigError
@@ -42,6 +43,16 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def touched(self, key: bytes) -> None:
         """A stored block was read."""
+
+    def inserted_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """:meth:`inserted` for each key of a batch, in order."""
+        for key, size in zip(keys, sizes, strict=True):
+            self.inserted(key, size)
+
+    def touched_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touched` for each key of a batch, in order."""
+        for key in keys:
+            self.touched(key)
 
     @abc.abstractmethod
     def removed(self, key: bytes, *, evicted: bool) -> None:
@@ -72,6 +83,23 @@ class LRUPolicy(EvictionPolicy):
     def touched(self, key: bytes) -> None:
         if key in self._od:
             self._od.move_to_end(key)
+
+    def inserted_many(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """Two C-level passes for the batch (a stored 64 KiB block paid a method call here per key):
+        every size set (a new key goes to the end), then every key moved to the end in order, so
+        a key stored twice ends where its last store puts it, as one call per key would leave it."""
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys for {len(sizes)} sizes")
+        od = self._od
+        od.update(zip(keys, sizes, strict=True))
+        collections.deque(map(od.move_to_end, keys), maxlen=0)
+
+    def touched_many(self, keys: Sequence[bytes]) -> None:
+        """Every key held (the usual read): one C-level pass; else key by key."""
+        try:
+            collections.deque(map(self._od.move_to_end, keys), maxlen=0)
+        except KeyError:  # one not held: the keys before it moved already, moving them again is harmless
+            super().touched_many(keys)
 
     def removed(self, key: bytes, *, evicted: bool) -> None:
         self._od.pop(key, None)
