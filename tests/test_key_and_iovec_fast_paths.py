@@ -55,6 +55,20 @@ def test_make_keys_of_packed_digests_builds_the_same_block_keys_in_one_call() ->
         make_keys(ns[:15], PackedDigests(b"".join(digests)))
 
 
+def test_make_keys_of_packed_digests_without_the_compiled_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the compiled builder does not serve (no helper, or a Python whose ``bytes`` layout it
+    does not know: 3.14 on), packed digests take the Python path to the same keys."""
+    import ucm_protocol.keys as keys_module
+
+    monkeypatch.setattr(keys_module, "_KEYS_IN_C", False)
+    ns = os.urandom(16)
+    digests = [os.urandom(32), bytes(32)]
+    keys = make_keys(ns, PackedDigests(b"".join(digests)))
+    assert keys == [BlockKey(ns, d) for d in digests] and all(type(k) is BlockKey for k in keys)
+    with pytest.raises(InvalidArgument, match="namespace must be 16 bytes, got 15"):
+        make_keys(ns[:15], PackedDigests(b"".join(digests)))
+
+
 @needs_native
 def test_the_compiled_key_builder_refuses_what_it_cannot_build() -> None:
     class WithDict(bytes):

@@ -8,6 +8,7 @@ wrong size is caught at the edge, with the offending index named.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from itertools import repeat
 from typing import NewType, overload
@@ -79,10 +80,15 @@ def check_digest(value: bytes, index: int | None = None) -> Digest:
     return Digest(bytes(value))
 
 
+_KEYS_IN_C = native is not None and sys.version_info < (3, 14)
+"""Whether :func:`make_keys` makes packed keys in the compiled helper: it writes a ``bytes`` object's
+fields the way CPython 3.11-3.13 lays them out, and refuses on a later Python (the Python path then)."""
+
+
 def make_keys(namespace: bytes, digests: Sequence[bytes]) -> list[BlockKey]:
     """Validate a batch of digests under one namespace, naming the first bad index."""
     ns = check_namespace(namespace)
-    if native is not None and isinstance(digests, PackedDigests):  # whole digests by construction
+    if _KEYS_IN_C and isinstance(digests, PackedDigests):  # whole digests by construction
         # one object a key, made in C (4,096 keys: ~0.8 ms the Python way, every Dump and Load)
         return native.block_keys(BlockKey, ns, digests.packed)
     check_digests(digests)
