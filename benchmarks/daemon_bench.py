@@ -42,10 +42,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest, namespace_id
 from ucm_client.arguments import lookup_request
-from ucm_protocol.native import native
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
 from ucm_protocol.ucm.v1 import ucm_pb2_grpc as rpc
-from ucm_server.store.copying import SPLIT_COPY_BYTES, STREAM_COPY_BYTES
+from ucm_server.store.copying import copy_all
 from ucm_server.testing.daemon import DaemonProcess
 
 NS = namespace_id(bench="daemon")
@@ -154,25 +153,18 @@ def _load_rounds(
 
 def _copy_rounds(n: int, size: int, rounds: int, start: Any, results: Any) -> None:
     """One process copying ``n`` blocks of ``size`` bytes between two warm buffers ``rounds`` times
-    once ``start`` opens, with the daemon's own copy routine and settings where the compiled helper is
-    built (split over two threads, non-temporal stores past the cache), numpy's copy otherwise: what
-    a process's copies get while another does the same."""
+    once ``start`` opens, with the daemon's own copy routine (:func:`copy_all`: split over two threads,
+    non-temporal stores past the cache): what a process's copies get while another does the same."""
     a = np.random.default_rng(2).integers(0, 255, n * size, dtype=np.uint8)
     b = np.empty_like(a)
     src, dst = a.data, b.data
     pairs = [([dst[i * size : (i + 1) * size]], [src[i * size : (i + 1) * size]]) for i in range(n)]
 
-    def copy() -> None:
-        if native is None:
-            np.copyto(b, a)
-            return
-        native.copy_pairs(pairs, split_bytes=SPLIT_COPY_BYTES, stream_bytes=STREAM_COPY_BYTES)
-
-    copy()
+    copy_all(pairs)
     start.wait()
     t0 = time.perf_counter()
     for _ in range(rounds):
-        copy()
+        copy_all(pairs)
     results.put(time.perf_counter() - t0)
 
 
@@ -195,8 +187,7 @@ def two_clients(
 ) -> dict[str, float]:
     """Aggregate Load throughput of two client processes at once, and of one alone (alternating);
     and, as the ceiling, of one and two processes copying the same bytes with the daemon's own copy
-    routine: where one client's Load already fills the memory bandwidth (its copy runs on two
-    threads), two clients cannot add more than two such processes get."""
+    routine: two clients cannot add more than two such processes get on the same machine."""
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no gRPC state forked
     cache = max(2 * n * size + (64 << 20), 256 << 20)
     args = ["--cache-capacity", str(cache), "--store-pipeline", "Cache"]

@@ -70,23 +70,26 @@ def copy_all(pairs: Sequence[tuple[IoVec, IoVec]]) -> None:
     # Background work (a dump's copy): pieces of about SPLIT_COPY_BYTES, held between them while
     # loads run (:func:`~ucm_server.store.io_classes.yield_to_loads`), each copied the way the
     # whole batch would be (past the cache when the batch is large enough), with or without the helper.
-    pieces: list[list[tuple[IoVec, IoVec]]] = []
-    piece: list[tuple[IoVec, IoVec]] = []
-    filled = total = 0
-    for pair in pairs:
-        piece.append(pair)
-        n = iov_len(pair[0])
-        filled += n
-        total += n
-        if filled >= SPLIT_COPY_BYTES:
-            pieces.append(piece)
-            piece, filled = [], 0
-    if piece:
-        pieces.append(piece)
-    stream = 1 if total >= STREAM_COPY_BYTES else 0
-    for piece in pieces:
+    sizes = [iov_len(dst) for dst, _ in pairs]
+    stream = 1 if sum(sizes) >= STREAM_COPY_BYTES else 0
+    for start, stop in byte_pieces(sizes, SPLIT_COPY_BYTES):
         yield_to_loads()
-        _copy_batch(piece, stream)
+        _copy_batch(pairs[start:stop], stream)
+
+
+def byte_pieces(sizes: Sequence[int], most: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive runs of ``sizes``, each ending at the item that brings it
+    to ``most`` bytes (the last run less): the pieces a background copy is held between."""
+    bounds: list[tuple[int, int]] = []
+    start = filled = 0
+    for i, n in enumerate(sizes):
+        filled += n
+        if filled >= most:
+            bounds.append((start, i + 1))
+            start, filled = i + 1, 0
+    if start < len(sizes):
+        bounds.append((start, len(sizes)))
+    return bounds
 
 
 def _copy_batch(pairs: Sequence[tuple[IoVec, IoVec]], stream_bytes: int) -> None:

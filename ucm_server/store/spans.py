@@ -15,14 +15,12 @@ here without it), whatever checked it before: one bad span refuses the batch wit
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import overload
 
 from ucm_protocol.keys import BlockKey
 from ucm_protocol.native import native
-from ucm_server.store.copying import SPLIT_COPY_BYTES, STREAM_COPY_BYTES, IoVec
+from ucm_server.store.copying import SPLIT_COPY_BYTES, STREAM_COPY_BYTES, IoVec, byte_pieces
 from ucm_server.store.io_classes import may_yield, yield_to_loads
 
 SPLIT_MIN_BLOCK_BYTES = 256 << 10
@@ -79,18 +77,11 @@ def copy_spans(
     if not may_yield():
         _copy(dst, dst_offsets, src, src_offsets, lengths, STREAM_COPY_BYTES)
         return
-    ends = list(itertools.accumulate(lengths))
-    total = ends[-1] if ends else 0
     _check(dst, dst_offsets, src, src_offsets, lengths)  # the whole batch, before its first piece
-    stream = 1 if total >= STREAM_COPY_BYTES else 0
-    start = 0
-    while start < len(lengths):
-        # the piece ends at the span that brings it to SPLIT_COPY_BYTES
-        done = ends[start - 1] if start else 0
-        stop = min(bisect.bisect_left(ends, done + SPLIT_COPY_BYTES) + 1, len(lengths))
+    stream = 1 if sum(lengths) >= STREAM_COPY_BYTES else 0
+    for start, stop in byte_pieces(lengths, SPLIT_COPY_BYTES):
         yield_to_loads()
         _copy(dst, dst_offsets[start:stop], src, src_offsets[start:stop], lengths[start:stop], stream)
-        start = stop
 
 
 def _copy(
