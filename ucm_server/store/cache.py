@@ -240,9 +240,9 @@ class CacheTier(Tier):
             starts.append(extents[0][0] * page)
         found = items.keys if len(held) == len(items) else [key for key in items.keys if key in index]
         self.policy.touched_many(found)  # every block found is a use, read or not
+        every = len(held) == len(items)
         try:
             if held:
-                every = len(held) == len(items)
                 at = items.offsets if every else [items.offsets[i] for i in places]
                 lengths = items.lengths if every else [items.lengths[i] for i in places]
                 if scattered:
@@ -250,7 +250,6 @@ class CacheTier(Tier):
                 await self._copy_spans(items.view, at, self.arena.memory, starts, lengths)
         finally:
             self._unlease_many(held)
-        every = len(held) == len(items)
         return self._count_reads(results, places, sum(items.lengths if every else (e.size for e in held)))
 
     async def read_in_order(
