@@ -244,6 +244,8 @@ class PosixTier(Tier):
         read in executor jobs of many blocks (:meth:`_fetch`), answered (:meth:`_answer`). A block
         stored again or deleted while it was read is read again from where it is now.
         ``checked``: straight into the caller's memory, None where the bytes there did not match."""
+        if not isinstance(items, list):  # a span batch makes its pairs on demand: once each here,
+            items = list(items)  # not once per look (index, pack grouping, answer)
         results: list[BlockResult | None] = [MISSING] * len(items)
         todo: Sequence[int] = range(len(items))
         while todo:
