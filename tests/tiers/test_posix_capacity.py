@@ -29,20 +29,29 @@ CAPACITY = CAPACITY_BLOCKS * SIZE
 
 
 class HeldBytes:
-    """Samples the Posix tier's held bytes from its own client until stopped; the peak seen."""
+    """Samples the Posix tier's held bytes from its own client until stopped; the peak seen.
+
+    Sampling has started when the ``with`` block is entered (connecting a client can take longer
+    than a small dump on a loaded machine), and one last sample is taken after it is stopped."""
 
     def __init__(self, d: DaemonProcess) -> None:
         self.samples: list[int] = []
         self._stop = threading.Event()
+        self._sampling = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(d,))
 
     def _run(self, d: DaemonProcess) -> None:
         with UcmClient(d.target) as c:
-            while not self._stop.is_set():
+            while True:
+                stopping = self._stop.is_set()
                 self.samples.append(tiers_by_name(c)["Posix"].bytes)
+                self._sampling.set()
+                if stopping:
+                    return
 
     def __enter__(self) -> HeldBytes:
         self._thread.start()
+        assert self._sampling.wait(30), "the sampling client did not connect"
         return self
 
     def __exit__(self, *exc: object) -> None:
