@@ -243,11 +243,21 @@ def table(
     rounds = "; ".join(
         f"{n + 1}: {round_figures(idle, n)} idle, {round_figures(busy, n)} busy" for n in range(spec.rounds)
     )
+    cuts = [slice(n * per_round, (n + 1) * per_round) for n in range(spec.rounds)]
+    paired = [
+        statistics.median(busy.seconds[cut]) / statistics.median(idle.seconds[cut])
+        for cut in cuts
+        if idle.seconds[cut] and busy.seconds[cut]
+    ]
     gib = bg.stored_blocks * spec.block_size / 2**30
     rows += [
         "",
         f"Per round, p50/max ms (a round whose idle probes are slow too, the disk slowed by what came "
         f"before, lifts both phases' tails alike): {rounds}.",
+        "",
+        f"Each round's busy p50 ÷ its own idle p50 (a pairing that a slow stretch of the disk, lasting "
+        f"seconds, cannot put on one phase only): median {statistics.median(paired):.2f}× "
+        f"({', '.join(f'{x:.2f}' for x in paired)}).",
         "",
         f"Background work in the busy phases ({bg.busy_s:.0f} s): the dumpers stored {gib:.1f} GiB "
         f"({bg.stored_blocks * spec.block_size / 2**20 / bg.busy_s:.0f} MiB/s, mean dump "
