@@ -18,6 +18,7 @@ from ucm_client import BlockIO, Segment, SharedBuffer, UcmClient, key_digest
 from ucm_client.errors import InvalidArgument
 from ucm_client.load_progress import LOAD_PROGRESS_DONE, ProgressWords
 from ucm_protocol.ucm.v1 import ucm_pb2 as pb
+from ucm_server.store import copying
 from ucm_server.store.copying import copy_in_order
 from ucm_server.testing.daemon import DaemonProcess
 
@@ -150,10 +151,21 @@ def test_a_bad_word_is_refused_naming_what_is_wrong(
         assert done == (length == 8 and offset % 8 == 0 and offset + 8 <= buf.size)
 
 
-def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k() -> None:
+@pytest.mark.parametrize("helper", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("scale", [1, 1024], ids=["small", "streamed"])
+def test_copy_in_order_copies_segment_k_of_every_block_before_reporting_k(
+    helper: bool, scale: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The daemon's ordered copy: at ``report(k)`` segments ``< k`` of every block are in place and
-    no segment ``>= k`` has been touched (blocks of unequal segment counts, split sources)."""
-    shapes = [[3000, 0, 7000], [100, 200], [4096] * 5]  # an empty segment too
+    no segment ``>= k`` has been touched (blocks of unequal segment counts, split sources). With the
+    compiled helper and without it; and at 1024 times the size, past ``STREAM_COPY_BYTES``, where
+    the helper copies with non-temporal stores."""
+    if helper and copying.native is None:
+        pytest.skip("the compiled helper is not built here (setup.py build_ext)")
+    if not helper:
+        monkeypatch.setattr(copying, "native", None)
+    shapes = [[n * scale for n in block] for block in [[3000, 0, 7000], [100, 200], [4096] * 5]]
+    assert (sum(map(sum, shapes)) >= copying.STREAM_COPY_BYTES) == (scale > 1)
     src_blocks = [[bytearray(os.urandom(n)) for n in block] for block in shapes]
     dst_blocks = [[bytearray(n) for n in block] for block in shapes]
     pairs = []
