@@ -497,7 +497,12 @@ def main() -> None:
     )
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3, help="prompts (each timed cold once)")
-    parser.add_argument("--hit-rounds", type=int, default=3, help="own-hit/warm-hit rounds of every prompt")
+    parser.add_argument(
+        "--hit-rounds",
+        type=int,
+        default=8,
+        help="own-hit/warm-hit rounds of every prompt (pairs are cheap: more of them steady the median)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating no-connector/connector processes")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--batch-tokens", type=int, default=512)
