@@ -18,6 +18,7 @@ mover it is. (The client side has the same shape: ``ucm_client.vllm.kv_access``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ucm_server.regions import (
     single_segment_batch,
 )
 from ucm_server.store.base import BlockResult
+from ucm_server.store.copy_lane import lane_for_task
 from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.pipeline import Pipeline
 from ucm_server.tasks import Task, TaskKind
@@ -215,8 +217,11 @@ class HostMover:
 
         in_order = len(bounds) > 1 and task.kind is TaskKind.DUMP and len(set(keys)) != len(keys)
         tail = bounds[-1:] if word is not None else []
-        await overlapped(task, move, bounds[: len(bounds) - len(tail)], 1 if in_order else CHUNKS_IN_FLIGHT)
-        await overlapped(task, move, tail, 1)
+        width = 1 if in_order else CHUNKS_IN_FLIGHT
+        lane = lane_for_task() if task.kind is TaskKind.DUMP else contextlib.nullcontext()
+        with lane:  # a Dump's copies one after another in one worker (:mod:`~ucm_server.store.copy_lane`)
+            await overlapped(task, move, bounds[: len(bounds) - len(tail)], width)
+            await overlapped(task, move, tail, 1)
 
 
 CHUNKS_IN_FLIGHT = 2

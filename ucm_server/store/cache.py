@@ -38,6 +38,7 @@ from ucm_server.store.base import (
     failed,
     load_tier_settings,
 )
+from ucm_server.store.copy_lane import run_copy
 from ucm_server.store.copying import IoVec, copy_all, copy_in_order, iov_len
 from ucm_server.store.policy import EvictionPolicy, make_policy
 from ucm_server.store.spans import SpanItems, copy_spans, keys_of
@@ -621,8 +622,7 @@ class CacheTier(Tier):
         if nbytes <= INLINE_COPY_BYTES:
             copy_all(pairs)
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, copy_all, pairs)
+        await run_copy(self._executor, copy_all, pairs)
 
     def _scattered_spans(
         self, entries: list[_Entry], at: list[int]
@@ -651,5 +651,4 @@ class CacheTier(Tier):
         if sum(lengths) <= INLINE_COPY_BYTES:
             copy_spans(dst, dst_at, src, src_at, lengths)
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, copy_spans, dst, dst_at, src, src_at, lengths)
+        await run_copy(self._executor, copy_spans, dst, dst_at, src, src_at, lengths)
