@@ -182,8 +182,8 @@ class HostMover:
             if batch is not None
             else host_iovecs(check_segments(columns, counts, found, self.max_block_bytes))
         )
-        if kind is TaskKind.LOAD:
-            check_disjoint(columns, counts)
+        if kind is TaskKind.LOAD and not (batch is not None and batch.ascending):
+            check_disjoint(columns, counts)  # spans in ascending order, one region: disjoint already
         if batch is not None:
             return HostPlan(used, batch.items, batch.lengths, word)
 
@@ -196,10 +196,12 @@ class HostMover:
         self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
     ) -> None:
         """The task's blocks a chunk at a time, two chunks in flight (:func:`overlapped`): the event
-        loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread. A
-        Load's progress word is reported by the last chunk only, started once every other chunk has
-        ended, as its counts then hold for every block of the task; a Dump naming a key twice runs
-        its chunks one after the other, so the later copy of the key is the one stored."""
+        loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread (a
+        Dump's copies one after another in the task's :class:`~ucm_server.store.copy_lane.CopyLane`,
+        a Load's each a job of its own). A Load's progress word is reported by the last chunk only,
+        started once every other chunk has ended, as its counts then hold for every block of the
+        task; a Dump naming a key twice runs its chunks one after the other, so the later copy of
+        the key is the one stored."""
         assert isinstance(plan, HostPlan)
         block_items, sizes, word = plan.items, plan.sizes, plan.word
         bounds = chunk_bounds(sizes)
