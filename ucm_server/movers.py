@@ -41,6 +41,7 @@ from ucm_server.store.base import BlockResult
 from ucm_server.store.copy_lane import lane_for_task
 from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.pipeline import Pipeline
+from ucm_server.store.spans import SPLIT_MIN_BLOCK_BYTES
 from ucm_server.tasks import Task, TaskKind
 
 T = TypeVar("T")
@@ -197,8 +198,9 @@ class HostMover:
     ) -> None:
         """The task's blocks a chunk at a time, two chunks in flight (:func:`overlapped`): the event
         loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread (a
-        Dump's copies one after another in the task's :class:`~ucm_server.store.copy_lane.CopyLane`,
-        a Load's each a job of its own). A Load's progress word is reported by the last chunk only,
+        Dump of small blocks copies one chunk after another in the task's
+        :class:`~ucm_server.store.copy_lane.CopyLane`; otherwise each chunk's copy is a job of its
+        own). A Load's progress word is reported by the last chunk only,
         started once every other chunk has ended, as its counts then hold for every block of the
         task; a Dump naming a key twice runs its chunks one after the other, so the later copy of
         the key is the one stored."""
@@ -220,7 +222,8 @@ class HostMover:
         in_order = len(bounds) > 1 and task.kind is TaskKind.DUMP and len(set(keys)) != len(keys)
         tail = bounds[-1:] if word is not None else []
         width = 1 if in_order else CHUNKS_IN_FLIGHT
-        lane = lane_for_task() if task.kind is TaskKind.DUMP else contextlib.nullcontext()
+        small = sum(sizes) < SPLIT_MIN_BLOCK_BYTES * len(sizes)  # copies not split over two threads
+        lane = lane_for_task() if task.kind is TaskKind.DUMP and small else contextlib.nullcontext()
         with lane:  # a Dump's copies one after another in one worker (:mod:`~ucm_server.store.copy_lane`)
             await overlapped(task, move, bounds[: len(bounds) - len(tail)], width)
             await overlapped(task, move, tail, 1)
