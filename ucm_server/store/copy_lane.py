@@ -11,10 +11,11 @@ running for 4.3 of the task's 25 ms.
 A :class:`CopyLane` instead queues the task's copies: one executor job drains the queue, copy after
 copy, handing each result back to the loop as it ends, while the loop keeps the queue fed with the
 next chunks. The job ends when the queue is empty, so no thread waits on a lane. Each task has its
-own lane (:func:`lane_for_task`): two clients' tasks still copy side by side. Measured in
-alternating runs, Dump of 4,096 x 64 KiB went from 0.61-0.75x to 0.63-0.83x of memcpy and of
-256 x 1 MiB from 0.72-0.83x to 0.78-0.92x; Loads, whose copies run at full priority, were slower
-in a lane (two copies at once get more of the memory bandwidth there), so they keep a job a chunk.
+own lane (:func:`lane_for_task`): two clients' tasks still copy side by side. Measured in eight
+alternating pairs, Dump of 4,096 x 64 KiB went from 0.66-0.74x to 0.69-0.85x of memcpy. Only a
+Dump of small blocks takes a lane (:meth:`ucm_server.movers.HostMover.run`): 1 MiB blocks' copies
+are split over two threads already, and in a lane their Dump fell from 1.07-1.19x to 0.92-0.99x;
+a Load's copies run at full priority, and two at once got more of the memory bandwidth than one.
 """
 
 from __future__ import annotations
