@@ -19,7 +19,14 @@ from support.dataplane import needs_native
 from ucm_protocol.errors import InvalidArgument
 from ucm_protocol.keys import BlockKey, PackedDigests, make_keys
 from ucm_protocol.native import native
-from ucm_server.regions import SegmentColumns, check_segments, host_iovecs, single_segment_iovecs
+from ucm_server.regions import (
+    SegmentColumns,
+    check_disjoint,
+    check_segments,
+    host_iovecs,
+    single_segment_batch,
+    single_segment_iovecs,
+)
 from ucm_server.store.copying import iov_len
 from ucm_server.store.format import CorruptBlock
 from ucm_server.store.posix.packs import Pack
@@ -130,6 +137,31 @@ def test_single_segment_iovecs_match_the_per_segment_checks() -> None:
         assert [[bytes(v) for v in iov] for iov in fast] == _plain_plan(columns, found, 1 << 20)
         fast[0][0][:3] = b"xyz"  # views into the region, not copies
         assert bytes(region.view[:3]) == b"xyz"
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths", "ascending", "overlap"),
+    [
+        ([0, 4096, 8192], [4096, 4096, 4096], True, False),  # back to back: the usual Load
+        ([0, 5000, 9000], [4096, 4000, 10], True, False),  # gaps between
+        ([0, 4095], [4096, 4096], False, True),  # one byte shared
+        ([0, 0], [4096, 4096], False, True),  # the same bytes twice
+        ([8192, 0], [4096, 4096], False, False),  # disjoint, but out of order: the sorting check decides
+    ],
+)
+def test_a_batch_in_ascending_disjoint_order_is_known_disjoint_and_no_other(
+    offsets: list[int], lengths: list[int], ascending: bool, overlap: bool
+) -> None:
+    """The flag that lets a Load skip :func:`check_disjoint` is set only where no two spans can
+    share a byte; every other batch is still sorted and checked (an overlap is then refused)."""
+    columns = SegmentColumns([], [7] * len(offsets), offsets, lengths)
+    batch = single_segment_batch(columns, {7: _Region(1 << 16)}, 1 << 20)
+    assert batch is not None and batch.ascending is ascending
+    if overlap:
+        with pytest.raises(InvalidArgument, match="overlap"):
+            check_disjoint(columns, [1] * len(offsets))
+    else:
+        check_disjoint(columns, [1] * len(offsets))
 
 
 @pytest.mark.parametrize(

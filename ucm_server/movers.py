@@ -18,6 +18,7 @@ mover it is. (The client side has the same shape: ``ucm_client.vllm.kv_access``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -37,8 +38,10 @@ from ucm_server.regions import (
     single_segment_batch,
 )
 from ucm_server.store.base import BlockResult
+from ucm_server.store.copy_lane import lane_for_task
 from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.pipeline import Pipeline
+from ucm_server.store.spans import SPLIT_MIN_BLOCK_BYTES
 from ucm_server.tasks import Task, TaskKind
 
 T = TypeVar("T")
@@ -180,8 +183,8 @@ class HostMover:
             if batch is not None
             else host_iovecs(check_segments(columns, counts, found, self.max_block_bytes))
         )
-        if kind is TaskKind.LOAD:
-            check_disjoint(columns, counts)
+        if kind is TaskKind.LOAD and not (batch is not None and batch.ascending):
+            check_disjoint(columns, counts)  # spans in ascending order, one region: disjoint already
         if batch is not None:
             return HostPlan(used, batch.items, batch.lengths, word)
 
@@ -194,10 +197,13 @@ class HostMover:
         self, task: Task, keys: Sequence[BlockKey], plan: Plan, durable: bool, settle: Settle
     ) -> None:
         """The task's blocks a chunk at a time, two chunks in flight (:func:`overlapped`): the event
-        loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread. A
-        Load's progress word is reported by the last chunk only, started once every other chunk has
-        ended, as its counts then hold for every block of the task; a Dump naming a key twice runs
-        its chunks one after the other, so the later copy of the key is the one stored."""
+        loop does one chunk's bookkeeping while the other's bytes are copied in a worker thread (a
+        Dump of small blocks copies one chunk after another in the task's
+        :class:`~ucm_server.store.copy_lane.CopyLane`; otherwise each chunk's copy is a job of its
+        own). A Load's progress word is reported by the last chunk only,
+        started once every other chunk has ended, as its counts then hold for every block of the
+        task; a Dump naming a key twice runs its chunks one after the other, so the later copy of
+        the key is the one stored."""
         assert isinstance(plan, HostPlan)
         block_items, sizes, word = plan.items, plan.sizes, plan.word
         bounds = chunk_bounds(sizes)
@@ -215,8 +221,12 @@ class HostMover:
 
         in_order = len(bounds) > 1 and task.kind is TaskKind.DUMP and len(set(keys)) != len(keys)
         tail = bounds[-1:] if word is not None else []
-        await overlapped(task, move, bounds[: len(bounds) - len(tail)], 1 if in_order else CHUNKS_IN_FLIGHT)
-        await overlapped(task, move, tail, 1)
+        width = 1 if in_order else CHUNKS_IN_FLIGHT
+        small = sum(sizes) < SPLIT_MIN_BLOCK_BYTES * len(sizes)  # copies not split over two threads
+        lane = lane_for_task() if task.kind is TaskKind.DUMP and small else contextlib.nullcontext()
+        with lane:  # a Dump's copies one after another in one worker (:mod:`~ucm_server.store.copy_lane`)
+            await overlapped(task, move, bounds[: len(bounds) - len(tail)], width)
+            await overlapped(task, move, tail, 1)
 
 
 CHUNKS_IN_FLIGHT = 2

@@ -498,10 +498,15 @@ class SingleSegmentBatch:
     chunk at a time (:meth:`items`) as span batches, offsets into the region's view with no view
     made a block (4,096 views cost ~1.5 ms of the event loop, and the Cache copies by offsets)."""
 
-    __slots__ = ("lengths", "offsets", "view")
+    __slots__ = ("ascending", "lengths", "offsets", "view")
 
-    def __init__(self, view: memoryview, offsets: list[int], lengths: list[int]) -> None:
+    def __init__(
+        self, view: memoryview, offsets: list[int], lengths: list[int], ascending: bool = False
+    ) -> None:
         self.view, self.offsets, self.lengths = view, offsets, lengths
+        self.ascending = ascending
+        """Each span starts at or past the end of the one before: no two overlap (a Load then
+        needs no :func:`check_disjoint`, which sorts the batch again from its lists)."""
 
     def items(self, keys: Sequence[BlockKey], start: int, stop: int) -> SpanItems:
         """Blocks ``start`` to ``stop`` of ``keys`` (the checks held for all of them)."""
@@ -543,9 +548,11 @@ def single_segment_batch(
     size = region.size
     if lengths.min() == 0 or lengths.max() > min(size, max_block_bytes) or offsets.max() > size:
         return None
-    if (offsets + lengths).max() > size:  # no wrap-around: both terms are at most the region's size
+    ends = offsets + lengths  # no wrap-around: both terms are at most the region's size
+    if ends.max() > size:
         return None
-    return SingleSegmentBatch(region.view, columns.offsets, columns.lengths)
+    ascending = bool((offsets[1:] >= ends[:-1]).all())
+    return SingleSegmentBatch(region.view, columns.offsets, columns.lengths, ascending)
 
 
 def check_segments(

@@ -209,6 +209,29 @@ def test_a_span_batch_read_names_each_block_it_cannot_serve() -> None:
     asyncio.run(main())
 
 
+def test_a_span_batch_of_held_blocks_naming_one_twice_reads_both_and_holds_none_after() -> None:
+    """The usual read (every block held at its length) leases each block once per place it is
+    named, copies every place, counts every one a hit, and gives every lease back: the block is
+    then replaced at once, its old pages freed."""
+
+    async def main() -> None:
+        t = CacheTier(capacity=1 << 22)
+        src = memoryview(bytearray(os.urandom(2 * 4096)))
+        a, b = _keys(2, 1)
+        await t.write_many(SpanItems([a, b], src, [0, 4096], [4096, 4096]))
+        dst = memoryview(bytearray(3 * 4096))
+        got = await t.read_many(SpanItems([a, b, a], dst, [0, 4096, 8192], [4096, 4096, 4096]))
+        assert [r.ok for r in got] == [True] * 3
+        assert bytes(dst) == bytes(src) + bytes(src[:4096])
+        assert not any(e.leases for e in t._index.values())
+        assert t.stats().hits == 3
+        free = t.arena.free_pages
+        await t.write_many(SpanItems([a], src, [4096], [4096]))  # replaced: the old page comes back
+        assert t.arena.free_pages == free
+
+    asyncio.run(main())
+
+
 def test_a_span_past_the_region_fails_the_batch_with_nothing_stored_or_held() -> None:
     """Were the request's checks ever wrong, the copy's own refuses the span: the Dump stores none of
     the batch and gives every page back, the Load copies nothing and holds no block."""
