@@ -220,42 +220,32 @@ class CacheTier(Tier):
         results: list[BlockResult] = [MISSING] * len(items)
         held: list[_Entry] = []
         places: list[int] = []
-        starts: list[int] = []
-        """Where each held block's first page is in the arena."""
-        scattered = False
         index, page = self._index, self.arena.page_size
-        get = index.get
         if len(items.keys) != len(items.lengths):
             raise ValueError(f"{len(items.keys)} keys for {len(items.lengths)} lengths")
-        entries = list(map(get, items.keys))
+        entries = list(map(index.get, items.keys))
         if all(entries) and [e.size for e in entries] == items.lengths:  # type: ignore[union-attr]
             # The usual batch, every block here at its size: a pass a step, no branch per block.
             held = entries  # type: ignore[assignment]  # no None in it
             places = list(range(len(held)))
-            for entry in held:
-                entry.leases += 1
-            runs = [entry.extents for entry in held]
-            scattered = any(len(extents) != 1 for extents in runs)
-            starts = [extents[0][0] * page for extents in runs]
         else:
-            for i, (found_entry, want) in enumerate(zip(entries, items.lengths, strict=True)):
-                if found_entry is None:
+            for i, (entry, want) in enumerate(zip(entries, items.lengths, strict=True)):
+                if entry is None:
                     self._stats.misses += 1
-                    continue
-                if want != found_entry.size:
-                    results[i] = failed(
-                        f"length mismatch: block is {found_entry.size} bytes, destination {want}"
-                    )
-                    continue
-                found_entry.leases += 1
-                held.append(found_entry)
-                places.append(i)
-                extents = found_entry.extents
-                scattered = scattered or len(extents) > 1
-                starts.append(extents[0][0] * page)
-        found = items.keys if len(held) == len(items) else [key for key in items.keys if key in index]
-        self.policy.touched_many(found)  # every block found is a use, read or not
+                elif want != entry.size:
+                    results[i] = failed(f"length mismatch: block is {entry.size} bytes, destination {want}")
+                else:
+                    held.append(entry)
+                    places.append(i)
+        for entry in held:
+            entry.leases += 1
+        runs = [entry.extents for entry in held]
+        scattered = any(len(extents) > 1 for extents in runs)
+        starts = [extents[0][0] * page for extents in runs]
+        """Where each held block's first page is in the arena."""
         every = len(held) == len(items)
+        found = items.keys if every else [key for key in items.keys if key in index]
+        self.policy.touched_many(found)  # every block found is a use, read or not
         try:
             if held:
                 at = items.offsets if every else [items.offsets[i] for i in places]
