@@ -41,7 +41,7 @@ from ucm_server.store.base import BlockResult
 from ucm_server.store.copy_lane import lane_for_task
 from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.pipeline import Pipeline
-from ucm_server.store.spans import SPLIT_MIN_BLOCK_BYTES
+from ucm_server.store.spans import split_over_threads
 from ucm_server.tasks import Task, TaskKind
 
 T = TypeVar("T")
@@ -222,7 +222,7 @@ class HostMover:
         in_order = len(bounds) > 1 and task.kind is TaskKind.DUMP and len(set(keys)) != len(keys)
         tail = bounds[-1:] if word is not None else []
         width = 1 if in_order else CHUNKS_IN_FLIGHT
-        small = sum(sizes) < SPLIT_MIN_BLOCK_BYTES * len(sizes)  # copies not split over two threads
+        small = bool(sizes) and not split_over_threads(sizes)  # copies on one thread each
         lane = lane_for_task() if task.kind is TaskKind.DUMP and small else contextlib.nullcontext()
         with lane:  # a Dump's copies one after another in one worker (:mod:`~ucm_server.store.copy_lane`)
             await overlapped(task, move, bounds[: len(bounds) - len(tail)], width)

@@ -31,6 +31,12 @@ blocks of 64 KiB, the daemon's other threads spent 10-14 us of CPU a block with 
 5-6 without, the loop the same, and Dump and Load ended no later without it."""
 
 
+def split_over_threads(lengths: Sequence[int]) -> bool:
+    """Whether a batch of blocks of ``lengths`` is copied by two threads: its blocks are
+    :data:`SPLIT_MIN_BLOCK_BYTES` or more on average."""
+    return bool(lengths) and sum(lengths) >= SPLIT_MIN_BLOCK_BYTES * len(lengths)
+
+
 class SpanItems(Sequence[tuple[BlockKey, IoVec]]):
     """Blocks ``keys[i]`` at ``lengths[i]`` bytes from ``offsets[i]`` of ``view`` (checked already
     against the region; :func:`copy_spans` checks them again)."""
@@ -93,14 +99,13 @@ def _copy(
     stream_bytes: int,
 ) -> None:
     if native is not None:
-        large = bool(lengths) and sum(lengths) >= SPLIT_MIN_BLOCK_BYTES * len(lengths)
         native.copy_spans(
             dst,
             dst_offsets,
             src,
             src_offsets,
             lengths,
-            split_bytes=SPLIT_COPY_BYTES if large else 0,
+            split_bytes=SPLIT_COPY_BYTES if split_over_threads(lengths) else 0,
             stream_bytes=stream_bytes,
         )
         return
