@@ -235,15 +235,16 @@ def table(
             f"{ph.p(50) / idle.p(50):.2f}× | {ph.p(99) / idle.p(99):.2f}× |"
         )
     per_round = max(len(idle.seconds) // spec.rounds, 1)
+    cuts = [slice(n * per_round, (n + 1) * per_round) for n in range(spec.rounds)]
+    """Each round's probes, the same places in both phases."""
 
     def round_figures(ph: Phase, n: int) -> str:
-        ms = [1000 * x for x in ph.seconds[n * per_round : (n + 1) * per_round]]
+        ms = [1000 * x for x in ph.seconds[cuts[n]]]
         return f"{statistics.median(ms):.0f}/{max(ms):.0f}" if ms else "-"
 
     rounds = "; ".join(
         f"{n + 1}: {round_figures(idle, n)} idle, {round_figures(busy, n)} busy" for n in range(spec.rounds)
     )
-    cuts = [slice(n * per_round, (n + 1) * per_round) for n in range(spec.rounds)]
     paired = [
         statistics.median(busy.seconds[cut]) / statistics.median(idle.seconds[cut])
         for cut in cuts
