@@ -237,37 +237,6 @@ def test_arena_allocation_gives_exact_runs_from_a_fragmented_free_list() -> None
         arena.close()
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
-    inside = False
-    with Path("/proc/self/smaps").open() as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
-    reason="this kernel has no transparent huge pages to ask for",
-)
-def test_the_arena_asks_for_transparent_huge_pages() -> None:
-    """The arena's mapping is marked for huge pages (``hg`` in its VmFlags): in the kernel's usual
-    ``madvise`` mode an unmarked one gets 4 KiB pages, and small blocks' copies pay a TLB miss a page."""
-    from ucm_server.store.arena import Arena
-
-    arena = Arena(16 << 20, 64 << 10)
-    try:
-        assert arena.huge_pages
-        assert "hg" in _vm_flags(arena.address)
-    finally:
-        arena.close()
-
-
 class _GateNextJob(Executor):
     """A real thread pool whose next job, once :meth:`arm`-ed, waits for the gate: a test stand-in
     that holds a batch's copy in flight while the test changes the Cache under it."""

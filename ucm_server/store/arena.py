@@ -31,7 +31,6 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 """``madvise`` through ctypes, which drops the GIL (``mmap.madvise`` holds it for the whole call)."""
-MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 PREFAULT_STEP = 64 << 20
 """Bytes faulted in per call, so closing the arena never waits long for the prefault thread."""
 
@@ -45,34 +44,12 @@ its copy; and a tuple of ints leaves the garbage collector's sight at its first 
 the index's long-lived entries are otherwise walked by every full one."""
 
 
-def ask_huge_pages(mapping: mmap.mmap) -> bool:
-    """Ask for transparent huge pages behind ``mapping`` (``MADV_HUGEPAGE``); whether the kernel took it.
-
-    Hosts ship THP in ``madvise`` mode, so an arena gets 4 KiB pages unless it asks. A 64 KiB block
-    then spans 16 pages, and a batch copied into scattered arena pages pays a TLB miss for each:
-    measured on 4,096 blocks of 64 KiB between a client's memory and the arena, the copy threads
-    spent 4.1 instead of 4.6 us of CPU a block with huge pages, and Dump took 0.66-0.74x of memcpy
-    instead of 0.57-0.64x (four alternating pairs). The arena is never given back page by page, so
-    2 MiB pages cost no memory it would not hold anyway. Best effort: a kernel without THP refuses,
-    and the arena keeps small pages."""
-    if MADV_HUGEPAGE is None:
-        return False
-    try:
-        mapping.madvise(MADV_HUGEPAGE)
-    except OSError as exc:
-        log.debug("transparent huge pages refused for the arena: %s", exc)
-        return False
-    return True
-
-
 class Arena:
     def __init__(self, capacity: int, page_size: int) -> None:
         self.page_size = page_size
         self.npages = capacity // page_size
         self.capacity = self.npages * page_size
         self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = ask_huge_pages(self._map)
-        """The kernel took the request to back the arena with transparent huge pages."""
         self.memory = memoryview(self._map)
         # The mapping's address, for device copies (the temporary ctypes view is released at once).
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
