@@ -23,7 +23,7 @@ setup(
     ext_modules=[
         Extension(
             "ucm_protocol._native",
-            [f"ucm_protocol/csrc/{name}.c" for name in ("module", "table", "ring", "blocks", "index")],
+            [f"ucm_protocol/csrc/{name}.c" for name in ("module", "table", "ring", "blocks", "index", "records")],
             depends=["ucm_protocol/csrc/native.h"],
             optional=True,
             define_macros=_xxhash_header(),

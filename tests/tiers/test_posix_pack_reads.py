@@ -1,17 +1,21 @@
 """Reading packed blocks: every shape of load the batched pack reader meets, checked byte for byte.
 
-The Posix tier reads a job of packed blocks pack by pack and checks all their headers at once
-(:class:`ucm_server.store.posix.packs.RecordReads`, :func:`ucm_server.store.format.check_headers`).
-In process, on real files: whole packs in and out of order, scattered subsets (runs with gaps,
-gaps too long to read across), a key asked for twice, destinations of several segments, and the
-failures beside good neighbours: a flipped payload byte, a header naming another block, a
-tombstone, a pack removed under the tier. Each failure is confined to its block, which is never
-served; the others load byte-exact.
+The Posix tier reads a job of packed blocks pack by pack with the compiled helper
+(:func:`ucm_server.store.posix.packs.read_records`), or where it cannot, in Python, checking all
+their headers at once (:class:`ucm_server.store.posix.packs.RecordReads`,
+:func:`ucm_server.store.format.check_headers`). The load tests run with each reader, and the two are
+compared on every kind of damage. In process, on real files: whole packs in and out of order,
+scattered subsets (runs with gaps, gaps too long to read across), a key asked for twice,
+destinations of several segments, and the failures beside good neighbours: a flipped payload byte,
+a header naming another block, a tombstone, a pack removed under the tier, a pack that ends early,
+a descriptor that cannot be read. Each failure is confined to its block (or its run, for the last
+two), which is never served; the others load byte-exact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
 import zlib
@@ -24,10 +28,23 @@ from support.blocks import NS
 from ucm_protocol.keys import BlockKey
 from ucm_server.store.base import MISSING, IoVec
 from ucm_server.store.format import HEADER_SIZE, check_headers, encode_header, fast_checksum
-from ucm_server.store.posix import PosixTier, packs
-from ucm_server.store.posix.packs import PackedStamp
+from ucm_server.store.posix import PosixTier, files, packs
+from ucm_server.store.posix.packs import Outcome, PackedStamp
 
 SIZE = 4096
+COMPILED_MISSING = (
+    "the compiled helper is not built, or was built without the xxHash header: no compiled reader"
+)
+
+
+@pytest.fixture(params=["compiled", "python"])
+def reader(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once with the compiled record reader and once with the Python one."""
+    if request.param == "compiled" and packs._READ_RECORDS is None:
+        pytest.skip(COMPILED_MISSING)
+    if request.param == "python":
+        monkeypatch.setattr(packs, "_READ_RECORDS", None)
+    return str(request.param)
 
 
 def _keys(n: int, tag: bytes = b"") -> list[BlockKey]:
@@ -72,6 +89,7 @@ def _pack_of(tier: PosixTier, key: BlockKey) -> Path:
     return stamp.pack.root.joinpath(*parts, name)
 
 
+@pytest.mark.usefixtures("reader")
 @pytest.mark.parametrize("segments", [1, 3])
 def test_loads_in_any_order_and_any_subset_are_byte_exact(tmp_path: Path, segments: int) -> None:
     keys, datas = _keys(512), _data(512)
@@ -98,6 +116,7 @@ def test_loads_in_any_order_and_any_subset_are_byte_exact(tmp_path: Path, segmen
     asyncio.run(main())
 
 
+@pytest.mark.usefixtures("reader")
 def test_records_too_far_apart_are_read_in_runs_of_their_own(tmp_path: Path) -> None:
     """Blocks of 200 KiB: two records of one pack with three between them are more than
     ``GAP_MAX`` apart, so the reader ends its run and starts another."""
@@ -122,6 +141,7 @@ def test_records_too_far_apart_are_read_in_runs_of_their_own(tmp_path: Path) -> 
     asyncio.run(main())
 
 
+@pytest.mark.usefixtures("reader")
 def test_a_bad_record_fails_alone_and_is_never_served(tmp_path: Path) -> None:
     """In one pack read side by side: block 3's payload flipped, block 5's header swapped for one
     naming block 6, block 7 tombstoned (deleted on disk, still in this index). Each fails (zeroed
@@ -157,6 +177,7 @@ def test_a_bad_record_fails_alone_and_is_never_served(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.usefixtures("reader")
 def test_a_checked_read_reports_a_payload_mismatch_for_a_second_read(tmp_path: Path) -> None:
     """Straight into client memory (``read_checked_many``): a payload that does not match is
     reported as None (the caller reads it again through daemon memory, which then fails it)."""
@@ -184,6 +205,7 @@ def test_a_checked_read_reports_a_payload_mismatch_for_a_second_read(tmp_path: P
     asyncio.run(main())
 
 
+@pytest.mark.usefixtures("reader")
 def test_a_pack_removed_under_the_tier_reads_as_missing_and_others_still_load(tmp_path: Path) -> None:
     keys, datas = _keys(256, b"gone"), _data(256)
 
@@ -228,3 +250,115 @@ def test_check_headers_agrees_with_the_one_header_check() -> None:
     assert check_headers(heads[:HEADER_SIZE], views[:1], bytes(keys[0]), [lengths[0]], lengths[0] - 1)[0] == [
         False
     ]
+
+
+def _describe(outcome: Outcome) -> object:
+    return outcome if isinstance(outcome, bool) else (type(outcome).__name__, str(outcome))
+
+
+def _read_job(tier: PosixTier, keys: list[BlockKey], checked: bool) -> tuple[list[object], list[bytes]]:
+    """One executor job of ``keys`` (their outcomes, in order, and what landed in each destination)
+    read straight through :func:`files.read_pack_job`, which changes nothing in the tier."""
+    outs, views = _dests(len(keys))
+    entries = [tier._index.get(k) for k in keys]
+    assert all(isinstance(e, PackedStamp) for e in entries)
+    job = packs.read_jobs(
+        [(k, v, e) for k, v, e in zip(keys, views, entries, strict=True) if isinstance(e, PackedStamp)],
+        1 << 20,
+    )
+    got = files.read_pack_job(tier.disk, job[0], checked)
+    assert len(job) == 1 and len(got) == len(job[0])
+    outcomes: list[object] = [None] * len(keys)
+    for (_, which, *_), read in zip(job[0], got, strict=True):
+        for n, outcome in zip(which, read, strict=True):
+            outcomes[n] = _describe(outcome)
+    return outcomes, [bytes(o) for o in outs]
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_the_compiled_and_the_python_reader_agree_on_every_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checked: bool
+) -> None:
+    """One pack of 64 records, damaged one field per record (payload, magic, version, header length,
+    key, payload length, checksum, CRC, padding, a tombstone, a header naming another block) and cut
+    short in its last record: both readers give each block the same outcome and destination bytes,
+    and the damaged ones fail as they must (never the stored bytes)."""
+    if packs._READ_RECORDS is None:
+        pytest.skip(COMPILED_MISSING)
+    keys, datas = _keys(64, b"diff"), _data(64)
+    tier = asyncio.run(_stored(tmp_path, keys, datas))
+    path = _pack_of(tier, keys[0])
+    stamp = tier._index.get(keys[0])
+    assert isinstance(stamp, PackedStamp) and {_pack_of(tier, k) for k in keys} == {path}
+    at = dict(zip(stamp.pack.keys, stamp.pack.offsets, strict=True))
+    raw = bytearray(path.read_bytes())
+
+    def flip(n: int, field: int, value: int = 1) -> None:
+        raw[at[keys[n]] + field] ^= value
+
+    flip(1, HEADER_SIZE + 5)  # the payload
+    flip(2, 0)  # magic
+    raw[at[keys[3]] + 4 : at[keys[3]] + 6] = (9).to_bytes(2, "little")  # a version not readable
+    flip(4, 8)  # header length
+    flip(5, 12)  # key
+    flip(6, 60)  # payload length
+    flip(7, 68)  # checksum field (the header's CRC then fails)
+    flip(8, 84)  # the CRC itself
+    flip(9, 100)  # padding
+    raw[at[keys[10]] : at[keys[10]] + HEADER_SIZE] = bytes(HEADER_SIZE)  # a tombstone
+    raw[at[keys[11]] : at[keys[11]] + HEADER_SIZE] = raw[at[keys[12]] : at[keys[12]] + HEADER_SIZE]
+    last = max(range(64), key=lambda n: at[keys[n]])
+    path.write_bytes(bytes(raw[: at[keys[last]] + HEADER_SIZE + SIZE // 2]))  # the last record cut short
+
+    compiled = _read_job(tier, keys, checked)
+    monkeypatch.setattr(packs, "_READ_RECORDS", None)
+    python = _read_job(tier, keys, checked)
+    assert compiled == python
+    outcomes, landed = compiled
+    bad_header = ("CorruptBlock", packs._BAD_HEADER)
+    assert outcomes[1] == (False if checked else ("CorruptBlock", "payload checksum mismatch"))
+    assert outcomes[2:10] == [bad_header] * 8 and outcomes[11] == bad_header
+    assert outcomes[10] == ("FileNotFoundError", "[Errno 2] deleted from its pack")
+    assert outcomes[last][0] == "CorruptBlock" and "outside" in str(outcomes[last][1])
+    damaged = {1, *range(2, 12), last}
+    assert all(outcomes[n] is True for n in range(64) if n not in damaged)
+    for n in range(64):
+        if n in damaged - ({1} if checked else set()):
+            assert landed[n] == bytes(SIZE), n  # zeroed: never the stored bytes
+        elif n not in damaged:
+            assert landed[n] == datas[n], n
+
+
+def test_the_compiled_reader_fails_a_whole_run_on_a_short_file_or_a_read_error(tmp_path: Path) -> None:
+    """A pack that ends before a record its size promised (it shrank after its size was taken) fails
+    every block of that run as corrupt; a descriptor that cannot be read fails them with its errno;
+    each destination is zeroed either way."""
+    if packs._READ_RECORDS is None:
+        pytest.skip(COMPILED_MISSING)
+    keys, datas = _keys(64, b"short"), _data(64)
+    tier = asyncio.run(_stored(tmp_path, keys, datas))
+    path = _pack_of(tier, keys[0])
+    size = path.stat().st_size
+    outs, views = _dests(64)
+    entries = [tier._index.get(k) for k in keys]
+    job = packs.read_jobs(
+        [(k, v, e) for k, v, e in zip(keys, views, entries, strict=True) if isinstance(e, PackedStamp)],
+        1 << 20,
+    )
+    (read,) = job[0]
+    os.truncate(path, size - SIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = packs.read_records(fd, size, read, 1 << 20, checked=False)
+    finally:
+        os.close(fd)
+    assert {_describe(o) for o in got} == {("CorruptBlock", "file ended before the payload did")}
+    assert all(bytes(o) == bytes(SIZE) for o in outs)
+    outs, views = _dests(64)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        got = packs.read_records(dir_fd, size, (read[0], read[1], read[2], read[3], views), 1 << 20, False)
+    finally:
+        os.close(dir_fd)
+    assert all(isinstance(o, OSError) and o.errno == errno.EISDIR for o in got)
+    assert all(bytes(o) == bytes(SIZE) for o in outs)

@@ -66,6 +66,7 @@ static PyMethodDef methods[] = {
 #ifdef UCM_HAVE_XXHASH
     {"xxh3_64", ucm_xxh3_64, METH_VARARGS, ucm_xxh3_64_doc},
     {"xxh3_64_many", ucm_xxh3_64_many, METH_VARARGS, ucm_xxh3_64_many_doc},
+    {"read_records", ucm_read_records, METH_VARARGS, ucm_read_records_doc},
 #endif
     {"index_keys", ucm_index_keys, METH_VARARGS, ucm_index_keys_doc},
     {"index_fill", ucm_index_fill, METH_VARARGS, ucm_index_fill_doc},

@@ -125,6 +125,7 @@ PyObject *ucm_copy_spans(PyObject *self, PyObject *args, PyObject *kwargs);
 #ifdef UCM_HAVE_XXHASH
 PyObject *ucm_xxh3_64(PyObject *self, PyObject *args);
 PyObject *ucm_xxh3_64_many(PyObject *self, PyObject *args);
+PyObject *ucm_read_records(PyObject *self, PyObject *args);
 #endif
 PyObject *ucm_index_keys(PyObject *self, PyObject *args);
 PyObject *ucm_index_fill(PyObject *self, PyObject *args);
@@ -132,7 +133,7 @@ PyObject *ucm_block_keys(PyObject *self, PyObject *args);
 
 extern const char ucm_table_read_slot_doc[], ucm_table_lookup_doc[], ucm_table_find_ns_doc[], ucm_table_set_doc[],
     ucm_table_apply_doc[], ucm_table_clear_bit_doc[], ucm_table_copy_doc[], ucm_encode_batch_doc[],
-    ucm_copy_pairs_doc[], ucm_copy_spans_doc[], ucm_xxh3_64_doc[], ucm_xxh3_64_many_doc[], ucm_index_keys_doc[], ucm_index_fill_doc[],
+    ucm_copy_pairs_doc[], ucm_copy_spans_doc[], ucm_xxh3_64_doc[], ucm_xxh3_64_many_doc[], ucm_read_records_doc[], ucm_index_keys_doc[], ucm_index_fill_doc[],
     ucm_block_keys_doc[];
 
 #endif

@@ -220,7 +220,7 @@ _HEADER_ROW = np.dtype(
 _MAGIC_WORD = int.from_bytes(MAGIC, "little")
 
 
-_WHOLE_HEADER_CRC = zlib.crc32(encode_header(BlockKey(Namespace(bytes(16)), Digest(bytes(32))), 0, 0, 0))
+WHOLE_HEADER_CRC = zlib.crc32(encode_header(BlockKey(Namespace(bytes(16)), Digest(bytes(32))), 0, 0, 0))
 """The CRC-32 of every whole, valid 128-byte header: its fields, their CRC and zero padding. A CRC
 over data followed by the data's own CRC leaves a constant, and so does the zero padding after it:
 one ``crc32`` call per header, on the view it was read into, checks its CRC."""
@@ -249,7 +249,7 @@ def check_headers(
         & (claimed == np.array(lengths, dtype=np.uint64))
         & (claimed <= max_payload)
         & (rows["key"] == np.frombuffer(keys, dtype=_HEADER_ROW["key"], count=count))
-        & (np.array(crcs, dtype=np.uint32) == _WHOLE_HEADER_CRC)
+        & (np.array(crcs, dtype=np.uint32) == WHOLE_HEADER_CRC)
         & ~raw[:, _FIELDS_AND_CRC.size :].any(axis=1)
     )
     return valid.tolist(), rows["checksum"].tolist()

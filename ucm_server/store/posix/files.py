@@ -65,7 +65,16 @@ from ucm_server.store.posix.confined import (
     parent_dir,
 )
 from ucm_server.store.posix.layout import QUARANTINE, TMP_MARK, Layout, block_name
-from ucm_server.store.posix.packs import Outcome, Pack, PackRead, RecordReads, Retire, tombstone
+from ucm_server.store.posix.packs import (
+    Outcome,
+    Pack,
+    PackRead,
+    RecordReads,
+    Retire,
+    natively_readable,
+    read_records,
+    tombstone,
+)
 from ucm_server.store.vector_io import IOV_MAX, preadv_all, pwritev_all
 
 log = logging.getLogger(__name__)
@@ -396,26 +405,33 @@ def block_file_header(
 
 
 def read_pack_job(disk: Disk, job: list[PackRead], checked: bool) -> list[list[Outcome]]:
-    """The records of each pack of ``job`` read and checked
+    """The records of each pack of ``job`` read and checked: by the compiled helper where it can
+    (:func:`~ucm_server.store.posix.packs.read_records`, pack by pack), else all at once
     (:class:`~ucm_server.store.posix.packs.RecordReads`); a pack that cannot be opened fails its blocks."""
-    reads = RecordReads(job)
+    reads = None if natively_readable(job) else RecordReads(job)
+    read: list[list[Outcome]] = []
     with DirCache() as dirs:
-        for n, (pack, _, _) in enumerate(job):
+        for n, pack_read in enumerate(job):
+            pack = pack_read[0]
             parts, name = pack.place
             try:
                 fd, size = open_in(dirs, pack.root, parts, name)
-            except NotRegularFile as exc:
-                skip(disk, pack.root.joinpath(*parts, name), exc.kind)
-                reads.fail(n, exc)
-                continue
             except OSError as exc:
-                reads.fail(n, exc)
+                if isinstance(exc, NotRegularFile):
+                    skip(disk, pack.root.joinpath(*parts, name), exc.kind)
+                if reads is None:
+                    read.append([exc] * len(pack_read[2]))
+                else:
+                    reads.fail(n, exc)
                 continue
             try:
-                reads.read(n, fd, size)
+                if reads is None:
+                    read.append(read_records(fd, size, pack_read, disk.max_block_bytes, checked))
+                else:
+                    reads.read(n, fd, size)
             finally:
                 os.close(fd)
-    return reads.outcomes(disk.max_block_bytes, checked)
+    return read if reads is None else reads.outcomes(disk.max_block_bytes, checked)
 
 
 def probe_files(disk: Disk, keys: list[BlockKey]) -> list[tuple[int, float] | None]:

@@ -50,9 +50,12 @@ from typing import cast
 import xxhash
 
 from ucm_protocol.keys import BlockKey
+from ucm_protocol.native import native
 from ucm_server.store.copying import IoVec, iov_len
 from ucm_server.store.format import (
     HEADER_SIZE,
+    READABLE_VERSIONS,
+    WHOLE_HEADER_CRC,
     CorruptBlock,
     check_headers,
     decode_header,
@@ -244,8 +247,9 @@ class PackTable:
         return found
 
 
-PackRead = tuple[Pack, list[int], list[tuple[int, bytes, IoVec]]]
-"""One pack's part of a load: the pack, the positions of its reads, and ``(offset, key, dest)`` each."""
+PackRead = tuple[Pack, list[int], list[int], list[bytes], list[IoVec]]
+"""One pack's part of a load: the pack, the positions of its reads, and their record offsets, keys
+and destinations (columns: the reader passes them on whole)."""
 
 
 def read_jobs(reads: Sequence[tuple[bytes, IoVec, PackedStamp]], most: int) -> list[list[PackRead]]:
@@ -262,20 +266,21 @@ def read_jobs(reads: Sequence[tuple[bytes, IoVec, PackedStamp]], most: int) -> l
     jobs: list[list[PackRead]] = [[]]
     count = 0
     for pack, asked in wanted.items():
-        found = pack.offsets_of([reads[n][0] for n in asked])
+        keys = [reads[n][0] for n in asked]
+        found = pack.offsets_of(keys)
         which = asked
         if None in found:
             which = [n for n, offset in zip(asked, found, strict=True) if offset is not None]
             if not which:
                 continue
+            keys = [reads[n][0] for n in which]
         offsets = cast(
             list[int], [offset for offset in found if offset is not None] if which is not asked else found
         )
-        members = [(offset, reads[n][0], reads[n][1]) for n, offset in zip(which, offsets, strict=True)]
         if count >= most:
             jobs.append([])
             count = 0
-        jobs[-1].append((pack, which, members))
+        jobs[-1].append((pack, which, offsets, keys, [reads[n][1] for n in which]))
         count += len(which)
     return [job for job in jobs if job]
 
@@ -326,19 +331,19 @@ class RecordReads:
         offsets: list[int] = []
         keys: list[bytes] = []
         dests: list[IoVec] = []
-        for _, _, given in job:
+        for _, _, at, given_keys, given_dests in job:
             start = len(offsets)
-            at = [offset for offset, _, _ in given]
-            order = sorted(range(len(given)), key=at.__getitem__)
-            members = given
-            if order == list(range(len(given))):
+            order = sorted(range(len(at)), key=at.__getitem__)
+            if order == list(range(len(at))):
                 self.orders.append(None)
+                offsets += at
+                keys += given_keys
+                dests += given_dests
             else:
                 self.orders.append(order)
-                members = [given[i] for i in order]
-            offsets += [offset for offset, _, _ in members]
-            keys += [key for _, key, _ in members]
-            dests += [dest for _, _, dest in members]
+                offsets += [at[i] for i in order]
+                keys += [given_keys[i] for i in order]
+                dests += [given_dests[i] for i in order]
             self.spans.append((start, len(offsets)))
         count = len(offsets)
         self.offsets, self.keys, self.dests = offsets, keys, dests
@@ -402,21 +407,77 @@ class RecordReads:
         dest = self.dests[n]
         if not valid:
             _zero(dest)
-            if (
-                self.head_views[n] == _ZERO_HEADER
-            ):  # a tombstone: deleted (a stale snapshot may still list it)
-                return FileNotFoundError(errno.ENOENT, "deleted from its pack")
-            return CorruptBlock(
-                "the block's header in its pack does not name it, its length, or fails its CRC"
-            )
+            if self.head_views[n] == _ZERO_HEADER:  # a tombstone: deleted (a stale snapshot may list it)
+                return _deleted()
+            return CorruptBlock(_BAD_HEADER)
         if matched or checked:
             return matched
         _zero(dest)
-        return CorruptBlock("payload checksum mismatch")
+        return CorruptBlock(_MISMATCH)
 
 
 _NBYTES = operator.attrgetter("nbytes")
 _XXH3 = xxhash.xxh3_64_intdigest
+_BAD_HEADER = "the block's header in its pack does not name it, its length, or fails its CRC"
+_MISMATCH = "payload checksum mismatch"
+
+
+def _deleted() -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, "deleted from its pack")
+
+
+def _outside(offset: int, length: int, size: int) -> str:
+    return f"record at {offset} of {length} bytes lies outside the {size}-byte pack"
+
+
+_READ_RECORDS = getattr(native, "read_records", None)
+"""The compiled reader (:func:`read_records`); None where the helper was built without the xxHash
+header, or not at all (then :class:`RecordReads` reads every job)."""
+_READABLE_MASK = sum(1 << version for version in READABLE_VERSIONS)
+
+
+def natively_readable(job: Sequence[PackRead]) -> bool:
+    """Whether :func:`read_records` can read ``job``: the helper has it, and every destination is one
+    segment (what a load into client or Cache memory gives; other shapes go through :class:`RecordReads`)."""
+    return _READ_RECORDS is not None and all(max(map(len, dests)) == 1 for *_, dests in job)
+
+
+def read_records(fd: int, size: int, read: PackRead, max_payload: int, checked: bool) -> list[Outcome]:
+    """One pack's records of ``read`` from its open file ``fd`` of ``size`` bytes, read and checked by
+    the compiled helper without the GIL (the same checks as :class:`RecordReads`, in the same order of
+    their outcomes). On two cores the Python per record of a small-block load (lists, CRC, checksum,
+    array checks) held the GIL for as long as the event loop needed it for the next chunk."""
+    assert _READ_RECORDS is not None
+    _, _, offsets, keys, dests = read
+    joined = b"".join(keys)
+    codes, error = _READ_RECORDS(
+        fd, size, head_len(1), offsets, joined, dests, max_payload, WHOLE_HEADER_CRC, _READABLE_MASK, GAP_MAX
+    )
+    if codes.count(0) == len(codes):  # the common case: each verified
+        return [True] * len(codes)
+    out: list[Outcome] = []
+    for n, code in enumerate(codes):
+        if code == _VERIFIED:
+            out.append(True)
+        elif code == _MISMATCHED:
+            if not checked:
+                _zero(dests[n])
+            out.append(CorruptBlock(_MISMATCH) if not checked else False)
+        elif code == _TOMBSTONE:
+            out.append(_deleted())
+        elif code == _OUTSIDE:
+            out.append(CorruptBlock(_outside(offsets[n], iov_len(dests[n]), size)))
+        elif code == _READ_ERROR:
+            out.append(OSError(error, os.strerror(error)))
+        elif code == _SHORT:
+            out.append(CorruptBlock("file ended before the payload did"))
+        else:
+            out.append(CorruptBlock(_BAD_HEADER))
+    return out
+
+
+_VERIFIED, _MISMATCHED, _BAD, _TOMBSTONE, _OUTSIDE, _READ_ERROR, _SHORT = range(7)
+"""The compiled reader's outcome bytes (``ucm_protocol/csrc/records.c``)."""
 
 
 def _read_runs(
@@ -467,9 +528,7 @@ def _read_runs(
     for n in range(count):
         offset = offsets[n]
         if offset < first or ends[n] > size:
-            failed[n] = CorruptBlock(
-                f"record at {offset} of {lengths[n]} bytes lies outside the {size}-byte pack"
-            )
+            failed[n] = CorruptBlock(_outside(offset, lengths[n], size))
             _zero(dests[n])
             continue
         if run and (offset < pos or offset - pos > GAP_MAX):

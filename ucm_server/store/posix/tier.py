@@ -303,7 +303,7 @@ class PosixTier(Tier):
         for (a, b), got in zip(groups, done, strict=False):
             outcomes.update(zip(singles[a:b], got, strict=True))
         for job, got in zip(pack_jobs, done[len(groups) :], strict=True):
-            for (_, which, _), read in zip(job, got, strict=True):
+            for (_, which, *_), read in zip(job, got, strict=True):
                 outcomes.update(zip([packed[n][0] for n in which], read, strict=True))
         if len(outcomes) < len(entries):  # packed blocks no longer in their packs (deleted meanwhile)
             for i in entries.keys() - outcomes.keys():
