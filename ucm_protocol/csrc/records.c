@@ -44,6 +44,10 @@
 #define OUT_SHORT 6
 #define OUT_PENDING 255
 
+/* A run of records side by side ends once it holds this many bytes, so each record is checked
+ * while its bytes are still in the CPU's caches rather than after a whole pack has been read. */
+#define RUN_BYTES (1u << 20)
+
 static uint32_t crc_table[256];
 
 static void crc_init(void) {
@@ -119,17 +123,23 @@ typedef struct {
     int error;
 } job_t;
 
-/* The records of one run (``members``, in file order) read by one preadv from ``at``; a failure
- * fails them all, their destinations zeroed. */
+static unsigned char check_record(const job_t *j, Py_ssize_t i);
+
+/* The records of one run (``members``, in file order) read by one preadv from ``at``, then each
+ * checked while its bytes are still in the CPU's caches; a failed read fails them all, their
+ * destinations zeroed. */
 static void flush_run(job_t *j, Py_ssize_t members, Py_ssize_t niov, uint64_t at) {
     if (members == 0) return;
     int r = preadv_full(j->fd, j->iov, niov, at);
-    if (r == 0) return;
     if (r > 0 && j->error == 0) j->error = r;
     for (Py_ssize_t m = 0; m < members; m++) {
         Py_ssize_t i = j->run[m];
-        j->codes[i] = r < 0 ? OUT_SHORT : OUT_READ_ERROR;
-        memset(j->dests[i].buf, 0, (size_t)j->dests[i].len);
+        if (r == 0) {
+            j->codes[i] = check_record(j, i);
+        } else {
+            j->codes[i] = r < 0 ? OUT_SHORT : OUT_READ_ERROR;
+            memset(j->dests[i].buf, 0, (size_t)j->dests[i].len);
+        }
     }
 }
 
@@ -165,7 +175,7 @@ static void run_job(job_t *j) {
             memset(j->dests[i].buf, 0, (size_t)len);
             continue;
         }
-        if (members && (offset < pos || offset - pos > j->gap_max)) {
+        if (members && (offset < pos || offset - pos > j->gap_max || pos - at >= RUN_BYTES)) {
             flush_run(j, members, niov, at);
             members = niov = 0;
         }
@@ -180,8 +190,6 @@ static void run_job(job_t *j) {
         pos = offset + REC_HEADER + len;
     }
     flush_run(j, members, niov, at);
-    for (Py_ssize_t i = 0; i < j->n; i++)
-        if (j->codes[i] == OUT_PENDING) j->codes[i] = check_record(j, i);
 }
 
 const char ucm_read_records_doc[] = (
