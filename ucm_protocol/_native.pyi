@@ -47,4 +47,16 @@ def copy_spans(
 ) -> int: ...
 def xxh3_64(data: ReadableBuffer | Sequence[ReadableBuffer]) -> int: ...
 def xxh3_64_many(blocks: Sequence[ReadableBuffer | Sequence[ReadableBuffer]]) -> list[int]: ...
+def read_records(
+    fd: int,
+    size: int,
+    first: int,
+    offsets: Sequence[int],
+    keys: ReadableBuffer,
+    dests: Sequence[WriteableBuffer | Sequence[WriteableBuffer]],
+    max_payload: int,
+    whole_crc: int,
+    readable: int,
+    gap_max: int,
+) -> tuple[bytes, int]: ...
 def block_keys(cls: type[_B], namespace: ReadableBuffer, packed: ReadableBuffer) -> list[_B]: ...
