@@ -21,9 +21,13 @@ def pwritev_all(fd: int, iov: IoVec, offset: int) -> None:
     vector_io(os.pwritev, fd, iov, offset, short="")
 
 
+SHORT_READ = "file ended before the payload did"
+"""What a read that reaches the end of its file first says (the compiled pack reader says it too)."""
+
+
 def preadv_all(fd: int, iov: IoVec, offset: int) -> None:
     """``preadv`` until every byte is read; a file that ends first is corrupt."""
-    vector_io(os.preadv, fd, iov, offset, short="file ended before the payload did")
+    vector_io(os.preadv, fd, iov, offset, short=SHORT_READ)
 
 
 def vector_io(call: Callable[..., int], fd: int, iov: IoVec, offset: int, *, short: str) -> None:

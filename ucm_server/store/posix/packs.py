@@ -63,7 +63,7 @@ from ucm_server.store.format import (
     payload_checksum,
 )
 from ucm_server.store.posix.block_index import Stamp
-from ucm_server.store.vector_io import preadv_all
+from ucm_server.store.vector_io import SHORT_READ, preadv_all
 
 PACK_SUFFIX = ".pack"
 PACK_DIR = "pack"
@@ -410,16 +410,23 @@ class RecordReads:
             if self.head_views[n] == _ZERO_HEADER:  # a tombstone: deleted (a stale snapshot may list it)
                 return _deleted()
             return CorruptBlock(_BAD_HEADER)
-        if matched or checked:
-            return matched
-        _zero(dest)
-        return CorruptBlock(_MISMATCH)
+        return True if matched else _mismatched(dest, checked)
 
 
 _NBYTES = operator.attrgetter("nbytes")
 _XXH3 = xxhash.xxh3_64_intdigest
 _BAD_HEADER = "the block's header in its pack does not name it, its length, or fails its CRC"
 _MISMATCH = "payload checksum mismatch"
+
+
+def _mismatched(dest: IoVec, checked: bool) -> Outcome:
+    """A payload that does not match its checksum: read straight into the caller's memory
+    (``checked``), False, for the caller to read it again through its own; else corrupt, its
+    destination zeroed (never served)."""
+    if checked:
+        return False
+    _zero(dest)
+    return CorruptBlock(_MISMATCH)
 
 
 def _deleted() -> FileNotFoundError:
@@ -460,9 +467,7 @@ def read_records(fd: int, size: int, read: PackRead, max_payload: int, checked: 
         if code == _VERIFIED:
             out.append(True)
         elif code == _MISMATCHED:
-            if not checked:
-                _zero(dests[n])
-            out.append(CorruptBlock(_MISMATCH) if not checked else False)
+            out.append(_mismatched(dests[n], checked))
         elif code == _TOMBSTONE:
             out.append(_deleted())
         elif code == _OUTSIDE:
@@ -470,7 +475,7 @@ def read_records(fd: int, size: int, read: PackRead, max_payload: int, checked: 
         elif code == _READ_ERROR:
             out.append(OSError(error, os.strerror(error)))
         elif code == _SHORT:
-            out.append(CorruptBlock("file ended before the payload did"))
+            out.append(CorruptBlock(SHORT_READ))
         else:
             out.append(CorruptBlock(_BAD_HEADER))
     return out
