@@ -32,7 +32,7 @@ def _minflt(pid: int) -> int:
 
 
 def _wait_for_cache_prefault(c: UcmClient) -> None:
-    """The Cache arena's own background prefault (nice 19) faults the daemon in too: on a busy host
+    """The Cache arena's own background prefault faults the daemon in too: on a busy host
     (a vLLM test beside this one) it ran into the window measured below, 32,789 faults with region
     prefault off. Wait until the daemon reports it done."""
     deadline = time.monotonic() + 120

@@ -9,31 +9,26 @@ The client has allocated every page already (the daemon registers nothing else, 
 allocates nothing: it only maps pages that exist. Each step is taken under the memory's lock, with
 the memory checked before and after: memory found with holes (punched since registration, which
 the step would have allocated on the daemon's account) stops the work and is reported, and the
-table then drops and releases it. One thread at the lowest CPU priority works through regions in
-steps and stops on a region that was unregistered meanwhile; a kernel without
+table then drops and releases it. One thread works through regions in steps, at the daemon's own
+priority (:mod:`ucm_server.page_populate` says why), and stops on a region that was unregistered
+meanwhile; a kernel without
 ``MADV_POPULATE_WRITE`` (< 5.14) turns it off with one log line.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import errno
 import logging
-import mmap
 import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from ucm_server.page_populate import POPULATE_STEP, populate_write
+
 log = logging.getLogger(__name__)
-
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-STEP = 16 << 20
-"""Bytes populated per ``madvise`` call: a region going away is noticed between steps."""
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class Memory(Protocol):
@@ -80,8 +75,6 @@ class RegionPrefaulter:
             self._thread = None
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError):  # Linux: a thread id names one thread; lowest priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (item := self._queue.get()) is not None:
             view, memory, closing, holes = item
             try:
@@ -93,17 +86,16 @@ class RegionPrefaulter:
         self, view: memoryview, memory: Memory, closing: Callable[[], bool], holes: Callable[[str], None]
     ) -> None:
         address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        for start in range(0, view.nbytes, STEP):
-            length = min(STEP, view.nbytes - start)
+        for start in range(0, view.nbytes, POPULATE_STEP):
+            length = min(POPULATE_STEP, view.nbytes - start)
             with memory.lock:  # never while the memory is released (punched and closed)
                 if closing() or not self.enabled or memory.closed or memory.tampered:
                     return
                 if (why := memory.holes()) is not None:
                     holes(why)
                     return
-                if _libc.madvise(address + start, length, MADV_POPULATE_WRITE) != 0:
-                    err = ctypes.get_errno()
-                    if err == 22:  # EINVAL: a kernel before 5.14 has no MADV_POPULATE_WRITE
+                if err := populate_write(address + start, length):
+                    if err == errno.EINVAL:  # a kernel before 5.14 has no MADV_POPULATE_WRITE
                         log.info(
                             "client regions: not prefaulted (%s); pages fault in on first use",
                             os.strerror(err),

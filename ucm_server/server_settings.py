@@ -117,9 +117,10 @@ class ServerSettings:
     cache_prefault: bool = field(
         default=True,
         metadata=_help(
-            "Fault the Cache arena's memory in after start-up, in a background thread at the lowest CPU "
-            "priority, so storing a block never pays first-touch page faults (~8x a memcpy). The "
-            "daemon's memory use reaches cache_capacity shortly after start."
+            "Fault the Cache arena's memory in after start-up, in a background thread (in small steps, "
+            "so the daemon's own memory mappings never wait long for it), so storing a block never pays "
+            "first-touch page faults (~8x a memcpy). The daemon's memory use reaches cache_capacity "
+            "shortly after start."
         ),
     )
     cache_eviction: Literal["lru", "arc"] = field(
@@ -174,7 +175,7 @@ class ServerSettings:
         default=True,
         metadata=_help(
             "Populate the daemon's page tables for client memory right after it is registered, in a "
-            "background thread at the lowest CPU priority, so the first Load into a fresh vLLM "
+            "background thread (in small steps), so the first Load into a fresh vLLM "
             "process's KV cache runs at memcpy speed instead of paying a page fault per 4 KiB. Allocates "
             "nothing: memory with holes is left alone."
         ),

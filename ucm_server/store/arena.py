@@ -8,8 +8,8 @@ with ``cudaHostRegister``. A block's pages need not be contiguous; copies go run
 First touch of a fresh page costs a page fault and zeroing: a copy into untouched arena memory ran
 at ~1/8 of memcpy speed here (14 ms vs 1.7 ms per 32 MiB), and until the arena fills every stored
 block pays that. :meth:`Arena.prefault` moves the cost out of the store path: a background thread
-at the lowest CPU priority faults the arena in (``MADV_POPULATE_WRITE``), lowest pages first, the
-order allocation hands them out.
+faults the arena in (:mod:`ucm_server.page_populate` says why at the daemon's own priority and in
+small steps), lowest pages first, the order allocation hands them out.
 
 Not thread-safe: allocation happens on the event loop; only the byte copies run in threads.
 """
@@ -24,15 +24,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-log = logging.getLogger(__name__)
+from ucm_server.page_populate import POPULATE_STEP, populate_write
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-"""Linux 5.14+: fault pages in writable without touching their contents (Python 3.11 lacks the name)."""
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-"""``madvise`` through ctypes, which drops the GIL (``mmap.madvise`` holds it for the whole call)."""
-PREFAULT_STEP = 64 << 20
-"""Bytes faulted in per call, so closing the arena never waits long for the prefault thread."""
+log = logging.getLogger(__name__)
 
 
 Extent = tuple[int, int]
@@ -142,19 +136,17 @@ class Arena:
     def prefault_pending(self) -> int:
         """Bytes the background prefault has still to fault in: 0 once it is done, gave up (a
         kernel without ``MADV_POPULATE_WRITE``) or was never started. Its page faults are the
-        daemon's own work, at the lowest CPU priority, so on a busy host it can run for a while."""
+        daemon's own work, so on a busy host it can run for a while."""
         running = self._prefaulter is not None and self._prefaulter.is_alive()
         return self.capacity - self.prefaulted if running else 0
 
     def _fault_in(self) -> None:
-        with contextlib.suppress(OSError):  # Linux: a thread id names one thread; lowest priority
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for start in range(0, self.capacity, PREFAULT_STEP):
+        for start in range(0, self.capacity, POPULATE_STEP):
             if self._closing.is_set():
                 return
-            length = min(PREFAULT_STEP, self.capacity - start)
-            if _libc.madvise(self.address + start, length, MADV_POPULATE_WRITE) != 0:
-                reason = os.strerror(ctypes.get_errno())  # EINVAL: a kernel before 5.14
+            length = min(POPULATE_STEP, self.capacity - start)
+            if err := populate_write(self.address + start, length):
+                reason = os.strerror(err)  # EINVAL: a kernel before 5.14
                 log.info("cache arena: not prefaulted (%s); pages fault in on first use", reason)
                 return
             self.prefaulted = start + length
