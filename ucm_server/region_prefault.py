@@ -11,8 +11,7 @@ the memory checked before and after: memory found with holes (punched since regi
 the step would have allocated on the daemon's account) stops the work and is reported, and the
 table then drops and releases it. One thread works through regions in steps, at the daemon's own
 priority (:mod:`ucm_server.page_populate` says why), and stops on a region that was unregistered
-meanwhile; a kernel without
-``MADV_POPULATE_WRITE`` (< 5.14) turns it off with one log line.
+meanwhile; a kernel without ``MADV_POPULATE_WRITE`` (< 5.14) turns it off with one log line.
 """
 
 from __future__ import annotations
