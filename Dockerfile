@@ -47,15 +47,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_CONSTRAINT=/src/constraints.txt
 # The compiled helper (ucm_protocol._native: the local data plane, per-block loops without the GIL)
-# needs a C compiler and Python's headers, from Debian's own packages (libxxhash-dev: XXH3 without
-# the GIL, header only, nothing at run time). This stage only: the runtime image has no compiler.
+# needs a C compiler and Python's headers, from Debian's own packages (xxHash's header is vendored).
+# This stage only: the runtime image has no compiler.
 # Where no mirror answers (an air-gapped base without them), the package installs without the helper,
 # as on any machine without a compiler: clients then use gRPC for every call, as they always could.
 RUN if ! command -v gcc >/dev/null; then \
         headers=python3-dev; python3 -c 'import os, sysconfig; \
 assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' 2>/dev/null && headers=; \
         { apt-get -o Acquire::Retries=0 -o Acquire::http::Timeout=20 update \
-          && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev $headers; } \
+          && apt-get install -y --no-install-recommends gcc libc6-dev $headers; } \
         || echo "ucm: no C compiler from apt; the compiled helper is not built, the data plane stays off"; \
         rm -rf /var/lib/apt/lists/*; \
     fi

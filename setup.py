@@ -6,17 +6,13 @@ Debian/Ubuntu: ``apt-get install gcc python3-dev`` gives it. ``make run`` and th
 build it; ``python -c "import ucm_protocol._native"`` tells whether it is there.
 """
 
-import sysconfig
-from pathlib import Path
-
 from setuptools import Extension, setup
 
-
-def _xxhash_header() -> list[tuple[str, str | None]]:
-    """XXH3 without the GIL where the xxHash header is there (Debian: libxxhash-dev; header-only use,
-    nothing to link and nothing needed at run time); without it the helper has no ``xxh3_64``."""
-    dirs = [sysconfig.get_config_var("INCLUDEDIR") or "/usr/include", "/usr/include", "/usr/local/include"]
-    return [("UCM_HAVE_XXHASH", "1")] if any((Path(d) / "xxhash.h").is_file() for d in dirs) else []
+XXHASH = [("UCM_HAVE_XXHASH", "1")]
+"""XXH3 without the GIL: xxHash's header is vendored (``ucm_protocol/csrc/vendor``, 0.8.4, the version
+the ``xxhash`` package bundles; header-only, nothing to link), so the helper checksums blocks and
+reads the Posix tier's packed records on every machine that builds it, not only where a system
+package happened to put ``xxhash.h``. Leave it out and the helper builds without ``xxh3_64``."""
 
 
 setup(
@@ -24,9 +20,9 @@ setup(
         Extension(
             "ucm_protocol._native",
             [f"ucm_protocol/csrc/{name}.c" for name in ("module", "table", "ring", "blocks", "index", "records")],
-            depends=["ucm_protocol/csrc/native.h"],
+            depends=["ucm_protocol/csrc/native.h", "ucm_protocol/csrc/vendor/xxhash.h"],
             optional=True,
-            define_macros=_xxhash_header(),
+            define_macros=XXHASH,
             extra_compile_args=["-O2", "-std=gnu11", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
             extra_link_args=["-pthread"],  # copy_pairs splits a large batch over two threads
         )

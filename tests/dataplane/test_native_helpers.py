@@ -21,7 +21,7 @@ from ucm_protocol.native import native
 pytestmark = needs_native
 needs_xxh3 = pytest.mark.skipif(
     native is None or not hasattr(native, "xxh3_64"),
-    reason="the helper was built without the xxHash header (Debian: libxxhash-dev)",
+    reason="the helper was built without XXH3 (setup.py without UCM_HAVE_XXHASH)",
 )
 
 

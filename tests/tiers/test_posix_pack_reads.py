@@ -32,9 +32,7 @@ from ucm_server.store.posix import PosixTier, files, packs
 from ucm_server.store.posix.packs import Outcome, PackedStamp
 
 SIZE = 4096
-COMPILED_MISSING = (
-    "the compiled helper is not built, or was built without the xxHash header: no compiled reader"
-)
+COMPILED_MISSING = "the compiled helper is not built, or was built without XXH3: no compiled reader"
 
 
 @pytest.fixture(params=["compiled", "python"])

@@ -368,7 +368,7 @@ done:
 
 #ifdef UCM_HAVE_XXHASH
 #define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "vendor/xxhash.h" /* xxHash 0.8.4, BSD 2-Clause: vendor/LICENSE-xxhash */
 
 const char ucm_xxh3_64_doc[] = (
 "xxh3_64(data) -> int\n\n"

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <sys/uio.h>
 #define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "vendor/xxhash.h" /* xxHash 0.8.4, BSD 2-Clause: vendor/LICENSE-xxhash */
 
 /* A record's header: mirrors ucm_server/store/format.py (_FIELDS, _FIELDS_AND_CRC); a test
  * compares the outcomes with the Python checks on every kind of damage. */
