@@ -25,6 +25,14 @@ needs_xxh3 = pytest.mark.skipif(
 )
 
 
+def test_a_built_helper_has_xxh3_and_the_record_reader() -> None:
+    """xxHash's header ships with UCM, so wherever the helper builds it checksums and reads packed
+    records without the GIL; it used to depend on a system package, and a machine without one ran the
+    Python reader with no sign but skipped tests."""
+    assert native is not None
+    assert hasattr(native, "xxh3_64") and hasattr(native, "read_records")
+
+
 def _split(view: memoryview, cuts: list[int]) -> list[memoryview]:
     edges = [0, *cuts, len(view)]
     return [view[a:b] for a, b in itertools.pairwise(edges)]
