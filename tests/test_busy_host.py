@@ -35,11 +35,11 @@ def busy_cpu() -> Iterator[None]:
     """One CPU made busy by spinning processes, with this test's process bound to it while the fixture
     lasts, so the daemon it starts inherits the binding: the daemon meets a saturated CPU, and tests
     running beside this one keep the other CPUs."""
-    cpu = max(os.sched_getaffinity(0))
     everywhere = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS)]
+    hogs: list[subprocess.Popen[bytes]] = []
     try:
+        os.sched_setaffinity(0, {max(everywhere)})
+        hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(HOGS))
         time.sleep(0.5)  # every hog spinning before the daemon starts
         yield
     finally:
